@@ -1,0 +1,47 @@
+"""Backends: where KV objects live. ``open_backend(url)`` picks one by URL scheme.
+
+- ``memory://?capacity=4GiB``: in-process (:mod:`kvflow.backends.memory`);
+- ``local:///dev/shm/kvflow``: shared memory for every process on the host (:mod:`kvflow.backends.local`);
+- ``mooncake://127.0.0.1:50051``: a Mooncake Store cluster (:mod:`kvflow.backends.mooncake`).
+
+Backends other than memory load lazily, so ``import kvflow`` needs none of their packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from urllib.parse import urlsplit
+
+from kvflow.backends.base import Backend, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.errors import ConfigError
+
+__all__ = [
+    "Backend",
+    "BackendStats",
+    "GetStatus",
+    "ObjectRef",
+    "PutStatus",
+    "open_backend",
+    "SCHEMES",
+]
+
+SCHEMES: dict[str, str] = {
+    "memory": "kvflow.backends.memory:MemoryBackend",
+    "local": "kvflow.backends.local:LocalBackend",
+    "mooncake": "kvflow.backends.mooncake:MooncakeBackend",
+}
+
+
+def open_backend(url: str) -> Backend:
+    """Create the backend a URL names. Raises ConfigError for an unknown scheme or bad parameter."""
+    scheme = urlsplit(url).scheme
+    target = SCHEMES.get(scheme)
+    if target is None:
+        raise ConfigError(
+            f"unknown backend URL {url!r}; use one of: "
+            + ", ".join(f"{name}://..." for name in SCHEMES)
+        )
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    backend: Backend = cls.from_url(url)
+    return backend

@@ -1,0 +1,138 @@
+"""The backend protocol: batched, async moves of whole objects described by region lists.
+
+A backend stores objects under string keys. An object is the concatenation of a list of memory
+regions ``(address, nbytes)``: the pool hands the backend the addresses of the engine's KV memory and
+the backend copies straight from (put) or into (get) them. Every batched call returns one result per
+key, in input order. A miss is a result, not an exception.
+
+Backends are used from one event loop (the pool's). They may run blocking calls that release the GIL
+off the loop with ``anyio.to_thread.run_sync`` and a bounded ``CapacityLimiter``; no other threads.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+__all__ = [
+    "Backend",
+    "BackendStats",
+    "GetStatus",
+    "ObjectRef",
+    "PutStatus",
+]
+
+
+class PutStatus(enum.Enum):
+    """What happened to one object of a put batch."""
+
+    STORED = "stored"
+    PRESENT = "present"  # the key already held an object; nothing was written
+    NO_SPACE = "no_space"  # the backend is full; nothing was written
+    FAILED = "failed"  # an error; nothing readable was written
+
+
+class GetStatus(enum.Enum):
+    """What happened to one object of a get batch."""
+
+    HIT = "hit"  # every region was filled with the object's bytes
+    MISS = "miss"  # no such key; the regions were not touched
+    FAILED = "failed"  # an error; the regions may hold partial data and must not be used
+
+
+def _sizes_nonnegative(_: object, __: attrs.Attribute[Sequence[int]], sizes: Sequence[int]) -> None:
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"region sizes must be >= 0, got {list(sizes)}")
+
+
+@attrs.frozen(slots=True)
+class ObjectRef:
+    """One object: a key and the memory regions whose concatenation is its value.
+
+    ``addrs[i]`` and ``sizes[i]`` describe region ``i``. The memory belongs to the caller and must
+    stay valid until the backend call that received this reference returns.
+    """
+
+    key: str
+    addrs: Sequence[int]
+    sizes: Sequence[int] = attrs.field(validator=_sizes_nonnegative)
+    nbytes: int
+
+    @classmethod
+    def of(cls, key: str, addrs: Sequence[int], sizes: Sequence[int]) -> ObjectRef:
+        if len(addrs) != len(sizes):
+            raise ValueError(f"{len(addrs)} addresses but {len(sizes)} sizes for key {key!r}")
+        return cls(key, addrs, sizes, sum(sizes))
+
+
+@attrs.define
+class BackendStats:
+    """Counters a backend keeps; read them from the pool's loop."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    present: int = 0
+    no_space: int = 0
+    put_failures: int = 0
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+    get_failures: int = 0
+    evictions: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+    def count_puts(self, objects: Sequence[ObjectRef], results: Sequence[PutStatus]) -> None:
+        for obj, status in zip(objects, results):
+            if status is PutStatus.STORED:
+                self.puts += 1
+                self.put_bytes += obj.nbytes
+            elif status is PutStatus.PRESENT:
+                self.present += 1
+            elif status is PutStatus.NO_SPACE:
+                self.no_space += 1
+            else:
+                self.put_failures += 1
+
+    def count_gets(self, objects: Sequence[ObjectRef], results: Sequence[GetStatus]) -> None:
+        for obj, status in zip(objects, results):
+            if status is GetStatus.HIT:
+                self.hits += 1
+                self.hit_bytes += obj.nbytes
+            elif status is GetStatus.MISS:
+                self.misses += 1
+            else:
+                self.get_failures += 1
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the pool needs from a store. Call every method from the pool's event loop.
+
+    ``put`` never overwrites: a key that exists is reported ``PRESENT``. ``get`` never returns a torn
+    or partial object as a ``HIT``. ``exists`` raises :class:`kvflow.errors.BackendError` (usually
+    :class:`~kvflow.errors.BackendUnavailableError`) when it cannot answer; ``put`` and ``get``
+    report per-key ``FAILED`` results instead of raising for failures of the store itself.
+    """
+
+    @property
+    def max_batch(self) -> int:
+        """Largest number of objects the pool should pass in one call."""
+        ...
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]: ...
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]: ...
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        """Announce engine memory that later puts and gets will use (zero-copy registration)."""
+        ...
+
+    def stats(self) -> BackendStats: ...
+
+    async def aclose(self) -> None: ...

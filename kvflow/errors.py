@@ -1,0 +1,57 @@
+"""One exception hierarchy for kvflow.
+
+Every error says what happened and what the caller can do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailableError",
+    "ConfigError",
+    "KVFlowError",
+    "LayoutError",
+    "MissingDependencyError",
+    "PoolClosedError",
+    "RequestError",
+]
+
+
+class KVFlowError(Exception):
+    """Base class of every error kvflow raises on purpose."""
+
+
+class ConfigError(KVFlowError, ValueError):
+    """A configuration value is invalid (a URL, a size, a rank)."""
+
+
+class LayoutError(KVFlowError, ValueError):
+    """Registered KV caches have a shape, dtype or stride kvflow cannot describe."""
+
+
+class RequestError(KVFlowError, ValueError):
+    """A store, retrieve or lookup request is malformed (block ids, hashes, tokens)."""
+
+
+class PoolClosedError(KVFlowError, RuntimeError):
+    """The pool or runtime was closed; create a new one."""
+
+
+class BackendError(KVFlowError, RuntimeError):
+    """A backend failed in a way that is a programming or set-up error, not a per-key result."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend cannot be reached (a server is down); operations report failures meanwhile."""
+
+
+class MissingDependencyError(KVFlowError, ImportError):
+    """An optional package is not installed."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs the {package!r} package, which is not installed. "
+            f"Install it with: pip install 'kvflow[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra

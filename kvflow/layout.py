@@ -1,0 +1,245 @@
+"""Planes, regions and the layout fingerprint of registered KV caches.
+
+An engine registers one entry per layer: a tensor or a tuple of tensors. kvflow derives, from shapes
+and strides, each layer's *planes* (K and V, a fused [K|V] block, MLA nope and rope): views whose
+first dimension indexes blocks and whose per-block slice is one dense span of memory. Block ``b`` of
+a plane is then the region ``(base + b * block_stride, block_nbytes)``. A block of the whole cache is
+the list of its regions over every layer and plane, in registration order.
+
+Supported (``N`` blocks, ``B`` tokens per block, ``H`` KV heads, ``D`` head size):
+
+=============  ============================================  ==========================
+kind           per layer                                     planes
+=============  ============================================  ==========================
+vllm_cpu       one tensor ``[N, H, B, 2*D]``                 the whole block
+flash_attn     one tensor ``[2, N, B, H, D]``                K, V
+flashinfer     one tensor ``[N, 2, B, H, D]``                the whole block
+kv_tuple       tuple ``(k, v)``, each ``[N, B, H, D]``       K, V
+mla            one tensor ``[N, B, D]``                      the latent block
+mla_tuple      tuple ``(nope, rope)``, ``[N, B, (1,) D_x]``  nope, rope
+=============  ============================================  ==========================
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+import attrs
+import torch
+
+from kvflow.errors import LayoutError, RequestError
+
+__all__ = ["KVLayout", "LayerLayout", "LayoutKind", "Plane", "KVCacheEntry"]
+
+KVCacheEntry = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+SUPPORTED = (
+    "vllm_cpu [num_blocks, H, block_size, 2*D]; flash_attn [2, num_blocks, block_size, H, D]; "
+    "flashinfer [num_blocks, 2, block_size, H, D]; kv_tuple (k, v) each [num_blocks, block_size, H, D]; "
+    "mla [num_blocks, block_size, D]; mla_tuple (nope, rope) each [num_blocks, block_size, (1,) D_x]"
+)
+
+
+class LayoutKind(enum.Enum):
+    VLLM_CPU = "vllm_cpu"
+    FLASH_ATTN = "flash_attn"
+    FLASHINFER = "flashinfer"
+    KV_TUPLE = "kv_tuple"
+    MLA = "mla"
+    MLA_TUPLE = "mla_tuple"
+
+
+@attrs.frozen
+class Plane:
+    """One block-indexed memory plane of a layer."""
+
+    base: int
+    block_stride: int
+    block_nbytes: int
+    order: str  # the per-block dimension order in memory, part of the fingerprint
+
+
+@attrs.frozen
+class LayerLayout:
+    name: str
+    planes: tuple[Plane, ...]
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(p.block_nbytes for p in self.planes)
+
+
+def _dense_order(plane: torch.Tensor, name: str) -> str:
+    """Check that each block slice of ``plane`` (dims 1..) is one dense span; return its dim order."""
+    dims = [(plane.stride(d), plane.size(d), d) for d in range(1, plane.dim()) if plane.size(d) > 1]
+    expected = 1
+    for stride, size, _ in sorted(dims):
+        if stride != expected:
+            raise LayoutError(
+                f"layer {name!r}: a block of shape {tuple(plane.shape[1:])} with strides "
+                f"{tuple(plane.stride()[1:])} is not one dense span of memory; make the KV cache "
+                "contiguous within a block"
+            )
+        expected *= size
+    return "".join(str(d) for _, _, d in sorted(dims, reverse=True))
+
+
+def _plane(view: torch.Tensor, name: str) -> Plane:
+    itemsize = view.element_size()
+    order = _dense_order(view, name)
+    block_nbytes = view[0].numel() * itemsize
+    stride = view.stride(0) * itemsize
+    if view.size(0) > 1 and stride < block_nbytes:
+        raise LayoutError(f"layer {name!r}: blocks overlap (block stride {stride} < {block_nbytes} B)")
+    return Plane(view.data_ptr(), stride, block_nbytes, order)
+
+
+def _describe(entry: KVCacheEntry) -> str:
+    if isinstance(entry, torch.Tensor):
+        return f"tensor{list(entry.shape)}"
+    return "(" + ", ".join(f"tensor{list(t.shape)}" for t in entry) + ")"
+
+
+def _classify(name: str, entry: KVCacheEntry) -> tuple[LayoutKind, list[torch.Tensor], int]:
+    """The layout kind, the plane views and the block size of one registered layer."""
+    if isinstance(entry, torch.Tensor):
+        shape = tuple(entry.shape)
+        if entry.dim() == 4:
+            return LayoutKind.VLLM_CPU, [entry], shape[2]
+        if entry.dim() == 5 and shape[0] == 2 and shape[1] != 2:
+            return LayoutKind.FLASH_ATTN, [entry[0], entry[1]], shape[2]
+        if entry.dim() == 5 and shape[1] == 2 and shape[0] != 2:
+            return LayoutKind.FLASHINFER, [entry], shape[2]
+        if entry.dim() == 3:
+            return LayoutKind.MLA, [entry], shape[1]
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+        first, second = entry
+        if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+            a, b = tuple(first.shape), tuple(second.shape)
+            if first.dim() == 4 and a == b and first.dtype == second.dtype:
+                return LayoutKind.KV_TUPLE, [first, second], a[1]
+            if (
+                first.dim() == second.dim()
+                and first.dim() in (3, 4)
+                and a[:-1] == b[:-1]
+                and a[-1] != b[-1]
+                and (first.dim() == 3 or a[2] == 1)
+            ):
+                return LayoutKind.MLA_TUPLE, [first, second], a[1]
+    raise LayoutError(f"layer {name!r}: unsupported KV cache {_describe(entry)}; supported: {SUPPORTED}")
+
+
+@attrs.frozen(eq=False)
+class KVLayout:
+    """Where every block of every layer lives. Built once with :meth:`from_kv_caches`.
+
+    Keeps a reference to the registered tensors so that the addresses stay valid while it lives.
+    """
+
+    kind: LayoutKind
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype
+    device: torch.device
+    layers: tuple[LayerLayout, ...]
+    tensors: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    _bases: list[int] = attrs.field(repr=False)
+    _strides: list[int] = attrs.field(repr=False)
+    _sizes: list[int] = attrs.field(repr=False)
+
+    @classmethod
+    def from_kv_caches(
+        cls, kv_caches: Mapping[str, KVCacheEntry], block_size: int | None = None
+    ) -> KVLayout:
+        """Describe registered KV caches: ``{layer name: tensor or tuple of tensors}``, in layer order.
+
+        ``block_size`` (tokens per block), when given, is checked against the shapes.
+        """
+        if not kv_caches:
+            raise LayoutError("no KV caches given; register at least one layer")
+        kinds: set[LayoutKind] = set()
+        layers: list[LayerLayout] = []
+        tensors: list[torch.Tensor] = []
+        sizes: set[int] = set()
+        num_blocks: set[int] = set()
+        dtypes: set[torch.dtype] = set()
+        devices: set[torch.device] = set()
+        for name, entry in kv_caches.items():
+            kind, views, layer_block_size = _classify(name, entry)
+            kinds.add(kind)
+            sizes.add(layer_block_size)
+            for view in views:
+                num_blocks.add(view.size(0))
+                dtypes.add(view.dtype)
+                devices.add(view.device)
+            tensors.extend([entry] if isinstance(entry, torch.Tensor) else entry)
+            layers.append(LayerLayout(name, tuple(_plane(v, name) for v in views)))
+        for what, values in (("layout kinds", kinds), ("block sizes", sizes),
+                             ("block counts", num_blocks), ("dtypes", dtypes), ("devices", devices)):
+            if len(values) != 1:
+                raise LayoutError(f"every layer must share one layout; got {what} {sorted(map(str, values))}")
+        (size,) = sizes
+        if block_size is not None and block_size != size:
+            raise LayoutError(f"block_size={block_size} given, but the KV cache shapes say {size}")
+        planes = [p for layer in layers for p in layer.planes]
+        return cls(
+            kind=kinds.pop(),
+            block_size=size,
+            num_blocks=num_blocks.pop(),
+            dtype=dtypes.pop(),
+            device=devices.pop(),
+            layers=tuple(layers),
+            tensors=tuple(tensors),
+            bases=[p.base for p in planes],
+            strides=[p.block_stride for p in planes],
+            sizes=[p.block_nbytes for p in planes],
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over every layer and plane."""
+        return sum(self._sizes)
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """The region sizes of one block over every layer (shared by every block: do not mutate)."""
+        return self._sizes
+
+    @property
+    def fingerprint(self) -> str:
+        """Short text that differs whenever two caches' blocks are not interchangeable bytes."""
+        text = "|".join(
+            [self.kind.value, str(self.dtype), str(self.block_size), str(self.num_layers)]
+            + [f"{p.block_nbytes}:{p.order}" for layer in self.layers for p in layer.planes]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def block_addrs(self, block_id: int) -> list[int]:
+        """The region addresses of block ``block_id`` over every layer (sizes: :attr:`block_sizes`)."""
+        return [base + block_id * stride for base, stride in zip(self._bases, self._strides)]
+
+    def layer_regions(self, block_id: int, layer: int) -> tuple[list[int], list[int]]:
+        """The region addresses and sizes of block ``block_id`` in layer ``layer`` only."""
+        planes = self.layers[layer].planes
+        return [p.base + block_id * p.block_stride for p in planes], [p.block_nbytes for p in planes]
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """Each registered tensor's ``(address, nbytes)`` span, for zero-copy registration."""
+        spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.tensors}
+        return sorted(spans)
+
+    def check_block_ids(self, block_ids: Sequence[int]) -> None:
+        """Raise RequestError unless every id is an int in ``[0, num_blocks)``."""
+        limit = self.num_blocks
+        for block_id in block_ids:
+            if not isinstance(block_id, int) or isinstance(block_id, bool) or not 0 <= block_id < limit:
+                raise RequestError(
+                    f"block id {block_id!r} is out of range: the KV cache has {limit} blocks (0..{limit - 1})"
+                )

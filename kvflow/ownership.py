@@ -1,0 +1,130 @@
+"""Replica groups and the pure owner function.
+
+TP ranks whose KV is byte-identical form a replica group:
+
+- MLA: every TP rank with the same DCP rank holds the same latent KV;
+- GQA/MHA with ``num_kv_heads < tp_size``: the ``tp_size // num_kv_heads`` consecutive ranks that
+  share one KV-head slice (split again by DCP rank);
+- otherwise each rank holds KV of its own heads and stands alone.
+
+Block ``i`` of a request is stored by exactly one member of each group, chosen from ``i`` and the
+parallel layout alone (never from what a store answered at some moment), so every member makes the
+same choice. Every member still loads every block, from the group's shared keys.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvflow.errors import ConfigError
+
+__all__ = ["ParallelConfig", "owner"]
+
+
+def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class ParallelConfig:
+    """How a model is split across ranks, as the engine configured it.
+
+    ``num_kv_heads`` is the model's total number of KV heads (ignored for MLA). Ranks are 0-based.
+    ``dcp_rank`` is ``tp_rank % dcp_size``, as in vLLM.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = attrs.field(default=1, validator=_positive)
+    num_kv_heads: int = attrs.field(default=1, validator=_positive)
+    use_mla: bool = False
+    dcp_size: int = attrs.field(default=1, validator=_positive)
+    pp_rank: int = 0
+    pp_size: int = attrs.field(default=1, validator=_positive)
+    pcp_rank: int = 0
+    pcp_size: int = attrs.field(default=1, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        for rank, size, what in (
+            (self.tp_rank, self.tp_size, "tp"),
+            (self.pp_rank, self.pp_size, "pp"),
+            (self.pcp_rank, self.pcp_size, "pcp"),
+        ):
+            if not 0 <= rank < size:
+                raise ConfigError(f"{what}_rank must be in [0, {what}_size={size}), got {rank}")
+        if self.tp_size % self.dcp_size:
+            raise ConfigError(
+                f"dcp_size={self.dcp_size} must divide tp_size={self.tp_size} "
+                "(decode context parallelism splits the TP group)"
+            )
+        if self.use_mla:
+            return
+        heads, tp = self.num_kv_heads, self.tp_size
+        if heads >= tp:
+            if heads % tp:
+                raise ConfigError(
+                    f"num_kv_heads={heads} must be divisible by tp_size={tp} "
+                    "so that each rank holds a whole number of KV heads"
+                )
+            if self.dcp_size != 1:
+                raise ConfigError(
+                    f"dcp_size={self.dcp_size} needs KV heads replicated across TP ranks "
+                    f"(num_kv_heads < tp_size), but num_kv_heads={heads}, tp_size={tp}"
+                )
+        else:
+            if tp % heads:
+                raise ConfigError(
+                    f"tp_size={tp} must be divisible by num_kv_heads={heads} "
+                    "so that KV heads replicate evenly across ranks"
+                )
+            if (tp // heads) % self.dcp_size:
+                raise ConfigError(
+                    f"dcp_size={self.dcp_size} must divide the KV replication factor "
+                    f"tp_size // num_kv_heads = {tp // heads}"
+                )
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.tp_rank % self.dcp_size
+
+    @property
+    def replication(self) -> int:
+        """How many consecutive TP ranks share one KV-head slice (all of them for MLA)."""
+        if self.use_mla:
+            return self.tp_size
+        return max(1, self.tp_size // self.num_kv_heads)
+
+    @property
+    def put_step(self) -> int:
+        """The size of this rank's replica group: ranks holding byte-identical KV."""
+        return self.replication // self.dcp_size
+
+    @property
+    def head_or_tp_rank(self) -> int:
+        """The KV-head namespace this rank's KV belongs to (0 for MLA)."""
+        return self.tp_rank // self.replication
+
+    @property
+    def num_head_ranks(self) -> int:
+        """How many distinct KV-head namespaces the TP group holds."""
+        return self.tp_size // self.replication
+
+    @property
+    def group_base(self) -> int:
+        """The lowest TP rank of this rank's replica group."""
+        return self.head_or_tp_rank * self.replication + self.dcp_rank
+
+    def replica_group(self) -> tuple[int, ...]:
+        """The TP ranks holding the same KV as this one, lowest first (includes this rank)."""
+        return tuple(self.group_base + j * self.dcp_size for j in range(self.put_step))
+
+
+def owner(block_index: int, parallel: ParallelConfig) -> int:
+    """The TP rank, within ``parallel.tp_rank``'s replica group, that stores block ``block_index``.
+
+    Pure: depends on its arguments only. Over any ``put_step`` consecutive blocks each member of the
+    group owns exactly one.
+    """
+    if block_index < 0:
+        raise ConfigError(f"block_index must be >= 0, got {block_index}")
+    return parallel.group_base + (block_index % parallel.put_step) * parallel.dcp_size

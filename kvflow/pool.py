@@ -1,0 +1,280 @@
+"""KVPool: the async facade over a backend, a layout and a parallel config.
+
+Each call is a coroutine pipeline on the caller's event loop: hash -> key -> address -> put/get.
+Use one pool from one event loop. The pool owns its backend and closes it in :meth:`aclose`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+
+import anyio
+import attrs
+
+from kvflow.backends import Backend, GetStatus, ObjectRef, PutStatus, open_backend
+from kvflow.config import PoolConfig
+from kvflow.errors import ConfigError, LayoutError, PoolClosedError, RequestError
+from kvflow.keys import KeyScope, block_keys
+from kvflow.layout import KVLayout
+from kvflow.ownership import ParallelConfig, owner
+from kvflow.pipeline import ByteBudget, resolve_hashes, run_batches
+from kvflow.results import RetrieveResult, StoreResult
+
+__all__ = ["KVPool"]
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class KVPool:
+    """Store, retrieve and look up KV blocks. Call from the event loop that created it.
+
+    Without a layout (``layout=None``) the pool can only look up, as an engine's scheduler does;
+    it then needs the ``fingerprint`` and ``block_size`` that the workers' layout has.
+    """
+
+    backend: Backend
+    parallel: ParallelConfig
+    config: PoolConfig
+    block_size: int
+    fingerprint: str
+    layout: KVLayout | None = None
+    _budget: ByteBudget = attrs.field(init=False)
+    _inflight: int = attrs.field(default=0, init=False)
+    _idle: anyio.Event | None = attrs.field(default=None, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._budget = ByteBudget(self.config.max_inflight_bytes)
+
+    @classmethod
+    def create(
+        cls,
+        config: PoolConfig | None = None,
+        *,
+        layout: KVLayout | None = None,
+        parallel: ParallelConfig | None = None,
+        backend: Backend | None = None,
+        fingerprint: str | None = None,
+        block_size: int | None = None,
+    ) -> KVPool:
+        """A pool over ``backend`` (or the one ``config.backend`` names), registering ``layout``."""
+        config = config or PoolConfig()
+        if layout is not None:
+            if fingerprint is not None and fingerprint != layout.fingerprint:
+                raise ConfigError("fingerprint disagrees with the layout's; pass one or the other")
+            if block_size is not None and block_size != layout.block_size:
+                raise ConfigError(f"block_size={block_size} but the layout has {layout.block_size}")
+            fingerprint, block_size = layout.fingerprint, layout.block_size
+        elif fingerprint is None or block_size is None:
+            raise ConfigError("a pool without a layout needs fingerprint and block_size")
+        backend = backend if backend is not None else open_backend(config.backend)
+        if layout is not None:
+            if layout.device.type != "cpu" and not getattr(backend, "accepts_device_memory", False):
+                raise LayoutError(
+                    f"the KV caches are on {layout.device}, but this backend copies host memory only; "
+                    "use a backend that registers device memory (mooncake) or stage blocks on the host"
+                )
+            for addr, nbytes in layout.allocations():
+                backend.register_memory(addr, nbytes)
+        return cls(backend, parallel or ParallelConfig(), config, block_size, fingerprint, layout)
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> KVPool:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self, timeout_s: float | None = None) -> None:
+        """Refuse new calls, wait (bounded) for calls in flight, then close the backend."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self._inflight:
+                self._idle = anyio.Event()
+                with anyio.move_on_after(timeout_s or self.config.timeout_s):
+                    await self._idle.wait()
+            await self.backend.aclose()
+
+    def _enter(self) -> None:
+        if self._closed:
+            raise PoolClosedError("this pool was closed; create a new KVPool")
+        self._inflight += 1
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def scope(self, head_or_tp_rank: int | None = None, pp_rank: int | None = None) -> KeyScope:
+        """The key scope of this rank, or of another KV-head / pp namespace of the same model."""
+        p = self.parallel
+        return KeyScope(
+            model=self.config.model,
+            fingerprint=self.fingerprint,
+            head_or_tp_rank=p.head_or_tp_rank if head_or_tp_rank is None else head_or_tp_rank,
+            pp_rank=p.pp_rank if pp_rank is None else pp_rank,
+            pcp_rank=p.pcp_rank,
+            dcp_rank=p.dcp_rank,
+        )
+
+    def lookup_scopes(self) -> list[KeyScope]:
+        """Every namespace an engine of this parallel layout needs: all KV-head ranks x pp ranks."""
+        p = self.parallel
+        return [self.scope(h, pp) for h in range(p.num_head_ranks) for pp in range(p.pp_size)]
+
+    def _require_layout(self) -> KVLayout:
+        if self.layout is None:
+            raise ConfigError("this pool has no registered KV caches; create it with a layout")
+        return self.layout
+
+    def _request_hashes(
+        self,
+        block_ids: Sequence[int],
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[bytes] | None,
+        block_offset: int,
+    ) -> list[bytes]:
+        layout = self._require_layout()
+        hashes = resolve_hashes(self.block_size, tokens, block_hashes)
+        if block_offset < 0 or block_offset + len(block_ids) > len(hashes):
+            raise RequestError(
+                f"blocks {block_offset}..{block_offset + len(block_ids) - 1} requested, but the "
+                f"request has {len(hashes)} full blocks"
+            )
+        layout.check_block_ids(block_ids)
+        return hashes[block_offset : block_offset + len(block_ids)]
+
+    def _objects(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[ObjectRef]:
+        layout = self._require_layout()
+        sizes, nbytes = layout.block_sizes, layout.block_nbytes
+        addrs = layout.block_addrs
+        return [ObjectRef(k, addrs(b), sizes, nbytes) for k, b in zip(keys, block_ids)]
+
+    async def _exists(self, keys: Sequence[str], timeout_s: float) -> list[bool] | None:
+        """The backend's answer per key, or None (logged) if it failed or took too long."""
+        if not keys:
+            return []
+        try:
+            with anyio.fail_after(timeout_s):
+                found = await self.backend.exists(keys)
+        except Exception as exc:  # any fault of the store means "unknown", never a crash
+            log.warning("exists() of %d keys failed: %r", len(keys), exc)
+            return None
+        if len(found) != len(keys):
+            log.warning("exists() returned %d answers for %d keys", len(found), len(keys))
+            return None
+        return found
+
+    # -- operations -----------------------------------------------------------------------------
+
+    async def lookup(
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Leading tokens present in every namespace this engine needs (0 if the backend fails)."""
+        hashes = resolve_hashes(self.block_size, tokens, block_hashes)
+        self._enter()
+        try:
+            if not hashes:
+                return 0
+            scopes = self.lookup_scopes()
+            keys = [k for scope in scopes for k in block_keys(scope, hashes)]
+            found = await self._exists(keys, timeout_s or self.config.timeout_s)
+            if found is None:
+                return 0  # the engine recomputes; the failure was logged
+            n = len(hashes)
+            hits = n
+            for s in range(len(scopes)):
+                part = found[s * n : (s + 1) * n]
+                first_missing = part.index(False) if False in part else n
+                hits = min(hits, first_missing)
+            return hits * self.block_size
+        finally:
+            self._leave()
+
+    async def store(
+        self,
+        *,
+        block_ids: Sequence[int],
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
+        timeout_s: float | None = None,
+    ) -> StoreResult:
+        """Store the blocks this rank owns. ``block_ids[i]`` holds block ``block_offset + i`` of the
+        request whose tokens or hashes are given. Keys already present are skipped, per key."""
+        hashes = self._request_hashes(block_ids, tokens, block_hashes, block_offset)
+        self._enter()
+        try:
+            rank = self.parallel.tp_rank
+            mine = [i for i in range(len(hashes)) if owner(block_offset + i, self.parallel) == rank]
+            statuses: list[PutStatus | None] = [None] * len(hashes)
+            keys = block_keys(self.scope(), [hashes[i] for i in mine])
+            timeout = timeout_s or self.config.timeout_s
+            present = await self._exists(keys, timeout) or [False] * len(keys)
+            todo = [j for j, p in enumerate(present) if not p]
+            for j, p in enumerate(present):
+                if p:
+                    statuses[mine[j]] = PutStatus.PRESENT
+            objects = self._objects([keys[j] for j in todo], [block_ids[mine[j]] for j in todo])
+            results = await run_batches(
+                objects,
+                self.backend.put,
+                failed=PutStatus.FAILED,
+                max_batch=self.backend.max_batch,
+                budget=self._budget,
+                timeout_s=timeout,
+            )
+            for j, status in zip(todo, results):
+                statuses[mine[j]] = status
+            return StoreResult(tuple(statuses))
+        finally:
+            self._leave()
+
+    async def retrieve(
+        self,
+        *,
+        block_ids: Sequence[int],
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
+        timeout_s: float | None = None,
+    ) -> RetrieveResult:
+        """Load blocks ``block_offset ..`` of the request into ``block_ids``; every rank loads every
+        block of its namespace. Failed or missing blocks are reported, never raised."""
+        hashes = self._request_hashes(block_ids, tokens, block_hashes, block_offset)
+        self._enter()
+        try:
+            ids = list(block_ids)
+            keys = block_keys(self.scope(), hashes)
+            # Rotate by rank so the members of a replica group do not all read the same object first.
+            shift = self.parallel.tp_rank % len(ids) if ids else 0
+            order = list(range(shift, len(ids))) + list(range(shift))
+            objects = self._objects([keys[i] for i in order], [ids[i] for i in order])
+            results = await run_batches(
+                objects,
+                self.backend.get,
+                failed=GetStatus.FAILED,
+                max_batch=self.backend.max_batch,
+                budget=self._budget,
+                timeout_s=timeout_s or self.config.timeout_s,
+            )
+            statuses = [GetStatus.FAILED] * len(ids)
+            for i, status in zip(order, results):
+                statuses[i] = status
+            return RetrieveResult(tuple(ids), tuple(statuses), self.block_size)
+        finally:
+            self._leave()
