@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import attrs
@@ -39,13 +40,11 @@ def parse_url_query(url: str, *, scheme: str, allowed: set[str]) -> dict[str, st
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = set(params) - allowed
     if unknown:
-        raise ConfigError(
-            f"unknown parameter(s) {sorted(unknown)} in {url!r}; allowed: {sorted(allowed)}"
-        )
+        raise ConfigError(f"unknown parameter(s) {sorted(unknown)} in {url!r}; allowed: {sorted(allowed)}")
     return params
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{attribute.name} must be > 0, got {value}")
 

@@ -25,16 +25,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Union
 
 import attrs
 import torch
 
 from kvflow.errors import LayoutError, RequestError
 
-__all__ = ["KVLayout", "LayerLayout", "LayoutKind", "Plane", "KVCacheEntry"]
+__all__ = ["KVCacheEntry", "KVLayout", "LayerLayout", "LayoutKind", "Plane"]
 
-KVCacheEntry = Union[torch.Tensor, Sequence[torch.Tensor]]
+KVCacheEntry = torch.Tensor | Sequence[torch.Tensor]
 
 SUPPORTED = (
     "vllm_cpu [num_blocks, H, block_size, 2*D]; flash_attn [2, num_blocks, block_size, H, D]; "
@@ -151,9 +150,7 @@ class KVLayout:
     _sizes: list[int] = attrs.field(repr=False)
 
     @classmethod
-    def from_kv_caches(
-        cls, kv_caches: Mapping[str, KVCacheEntry], block_size: int | None = None
-    ) -> KVLayout:
+    def from_kv_caches(cls, kv_caches: Mapping[str, KVCacheEntry], block_size: int | None = None) -> KVLayout:
         """Describe registered KV caches: ``{layer name: tensor or tuple of tensors}``, in layer order.
 
         ``block_size`` (tokens per block), when given, is checked against the shapes.
@@ -177,8 +174,13 @@ class KVLayout:
                 devices.add(view.device)
             tensors.extend([entry] if isinstance(entry, torch.Tensor) else entry)
             layers.append(LayerLayout(name, tuple(_plane(v, name) for v in views)))
-        for what, values in (("layout kinds", kinds), ("block sizes", sizes),
-                             ("block counts", num_blocks), ("dtypes", dtypes), ("devices", devices)):
+        for what, values in (
+            ("layout kinds", kinds),
+            ("block sizes", sizes),
+            ("block counts", num_blocks),
+            ("dtypes", dtypes),
+            ("devices", devices),
+        ):
             if len(values) != 1:
                 raise LayoutError(f"every layer must share one layout; got {what} {sorted(map(str, values))}")
         (size,) = sizes

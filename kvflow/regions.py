@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-__all__ = ["gather", "scatter", "buffer_address"]
+__all__ = ["buffer_address", "gather", "scatter"]
 
 _memmove = ctypes.memmove
 

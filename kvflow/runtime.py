@@ -15,7 +15,6 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, TypeVar
 
-import anyio
 import attrs
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -96,8 +95,12 @@ class SyncPool:
 
         async def make() -> KVPool:
             return KVPool.create(
-                config, layout=layout, parallel=parallel, backend=backend,
-                fingerprint=fingerprint, block_size=block_size,
+                config,
+                layout=layout,
+                parallel=parallel,
+                backend=backend,
+                fingerprint=fingerprint,
+                block_size=block_size,
             )
 
         try:
@@ -116,22 +119,36 @@ class SyncPool:
         self.close()
 
     def submit_store(
-        self, block_ids: Sequence[int], *, tokens: Sequence[int] | None = None,
-        block_hashes: Sequence[bytes] | None = None, block_offset: int = 0,
+        self,
+        block_ids: Sequence[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
     ) -> concurrent.futures.Future[StoreResult]:
         call = functools.partial(
-            self.pool.store, block_ids=block_ids, tokens=tokens,
-            block_hashes=block_hashes, block_offset=block_offset,
+            self.pool.store,
+            block_ids=block_ids,
+            tokens=tokens,
+            block_hashes=block_hashes,
+            block_offset=block_offset,
         )
         return self.loop.submit(call)
 
     def submit_retrieve(
-        self, block_ids: Sequence[int], *, tokens: Sequence[int] | None = None,
-        block_hashes: Sequence[bytes] | None = None, block_offset: int = 0,
+        self,
+        block_ids: Sequence[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
     ) -> concurrent.futures.Future[RetrieveResult]:
         call = functools.partial(
-            self.pool.retrieve, block_ids=block_ids, tokens=tokens,
-            block_hashes=block_hashes, block_offset=block_offset,
+            self.pool.retrieve,
+            block_ids=block_ids,
+            tokens=tokens,
+            block_hashes=block_hashes,
+            block_offset=block_offset,
         )
         return self.loop.submit(call)
 
@@ -141,8 +158,12 @@ class SyncPool:
         return self.loop.submit(functools.partial(self.pool.lookup, tokens=tokens, block_hashes=block_hashes))
 
     def store(
-        self, block_ids: Sequence[int], *, tokens: Sequence[int] | None = None,
-        block_hashes: Sequence[bytes] | None = None, block_offset: int = 0,
+        self,
+        block_ids: Sequence[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
         timeout_s: float | None = None,
     ) -> StoreResult:
         """Blocking store; raises TimeoutError after ``timeout_s`` (default: the pool's timeout)."""
@@ -152,8 +173,12 @@ class SyncPool:
         return self._wait(future, timeout_s)
 
     def retrieve(
-        self, block_ids: Sequence[int], *, tokens: Sequence[int] | None = None,
-        block_hashes: Sequence[bytes] | None = None, block_offset: int = 0,
+        self,
+        block_ids: Sequence[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
         timeout_s: float | None = None,
     ) -> RetrieveResult:
         """Blocking retrieve; raises TimeoutError after ``timeout_s``."""
@@ -163,7 +188,10 @@ class SyncPool:
         return self._wait(future, timeout_s)
 
     def lookup(
-        self, *, tokens: Sequence[int] | None = None, block_hashes: Sequence[bytes] | None = None,
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
         timeout_s: float | None = None,
     ) -> int:
         """Blocking lookup; raises TimeoutError after ``timeout_s``."""

@@ -16,13 +16,13 @@ from kvflow.backends.base import Backend, BackendStats, GetStatus, ObjectRef, Pu
 from kvflow.errors import ConfigError
 
 __all__ = [
+    "SCHEMES",
     "Backend",
     "BackendStats",
     "GetStatus",
     "ObjectRef",
     "PutStatus",
     "open_backend",
-    "SCHEMES",
 ]
 
 SCHEMES: dict[str, str] = {
@@ -38,8 +38,7 @@ def open_backend(url: str) -> Backend:
     target = SCHEMES.get(scheme)
     if target is None:
         raise ConfigError(
-            f"unknown backend URL {url!r}; use one of: "
-            + ", ".join(f"{name}://..." for name in SCHEMES)
+            f"unknown backend URL {url!r}; use one of: " + ", ".join(f"{name}://..." for name in SCHEMES)
         )
     module_name, class_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)

@@ -68,7 +68,7 @@ class MemoryBackend:
     def stats(self) -> BackendStats:
         return self._stats
 
-    def keys(self) -> list[str]:
+    def stored_keys(self) -> list[str]:
         """Every stored key, least recently used first (for tests and tools)."""
         return list(self._objects)
 

@@ -1,0 +1,53 @@
+"""The ``kvflow`` command: ``demo``, ``bench`` and ``mooncake-master``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="store a prefix-sharing workload, retrieve it and verify it")
+    demo.add_argument("--backend", default="memory://", help="backend URL (default: memory://)")
+    demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+    bench = sub.add_parser("bench", help="store/retrieve/lookup throughput as ratios to memcpy")
+    bench.add_argument("--backend", default="memory://", help="backend URL (default: memory://)")
+    bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    bench.add_argument("--layerwise", action="store_true", help="layerwise retrieve overlapped with compute")
+
+    sub.add_parser(
+        "mooncake-master", help="run a local Mooncake master (private network namespace only)", add_help=False
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    if args_list[:1] == ["mooncake-master"]:
+        from kvflow.backends.mooncake_master import main as master_main
+
+        return int(master_main(args_list[1:]))
+    args = _parser().parse_args(args_list)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    if args.command == "demo":
+        from kvflow.tools.demo import demo_main
+
+        return demo_main(args.backend, args.json)
+    if args.command == "bench":
+        from kvflow.tools.bench import bench_main
+
+        return int(bench_main(args.backend, as_json=args.json, quick=args.quick, layerwise=args.layerwise))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

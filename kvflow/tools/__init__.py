@@ -1,0 +1,1 @@
+"""Command-line programs: the demo, the benchmark and their shared helpers."""

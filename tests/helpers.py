@@ -1,0 +1,101 @@
+"""Shared test helpers: small KV caches of every supported layout, and a fault-injecting backend."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import attrs
+import torch
+
+from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.memory import MemoryBackend
+
+NUM_BLOCKS = 12
+BLOCK = 16
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+# name -> factory of {layer: entry}; each entry has NUM_BLOCKS blocks of BLOCK tokens.
+LAYOUTS: dict[str, Callable[[], dict[str, object]]] = {
+    "vllm_cpu": lambda: {f"l{i}": _rand(NUM_BLOCKS, 2, BLOCK, 2 * 8) for i in range(3)},
+    "flash_attn": lambda: {f"l{i}": _rand(2, NUM_BLOCKS, BLOCK, 2, 8) for i in range(3)},
+    "flashinfer": lambda: {f"l{i}": _rand(NUM_BLOCKS, 2, BLOCK, 2, 8) for i in range(3)},
+    "kv_tuple": lambda: {
+        f"l{i}": (_rand(NUM_BLOCKS, BLOCK, 2, 8), _rand(NUM_BLOCKS, BLOCK, 2, 8)) for i in range(3)
+    },
+    "mla": lambda: {f"l{i}": _rand(NUM_BLOCKS, BLOCK, 24) for i in range(3)},
+    "mla_tuple": lambda: {
+        f"l{i}": (_rand(NUM_BLOCKS, BLOCK, 1, 16), _rand(NUM_BLOCKS, BLOCK, 1, 8)) for i in range(3)
+    },
+}
+
+
+def block_bytes(entry: object, block_id: int) -> bytes:
+    """The bytes of one block of one registered layer entry, however it is laid out."""
+    if isinstance(entry, torch.Tensor):
+        if entry.dim() == 5 and entry.shape[0] == 2:
+            parts = [entry[0, block_id], entry[1, block_id]]
+        else:
+            parts = [entry[block_id]]
+    else:
+        parts = [t[block_id] for t in entry]  # type: ignore[attr-defined]
+    return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+
+
+def zeros_like_caches(caches: dict[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, entry in caches.items():
+        if isinstance(entry, torch.Tensor):
+            out[name] = torch.zeros_like(entry)
+        else:
+            out[name] = tuple(torch.zeros_like(t) for t in entry)  # type: ignore[attr-defined]
+    return out
+
+
+@attrs.define
+class FaultyBackend:
+    """A memory backend that can be told to raise or hang in put, get or exists."""
+
+    inner: MemoryBackend = attrs.field(factory=MemoryBackend)
+    raise_on: set[str] = attrs.field(factory=set)
+    hang_on: set[str] = attrs.field(factory=set)
+    calls: list[str] = attrs.field(factory=list)
+    put_hook: Callable[[Sequence[ObjectRef]], Awaitable[None]] | None = None
+
+    @property
+    def max_batch(self) -> int:
+        return 4
+
+    async def _fault(self, op: str) -> None:
+        self.calls.append(op)
+        if op in self.raise_on:
+            raise ConnectionError(f"injected {op} failure")
+        if op in self.hang_on:
+            await anyio.sleep_forever()
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        await self._fault("put")
+        if self.put_hook is not None:
+            await self.put_hook(objects)
+        return await self.inner.put(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        await self._fault("get")
+        return await self.inner.get(objects)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        await self._fault("exists")
+        return await self.inner.exists(keys)
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        pass
+
+    def stats(self) -> BackendStats:
+        return self.inner.stats()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

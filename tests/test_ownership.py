@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvflow.errors import ConfigError
+from kvflow.ownership import ParallelConfig, owner
+
+
+@st.composite
+def parallel_groups(draw: st.DrawFn) -> list[ParallelConfig]:
+    """Every rank's ParallelConfig of one valid layout (MLA, GQA replicated, GQA split, DCP)."""
+    tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    use_mla = draw(st.booleans())
+    if use_mla:
+        heads = 1
+        dcp = draw(st.sampled_from([d for d in (1, 2, 4) if tp % d == 0]))
+    else:
+        heads = draw(st.sampled_from([h for h in (1, 2, 4, 8, 16, 32) if h % tp == 0 or tp % h == 0]))
+        rep = max(1, tp // heads)
+        dcp = draw(st.sampled_from([d for d in (1, 2, 4) if rep % d == 0 and (heads < tp or d == 1)]))
+    return [ParallelConfig(r, tp, heads, use_mla, dcp_size=dcp) for r in range(tp)]
+
+
+def identical_kv(a: ParallelConfig, b: ParallelConfig) -> bool:
+    """Ground truth: which ranks hold byte-identical KV, from first principles."""
+    if a.dcp_rank != b.dcp_rank:
+        return False
+    if a.use_mla:
+        return True
+    return first_head(a) == first_head(b)
+
+
+def first_head(p: ParallelConfig) -> int:
+    """The first KV head a rank holds (heads replicate when there are fewer than ranks)."""
+    if p.num_kv_heads < p.tp_size:
+        return (p.tp_rank * p.num_kv_heads) // p.tp_size
+    return p.tp_rank * (p.num_kv_heads // p.tp_size)
+
+
+@given(parallel_groups(), st.integers(0, 10_000))
+def test_each_block_has_exactly_one_owner_per_replica_group(ranks: list[ParallelConfig], start: int) -> None:
+    for p in ranks:
+        group = [q.tp_rank for q in ranks if identical_kv(p, q)]
+        assert list(p.replica_group()) == group
+        assert p.put_step == len(group)
+        for i in range(start, start + 2 * p.put_step):
+            who = owner(i, p)
+            assert who in group
+            # every member computes the same owner from its own config
+            assert all(owner(i, ranks[g]) == who for g in group)
+        window = [owner(i, p) for i in range(start, start + p.put_step)]
+        assert sorted(window) == group
+
+
+@given(parallel_groups())
+def test_head_namespaces_match_replica_groups(ranks: list[ParallelConfig]) -> None:
+    for p in ranks:
+        for q in ranks:
+            same_ns = (p.head_or_tp_rank, p.dcp_rank) == (q.head_or_tp_rank, q.dcp_rank)
+            assert same_ns == identical_kv(p, q)
+    assert {p.head_or_tp_rank for p in ranks} == set(range(ranks[0].num_head_ranks))
+
+
+def test_documented_tables() -> None:
+    mla = [ParallelConfig(r, 4, 1, True) for r in range(4)]
+    assert [owner(i, mla[0]) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    gqa = [ParallelConfig(r, 16, 8, False) for r in range(16)]
+    assert gqa[5].replica_group() == (4, 5)
+    assert [owner(i, gqa[5]) for i in range(4)] == [4, 5, 4, 5]
+    assert gqa[5].head_or_tp_rank == 2
+    mha = ParallelConfig(3, 4, 32, False)
+    assert [owner(i, mha) for i in range(3)] == [3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp_rank": 4, "tp_size": 4}, "tp_rank"),
+        ({"tp_rank": -1, "tp_size": 4}, "tp_rank"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": 4, "num_kv_heads": 6}, "divisible"),
+        ({"tp_size": 6, "num_kv_heads": 4}, "divisible"),
+        ({"tp_size": 4, "num_kv_heads": 8, "dcp_size": 2}, "replicated"),
+        ({"tp_size": 4, "num_kv_heads": 1, "dcp_size": 3}, "dcp_size"),
+        ({"pp_rank": 1, "pp_size": 1}, "pp_rank"),
+    ],
+)
+def test_invalid_layouts_are_rejected(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_negative_block_index_is_rejected() -> None:
+    with pytest.raises(ConfigError):
+        owner(-1, ParallelConfig())

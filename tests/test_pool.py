@@ -1,0 +1,246 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import pytest
+import torch
+
+from kvflow import (
+    GetStatus,
+    KVLayout,
+    KVPool,
+    MemoryBackend,
+    ParallelConfig,
+    PoolClosedError,
+    PoolConfig,
+    PutStatus,
+    RequestError,
+    owner,
+)
+from kvflow.backends import ObjectRef
+from kvflow.keys import decode_key
+from tests.helpers import BLOCK, LAYOUTS, NUM_BLOCKS, FaultyBackend, block_bytes, zeros_like_caches
+
+TOKENS = list(range(1000, 1000 + BLOCK * 8 + 5))  # 8 full blocks and a partial one
+
+
+def make_pool(caches: dict[str, object], backend: object = None, **parallel: object) -> KVPool:
+    layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
+    return KVPool.create(
+        PoolConfig(timeout_s=2.0),
+        layout=layout,
+        backend=backend or MemoryBackend(),  # type: ignore[arg-type]
+        parallel=ParallelConfig(**parallel),  # type: ignore[arg-type]
+    )
+
+
+async def test_round_trip_of_every_layout_is_bit_exact(layout_name: str) -> None:
+    src = LAYOUTS[layout_name]()
+    dst = zeros_like_caches(src)
+    backend = MemoryBackend()
+    a, b = make_pool(src, backend), make_pool(dst, backend)
+    stored = await a.store(block_ids=[3, 1, 4, 0, 5, 9, 2, 6], tokens=TOKENS)
+    assert stored.stored == 8 and stored.ok
+    result = await b.retrieve(block_ids=[10, 11, 7, 8, 0, 1, 2, 3], tokens=TOKENS)
+    assert result.hit_blocks == 8 and result.failed_block_ids == ()
+    for s, d in zip([3, 1, 4, 0, 5, 9, 2, 6], [10, 11, 7, 8, 0, 1, 2, 3]):
+        for name in src:
+            assert block_bytes(dst[name], d) == block_bytes(src[name], s)
+
+
+async def test_store_skips_present_keys_and_lookup_counts_leading_blocks() -> None:
+    pool = make_pool(LAYOUTS["vllm_cpu"]())
+    assert await pool.lookup(tokens=TOKENS) == 0
+    first = await pool.store(block_ids=[0, 1, 2], tokens=TOKENS)
+    assert first.stored == 3
+    assert await pool.lookup(tokens=TOKENS) == 3 * BLOCK
+    again = await pool.store(block_ids=list(range(8)), tokens=TOKENS)
+    assert again.statuses[:3] == (PutStatus.PRESENT,) * 3 and again.stored == 5
+    assert await pool.lookup(tokens=TOKENS) == 8 * BLOCK
+    assert await pool.lookup(tokens=TOKENS[: BLOCK - 1]) == 0
+    # a different suffix shares only the prefix blocks
+    other = TOKENS[: 2 * BLOCK] + [7] * (3 * BLOCK)
+    assert await pool.lookup(tokens=other) == 2 * BLOCK
+
+
+async def test_block_offset_stores_the_tail_of_a_request() -> None:
+    src = LAYOUTS["mla"]()
+    backend = MemoryBackend()
+    pool = make_pool(src, backend)
+    await pool.store(block_ids=[0, 1], tokens=TOKENS)
+    result = await pool.store(block_ids=[5, 6], tokens=TOKENS, block_offset=2)
+    assert result.stored == 2
+    assert await pool.lookup(tokens=TOKENS) == 4 * BLOCK
+    dst = zeros_like_caches(src)
+    got = await make_pool(dst, backend).retrieve(block_ids=[0, 1], tokens=TOKENS, block_offset=2)
+    assert got.hit_blocks == 2
+    assert block_bytes(dst["l0"], 1) == block_bytes(src["l0"], 6)
+
+
+async def test_mla_ranks_store_only_owned_blocks_and_load_everything() -> None:
+    backend = MemoryBackend()
+    srcs = [LAYOUTS["mla"]() for _ in range(2)]
+    # identical KV on both ranks, as MLA guarantees
+    srcs[1] = {k: v.clone() for k, v in srcs[0].items()}  # type: ignore[attr-defined]
+    pools = [make_pool(srcs[r], backend, tp_rank=r, tp_size=2, use_mla=True) for r in range(2)]
+    results = [await p.store(block_ids=list(range(8)), tokens=TOKENS) for p in pools]
+    for rank, result in enumerate(results):
+        for i, status in enumerate(result.statuses):
+            expect_mine = owner(i, pools[rank].parallel) == rank
+            assert (status is PutStatus.STORED) == expect_mine
+            assert (status is None) == (not expect_mine)
+    assert backend.stats().puts == 8
+    assert len(backend.stored_keys()) == 8
+    assert {decode_key(k).scope.head_or_tp_rank for k in backend.stored_keys()} == {0}
+    for rank in range(2):
+        dst = zeros_like_caches(srcs[0])
+        got = await make_pool(dst, backend, tp_rank=rank, tp_size=2, use_mla=True).retrieve(
+            block_ids=list(range(8)), tokens=TOKENS
+        )
+        assert got.hit_blocks == 8
+        assert all(block_bytes(dst["l1"], i) == block_bytes(srcs[0]["l1"], i) for i in range(8))
+
+
+async def test_lookup_is_the_minimum_over_head_ranks_and_pp_ranks() -> None:
+    backend = MemoryBackend()
+    # GQA: 2 KV heads over tp=2 (no replication), pp=2: four namespaces
+    pools = {
+        (tp, pp): make_pool(
+            LAYOUTS["kv_tuple"](), backend, tp_rank=tp, tp_size=2, num_kv_heads=2, pp_rank=pp, pp_size=2
+        )
+        for tp in range(2)
+        for pp in range(2)
+    }
+    stored_blocks = {(0, 0): 8, (1, 0): 6, (0, 1): 5, (1, 1): 7}
+    for who, n in stored_blocks.items():
+        await pools[who].store(block_ids=list(range(n)), tokens=TOKENS)
+    # any rank (and a scheduler-side pool without a layout) sees the minimum
+    for pool in pools.values():
+        assert await pool.lookup(tokens=TOKENS) == 5 * BLOCK
+    sched = KVPool.create(
+        PoolConfig(),
+        backend=backend,
+        fingerprint=pools[0, 0].fingerprint,
+        block_size=BLOCK,
+        parallel=ParallelConfig(0, 2, 2, pp_size=2),
+    )
+    assert await sched.lookup(tokens=TOKENS) == 5 * BLOCK
+    with pytest.raises(Exception, match="no registered KV caches"):
+        await sched.store(block_ids=[0], tokens=TOKENS)
+
+
+async def test_retrieve_reports_missing_blocks_as_failed_ids() -> None:
+    src = LAYOUTS["flash_attn"]()
+    backend = MemoryBackend()
+    await make_pool(src, backend).store(block_ids=[0, 1, 2], tokens=TOKENS)
+    dst = zeros_like_caches(src)
+    got = await make_pool(dst, backend).retrieve(block_ids=[5, 6, 7, 8], tokens=TOKENS)
+    assert got.statuses == (GetStatus.HIT,) * 3 + (GetStatus.MISS,)
+    assert got.failed_block_ids == (8,) and got.hit_tokens == 3 * BLOCK
+    assert block_bytes(dst["l0"], 8) == bytes(len(block_bytes(dst["l0"], 8)))  # untouched
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_ids": [0, 1], "tokens": TOKENS[:BLOCK]}, "full blocks"),
+        ({"block_ids": [NUM_BLOCKS], "tokens": TOKENS}, "out of range"),
+        ({"block_ids": [0], "tokens": TOKENS, "block_hashes": [b"x"]}, "block hashes"),
+        ({"block_ids": [0], "block_hashes": ["not-bytes"]}, "non-empty bytes"),
+        ({"block_ids": [0]}, "tokens or block_hashes"),
+        ({"block_ids": [0], "tokens": TOKENS, "block_offset": -1}, "full blocks"),
+    ],
+)
+async def test_bad_requests_fail_before_anything_is_written(kwargs: dict[str, object], message: str) -> None:
+    backend = MemoryBackend()
+    pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
+    with pytest.raises(RequestError, match=message):
+        await pool.store(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=message):
+        await pool.retrieve(**kwargs)  # type: ignore[arg-type]
+    assert backend.stored_keys() == []
+
+
+async def test_engine_hashes_are_used_as_given() -> None:
+    backend = MemoryBackend()
+    pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
+    engine_hashes = [bytes([i]) * 32 for i in range(4)]
+    await pool.store(block_ids=[0, 1, 2, 3], block_hashes=engine_hashes)
+    assert {decode_key(k).block_hash for k in backend.stored_keys()} == set(engine_hashes)
+    assert await pool.lookup(block_hashes=engine_hashes) == 4 * BLOCK
+    assert await pool.lookup(tokens=list(range(4 * BLOCK))) == 0
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+async def test_backend_faults_become_results_within_the_timeout(fault: str) -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    inner = MemoryBackend()
+    await make_pool(src, inner).store(block_ids=[0, 1, 2, 3], tokens=TOKENS)
+    faulty = FaultyBackend(inner)
+    ops = {"put", "get", "exists"}
+    setattr(faulty, f"{fault}_on", ops)
+    pool = KVPool.create(PoolConfig(timeout_s=0.3), layout=KVLayout.from_kv_caches(src), backend=faulty)  # type: ignore[arg-type]
+    start = time.monotonic()
+    assert await pool.lookup(tokens=TOKENS) == 0
+    stored = await pool.store(block_ids=[4, 5, 6, 7, 8], tokens=TOKENS)
+    assert stored.failed_indices == (0, 1, 2, 3, 4)
+    got = await pool.retrieve(block_ids=[0, 1, 2], tokens=TOKENS)
+    assert got.failed_block_ids == (0, 1, 2)
+    assert time.monotonic() - start < 3.0  # three bounded calls of 0.3 s (+ exists inside store)
+    assert inner.stats().puts == 4  # nothing was written by the faulty pool
+
+
+async def test_aclose_waits_for_inflight_stores_and_then_refuses() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    release = anyio.Event()
+
+    async def gated_put(objects: object) -> None:
+        await release.wait()
+
+    slow = FaultyBackend(put_hook=gated_put)
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(src), backend=slow)  # type: ignore[arg-type]
+    results = []
+    async with anyio.create_task_group() as tg:
+
+        async def store() -> None:
+            results.append(await pool.store(block_ids=[0, 1], tokens=TOKENS))
+
+        tg.start_soon(store)
+        await anyio.sleep(0.05)
+
+        async def close() -> None:
+            await pool.aclose()
+            results.append("closed")
+
+        tg.start_soon(close)
+        await anyio.sleep(0.05)
+        assert results == []  # aclose is waiting for the store
+        release.set()
+    assert results[0].stored == 2 and results[1] == "closed"  # type: ignore[union-attr]
+    with pytest.raises(PoolClosedError):
+        await pool.lookup(tokens=TOKENS)
+
+
+async def test_inflight_bytes_stay_within_the_budget() -> None:
+    src = {"l0": torch.randn(64, 2, BLOCK, 8)}
+    layout = KVLayout.from_kv_caches(src)
+    peak = 0
+    current = 0
+
+    async def tracking_put(objects: Sequence[ObjectRef]) -> None:
+        nonlocal peak, current
+        current += sum(o.nbytes for o in objects)
+        peak = max(peak, current)
+        await anyio.sleep(0.01)
+        current -= sum(o.nbytes for o in objects)
+
+    budget = 4 * layout.block_nbytes
+    pool = KVPool.create(
+        PoolConfig(max_inflight_bytes=budget), layout=layout, backend=FaultyBackend(put_hook=tracking_put)
+    )  # type: ignore[arg-type]
+    tokens = list(range(BLOCK * 40))
+    result = await pool.store(block_ids=list(range(40)), tokens=tokens)
+    assert result.stored == 40
+    assert 0 < peak <= budget
