@@ -32,3 +32,15 @@ def test_demo_verifies_every_retrieved_block() -> None:
     assert summary["blocks_stored"] > 0 and summary["blocks_reused"] > 0
     for key in ("store_gbps", "retrieve_gbps", "memcpy_gbps"):
         assert summary[key] > 0
+
+
+def test_bench_reports_ratios_against_memcpy() -> None:
+    proc = run("-m", "kvflow.cli", "bench", "--quick", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["backend"] == "memory://"
+    assert len(result["store_retrieve"]) == 2
+    for row in result["store_retrieve"]:
+        assert row["retrieve_vs_memcpy"] == pytest.approx(row["retrieve_gbps"] / row["memcpy_gbps"])
+        assert row["store_gbps"] > 0
+    assert result["lookup_10k_ms"] > 0 and result["pipeline"]["store_us_per_block"] > 0

@@ -1,0 +1,191 @@
+"""``kvflow bench``: store / retrieve / lookup throughput as ratios to memcpy of the same bytes,
+measured in the same run, and the pipeline's own per-block overhead."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import attrs
+import torch
+from tqdm import tqdm
+
+from kvflow.backends import BackendStats, GetStatus, ObjectRef, PutStatus, open_backend
+from kvflow.config import PoolConfig
+from kvflow.keys import KeyScope, block_keys, hash_blocks
+from kvflow.layout import KVLayout
+from kvflow.pool import KVPool
+from kvflow.tools.workload import memcpy_gbps
+
+__all__ = ["bench_main", "run_bench"]
+
+LAYERS = 4
+
+
+@attrs.define
+class NullBackend:
+    """Answers every call at once without copying: isolates the pipeline's own cost."""
+
+    @property
+    def max_batch(self) -> int:
+        return 256
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        return [PutStatus.STORED] * len(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        return [GetStatus.HIT] * len(objects)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [False] * len(keys)
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        pass
+
+    def stats(self) -> BackendStats:
+        return BackendStats()
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _caches(object_bytes: int, blocks: int) -> dict[str, torch.Tensor]:
+    """vLLM-CPU-layout caches whose whole-block objects are ``object_bytes`` (LAYERS regions)."""
+    per_layer = object_bytes // LAYERS // 2  # float16 elements per layer block
+    return {f"l{i}": torch.randn(blocks, 1, 16, per_layer // 16).half() for i in range(LAYERS)}
+
+
+async def _best(repeat: int, run: Callable[[int], Awaitable[float]]) -> float:
+    return min([await run(i) for i in range(repeat)])
+
+
+async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) -> dict[str, float]:
+    src = _caches(object_bytes, batch)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    layout_src, layout_dst = KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst)
+    ids = list(range(batch))
+    nbytes = layout_src.block_nbytes * batch
+    backend = open_backend(url)
+    stamp = time.time_ns()
+
+    async def store(i: int) -> float:
+        pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-{i}"), layout=layout_src, backend=backend)
+        tokens = list(range(i, i + 16 * batch))
+        start = time.perf_counter()
+        result = await pool.store(block_ids=ids, tokens=tokens)
+        elapsed = time.perf_counter() - start
+        if result.stored != batch:
+            raise RuntimeError(f"bench store stored {result.stored} of {batch} blocks: {result}")
+        return elapsed
+
+    async def retrieve(i: int) -> float:
+        pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-0"), layout=layout_dst, backend=backend)
+        start = time.perf_counter()
+        result = await pool.retrieve(block_ids=ids, tokens=list(range(16 * batch)))
+        elapsed = time.perf_counter() - start
+        if result.hit_blocks != batch:
+            raise RuntimeError(f"bench retrieve loaded {result.hit_blocks} of {batch} blocks")
+        return elapsed
+
+    store_s = await _best(repeat, store)
+    retrieve_s = await _best(repeat, retrieve)
+    if not all(torch.equal(src[k], dst[k]) for k in src):
+        raise RuntimeError("bench retrieve returned different bytes than were stored")
+    await backend.aclose()
+    memcpy = memcpy_gbps(nbytes, object_bytes)
+    store_gbps, retrieve_gbps = nbytes / store_s / 1e9, nbytes / retrieve_s / 1e9
+    return {
+        "object_kib": object_bytes / 1024,
+        "batch": batch,
+        "store_gbps": store_gbps,
+        "retrieve_gbps": retrieve_gbps,
+        "memcpy_gbps": memcpy,
+        "store_vs_memcpy": store_gbps / memcpy,
+        "retrieve_vs_memcpy": retrieve_gbps / memcpy,
+    }
+
+
+async def _lookup_ms(url: str, blocks: int) -> float:
+    caches = {"l0": torch.zeros(blocks, 1, 16, 8, dtype=torch.float16)}
+    backend = open_backend(url)
+    pool = KVPool.create(
+        PoolConfig(model=f"bench-lookup-{time.time_ns()}"),
+        layout=KVLayout.from_kv_caches(caches),
+        backend=backend,
+    )
+    tokens = list(range(16 * blocks))
+    hashes = hash_blocks(tokens, 16)
+    await pool.store(block_ids=list(range(blocks)), block_hashes=hashes)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        hit = await pool.lookup(block_hashes=hashes)
+        best = min(best, time.perf_counter() - start)
+        if hit != 16 * blocks:
+            raise RuntimeError(f"bench lookup found {hit} of {16 * blocks} tokens")
+    await backend.aclose()
+    return best * 1e3
+
+
+async def _pipeline_us(blocks: int) -> dict[str, float]:
+    caches = _caches(64 << 10, 64)
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches), backend=NullBackend())
+    hashes = hash_blocks(list(range(16 * blocks)), 16)
+    ids = [i % 64 for i in range(blocks)]
+    out: dict[str, float] = {}
+    for name, op in (("store", pool.store), ("retrieve", pool.retrieve)):
+        start = time.perf_counter()
+        await op(block_ids=ids, block_hashes=hashes)
+        out[f"{name}_us_per_block"] = (time.perf_counter() - start) / blocks * 1e6
+    scope = KeyScope("bench-model", "0123456789abcdef")
+    start = time.perf_counter()
+    block_keys(scope, hashes)
+    out["keys_ms_per_100k"] = (time.perf_counter() - start) / blocks * 1e5 * 1e3
+    return out
+
+
+async def run_bench(url: str, *, quick: bool, progress: bool) -> dict[str, Any]:
+    sizes = [64 << 10, 1 << 20] if quick else [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
+    batches = [64] if quick else [16, 64, 256]
+    cases = [(s, b) for s in sizes for b in batches if s * b <= (512 << 20)]
+    rows = []
+    for size, batch in tqdm(cases, desc="bench", disable=not progress):
+        rows.append(await _store_retrieve(url, size, batch, repeat=2 if quick else 3))
+    return {
+        "backend": url,
+        "store_retrieve": rows,
+        "lookup_10k_ms": await _lookup_ms(url, 10_000),
+        "pipeline": await _pipeline_us(20_000 if quick else 100_000),
+    }
+
+
+def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool) -> int:
+    if layerwise:
+        from kvflow.tools.bench_layerwise import layerwise_main
+
+        return int(layerwise_main(as_json=as_json, quick=quick))
+    result = anyio.run(functools.partial(run_bench, url, quick=quick, progress=not as_json))
+    if as_json:
+        print(json.dumps(result))
+        return 0
+    print(f"backend {url}")
+    print(
+        f"{'object':>8} {'batch':>5} {'store GB/s':>10} {'retrieve GB/s':>13} {'memcpy GB/s':>11} "
+        f"{'store/memcpy':>12} {'retrieve/memcpy':>15}"
+    )
+    for r in result["store_retrieve"]:
+        print(
+            f"{r['object_kib']:>6.0f}Ki {r['batch']:>5} {r['store_gbps']:>10.2f} {r['retrieve_gbps']:>13.2f} "
+            f"{r['memcpy_gbps']:>11.2f} {r['store_vs_memcpy']:>12.2f} {r['retrieve_vs_memcpy']:>15.2f}"
+        )
+    p = result["pipeline"]
+    print(f"lookup of 10k blocks: {result['lookup_10k_ms']:.2f} ms")
+    print(
+        f"pipeline overhead: store {p['store_us_per_block']:.2f} us/block, retrieve "
+        f"{p['retrieve_us_per_block']:.2f} us/block; 100k keys in {p['keys_ms_per_100k']:.1f} ms"
+    )
+    return 0
