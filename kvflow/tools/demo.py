@@ -10,7 +10,7 @@ import anyio
 import attrs
 from tqdm import tqdm
 
-from kvflow.backends import open_backend
+from kvflow.backends import Backend, open_backend
 from kvflow.config import PoolConfig
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
@@ -66,15 +66,21 @@ class DemoSummary:
 
 
 async def run_demo(
-    backend_url: str = "memory://", geometry: Geometry | None = None, *, progress: bool = True
+    backend_url: str = "memory://",
+    geometry: Geometry | None = None,
+    *,
+    progress: bool = True,
+    backend: Backend | None = None,
 ) -> DemoSummary:
-    """Store the workload from engine A, then retrieve and verify it in engine B."""
+    """Store the workload from engine A, then retrieve and verify it in engine B.
+
+    ``backend`` (optional) replaces the one ``backend_url`` names, e.g. to inject faults."""
     g = geometry or Geometry()
     requests = chat_workload(g.block_size)
     max_blocks = max(len(r) for r in requests) // g.block_size
     summary = DemoSummary(backend=backend_url, requests=len(requests), block_nbytes=g.block_nbytes)
     config = PoolConfig(backend=backend_url, model="demo-llama")
-    backend = open_backend(backend_url)
+    backend = backend if backend is not None else open_backend(backend_url)
 
     # Engine A: computes each request's missing blocks and stores them.
     cache_a = make_kv_caches(g, max_blocks)
