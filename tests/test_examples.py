@@ -16,7 +16,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("script", ["examples/custom_engine.py", "examples/async_script.py"])
+@pytest.mark.parametrize(
+    "script", ["examples/custom_engine.py", "examples/async_script.py"]
+)
 def test_example_runs_and_verifies(script: str) -> None:
     proc = run(script)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -44,3 +46,11 @@ def test_bench_reports_ratios_against_memcpy() -> None:
         assert row["retrieve_vs_memcpy"] == pytest.approx(row["retrieve_gbps"] / row["memcpy_gbps"])
         assert row["store_gbps"] > 0
     assert result["lookup_10k_ms"] > 0 and result["pipeline"]["store_us_per_block"] > 0
+
+
+def test_demo_runs_on_the_local_shared_memory_backend(tmp_path: Path) -> None:
+    proc = run("-m", "kvflow.cli", "demo", "--backend", f"local://{tmp_path}/store", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["verified"] is True and summary["blocks_retrieved"] > 0
+    assert any((tmp_path / "store").rglob("*")), "the demo wrote no object files"

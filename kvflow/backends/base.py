@@ -39,7 +39,8 @@ class GetStatus(enum.Enum):
     """What happened to one object of a get batch."""
 
     HIT = "hit"  # every region was filled with the object's bytes
-    MISS = "miss"  # no such key; the regions were not touched
+    MISS = "miss"  # no whole object for this key; the regions do not hold it (a backend may have
+    # written them before detecting damage, so a MISS never promises they are untouched)
     FAILED = "failed"  # an error; the regions may hold partial data and must not be used
 
 

@@ -1,0 +1,248 @@
+"""The on-disk format of the local backend: object files, their names, and raw region I/O.
+
+An object file is a 64-byte header followed by the payload (the object's bytes)::
+
+    offset  size  field
+    0       8     magic b"KVFLOBJ1"
+    8       2     format version (1)
+    10      2     flags (0)
+    12      4     header size (64)
+    16      8     payload length in bytes
+    24      8     checksum: xxh3-64 of the payload, then of this header with the checksum zeroed
+    32      16    blake2b-128 digest of the key (the file name may be a digest of a long key)
+    48      16    reserved, zero
+
+Copies go straight between the caller's regions and the file with ``preadv``/``pwritev``: one kernel
+copy, no Python-level buffer in between. Everything here is synchronous and thread-agnostic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import string
+import struct
+from collections.abc import Callable, Sequence
+
+import attrs
+
+try:
+    import xxhash
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    from kvflow.errors import MissingDependencyError
+
+    raise MissingDependencyError("xxhash", "local", "the local shared-memory backend") from exc
+
+__all__ = [
+    "HEADER_SIZE",
+    "Header",
+    "TempName",
+    "WriterId",
+    "key_digest",
+    "object_file_is_bad",
+    "object_file_name",
+    "payload_checksum",
+    "read_into",
+    "region_views",
+    "write_from",
+]
+
+HEADER_SIZE = 64
+_MAGIC = b"KVFLOBJ1"
+_VERSION = 1
+_HEADER = struct.Struct("<8sHHIQQ16s16s")
+_RESERVED = bytes(16)
+assert _HEADER.size == HEADER_SIZE
+
+_IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
+_MAX_NAME = 200  # bytes; file names are limited to 255 on every Linux filesystem
+_SAFE = frozenset(string.ascii_letters + string.digits + "-_.,=+@")
+_PLAIN = re.compile(r"[A-Za-z0-9\-_,=+@][A-Za-z0-9\-_.,=+@]*")  # needs no escaping
+
+
+def key_digest(key: str) -> bytes:
+    """The 16-byte digest of a key that every object file records."""
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def object_file_name(key: str) -> str:
+    """The file name of a key's object: the key with unsafe bytes %-escaped, or ``~`` + a digest.
+
+    The mapping is injective: escaped names never start with ``~`` (it is escaped), and a digest
+    name is used only when the escaped form is empty or longer than 200 bytes.
+    """
+    if len(key) <= _MAX_NAME and _PLAIN.fullmatch(key):
+        return key
+    raw = key.encode()
+    escaped = "".join(
+        chr(b) if chr(b) in _SAFE and not (i == 0 and b == 0x2E) else f"%{b:02X}" for i, b in enumerate(raw)
+    )
+    if 0 < len(escaped) <= _MAX_NAME:
+        return escaped
+    return "~" + hashlib.blake2b(raw, digest_size=20).hexdigest()
+
+
+@attrs.frozen(slots=True)
+class Header:
+    """The fixed header of an object file."""
+
+    payload_len: int
+    checksum: int
+    digest: bytes
+
+    @classmethod
+    def sealed(cls, payload_len: int, digest: bytes, views: Sequence[memoryview]) -> Header:
+        """The header of a payload held in ``views``, with its checksum computed."""
+        return cls(payload_len, payload_checksum(views, cls(payload_len, 0, digest)), digest)
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            _MAGIC, _VERSION, 0, HEADER_SIZE, self.payload_len, self.checksum, self.digest, _RESERVED
+        )
+
+    def checked_part(self) -> bytes:
+        """The header bytes the checksum covers (the checksum field zeroed)."""
+        return _HEADER.pack(_MAGIC, _VERSION, 0, HEADER_SIZE, self.payload_len, 0, self.digest, _RESERVED)
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> Header | None:
+        """The header at the start of ``buf``, or None when it is not a valid version-1 header."""
+        if len(buf) < HEADER_SIZE:
+            return None
+        magic, version, flags, size, payload_len, checksum, digest, reserved = _HEADER.unpack_from(buf)
+        if (magic, version, flags, size, reserved) != (_MAGIC, _VERSION, 0, HEADER_SIZE, _RESERVED):
+            return None
+        return cls(payload_len, checksum, digest)
+
+
+def payload_checksum(views: Sequence[memoryview], header: Header) -> int:
+    """xxh3-64 over the payload regions in order, then over the header's checked part."""
+    hasher = xxhash.xxh3_64()
+    for view in views:
+        hasher.update(view)
+    hasher.update(header.checked_part())
+    return hasher.intdigest()
+
+
+def object_file_is_bad(path: str, key: str) -> bool:
+    """Whether the object file at ``path`` is not a whole object of ``key`` (reads it all: rare path)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return True
+    header = Header.unpack(data)
+    if header is None or header.digest != key_digest(key) or len(data) != HEADER_SIZE + header.payload_len:
+        return True
+    return payload_checksum([memoryview(data)[HEADER_SIZE:]], header) != header.checksum
+
+
+def region_views(addrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+    """Writable views of raw memory regions (skipping empty ones); valid while the memory is."""
+    return [memoryview((ctypes.c_char * size).from_address(addr)) for addr, size in zip(addrs, sizes) if size]
+
+
+def _advance(bufs: list[memoryview], done: int) -> list[memoryview]:
+    """The buffers left after the first ``done`` bytes of ``bufs``."""
+    for i, buf in enumerate(bufs):
+        if done < buf.nbytes:
+            return [buf[done:], *bufs[i + 1 :]]
+        done -= buf.nbytes
+    return []
+
+
+def _transfer(
+    call: Callable[[int, list[memoryview], int], int], fd: int, bufs: list[memoryview], offset: int
+) -> int:
+    total = 0
+    while bufs:
+        batch = bufs[:_IOV_MAX]
+        want = sum(b.nbytes for b in batch)
+        done = call(fd, batch, offset + total)
+        total += done
+        if done == 0:
+            break  # end of file (reads only; a write of 0 bytes cannot happen for want > 0)
+        bufs = bufs[len(batch) :] if done == want else _advance(bufs, done)
+    return total
+
+
+def write_from(fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> None:
+    """Write ``bufs`` back to back at ``offset``; raises OSError (e.g. ENOSPC) on failure."""
+    views = [memoryview(b) for b in bufs]
+    want = sum(v.nbytes for v in views)
+    if _transfer(os.pwritev, fd, views, offset) != want:
+        raise OSError(f"short write to file descriptor {fd}")
+
+
+def read_into(fd: int, bufs: Sequence[memoryview | bytearray], offset: int) -> int:
+    """Fill ``bufs`` from ``offset``; returns the bytes read (fewer at end of file)."""
+    return _transfer(os.preadv, fd, [memoryview(b) for b in bufs], offset)
+
+
+# --- temp files and the writers that own them ---------------------------------------------------
+
+
+def _read_start_time(pid: int | str) -> int | None:
+    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+@attrs.frozen(slots=True)
+class WriterId:
+    """A process, named so that a reused pid or a foreign pid namespace is never taken for it.
+
+    ``namespace`` 0 means unknown (no /proc): such writers are never judged dead.
+    """
+
+    namespace: int
+    pid: int
+    start: int
+
+    @classmethod
+    def current(cls) -> WriterId:
+        return cls(_pid_namespace(), os.getpid(), _read_start_time("self") or 0)
+
+    def is_alive(self, me: WriterId) -> bool:
+        """Whether this writer may still be running, as seen from process ``me`` (conservative)."""
+        if self.namespace == 0 or self.namespace != me.namespace:
+            return True  # cannot tell from here
+        if self.pid == me.pid:
+            return self.start == me.start
+        start = _read_start_time(self.pid)
+        return start is not None and start == self.start
+
+
+@attrs.frozen(slots=True)
+class TempName:
+    """``<ns>.<pid>.<start>.<reserved>.<token>.tmp``: a write in flight and the bytes it reserved."""
+
+    writer: WriterId
+    reserved: int
+    token: str
+
+    def format(self) -> str:
+        w = self.writer
+        return f"{w.namespace}.{w.pid}.{w.start}.{self.reserved}.{self.token}.tmp"
+
+    @classmethod
+    def parse(cls, name: str) -> TempName | None:
+        parts = name.split(".")
+        if len(parts) != 6 or parts[5] != "tmp" or not all(p.isdigit() for p in parts[:4]):
+            return None
+        ns, pid, start, reserved = (int(p) for p in parts[:4])
+        return cls(WriterId(ns, pid, start), reserved, parts[4])

@@ -1,0 +1,409 @@
+"""The local backend's byte budget, shared by every process that opens the same directory.
+
+Directory layout::
+
+    <root>/kvflow.lock   flock(2) target; holds the shared usage counter (16 bytes)
+    <root>/objects/      published objects, immutable once linked here
+    <root>/tmp/          writes in flight: ``TempName`` files, each reserving its bytes
+
+Usage is "file sizes of every object + bytes reserved by every temp file". Every change of it
+happens inside a *section*: the exclusive flock held, no ``await`` inside. Sections are short (a
+few syscalls per object) except a *scan*, which lists the temp files and the objects, recounts usage
+from them and rebuilds this process's eviction candidate list. The counter in the lock file is only
+a cache of that truth: a process killed inside a section skews it by at most that section's bytes,
+until the next scan; opening a directory that holds dead writers' temp files removes them and
+recounts.
+
+Eviction is LRU by file mtime: a hit or a repeated put sets the mtime to "now". A scan sorts the
+objects oldest first; popping a candidate re-checks its inode and mtime, so an object touched since
+the scan is skipped (it is no longer least recently used) and the order stays exact. An evicted
+file is not freed but renamed into ``tmp/`` as the new writer's temp file: its pages are
+reused, which on tmpfs saves allocating, zeroing and freeing them (the dominant cost of a put).
+
+Each instance belongs to one event loop; the flock belongs to its own open file description, so
+two instances in one process exclude each other like two processes do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import stat
+import struct
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+import anyio
+import attrs
+
+from kvflow.backends.base import PutStatus
+from kvflow.backends.local_format import TempName, WriterId
+from kvflow.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["Reservation", "SpaceLedger"]
+
+logger = logging.getLogger(__name__)
+
+_COUNTER = struct.Struct("<8sQ")
+_COUNTER_MAGIC = b"KVFLUSE1"
+_BACKOFF_MIN_S = 50e-6
+_BACKOFF_MAX_S = 2e-3
+
+
+@attrs.define
+class Reservation:
+    """Bytes reserved for one object being written, and the temp file that holds them.
+
+    The writer owns ``fd`` (open for writing) until it closes it and sets it to -1.
+    ``reused_size`` is the current size of a recycled file, or -1 for a new empty file.
+    ``settled`` turns true once the object is published or the reservation released: from then on
+    the bytes belong to the object (or to nobody) and releasing it again does nothing.
+    """
+
+    name: str
+    nbytes: int
+    fd: int
+    reused_size: int = -1
+    settled: bool = False
+
+
+@attrs.frozen(slots=True, order=True)
+class _Candidate:
+    mtime_ns: int
+    name: str
+    ino: int
+    size: int
+
+
+@attrs.define
+class SpaceLedger:
+    """The shared budget of one directory, seen from one backend instance.
+
+    Call :meth:`locked` from the owning event loop; call the other public methods only inside it.
+    """
+
+    root: str
+    capacity: int
+    lock_fd: int
+    writer: WriterId = attrs.field(factory=WriterId.current)
+    used: int = 0
+    evictions: int = 0
+    _candidates: deque[_Candidate] = attrs.field(factory=deque)
+    _rescanned: bool = False
+    _pending: set[str] = attrs.field(factory=set)  # temp files made in this section, not yet in used
+    _token: str = attrs.field(factory=lambda: secrets.token_hex(4))
+    _seq: int = 0
+
+    objects_dir: str = attrs.field(init=False)
+    tmp_dir: str = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.objects_dir = os.path.join(self.root, "objects")
+        self.tmp_dir = os.path.join(self.root, "tmp")
+
+    @classmethod
+    def open(cls, path: str, capacity: int, lock_timeout_s: float) -> SpaceLedger:
+        """Create or open the directory, prove it usable, and clean up after dead writers.
+
+        Raises ConfigError for a directory this process cannot use.
+        """
+        root = os.path.abspath(path)
+        try:
+            os.makedirs(os.path.join(root, "objects"), exist_ok=True)
+            os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+            fd = os.open(os.path.join(root, "kvflow.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(
+                f"the local backend cannot use {root}: {exc.strerror or exc}; give a directory this "
+                "process can create and write, e.g. local:///dev/shm/kvflow"
+            ) from exc
+        ledger = cls(root, capacity, fd)
+        try:
+            ledger._check_links()
+            with ledger.locked_blocking(lock_timeout_s):
+                ledger.recover()
+        except TimeoutError as exc:
+            os.close(fd)
+            raise BackendUnavailableError(f"cannot open the local backend: {exc}") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        vfs = os.statvfs(root)
+        if capacity > vfs.f_blocks * vfs.f_frsize:
+            logger.warning(
+                "local backend capacity %d exceeds the size of the filesystem of %s (%d bytes); "
+                "puts will report NO_SPACE when it fills",
+                capacity,
+                root,
+                vfs.f_blocks * vfs.f_frsize,
+            )
+        logger.debug("local backend opened %s (capacity %d, used %d)", root, capacity, ledger.used)
+        return ledger
+
+    def _check_links(self) -> None:
+        """Create, hard-link and remove a probe file: proves the directory is writable and links work."""
+        probe = f"{self.tmp_dir}/probe.{os.getpid()}.{time.monotonic_ns()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            try:
+                os.link(probe, probe + ".link")
+                os.unlink(probe + ".link")
+            finally:
+                os.unlink(probe)
+        except OSError as exc:
+            raise ConfigError(
+                f"the local backend cannot write objects in {self.root}: {exc.strerror or exc}. It needs "
+                "a writable directory on a local filesystem with hard links (tmpfs, ext4, xfs), "
+                "e.g. local:///dev/shm/kvflow"
+            ) from exc
+
+    # --- the lock -------------------------------------------------------------------------------
+
+    def _try_lock(self) -> bool:
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _begin(self) -> None:
+        """Load the counter (or recount it) once the lock is held; unlocks again if that fails."""
+        try:
+            data = os.pread(self.lock_fd, _COUNTER.size, 0)
+            self._rescanned = False
+            self._pending.clear()
+            if len(data) == _COUNTER.size:
+                magic, used = _COUNTER.unpack(data)
+                if magic == _COUNTER_MAGIC:
+                    self.used = used
+                    return
+            self.scan()
+        except BaseException:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+            raise
+
+    def _end(self) -> None:
+        try:
+            os.pwrite(self.lock_fd, _COUNTER.pack(_COUNTER_MAGIC, max(self.used, 0)), 0)
+        finally:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+
+    @contextlib.asynccontextmanager
+    async def locked(self, timeout_s: float) -> AsyncIterator[None]:
+        """Hold the directory lock for one section; the body must not await.
+
+        Waits by polling with backoff so the event loop keeps running; raises TimeoutError after
+        ``timeout_s``.
+        """
+        delay = _BACKOFF_MIN_S
+        deadline = time.monotonic() + timeout_s
+        while not self._try_lock():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"waited {timeout_s}s for the lock {os.path.join(self.root, 'kvflow.lock')}; "
+                    "another process holds it: look for a stopped or stuck kvflow process"
+                )
+            await anyio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_MAX_S)
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
+
+    @contextlib.contextmanager
+    def locked_blocking(self, timeout_s: float) -> Iterator[None]:
+        """:meth:`locked` for synchronous set-up code (the constructor); sleeps while waiting."""
+        deadline = time.monotonic() + timeout_s
+        while not self._try_lock():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout_s}s for the lock in {self.root}")
+            time.sleep(_BACKOFF_MAX_S)
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
+
+    # --- sections -------------------------------------------------------------------------------
+
+    def reserve(self, sizes: Sequence[int]) -> list[Reservation | PutStatus]:
+        """Reserve ``sizes[i]`` bytes for each object, evicting LRU objects to make room.
+
+        Each result is a reservation, or the status to report (``NO_SPACE``, ``FAILED``). The first
+        victim evicted for an object becomes that object's temp file.
+        """
+        results: list[Reservation | PutStatus] = []
+        for nbytes in sizes:
+            try:
+                results.append(self._reserve_one(nbytes))
+            except OSError as exc:
+                logger.debug("cannot reserve %d bytes in %s: %s", nbytes, self.root, exc)
+                no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                results.append(PutStatus.NO_SPACE if no_space else PutStatus.FAILED)
+            finally:
+                for name in self._pending:  # a recycled file that did not become a reservation
+                    self._unlink(self._temp(name))
+                self._pending.clear()
+        return results
+
+    def _reserve_one(self, nbytes: int) -> Reservation | PutStatus:
+        if nbytes > self.capacity:
+            return PutStatus.NO_SPACE
+        recycled: _Candidate | None = None
+        while self.used + nbytes > self.capacity:
+            victim = self._next_victim()
+            if victim is None:
+                break
+            if recycled is None:
+                name = self._new_temp_name(nbytes)
+                try:
+                    os.rename(self._object(victim.name), self._temp(name))
+                except FileNotFoundError:
+                    continue
+                self._pending.add(name)
+                recycled = attrs.evolve(victim, name=name)
+            else:
+                self._unlink(self._object(victim.name))
+            self.evictions += 1
+            self.used -= victim.size
+        if self.used + nbytes > self.capacity:
+            return PutStatus.NO_SPACE  # a recycled victim is removed by the caller
+        reservation = self._open_reservation(nbytes, recycled)
+        self._pending.discard(reservation.name)
+        self.used += nbytes
+        return reservation
+
+    def release(self, reservations: Sequence[Reservation]) -> None:
+        """Give back reservations whose objects were not published, removing their temp files."""
+        for res in reservations:
+            if res.fd >= 0:
+                os.close(res.fd)
+                res.fd = -1
+            if not res.settled:
+                self._unlink(self._temp(res.name))
+                self.used -= res.nbytes
+                res.settled = True
+
+    def remove_if(self, name: str, is_bad: Callable[[str], bool]) -> bool:
+        """Remove object ``name`` if ``is_bad(path)`` still says so (checked under the lock)."""
+        path = self._object(name)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return False
+        if not is_bad(path):
+            return False
+        self._unlink(path)
+        self.used -= size
+        return True
+
+    def scan(self) -> None:
+        """Recount usage from the files, drop dead writers' temp files, rebuild the candidates."""
+        started = time.monotonic()
+        self._rescanned = True
+        # Temp files first: a write published meanwhile is then counted once or twice, never zero times.
+        used = self._clean_temp_files()[0]
+        candidates: list[_Candidate] = []
+        with os.scandir(self.objects_dir) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                used += st.st_size
+                candidates.append(_Candidate(st.st_mtime_ns, entry.name, st.st_ino, st.st_size))
+        candidates.sort()
+        self._candidates = deque(candidates)
+        self.used = used
+        logger.debug(
+            "scanned %s: %d objects, %d bytes in use, %.1f ms",
+            self.root,
+            len(candidates),
+            self.used,
+            (time.monotonic() - started) * 1e3,
+        )
+
+    def recover(self) -> None:
+        """Remove temp files of dead writers; if there were any, recount usage from the files."""
+        if self._clean_temp_files()[1]:
+            self.scan()
+
+    def _clean_temp_files(self) -> tuple[int, int]:
+        """Remove temp files of dead writers; return (bytes live ones reserve, files removed).
+
+        A live writer's file counts in full even when it is already linked as an object (erring
+        high for a moment rather than low).
+        """
+        live = removed = 0
+        alive: dict[WriterId, bool] = {}
+        with os.scandir(self.tmp_dir) as entries:
+            for entry in entries:
+                temp = TempName.parse(entry.name)
+                if temp is None or entry.name in self._pending:
+                    continue
+                if temp.writer not in alive:
+                    alive[temp.writer] = temp.writer.is_alive(self.writer)
+                if alive[temp.writer]:
+                    live += temp.reserved
+                    continue
+                self._unlink(entry.path)
+                removed += 1
+                logger.debug("removed %s, left by dead process %d", entry.path, temp.writer.pid)
+        return live, removed
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _next_victim(self) -> _Candidate | None:
+        while True:
+            if not self._candidates:
+                if self._rescanned:
+                    return None
+                self.scan()
+                continue
+            candidate = self._candidates.popleft()
+            try:
+                st = os.stat(self._object(candidate.name))
+            except FileNotFoundError:
+                continue
+            if st.st_ino == candidate.ino and st.st_mtime_ns == candidate.mtime_ns:
+                return attrs.evolve(candidate, size=st.st_size)
+
+    def _open_reservation(self, nbytes: int, recycled: _Candidate | None) -> Reservation:
+        if recycled is not None:
+            try:
+                fd = os.open(self._temp(recycled.name), os.O_WRONLY | os.O_CLOEXEC)
+                return Reservation(recycled.name, nbytes, fd, reused_size=recycled.size)
+            except OSError:  # e.g. another user's file: start afresh
+                self._unlink(self._temp(recycled.name))
+                self._pending.discard(recycled.name)
+        name = self._new_temp_name(nbytes)
+        fd = os.open(self._temp(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        return Reservation(name, nbytes, fd)
+
+    def _new_temp_name(self, nbytes: int) -> str:
+        self._seq += 1
+        return TempName(self.writer, nbytes, f"{self._token}{self._seq:x}").format()
+
+    def _object(self, name: str) -> str:
+        return f"{self.objects_dir}/{name}"
+
+    def _temp(self, name: str) -> str:
+        return f"{self.tmp_dir}/{name}"
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                logger.warning("could not remove %s: %s", path, exc)

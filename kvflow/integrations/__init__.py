@@ -1,0 +1,1 @@
+"""Integrations with inference engines (vLLM); each loads its engine lazily."""

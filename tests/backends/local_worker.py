@@ -1,0 +1,122 @@
+"""A separate OS process using the local backend, driven by tests/backends/test_local.py.
+
+    python tests/backends/local_worker.py '<json spec>'
+
+It opens the store, prints ``READY``, waits for a line on stdin (so that every worker starts at
+once), runs its rounds and prints one JSON report line. Spec keys: dir, capacity, writer (0-255),
+keys, size, rounds, batch, seed, and pause (put the first key and stop mid-write: prints
+``PAUSED <temp file>`` and sleeps until killed).
+
+Objects are ``size`` bytes split into three regions that lie out of order in memory, so every put
+gathers and every get scatters. Byte 0 of an object is its writer; the rest is a pseudo-random
+stream seeded by (key, writer), so a reader can check every byte of whatever version it got.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def content(key: str, writer: int, size: int) -> bytes:
+    """The bytes writer ``writer`` stores under ``key``."""
+    return bytes([writer]) + random.Random(f"{key}/{writer}").randbytes(size - 1)
+
+
+def regions(addr: int, size: int) -> tuple[list[int], list[int]]:
+    """Three regions of a ``size``-byte buffer at ``addr``, listed out of memory order."""
+    a, b = size // 4, size // 2
+    return [addr + b, addr, addr + a], [size - b, a, b - a]
+
+
+def _flatten(buf: bytearray) -> bytes:
+    """The object a buffer holds, in the order :func:`regions` lists them."""
+    size = len(buf)
+    a, b = size // 4, size // 2
+    return bytes(buf[b:] + buf[:a] + buf[a:b])
+
+
+def _unflatten(data: bytes) -> bytearray:
+    """The buffer whose regions (as :func:`regions` lists them) hold ``data``."""
+    size = len(data)
+    a, b = size // 4, size // 2
+    head = size - b
+    return bytearray(data[head : head + a] + data[head + a :] + data[:head])
+
+
+def check(key: str, data: bytes, writers: int) -> str | None:
+    """None when ``data`` is one writer's whole version of ``key``; else what is wrong."""
+    if not data or data[0] >= writers:
+        return f"{key}: writer byte {data[:1]!r} out of range"
+    if data != content(key, data[0], len(data)):
+        return f"{key}: bytes differ from writer {data[0]}'s version"
+    return None
+
+
+def _light_import() -> None:
+    """Import the backend without ``kvflow/__init__`` (which loads torch: seconds per process)."""
+    package = types.ModuleType("kvflow")
+    package.__path__ = [str(ROOT / "kvflow")]
+    sys.modules.setdefault("kvflow", package)
+
+
+async def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    import kvflow.backends.local as local
+    from kvflow.backends.base import GetStatus, ObjectRef
+    from kvflow.regions import buffer_address
+
+    backend = local.LocalBackend(local.LocalConfig(spec["dir"], capacity_bytes=spec["capacity"]))
+    size, writer, writers = spec["size"], spec["writer"], spec.get("writers", 256)
+    if spec.get("pause"):
+
+        def pause(temp: str) -> None:
+            print(f"PAUSED {temp}", flush=True)
+            time.sleep(600)
+
+        local._mid_write_hook = pause
+    print("READY", flush=True)
+    sys.stdin.readline()
+
+    report: dict[str, Any] = {"torn": [], "seen": {}, "put": {}, "get": {}}
+    rng = random.Random(spec.get("seed", writer))
+    keys = list(spec["keys"])
+    for _ in range(spec.get("rounds", 1)):
+        rng.shuffle(keys)
+        for start in range(0, len(keys), spec.get("batch", 8)):
+            batch = keys[start : start + spec.get("batch", 8)]
+            sources = [_unflatten(content(key, writer, size)) for key in batch]
+            refs = [ObjectRef.of(k, *regions(buffer_address(s), size)) for k, s in zip(batch, sources)]
+            for put_status in await backend.put(refs):
+                report["put"][put_status.value] = report["put"].get(put_status.value, 0) + 1
+            targets = [bytearray(size) for _ in batch]
+            refs = [ObjectRef.of(k, *regions(buffer_address(t), size)) for k, t in zip(batch, targets)]
+            for key, target, status in zip(batch, targets, await backend.get(refs)):
+                report["get"][status.value] = report["get"].get(status.value, 0) + 1
+                if status is GetStatus.HIT:
+                    data = _flatten(target)
+                    problem = check(key, data, writers)
+                    if problem:
+                        report["torn"].append(problem)
+                    report["seen"].setdefault(key, []).append(data[0])
+    report["evictions"] = backend.stats().evictions
+    await backend.aclose()
+    return report
+
+
+def main() -> None:
+    _light_import()
+    import anyio
+
+    spec = json.loads(sys.argv[1])
+    print(json.dumps(anyio.run(_run, spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

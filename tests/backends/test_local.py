@@ -1,0 +1,558 @@
+"""The local backend: format, budget and eviction, faults, and real concurrent OS processes."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvflow.backends.local as local
+from kvflow.backends import open_backend
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.backends.local import LocalBackend, LocalConfig
+from kvflow.backends.local_format import (
+    HEADER_SIZE,
+    Header,
+    TempName,
+    WriterId,
+    object_file_name,
+)
+from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.regions import buffer_address
+from tests.backends.local_worker import check, content, regions
+
+WORKER = Path(__file__).with_name("local_worker.py")
+KiB = 1024
+_alive: list[bytearray] = []  # buffers behind ObjectRefs (which hold bare addresses) live to test end
+
+
+@pytest.fixture(autouse=True)
+def _release_buffers() -> Iterator[None]:
+    yield
+    _alive.clear()
+
+
+def ref(key: str, buf: bytearray, splits: list[int] | None = None) -> ObjectRef:
+    """An object over ``buf``, cut at ``splits`` (offsets) into consecutive regions; keeps ``buf`` alive."""
+    _alive.append(buf)
+    cuts = [0, *(splits or []), len(buf)]
+    addr = buffer_address(buf) if buf else 0
+    return ObjectRef.of(key, [addr + a for a in cuts[:-1]], [b - a for a, b in itertools.pairwise(cuts)])
+
+
+def payload(key: str, size: int) -> bytearray:
+    return bytearray(content(key, 0, size)) if size else bytearray()
+
+
+def open_store(path: Path, capacity: int = 64 << 20) -> LocalBackend:
+    return LocalBackend(LocalConfig(str(path), capacity_bytes=capacity))
+
+
+def object_files(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (path / "objects").iterdir()}
+
+
+# --- configuration and set-up ------------------------------------------------------------------
+
+
+def test_url_parameters() -> None:
+    assert LocalConfig.from_url("local://") == LocalConfig()
+    assert LocalConfig().path == "/dev/shm/kvflow"
+    cfg = LocalConfig.from_url("local:///mnt/nvme/kv%20cache?capacity=8GiB&lock_timeout=2.5")
+    assert cfg == LocalConfig("/mnt/nvme/kv cache", 8 << 30, 2.5)
+    for bad in (
+        "local://dev/shm/kvflow",  # a host, not a path
+        "local:///x?size=1GiB",
+        "local:///x?capacity=lots",
+        "local:///x?capacity=0",
+        "local:///x?lock_timeout=soon",
+        "memory:///x",
+    ):
+        with pytest.raises(ConfigError):
+            LocalConfig.from_url(bad)
+
+
+async def test_open_backend_creates_missing_directory(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "store"
+    backend = open_backend(f"local://{path}?capacity=1MiB")
+    assert isinstance(backend, LocalBackend)
+    assert backend.root == str(path)
+    assert (path / "objects").is_dir() and (path / "tmp").is_dir()
+    assert backend.stats().capacity_bytes == 1 << 20
+    await backend.aclose()
+
+
+def test_unusable_directory_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    for path in (tmp_path / "file" / "store", Path("/proc/kvflow-test/store")):
+        with pytest.raises(ConfigError, match="cannot use") as info:
+            open_store(path)
+        assert str(path) in str(info.value)
+
+
+def test_read_only_directory_is_a_config_error(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    open_store(store)
+    tmp = store / "tmp"
+    if os.geteuid() == 0:
+        # root ignores permission bits: make the directory read-only with a read-only bind mount
+        subprocess.run(["mount", "--bind", str(tmp), str(tmp)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(tmp)], check=True)
+    else:
+        tmp.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="cannot write"):
+            open_store(store)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(tmp)], check=True)
+        else:
+            tmp.chmod(0o700)
+
+
+# --- the format, pure ---------------------------------------------------------------------------
+
+
+@given(st.text(max_size=300))
+def test_file_names_are_safe_and_distinct(key: str) -> None:
+    name = object_file_name(key)
+    assert 0 < len(name.encode()) <= 200
+    assert "/" not in name and "\0" not in name and not name.startswith(".")
+    other = key + "x"
+    assert object_file_name(other) != name
+
+
+def test_file_names_are_injective_on_tricky_keys() -> None:
+    keys = ["a", "%61", "~a", ".", "..", ".a", "a/b", "a%2Fb", "", "é", "x" * 200, "x" * 201, "x" * 300]
+    assert len({object_file_name(k) for k in keys}) == len(keys)
+    assert object_file_name("v1@model@fp@pcp0@dcp0@h0@pp0@ab12") == "v1@model@fp@pcp0@dcp0@h0@pp0@ab12"
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(min_size=16, max_size=16))
+def test_header_round_trip(length: int, checksum: int, digest: bytes) -> None:
+    header = Header(length, checksum, digest)
+    packed = header.pack()
+    assert len(packed) == HEADER_SIZE
+    assert Header.unpack(packed) == header
+    assert Header.unpack(b"X" + packed[1:]) is None
+
+
+@given(st.integers(0, 2**40), st.integers(1, 2**22), st.integers(0, 2**40), st.integers(0, 2**40))
+def test_temp_names_round_trip(ns: int, pid: int, start: int, reserved: int) -> None:
+    name = TempName(WriterId(ns, pid, start), reserved, "ab12cd")
+    assert TempName.parse(name.format()) == name
+    assert TempName.parse("probe.12.34") is None
+
+
+# --- one process ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), size=st.integers(0, 300 * KiB))
+def test_round_trip_through_any_region_split(tmp_path: Path, data: st.DataObject, size: int) -> None:
+    cut = st.lists(st.integers(0, size), max_size=5).map(sorted)
+    put_cuts, get_cuts = data.draw(cut), data.draw(cut)
+    key = f"k{size}-{put_cuts}-{get_cuts}"
+    source, target = payload(key, size), bytearray(size)
+
+    async def scenario() -> None:
+        backend = open_store(Path(tempfile.mkdtemp(dir=tmp_path)))
+        assert await backend.put([ref(key, source, put_cuts)]) == [PutStatus.STORED]
+        assert await backend.get([ref(key, target, get_cuts)]) == [GetStatus.HIT]
+        await backend.aclose()
+
+    anyio.run(scenario)
+    assert target == source
+
+
+async def test_put_never_overwrites_and_get_checks_size(tmp_path: Path) -> None:
+    backend = open_store(tmp_path)
+    first, second = payload("a", 1000), payload("b", 1000)
+    assert await backend.put([ref("k", first), ref("k", second)]) == [PutStatus.STORED, PutStatus.PRESENT]
+    assert await backend.put([ref("k", second)]) == [PutStatus.PRESENT]
+    target = bytearray(1000)
+    assert await backend.get([ref("k", target), ref("nope", bytearray(10))]) == [
+        GetStatus.HIT,
+        GetStatus.MISS,
+    ]
+    assert target == first
+    assert await backend.get([ref("k", bytearray(999)), ref("k", bytearray(1001))]) == [
+        GetStatus.FAILED,
+        GetStatus.FAILED,
+    ]
+    assert await backend.exists(["k", "nope"]) == [True, False]
+    stats = backend.stats()
+    assert (stats.puts, stats.present, stats.hits, stats.misses, stats.get_failures) == (1, 2, 1, 1, 2)
+    assert stats.used_bytes == HEADER_SIZE + 1000 == await backend.usage()
+    await backend.aclose()
+    with pytest.raises(PoolClosedError):
+        await backend.get([ref("k", target)])
+
+
+async def test_object_larger_than_capacity_is_no_space(tmp_path: Path) -> None:
+    backend = open_store(tmp_path, capacity=4 * KiB)
+    big, small = payload("big", 4 * KiB), payload("small", 100)
+    assert await backend.put([ref("big", big), ref("small", small)]) == [PutStatus.NO_SPACE, PutStatus.STORED]
+    assert await backend.exists(["big", "small"]) == [False, True]
+    await backend.aclose()
+
+
+async def test_full_filesystem_is_no_space_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = open_store(tmp_path)
+    real_pwritev = os.pwritev
+
+    def full(fd: int, buffers: Any, offset: int) -> int:
+        real_pwritev(fd, [memoryview(buffers[0])[:10]], offset)  # a partial write, then the error
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    assert await backend.put([ref("k", payload("k", 5000))]) == [PutStatus.NO_SPACE]
+    monkeypatch.undo()
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert await backend.exists(["k"]) == [False]
+    assert backend.stats().used_bytes == 0 == await backend.usage()
+    assert await backend.put([ref("k", payload("k", 5000))]) == [PutStatus.STORED]
+    await backend.aclose()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (needs root; skipped elsewhere)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+async def test_real_full_tmpfs_is_no_space(small_tmpfs: Path) -> None:
+    backend = open_store(small_tmpfs / "store", capacity=64 << 20)  # the budget exceeds the tmpfs
+    data = payload("big", 700 * KiB)
+    assert await backend.put([ref("a", data)]) == [PutStatus.STORED]
+    assert await backend.put([ref("b", data)]) == [PutStatus.NO_SPACE]
+    assert list((small_tmpfs / "store" / "tmp").iterdir()) == []
+    target = bytearray(len(data))
+    assert await backend.get([ref("a", target), ref("b", bytearray(len(data)))]) == [
+        GetStatus.HIT,
+        GetStatus.MISS,
+    ]
+    assert target == data
+    await backend.aclose()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(position=st.integers(0, HEADER_SIZE + 3000 - 1), flip=st.integers(1, 255))
+def test_any_corrupted_byte_is_a_miss_and_removes_the_file(tmp_path: Path, position: int, flip: int) -> None:
+    async def scenario() -> None:
+        backend = open_store(Path(tempfile.mkdtemp(dir=tmp_path)))
+        source = payload("k", 3000)
+        assert await backend.put([ref("k", source, [1000])]) == [PutStatus.STORED]
+        path = Path(backend.root) / "objects" / "k"
+        data = bytearray(path.read_bytes())
+        data[position] ^= flip
+        path.write_bytes(data)
+        target = bytearray(3000)
+        assert await backend.get([ref("k", target, [7, 2000])]) == [GetStatus.MISS]
+        assert not path.exists()
+        assert backend.stats().used_bytes == 0 == await backend.usage()
+        assert await backend.put([ref("k", source)]) == [PutStatus.STORED]  # the key is usable again
+        assert await backend.get([ref("k", target)]) == [GetStatus.HIT]
+        assert target == source
+        await backend.aclose()
+
+    anyio.run(scenario)
+
+
+async def test_eviction_is_least_recently_used(tmp_path: Path) -> None:
+    size = 10 * KiB
+    backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
+    data = {k: payload(k, size) for k in "abcdef"}
+    for key in "abcd":  # one by one: a is the oldest
+        assert await backend.put([ref(key, data[key])]) == [PutStatus.STORED]
+    assert await backend.get([ref("a", bytearray(size))]) == [GetStatus.HIT]  # a is now the newest
+    assert await backend.put([ref("b", data["b"])]) == [PutStatus.PRESENT]  # so is b, after a
+    assert await backend.put([ref("e", data["e"]), ref("f", data["f"])]) == [PutStatus.STORED] * 2
+    assert await backend.exists(list("abcdef")) == [True, True, False, False, True, True]
+    assert backend.stats().evictions == 2
+    assert sum(object_files(tmp_path).values()) == 4 * (HEADER_SIZE + size) == await backend.usage()
+    for key in "abef":  # the recycled files hold the new objects whole
+        target = bytearray(size)
+        assert await backend.get([ref(key, target)]) == [GetStatus.HIT]
+        assert target == data[key]
+    await backend.aclose()
+
+
+async def test_a_batch_keeps_its_head_longest(tmp_path: Path) -> None:
+    """Within one batch (a prefix, head first), the tail is evicted first: the head stays useful."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
+    prefix = [f"p{i}" for i in range(4)]
+    assert await backend.put([ref(k, payload(k, size)) for k in prefix]) == [PutStatus.STORED] * 4
+    assert await backend.put([ref("x", payload("x", size))]) == [PutStatus.STORED]
+    assert await backend.exists(prefix) == [True, True, True, False]
+    await backend.aclose()
+
+
+async def test_puts_and_gets_let_the_event_loop_run(tmp_path: Path) -> None:
+    """Copies run on the loop, but a batch checkpoints every 0.5 ms, so other tasks keep running."""
+    backend = open_store(tmp_path, capacity=256 << 20)
+    size, count = 1 << 20, 48
+    sources = [payload(f"k{i}", size) for i in range(count)]
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()
+        before = ticks
+        assert (
+            await backend.put([ref(f"k{i}", s) for i, s in enumerate(sources)]) == [PutStatus.STORED] * count
+        )
+        during_put = ticks - before
+        targets = [bytearray(size) for _ in range(count)]
+        before = ticks
+        assert await backend.get([ref(f"k{i}", t) for i, t in enumerate(targets)]) == [GetStatus.HIT] * count
+        during_get = ticks - before
+        done = True
+    assert targets == sources
+    # Without pacing each call would checkpoint once at its end (1-2 ticks).
+    assert during_put >= 4 and during_get >= 4, (during_put, during_get)
+    await backend.aclose()
+
+
+async def test_a_cancelled_put_releases_what_it_did_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = open_store(tmp_path)
+    size, count, stop_at = 64 * KiB, 20, 5
+    sources = [payload(f"k{i}", size) for i in range(count)]
+    writes = 0
+    monkeypatch.setattr(local, "_YIELD_EVERY_S", 0.0)  # checkpoint after every object
+
+    with anyio.CancelScope() as scope:
+
+        def cancel_at_fifth(temp: str) -> None:
+            nonlocal writes
+            writes += 1
+            if writes == stop_at:
+                scope.cancel()  # lands at the checkpoint after this object
+
+        monkeypatch.setattr(local, "_mid_write_hook", cancel_at_fifth)
+        await backend.put([ref(f"k{i}", s, [1000]) for i, s in enumerate(sources)])
+    assert scope.cancelled_caught
+    assert len(object_files(tmp_path)) == stop_at
+    assert list((tmp_path / "tmp").iterdir()) == []  # the 15 unwritten reservations were released
+    assert backend.stats().used_bytes == stop_at * (HEADER_SIZE + size) == await backend.usage()
+    await backend.aclose()
+
+
+async def test_dead_writers_temp_files_are_removed_at_open(tmp_path: Path) -> None:
+    backend = open_store(tmp_path)
+    me = WriterId.current()
+    dead = WriterId(me.namespace, me.pid, me.start + 1)  # this pid, but another (earlier) process
+    foreign = WriterId(me.namespace + 1, 1, 1)  # another pid namespace: cannot judge, keep
+    tmp = tmp_path / "tmp"
+    (tmp / TempName(dead, 5000, "aa").format()).write_bytes(b"x" * 3000)
+    (tmp / TempName(foreign, 7000, "bb").format()).write_bytes(b"y")
+    await backend.aclose()
+    backend = open_store(tmp_path)
+    assert [p.name for p in tmp.iterdir()] == [TempName(foreign, 7000, "bb").format()]
+    assert await backend.usage() == 7000  # the foreign writer's reservation still counts
+    await backend.aclose()
+
+
+# --- several OS processes ---------------------------------------------------------------------
+
+
+class Workers:
+    """Worker processes started together; each returns one JSON report."""
+
+    def __init__(self, specs: list[dict[str, Any]]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(WORKER.parents[2])}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for spec in specs
+        ]
+
+    def wait_for(self, proc: subprocess.Popen[str], prefix: str, timeout: float = 30) -> str:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith(prefix):
+                return line.strip()
+            if not line and proc.poll() is not None:
+                break
+        raise AssertionError(f"worker {proc.pid} never printed {prefix!r} (exit code {proc.poll()})")
+
+    def run(self, timeout: float = 60) -> list[dict[str, Any]]:
+        for proc in self.procs:
+            self.wait_for(proc, "READY")
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        reports = []
+        for proc in self.procs:
+            out, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"worker {proc.pid} exited with {proc.returncode}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        return reports
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+async def read_all(backend: LocalBackend, keys: list[str], size: int, writers: int) -> dict[str, int]:
+    """Get every key; check every hit's bytes; return key -> writer of the version found."""
+    found: dict[str, int] = {}
+    for key in keys:
+        target = bytearray(size)
+        status = (await backend.get([ObjectRef.of(key, *regions(buffer_address(target), size))]))[0]
+        if status is GetStatus.HIT:
+            a, b = size // 4, size // 2
+            data = bytes(target[b:] + target[:a] + target[a:b])
+            assert check(key, data, writers) is None
+            found[key] = data[0]
+        else:
+            assert status is GetStatus.MISS
+    return found
+
+
+async def test_concurrent_processes_see_whole_objects_and_first_writer_wins(tmp_path: Path) -> None:
+    keys = [f"shared-{i}" for i in range(40)]
+    size, writers = 48 * KiB + 3, 3
+    specs = [
+        {"dir": str(tmp_path), "capacity": 64 << 20, "writer": w, "writers": writers, "keys": keys,
+         "size": size, "rounds": 3, "batch": 8, "seed": w}
+        for w in range(writers)
+    ]  # fmt: skip
+    workers = Workers(specs)
+    try:
+        reports = workers.run()
+    finally:
+        workers.kill_all()
+    assert [r["torn"] for r in reports] == [[]] * writers
+    assert all(r["get"].get("hit", 0) > 0 for r in reports)
+    assert sum(r["put"].get("stored", 0) for r in reports) == len(keys)  # each key stored exactly once
+    # Nothing is evicted (the budget is large), so every read of a key, by anyone, saw one version.
+    seen: dict[str, set[int]] = {}
+    for report in reports:
+        for key, versions in report["seen"].items():
+            seen.setdefault(key, set()).update(versions)
+    assert all(len(v) == 1 for v in seen.values()), seen
+    backend = open_store(tmp_path)
+    final = await read_all(backend, keys, size, writers)
+    assert {k: {w} for k, w in final.items()} == seen and len(final) == len(keys)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    await backend.aclose()
+
+
+async def test_eviction_under_a_small_budget_with_concurrent_writers(tmp_path: Path) -> None:
+    size, writers = 32 * KiB, 3
+    capacity = 20 * (HEADER_SIZE + size) + 100
+    shared = [f"s{i}" for i in range(20)]
+    specs = [
+        {"dir": str(tmp_path), "capacity": capacity, "writer": w, "writers": writers,
+         "keys": shared + [f"w{w}-{i}" for i in range(40)], "size": size, "rounds": 2, "batch": 6}
+        for w in range(writers)
+    ]  # fmt: skip
+    workers = Workers(specs)
+    try:
+        reports = workers.run()
+    finally:
+        workers.kill_all()
+    assert [r["torn"] for r in reports] == [[]] * writers
+    assert sum(r["evictions"] for r in reports) > 0
+    assert all(r["get"].get("hit", 0) > 0 for r in reports)
+    files = object_files(tmp_path)
+    assert sum(files.values()) <= capacity
+    assert all(s == HEADER_SIZE + size for s in files.values())
+    assert list((tmp_path / "tmp").iterdir()) == []
+    backend = open_store(tmp_path, capacity)
+    assert backend.stats().used_bytes == sum(files.values())  # the shared counter matches the files
+    keys = shared + [f"w{w}-{i}" for w in range(writers) for i in range(40)]
+    found = await read_all(backend, keys, size, writers)
+    assert len(found) == len(files)  # every object on disk is readable and whole
+    await backend.aclose()
+
+
+async def test_writer_killed_mid_write_leaves_nothing_readable(tmp_path: Path) -> None:
+    size = 40 * KiB
+    spec = {
+        "dir": str(tmp_path),
+        "capacity": 1 << 20,
+        "writer": 1,
+        "keys": ["k"],
+        "size": size,
+        "pause": True,
+    }
+    workers = Workers([spec])
+    proc = workers.procs[0]
+    try:
+        workers.wait_for(proc, "READY")
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        temp = Path(workers.wait_for(proc, "PAUSED").split(" ", 1)[1])
+        assert temp.parent == tmp_path / "tmp"
+        assert HEADER_SIZE < temp.stat().st_size < HEADER_SIZE + size  # really mid-write
+        reader = open_store(tmp_path, 1 << 20)
+        assert await reader.get([ref("k", bytearray(size))]) == [GetStatus.MISS]  # while paused
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        workers.kill_all()
+    assert await reader.get([ref("k", bytearray(size))]) == [GetStatus.MISS]
+    assert await reader.exists(["k"]) == [False]
+    assert temp.exists()  # the dead writer's leftover, until someone cleans up
+    await reader.aclose()
+
+    backend = open_store(tmp_path, 1 << 20)  # opening cleans up after dead processes
+    assert not temp.exists()
+    assert backend.stats().used_bytes == 0 == await backend.usage()
+    source = payload("k", size)
+    assert await backend.put([ref("k", source, [100, 30000])]) == [PutStatus.STORED]
+    target = bytearray(size)
+    assert await backend.get([ref("k", target)]) == [GetStatus.HIT]
+    assert target == source
+    await backend.aclose()
