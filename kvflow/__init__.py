@@ -6,6 +6,7 @@ Core (this package) imports without vLLM, Mooncake or torch_npu.
 from kvflow.backends import Backend, BackendStats, GetStatus, ObjectRef, PutStatus, open_backend
 from kvflow.backends.memory import MemoryBackend
 from kvflow.config import PoolConfig
+from kvflow.engine import LayerwiseEngine, StepResult
 from kvflow.errors import (
     BackendError,
     BackendUnavailableError,
@@ -16,7 +17,9 @@ from kvflow.errors import (
     PoolClosedError,
     RequestError,
 )
+from kvflow.events import CpuEvent, CudaEvent, DeviceEvent, LayerEvents, NpuEvent, make_event, wait_event
 from kvflow.keys import KeyScope, block_keys, decode_key, hash_blocks, layer_keys
+from kvflow.layerwise import LayerOutcome, LayerwiseRequest, LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVLayout, LayoutKind
 from kvflow.ownership import ParallelConfig, owner
 from kvflow.pool import KVPool
@@ -31,16 +34,26 @@ __all__ = [
     "BackendStats",
     "BackendUnavailableError",
     "ConfigError",
+    "CpuEvent",
+    "CudaEvent",
+    "DeviceEvent",
     "GetStatus",
     "KVFlowError",
     "KVLayout",
     "KVPool",
     "KeyScope",
+    "LayerEvents",
+    "LayerOutcome",
+    "LayerwiseEngine",
+    "LayerwiseRequest",
+    "LayerwiseRetriever",
+    "LayerwiseStorer",
     "LayoutError",
     "LayoutKind",
     "LoopThread",
     "MemoryBackend",
     "MissingDependencyError",
+    "NpuEvent",
     "ObjectRef",
     "ParallelConfig",
     "PoolClosedError",
@@ -48,12 +61,15 @@ __all__ = [
     "PutStatus",
     "RequestError",
     "RetrieveResult",
+    "StepResult",
     "StoreResult",
     "SyncPool",
     "block_keys",
     "decode_key",
     "hash_blocks",
     "layer_keys",
+    "make_event",
     "open_backend",
     "owner",
+    "wait_event",
 ]

@@ -2,6 +2,10 @@
 
 Each call is a coroutine pipeline on the caller's event loop: hash -> key -> address -> put/get.
 Use one pool from one event loop. The pool owns its backend and closes it in :meth:`aclose`.
+
+A pool made with ``PoolConfig(layerwise=True)`` keeps one object per block per layer (layer keys)
+instead of one per block: its store and retrieve run the layerwise storer and retriever of
+:mod:`kvflow.layerwise` to completion, and its lookup counts a block only when every layer is present.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import attrs
 from kvflow.backends import Backend, GetStatus, ObjectRef, PutStatus, open_backend
 from kvflow.config import PoolConfig
 from kvflow.errors import ConfigError, LayoutError, PoolClosedError, RequestError
-from kvflow.keys import KeyScope, block_keys
+from kvflow.events import LayerEvents
+from kvflow.keys import KeyScope, block_keys, layer_keys
+from kvflow.layerwise import LayerwiseRequest, LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVLayout
 from kvflow.ownership import ParallelConfig, owner
 from kvflow.pipeline import ByteBudget, resolve_hashes, run_batches
@@ -32,7 +38,8 @@ class KVPool:
     """Store, retrieve and look up KV blocks. Call from the event loop that created it.
 
     Without a layout (``layout=None``) the pool can only look up, as an engine's scheduler does;
-    it then needs the ``fingerprint`` and ``block_size`` that the workers' layout has.
+    it then needs the ``fingerprint`` and ``block_size`` that the workers' layout has (and, for a
+    layerwise pool, ``num_layers``).
     """
 
     backend: Backend
@@ -41,6 +48,7 @@ class KVPool:
     block_size: int
     fingerprint: str
     layout: KVLayout | None = None
+    num_layers: int | None = None
     _budget: ByteBudget = attrs.field(init=False)
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -48,6 +56,8 @@ class KVPool:
 
     def __attrs_post_init__(self) -> None:
         self._budget = ByteBudget(self.config.max_inflight_bytes)
+        if self.layout is not None:
+            self.num_layers = self.layout.num_layers
 
     @classmethod
     def create(
@@ -59,6 +69,7 @@ class KVPool:
         backend: Backend | None = None,
         fingerprint: str | None = None,
         block_size: int | None = None,
+        num_layers: int | None = None,
     ) -> KVPool:
         """A pool over ``backend`` (or the one ``config.backend`` names), registering ``layout``."""
         config = config or PoolConfig()
@@ -67,9 +78,16 @@ class KVPool:
                 raise ConfigError("fingerprint disagrees with the layout's; pass one or the other")
             if block_size is not None and block_size != layout.block_size:
                 raise ConfigError(f"block_size={block_size} but the layout has {layout.block_size}")
+            if num_layers is not None and num_layers != layout.num_layers:
+                raise ConfigError(f"num_layers={num_layers} but the layout has {layout.num_layers}")
             fingerprint, block_size = layout.fingerprint, layout.block_size
         elif fingerprint is None or block_size is None:
             raise ConfigError("a pool without a layout needs fingerprint and block_size")
+        elif config.layerwise and (num_layers is None or num_layers < 1):
+            raise ConfigError(
+                "a layerwise pool without a layout needs num_layers (the layers of one pp rank's KV "
+                "cache), so that its lookup can require every layer of a block"
+            )
         backend = backend if backend is not None else open_backend(config.backend)
         if layout is not None:
             if layout.device.type != "cpu" and not getattr(backend, "accepts_device_memory", False):
@@ -79,7 +97,7 @@ class KVPool:
                 )
             for addr, nbytes in layout.allocations():
                 backend.register_memory(addr, nbytes)
-        return cls(backend, parallel or ParallelConfig(), config, block_size, fingerprint, layout)
+        return cls(backend, parallel or ParallelConfig(), config, block_size, fingerprint, layout, num_layers)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -160,6 +178,21 @@ class KVPool:
         addrs = layout.block_addrs
         return [ObjectRef(k, addrs(b), sizes, nbytes) for k, b in zip(keys, block_ids)]
 
+    def _layer_objects(self, keys: Sequence[str], block_ids: Sequence[int], layer: int) -> list[ObjectRef]:
+        """Per-layer objects: ``keys[i]`` holds layer ``layer`` of block ``block_ids[i]``."""
+        layout = self._require_layout()
+        sizes = layout.layer_regions(0, layer)[1]
+        nbytes = sum(sizes)
+        return [
+            ObjectRef(k, layout.layer_regions(b, layer)[0], sizes, nbytes) for k, b in zip(keys, block_ids)
+        ]
+
+    def _load_order(self, count: int) -> list[int]:
+        """Indices ``0..count-1`` rotated by rank, so that the members of a replica group do not all
+        read the same object first."""
+        shift = self.parallel.tp_rank % count if count else 0
+        return list(range(shift, count)) + list(range(shift))
+
     async def _exists(self, keys: Sequence[str], timeout_s: float) -> list[bool] | None:
         """The backend's answer per key, or None (logged) if it failed or took too long."""
         if not keys:
@@ -182,26 +215,41 @@ class KVPool:
         *,
         tokens: Sequence[int] | None = None,
         block_hashes: Sequence[bytes] | None = None,
+        block_offset: int = 0,
         timeout_s: float | None = None,
     ) -> int:
-        """Leading tokens present in every namespace this engine needs (0 if the backend fails)."""
+        """Leading tokens present in every namespace this engine needs (0 if the backend fails).
+
+        Blocks before ``block_offset`` are not asked for and count as present: the engine holds
+        them already (its own prefix cache). The answer still counts from the request's start.
+        """
         hashes = resolve_hashes(self.block_size, tokens, block_hashes)
+        if not 0 <= block_offset <= len(hashes):
+            raise RequestError(f"block_offset={block_offset} outside the request's {len(hashes)} full blocks")
+        held = block_offset * self.block_size
+        hashes = hashes[block_offset:]
         self._enter()
         try:
             if not hashes:
-                return 0
+                return held
             scopes = self.lookup_scopes()
-            keys = [k for scope in scopes for k in block_keys(scope, hashes)]
+            if self.config.layerwise:  # a block counts only when every layer of it is present
+                assert self.num_layers, "create() requires num_layers for a layerwise pool"
+                layers = range(self.num_layers)
+                namespaces = [layer_keys(scope, hashes, layer) for scope in scopes for layer in layers]
+            else:
+                namespaces = [block_keys(scope, hashes) for scope in scopes]
+            keys = [k for namespace in namespaces for k in namespace]
             found = await self._exists(keys, timeout_s or self.config.timeout_s)
             if found is None:
-                return 0  # the engine recomputes; the failure was logged
+                return held  # the engine recomputes the rest; the failure was logged
             n = len(hashes)
             hits = n
-            for s in range(len(scopes)):
+            for s in range(len(namespaces)):
                 part = found[s * n : (s + 1) * n]
                 first_missing = part.index(False) if False in part else n
                 hits = min(hits, first_missing)
-            return hits * self.block_size
+            return held + hits * self.block_size
         finally:
             self._leave()
 
@@ -216,6 +264,13 @@ class KVPool:
     ) -> StoreResult:
         """Store the blocks this rank owns. ``block_ids[i]`` holds block ``block_offset + i`` of the
         request whose tokens or hashes are given. Keys already present are skipped, per key."""
+        if self.config.layerwise:
+            request = LayerwiseRequest("", block_ids, tokens, block_hashes, block_offset)
+            events = LayerEvents.completed(self._require_layout().num_layers)
+            async with LayerwiseStorer.open(self, [request], events, timeout_s=timeout_s) as storer:
+                async for _ in storer:
+                    pass
+            return storer.results()[0]
         hashes = self._request_hashes(block_ids, tokens, block_hashes, block_offset)
         self._enter()
         try:
@@ -255,14 +310,19 @@ class KVPool:
     ) -> RetrieveResult:
         """Load blocks ``block_offset ..`` of the request into ``block_ids``; every rank loads every
         block of its namespace. Failed or missing blocks are reported, never raised."""
+        if self.config.layerwise:
+            request = LayerwiseRequest("", block_ids, tokens, block_hashes, block_offset)
+            depth = self._require_layout().num_layers  # nobody computes in between: all layers at once
+            async with LayerwiseRetriever.open(self, [request], depth=depth, timeout_s=timeout_s) as loader:
+                async for _ in loader:
+                    pass
+            return loader.results()[0]
         hashes = self._request_hashes(block_ids, tokens, block_hashes, block_offset)
         self._enter()
         try:
             ids = list(block_ids)
             keys = block_keys(self.scope(), hashes)
-            # Rotate by rank so the members of a replica group do not all read the same object first.
-            shift = self.parallel.tp_rank % len(ids) if ids else 0
-            order = list(range(shift, len(ids))) + list(range(shift))
+            order = self._load_order(len(ids))
             objects = self._objects([keys[i] for i in order], [ids[i] for i in order])
             results = await run_batches(
                 objects,

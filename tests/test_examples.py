@@ -17,7 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    "script", ["examples/custom_engine.py", "examples/async_script.py"]
+    "script", ["examples/custom_engine.py", "examples/async_script.py", "examples/layerwise_engine.py"]
 )
 def test_example_runs_and_verifies(script: str) -> None:
     proc = run(script)

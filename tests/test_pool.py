@@ -244,3 +244,13 @@ async def test_inflight_bytes_stay_within_the_budget() -> None:
     result = await pool.store(block_ids=list(range(40)), tokens=tokens)
     assert result.stored == 40
     assert 0 < peak <= budget
+
+
+async def test_lookup_from_a_block_offset_counts_engine_held_blocks_as_present() -> None:
+    pool = make_pool(LAYOUTS["vllm_cpu"]())
+    await pool.store(block_ids=[2, 3, 4], tokens=TOKENS, block_offset=2)  # blocks 0, 1 not stored
+    assert await pool.lookup(tokens=TOKENS) == 0
+    assert await pool.lookup(tokens=TOKENS, block_offset=2) == 5 * BLOCK
+    assert await pool.lookup(tokens=TOKENS, block_offset=8) == 8 * BLOCK
+    with pytest.raises(RequestError, match="block_offset"):
+        await pool.lookup(tokens=TOKENS, block_offset=9)

@@ -1,0 +1,356 @@
+"""The layerwise face for synchronous engines.
+
+A forward step loads and stores KV layer by layer while the engine computes. Call every method
+from the engine's thread, in this order per step (a vLLM connector maps its hooks one to one)::
+
+    kv.start_load(requests)             # start_load_kv: before the forward
+    kv.start_store(requests)            # before the step's first save_layer
+    for layer in range(kv.num_layers):
+        kv.wait_for_layer_load(layer)   # wait_for_layer_load: blocks until this layer is in place
+        ...                             # launch the layer's kernels
+        kv.save_layer(layer)            # save_kv_layer: records an event; never blocks
+    result = kv.wait_for_save()         # wait_for_save: every put of the step finished or failed
+
+The transfers run on the loop thread of the wrapped :class:`~kvflow.runtime.SyncPool`: a
+:class:`~kvflow.layerwise.LayerwiseRetriever` and a :class:`~kvflow.layerwise.LayerwiseStorer`
+per step, each in one task of the loop's portal. ``save_layer`` and ``wait_for_layer_load`` never
+cross into the loop: the storer polls the step's layer events, and the retriever reports each
+layer through a condition the engine thread waits on. ``start_load`` and ``start_store`` cross
+once per step. A step ends in ``wait_for_save``; after it no transfer of the step touches the
+step's blocks any more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import attrs
+
+from kvflow.backends import Backend, GetStatus
+from kvflow.config import PoolConfig
+from kvflow.errors import ConfigError, RequestError
+from kvflow.events import DeviceEvent, LayerEvents, make_event
+from kvflow.layerwise import (
+    LayerOutcome,
+    LayerwisePlan,
+    LayerwiseRequest,
+    LayerwiseRetriever,
+    LayerwiseStorer,
+)
+from kvflow.layout import KVLayout
+from kvflow.ownership import ParallelConfig
+from kvflow.results import RetrieveResult, StoreResult
+from kvflow.runtime import SyncPool
+
+__all__ = ["LayerwiseEngine", "StepResult"]
+
+log = logging.getLogger(__name__)
+
+_NOT_LAYERWISE = (
+    "the layerwise face needs a pool made with PoolConfig(layerwise=True); use the same setting in "
+    "the scheduler's pool, so that its lookups see the per-layer objects"
+)
+
+
+@attrs.frozen
+class StepResult:
+    """What a step's transfers did, by request id."""
+
+    stored: Mapping[str, StoreResult]
+    loaded: Mapping[str, RetrieveResult]
+
+    @property
+    def failed_block_ids(self) -> frozenset[int]:
+        """Blocks a load of this step did not fill: the engine must recompute them."""
+        return frozenset(b for result in self.loaded.values() for b in result.failed_block_ids)
+
+
+@attrs.define(eq=False)
+class _Step:
+    """One forward step's layerwise work. The engine thread owns it; the loop thread reports into
+    it under ``_cond``."""
+
+    events: LayerEvents | None = None
+    loader: LayerwiseRetriever | None = None
+    storer: LayerwiseStorer | None = None
+    saved: bool = False  # save_layer was called (engine thread)
+    load_timed_out: bool = False  # the engine stopped waiting for a layer (engine thread)
+    futures: list[concurrent.futures.Future[None]] = attrs.field(factory=list)
+    _cond: threading.Condition = attrs.field(factory=threading.Condition)
+    _running: int = 0
+    _layers_in: list[bool] = attrs.field(factory=list)  # per layer handed out: every block arrived
+    _loaded: list[RetrieveResult] = attrs.field(factory=list)
+    _stored: list[StoreResult] = attrs.field(factory=list)
+    _error: Exception | None = None
+
+    # -- loop thread --------------------------------------------------------------------------
+
+    def layer_loaded(self, outcome: LayerOutcome) -> None:
+        with self._cond:
+            self._layers_in.append(outcome.ok)
+            self._cond.notify_all()
+
+    def finish(
+        self,
+        *,
+        loaded: list[RetrieveResult] | None = None,
+        stored: list[StoreResult] | None = None,
+        error: Exception | None = None,
+    ) -> None:
+        with self._cond:
+            self._loaded = loaded or self._loaded
+            self._stored = stored or self._stored
+            self._error = self._error or error
+            self._running -= 1
+            self._cond.notify_all()
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def spawn(self, submit: Callable[..., concurrent.futures.Future[None]], *args: Any) -> None:
+        with self._cond:
+            self._running += 1
+        try:
+            self.futures.append(submit(*args))
+        except BaseException:
+            self.finish()
+            raise
+
+    def wait_layer(self, layer: int, timeout_s: float) -> bool | None:
+        """Whether every block of ``layer`` arrived; None if the wait timed out."""
+        with self._cond:
+            ready = self._cond.wait_for(lambda: len(self._layers_in) > layer or not self._running, timeout_s)
+            if not ready:
+                return None
+            return len(self._layers_in) > layer and self._layers_in[layer]
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running, timeout_s)
+
+    def result(self) -> StepResult:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            stored, loaded = self._stored, self._loaded
+        if self.load_timed_out:  # the engine computed without some layer: nothing loaded is usable
+            loaded = [
+                RetrieveResult(r.block_ids, (GetStatus.FAILED,) * len(r.block_ids), r.block_size)
+                for r in loaded
+            ]
+        return StepResult(
+            dict(zip(self.storer.plan.request_ids, stored)) if self.storer else {},
+            dict(zip(self.loader.plan.request_ids, loaded)) if self.loader else {},
+        )
+
+
+async def _drive_load(step: _Step, loader: LayerwiseRetriever) -> None:
+    error: Exception | None = None
+    try:
+        async with loader:
+            async for outcome in loader:
+                step.layer_loaded(outcome)
+    except Exception as exc:  # a programming error: wait_for_save raises it
+        error = exc
+    finally:
+        step.finish(loaded=loader.results(), error=error)
+
+
+async def _drive_store(step: _Step, storer: LayerwiseStorer) -> None:
+    error: Exception | None = None
+    try:
+        async with storer:
+            async for _ in storer:
+                pass
+    except Exception as exc:  # a programming error: wait_for_save raises it
+        error = exc
+    finally:
+        step.finish(stored=storer.results(), error=error)
+
+
+def _positive_depth(_: object, __: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"depth (layers fetched ahead) must be >= 1, got {value}")
+
+
+@attrs.define(eq=False)
+class LayerwiseEngine:
+    """Layerwise loads and stores for a synchronous engine, over a :class:`SyncPool` it owns.
+
+    Call every method from one engine thread. ``depth`` is how many layers the retriever keeps
+    in flight at once; ``event_factory`` makes the event :meth:`save_layer` records (default: the
+    kind the KV cache's device needs).
+    """
+
+    sync_pool: SyncPool
+    depth: int = attrs.field(default=1, validator=_positive_depth)
+    event_factory: Callable[[], DeviceEvent] | None = None
+    _step: _Step | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        pool = self.sync_pool.pool
+        if not pool.config.layerwise:
+            raise ConfigError(_NOT_LAYERWISE)
+        if pool.layout is None:
+            raise ConfigError("the layerwise face needs registered KV caches; open the pool with a layout")
+        if self.event_factory is None:
+            self.event_factory = functools.partial(make_event, pool.layout.device)
+
+    @classmethod
+    def open(
+        cls,
+        config: PoolConfig | None = None,
+        *,
+        layout: KVLayout,
+        parallel: ParallelConfig | None = None,
+        backend: Backend | None = None,
+        depth: int = 1,
+        event_factory: Callable[[], DeviceEvent] | None = None,
+    ) -> LayerwiseEngine:
+        """Start the loop thread and a layerwise pool over ``layout`` on it."""
+        config = config or PoolConfig(layerwise=True)
+        if not config.layerwise:
+            raise ConfigError(_NOT_LAYERWISE)
+        sync_pool = SyncPool.open(config, layout=layout, parallel=parallel, backend=backend)
+        try:
+            return cls(sync_pool, depth, event_factory)
+        except BaseException:
+            sync_pool.close()
+            raise
+
+    @property
+    def num_layers(self) -> int:
+        layout = self.sync_pool.pool.layout
+        assert layout is not None
+        return layout.num_layers
+
+    def __enter__(self) -> LayerwiseEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- one forward step -----------------------------------------------------------------------
+
+    def start_load(self, requests: Sequence[LayerwiseRequest]) -> None:
+        """Start loading ``requests``' blocks, layer 0 first. Once per step, before the forward.
+
+        Raises RequestError for a malformed request (nothing is loaded then).
+        """
+        if not requests:
+            return
+        step = self._current()
+        if step.loader is not None:
+            raise RequestError("start_load was already called in this step; pass all its requests at once")
+        plan = LayerwisePlan.build(self.sync_pool.pool, requests)
+        loader = LayerwiseRetriever(self.sync_pool.pool, plan, self._timeout, self.depth)
+        step.loader = loader
+        step.spawn(self.sync_pool.loop.submit, _drive_load, step, loader)
+
+    def start_store(self, requests: Sequence[LayerwiseRequest]) -> None:
+        """Store ``requests``' owned blocks as the step's layers are saved. Once per step, before its
+        first :meth:`save_layer`. Raises RequestError for a malformed request."""
+        if not requests:
+            return
+        step = self._current()
+        if step.storer is not None:
+            raise RequestError("start_store was already called in this step; pass all its requests at once")
+        if step.saved:
+            raise RequestError(
+                "start_store came after save_layer in this step; call it before the first save_layer"
+            )
+        assert self.event_factory is not None
+        events = LayerEvents.create(self.num_layers, self.event_factory)
+        plan = LayerwisePlan.build(self.sync_pool.pool, requests)
+        storer = LayerwiseStorer(self.sync_pool.pool, plan, self._timeout, events)
+        step.events, step.storer = events, storer
+        step.spawn(self.sync_pool.loop.submit, _drive_store, step, storer)
+
+    def save_layer(self, layer: int) -> None:
+        """Layer ``layer``'s KV writes have been launched: record its event on the current stream.
+        Never blocks; the step's storer puts the layer once the event fires."""
+        step = self._current()
+        self._check_layer(layer)
+        step.saved = True
+        if step.events is not None:
+            step.events.record(layer)
+
+    def wait_for_layer_load(self, layer: int, timeout_s: float | None = None) -> bool:
+        """Block until layer ``layer`` of the step's loads is in place (at once when there are none).
+
+        True when every block of the layer arrived. False when some block missed or failed, or
+        after ``timeout_s`` (default: the pool's timeout); then the step reports every loaded block
+        failed, because the engine computes without the layer. :meth:`wait_for_save` has the blocks.
+        """
+        self._check_layer(layer)
+        step = self._step
+        if step is None or step.loader is None:
+            return True
+        if step.load_timed_out:
+            return False
+        arrived = step.wait_layer(layer, self._timeout if timeout_s is None else timeout_s)
+        if arrived is None:
+            step.load_timed_out = True
+            log.warning("layer %d was not loaded in time; the step's loaded blocks count as failed", layer)
+            return False
+        return arrived
+
+    def wait_for_save(self, timeout_s: float | None = None) -> StepResult:
+        """End the step: block until every put of the step finished or failed (and every load ended).
+
+        Layers never saved are not stored. After ``timeout_s`` (default: the pool's timeout) the
+        step's transfers are cancelled and reported failed. Raises the error a transfer raised if
+        it was a programming error (a misconfigured backend), never for a failed put or get.
+        """
+        step, self._step = self._step, None
+        if step is None:
+            return StepResult({}, {})
+        if step.events is not None:
+            step.events.seal()
+        self._end(step, self._timeout if timeout_s is None else timeout_s)
+        return step.result()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Cancel the current step's transfers, close the pool and stop the loop thread."""
+        step, self._step = self._step, None
+        if step is not None:
+            if step.events is not None:
+                step.events.seal()
+            for future in step.futures:
+                future.cancel()
+            step.wait_finished(self._timeout if timeout_s is None else timeout_s)
+        self.sync_pool.close(timeout_s)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    @property
+    def _timeout(self) -> float:
+        return self.sync_pool.pool.config.timeout_s
+
+    def _current(self) -> _Step:
+        if self._step is None:
+            self._step = _Step()
+        return self._step
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise RequestError(f"layer {layer} is out of range: the KV cache has {self.num_layers} layers")
+
+    def _end(self, step: _Step, timeout_s: float) -> None:
+        if step.wait_finished(timeout_s):
+            return
+        log.warning("the step's layerwise transfers did not finish within %.1f s; cancelling them", timeout_s)
+        for future in step.futures:
+            future.cancel()
+        if not step.wait_finished(timeout_s):
+            raise TimeoutError(
+                f"the step's layerwise transfers did not stop within {timeout_s} s of being cancelled; "
+                "a backend call is stuck, so do not reuse the step's blocks: restart the engine's KV pool"
+            )
