@@ -1,0 +1,206 @@
+"""kvflow's Mooncake backend against the raw Mooncake client doing the same batch calls.
+
+Run as root inside a private network namespace (Mooncake listens on every interface)::
+
+    unshare -n bash -c 'ip link set lo up; export MC_TCP_BIND_ADDRESS=127.0.0.1;
+        .venv/bin/python benchmarks/mooncake_backend.py [--sizes 256KiB,512KiB,1MiB,2MiB]
+        [--total 64MiB] [--regions 1,16] [--repeat 15] [--json]'
+
+One master on loopback and one client (kvflow's backend) whose segment takes every object. Three
+sides move the same ``--total`` bytes per batch (``total / size`` objects), each object ``--regions``
+regions far apart in registered memory, through that one client:
+
+- raw: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` on the backend's own
+  Mooncake client, called directly on the loop's thread as a plain client's user calls them;
+- kv: ``await MooncakeBackend.put`` / ``get`` (a put first asks which keys exist, to report
+  ``PRESENT``; both run in a worker thread);
+- kv*: the same with ``check_present=false`` (no existence check).
+
+Sharing one client keeps segment placement and page state equal for all sides (separate clients
+differed by up to 30% from run to run). Each round uses fresh keys and rotates the order of the
+sides; every key is removed between rounds; round 0 warms up and is not counted; every get is
+checked against the source. Reported: median GB/s over ``--repeat`` rounds and ratios to raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+import uuid
+from typing import Protocol, cast
+
+import anyio
+import attrs
+
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.backends.mooncake import MooncakeBackend
+from kvflow.backends.mooncake_master import free_port, start_master
+from kvflow.backends.mooncake_native import NativeStore
+from kvflow.config import parse_size
+from kvflow.regions import buffer_address
+
+SEGMENT = 1 << 30
+
+
+class Store(NativeStore, Protocol):
+    def remove_all(self, force: bool) -> int: ...
+
+
+class Side(Protocol):
+    async def put(self, objects: list[ObjectRef]) -> None: ...
+
+    async def get(self, objects: list[ObjectRef]) -> None: ...
+
+
+@attrs.define
+class Raw:
+    """The plain Mooncake client, called directly (blocking the loop, as plain users do)."""
+
+    store: Store
+    replicate: object
+
+    async def put(self, objects: list[ObjectRef]) -> None:
+        keys, addrs = [o.key for o in objects], [list(o.addrs) for o in objects]
+        sizes = [list(o.sizes) for o in objects]
+        codes = self.store.batch_put_from_multi_buffers(keys, addrs, sizes, self.replicate)
+        assert all(c == 0 for c in codes), codes
+
+    async def get(self, objects: list[ObjectRef]) -> None:
+        keys, addrs = [o.key for o in objects], [list(o.addrs) for o in objects]
+        sizes = [list(o.sizes) for o in objects]
+        codes = self.store.batch_get_into_multi_buffers(keys, addrs, sizes)
+        assert all(c == o.nbytes for c, o in zip(codes, objects)), codes
+
+
+@attrs.define
+class Kv:
+    """kvflow's backend, as the pool calls it; ``check_present`` set for this side's calls."""
+
+    backend: MooncakeBackend
+    check_present: bool
+
+    async def put(self, objects: list[ObjectRef]) -> None:
+        self.backend.config = attrs.evolve(self.backend.config, check_present=self.check_present)
+        assert await self.backend.put(objects) == [PutStatus.STORED] * len(objects)
+
+    async def get(self, objects: list[ObjectRef]) -> None:
+        assert await self.backend.get(objects) == [GetStatus.HIT] * len(objects)
+
+
+def _objects(base: int, size: int, regions: int, count: int, prefix: str) -> list[ObjectRef]:
+    """``count`` objects of ``size`` bytes, each ``regions`` regions one plane apart."""
+    part = size // regions
+    plane = part * count
+    return [
+        ObjectRef.of(f"{prefix}{i}", [base + r * plane + i * part for r in range(regions)], [part] * regions)
+        for i in range(count)
+    ]
+
+
+def _check_and_clear(src: bytearray, dst: bytearray, nbytes: int) -> None:
+    """The get filled exactly the bytes the put read; zero them for the next round."""
+    if memoryview(dst)[:nbytes] != memoryview(src)[:nbytes]:
+        raise SystemExit("a get did not bring back the bytes that were put")
+    ctypes.memset(buffer_address(dst), 0, nbytes)
+
+
+async def _timed(
+    side: Side, puts: list[ObjectRef], gets: list[ObjectRef], nbytes: int
+) -> tuple[float, float]:
+    start = time.perf_counter()
+    await side.put(puts)
+    middle = time.perf_counter()
+    await side.get(gets)
+    end = time.perf_counter()
+    return nbytes / (middle - start) / 1e9, nbytes / (end - middle) / 1e9
+
+
+async def run(sizes: list[int], regions_list: list[int], total: int, repeat: int) -> list[dict[str, object]]:
+    master = start_master(rpc_port=free_port(), metrics_port=free_port())
+    rows: list[dict[str, object]] = []
+    try:
+        max_batch = max(total // size for size in sizes)
+        backend = MooncakeBackend.from_url(master.url(segment=SEGMENT, max_batch=max_batch))
+        src, dst = bytearray(total), bytearray(total)
+        src[:] = bytes(range(256)) * (total // 256)
+        for buf in (src, dst):
+            backend.register_memory(buffer_address(buf), total)
+        await backend.connect()
+        store = cast(Store, backend.native_store)
+        sides: list[tuple[str, Side]] = [
+            ("raw", Raw(store, backend._replicate)),
+            ("kv", Kv(backend, check_present=True)),
+            ("kvnc", Kv(backend, check_present=False)),
+        ]
+        for size in sizes:
+            for regions in regions_list:
+                batch = total // size
+                nbytes = size // regions * regions * batch
+                rates: dict[str, list[float]] = {f"{n}_{op}": [] for n, _ in sides for op in ("put", "get")}
+                for round_ in range(repeat + 1):
+                    for name, side in sides[round_ % 3 :] + sides[: round_ % 3]:
+                        tag = uuid.uuid4().hex[:8]
+                        puts = _objects(buffer_address(src), size, regions, batch, f"bench/{tag}/")
+                        gets = _objects(buffer_address(dst), size, regions, batch, f"bench/{tag}/")
+                        put_rate, get_rate = await _timed(side, puts, gets, nbytes)
+                        _check_and_clear(src, dst, nbytes)
+                        store.remove_all(True)
+                        if round_:
+                            rates[f"{name}_put"].append(put_rate)
+                            rates[f"{name}_get"].append(get_rate)
+                med = {k: statistics.median(v) for k, v in rates.items()}
+                rows.append(
+                    {
+                        "size": size,
+                        "objects": batch,
+                        "regions": regions,
+                        **{f"{k}_gbps": round(v, 2) for k, v in med.items()},
+                        "put_ratio": round(med["kv_put"] / med["raw_put"], 2),
+                        "put_nocheck_ratio": round(med["kvnc_put"] / med["raw_put"], 2),
+                        "get_ratio": round(med["kv_get"] / med["raw_get"], 2),
+                    }
+                )
+        await backend.aclose()
+    finally:
+        master.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--sizes", default="256KiB,512KiB,1MiB,2MiB")
+    parser.add_argument("--regions", default="1,16", help="regions per object, comma separated")
+    parser.add_argument("--total", default="64MiB", help="bytes per batch (objects = total / size)")
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    regions = [int(r) for r in args.regions.split(",")]
+    rows = anyio.run(run, sizes, regions, parse_size(args.total), args.repeat)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    columns = [
+        ("objects", "objects"),
+        ("regions", "regions"),
+        ("raw put", "raw_put_gbps"),
+        ("kv put", "kv_put_gbps"),
+        ("ratio", "put_ratio"),
+        ("kv* put", "kvnc_put_gbps"),
+        ("ratio*", "put_nocheck_ratio"),
+        ("raw get", "raw_get_gbps"),
+        ("kv get", "kv_get_gbps"),
+        ("ratio", "get_ratio"),
+    ]
+    print(f"{'size':>9}" + "".join(f"{head:>9}" for head, _ in columns))
+    for row in rows:
+        size = f"{int(str(row['size'])) >> 10}KiB"
+        print(f"{size:>9}" + "".join(f"{row[key]!s:>9}" for _, key in columns))
+    print("(GB/s, median of rounds; ratio = kvflow / raw Mooncake client; * = check_present=false)")
+
+
+if __name__ == "__main__":
+    main()

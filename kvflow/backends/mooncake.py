@@ -1,0 +1,391 @@
+"""Mooncake Store backend: objects in a Mooncake cluster, moved zero-copy from and into KV memory.
+
+``mooncake://127.0.0.1:50051?segment=1GiB&protocol=tcp`` (see :mod:`.mooncake_config`). Puts and gets
+are Mooncake's scatter-gather batch calls (one key, many regions); ``register_memory`` registers the
+engine's KV memory once. Objects outside registered memory go through a staging buffer
+(:mod:`.mooncake_staging`).
+
+Threads: Mooncake's calls block and release the GIL. Each runs through ``anyio.to_thread.run_sync``
+with this backend's ``CapacityLimiter`` (``max_concurrency`` tokens), and holds one of as many
+*slots* until the native call really returns. Calls that touch no caller memory (``exists``, the
+health probe, ``setup``, ``close``) are bounded by ``anyio.fail_after`` and abandoned on timeout; an
+abandoned call keeps its slot until Mooncake returns, so abandoned calls can never pile up beyond
+``max_concurrency``: when every slot is held, calls fail fast. ``put`` and ``get`` read and write the
+caller's memory, so they are never abandoned: returning while Mooncake still copies would let the
+engine reuse a block that is being written or read. Mooncake bounds them itself (about 4.5 s when
+the master is lost, at once when a peer is lost); an overrun of ``timeout_s`` is logged.
+
+Health: ``RPC_FAIL`` (-900), a timeout or busy slots mark the master down (:mod:`.mooncake_health`).
+While it is down, ``put``/``get`` report ``FAILED`` and ``exists`` raises ``BackendUnavailableError``
+without calling Mooncake, and one call per ``health_interval_s`` probes the master.
+
+Use a backend from one event loop. It owns the Mooncake client and closes it in :meth:`aclose`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+import attrs
+
+from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.mooncake_calls import (
+    check_objects,
+    dedupe,
+    get_chunk,
+    get_results,
+    put_chunk,
+    put_results,
+)
+from kvflow.backends.mooncake_config import MooncakeConfig
+from kvflow.backends.mooncake_health import HealthGate
+from kvflow.backends.mooncake_native import (
+    RPC_FAIL,
+    NativeStore,
+    StoreModule,
+    code_name,
+    load_store_module,
+    new_replicate_config,
+    setup_store,
+)
+from kvflow.backends.mooncake_staging import Chunk, RegisteredMemory, StagingBuffer, plan_chunks
+from kvflow.backends.mooncake_threads import NativeCalls, SlotsBusy
+from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
+
+__all__ = ["MooncakeBackend", "MooncakeConfig"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_PROBE_KEY = "kvflow/health-probe"
+
+
+@attrs.define(eq=False)
+class MooncakeBackend:
+    """A client of one Mooncake cluster. Call every method from one event loop.
+
+    The client connects on :meth:`connect` (or lazily on first use; a lazy connect that fails
+    reports ``FAILED`` from put/get and raises from exists).
+    """
+
+    config: MooncakeConfig = attrs.field(factory=MooncakeConfig)
+    _module: StoreModule = attrs.field(init=False)
+    _replicate: object = attrs.field(init=False)
+    _store: NativeStore | None = attrs.field(default=None, init=False)
+    _attempted: bool = attrs.field(default=False, init=False)
+    _calls: NativeCalls = attrs.field(init=False)
+    _connect_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    _staging_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    _staging: StagingBuffer | None = attrs.field(default=None, init=False)
+    _registered: RegisteredMemory = attrs.field(factory=RegisteredMemory, init=False)
+    _health: HealthGate = attrs.field(init=False)
+    _stats: BackendStats = attrs.field(init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._module = load_store_module()
+        self._replicate = new_replicate_config(self._module, self.config)
+        self._calls = NativeCalls(self.config.max_concurrency)
+        self._health = HealthGate(self.config.health_interval_s)
+        self._stats = BackendStats(capacity_bytes=self.config.segment_bytes)
+
+    @classmethod
+    def from_url(cls, url: str) -> MooncakeBackend:
+        return cls(MooncakeConfig.from_url(url))
+
+    @classmethod
+    def from_file(cls, path: str) -> MooncakeBackend:
+        """From a ``mooncake.json`` as Mooncake and vllm-ascend read it."""
+        return cls(MooncakeConfig.from_file(path))
+
+    @classmethod
+    def from_env(cls) -> MooncakeBackend:
+        """From the ``mooncake.json`` that ``MOONCAKE_CONFIG_PATH`` names."""
+        return cls(MooncakeConfig.from_env())
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> MooncakeBackend:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def connect(self) -> None:
+        """Set up the Mooncake client now, if it is not. Raises BackendUnavailableError when the
+        master cannot be reached (at most ``setup_timeout_s``; again at most once per
+        ``health_interval_s``)."""
+        self._check_open()
+        if self._store is None:
+            await self._connected_store()
+
+    async def aclose(self) -> None:
+        """Close the client (shielded, bounded by ``close_timeout_s``). Objects in this client's
+        segment leave the cluster with it."""
+        if self._closed:
+            return
+        self._closed = True
+        store, self._store = self._store, None
+        if store is None:  # never connected, or a setup in flight closes its client itself
+            self._release_staging()
+            return
+        if await self._close_native(store):
+            self._release_staging()
+
+    async def _close_native(self, store: NativeStore) -> bool:
+        """Close a client once no call runs on it (shielded, bounded by ``close_timeout_s``)."""
+        with anyio.CancelScope(shield=True):
+            closed, _ = await self._calls.run_alone(store.close, timeout_s=self.config.close_timeout_s)
+        if not closed:
+            log.warning(
+                "Mooncake client not closed within %.1f s (calls still running); it closes with the process",
+                self.config.close_timeout_s,
+            )
+        return closed
+
+    # -- the Backend protocol -------------------------------------------------------------------
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
+    @property
+    def native_store(self) -> NativeStore | None:
+        """The Mooncake client (``MooncakeDistributedStore``) once connected, for tools and
+        benchmarks. Calls on it block; do not close it (:meth:`aclose` does)."""
+        return self._store
+
+    def stats(self) -> BackendStats:
+        """Counters of this client; ``capacity_bytes`` is the segment it contributes."""
+        return self._stats
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        """Register memory for zero-copy puts and gets (now, or when the client connects).
+
+        Blocks while Mooncake registers (fast for TCP; RDMA pins the pages). The memory must stay
+        valid until :meth:`aclose` returns.
+        """
+        self._check_open()
+        if nbytes <= 0 or addr <= 0:
+            raise ConfigError(f"register_memory needs a positive address and size, got {addr:#x}, {nbytes}")
+        if self._registered.add(addr, nbytes) and self._store is not None:
+            self._register_native(self._store, addr, nbytes)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        if not keys:
+            return []
+        store = await self._usable_store()
+        if store is None:
+            raise BackendUnavailableError(self._health.describe())
+        batch, timeout_s = list(keys), self.config.timeout_s
+        try:
+            codes = await self._calls.run(lambda: store.batch_is_exist(batch), timeout_s=timeout_s)
+        except (TimeoutError, SlotsBusy) as exc:
+            self._mark_down(f"exists of {len(batch)} keys: {_explain(exc, timeout_s)}")
+            raise BackendUnavailableError(self._health.describe()) from None
+        bad = [c for c in codes if c < 0]
+        if bad:
+            if RPC_FAIL in bad:
+                self._mark_down(f"exists got {code_name(RPC_FAIL)}")
+                raise BackendUnavailableError(self._health.describe())
+            raise BackendUnavailableError(f"Mooncake batch_is_exist failed with {code_name(bad[0])}")
+        return [c == 1 for c in codes]
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        """Store objects that are not stored yet; an existing key is ``PRESENT`` and kept as is
+        (``STORED`` with ``check_present=False``: Mooncake keeps the old value either way)."""
+        self._check_open()
+        check_objects(objects)
+        results = [PutStatus.FAILED] * len(objects)
+        unique, repeats = dedupe(objects)
+        store = await self._usable_store()
+        if store is not None and unique:
+            replicate, check = self._replicate, self.config.check_present
+            for chunk in self._plan(objects, unique):
+                outcome = await self._in_chunk(
+                    chunk, lambda c: put_chunk(store, objects, c, replicate, check=check)
+                )
+                if outcome is not None:
+                    self._note_failures("put", put_results(objects, chunk, outcome, results))
+                if not self._health.healthy:  # the rest would wait ~4.5 s per chunk to fail too
+                    break
+        for i, first in repeats:
+            results[i] = PutStatus.PRESENT if results[first] is PutStatus.STORED else results[first]
+        self._stats.count_puts(objects, results)
+        return results
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        """Fill each object's regions; ``MISS`` leaves them untouched."""
+        self._check_open()
+        check_objects(objects)
+        results = [GetStatus.FAILED] * len(objects)
+        store = await self._usable_store()
+        if store is not None:
+            for chunk in self._plan(objects, range(len(objects))):
+                outcome = await self._in_chunk(chunk, lambda c: get_chunk(store, objects, c))
+                if outcome is not None:
+                    self._note_failures("get", get_results(objects, chunk, outcome, results))
+                if not self._health.healthy:
+                    break
+        self._stats.count_gets(objects, results)
+        return results
+
+    # -- connection and health ------------------------------------------------------------------
+
+    async def _usable_store(self) -> NativeStore | None:
+        """The client if it may be called now; None (fail fast) while the master is down."""
+        store = self._store
+        if store is None:
+            try:
+                return await self._connected_store()
+            except BackendUnavailableError:
+                return None
+        if self._health.healthy:
+            return store
+        if not self._health.claim_probe():
+            return None
+        ok, reason = await self._probe(store)
+        self._health.end_probe(ok, reason)
+        if ok:
+            log.warning("the Mooncake master at %s is reachable again", self.config.master)
+            return store
+        return None
+
+    async def _connected_store(self) -> NativeStore:
+        """Set the client up: the first time, or once per health interval after a failed setup."""
+        claimed = False
+        if self._attempted:
+            if not self._health.claim_probe():
+                raise BackendUnavailableError(self._health.describe())
+            claimed = True
+        async with self._connect_lock:
+            if self._store is not None:
+                if claimed:
+                    self._health.end_probe(True)
+                return self._store
+            if self._attempted and not claimed:  # a concurrent first setup just failed
+                raise BackendUnavailableError(self._health.describe())
+            try:
+                store = await self._setup()
+            except BackendUnavailableError as exc:
+                if claimed:
+                    self._health.end_probe(False, str(exc))
+                self._mark_down(str(exc))
+                raise
+            finally:
+                self._attempted = True
+            if self._closed:  # aclose() ran while this setup was in flight
+                await self._close_native(store)
+                self._release_staging()
+                raise PoolClosedError("the Mooncake backend was closed while it connected")
+            self._store = store
+            if claimed:
+                self._health.end_probe(True)
+            return store
+
+    async def _probe(self, store: NativeStore) -> tuple[bool, str]:
+        def check() -> tuple[bool, str]:
+            status = store.health_check()
+            if status != 0:
+                return False, f"health_check returned {status}"
+            (code,) = store.batch_is_exist([_PROBE_KEY])
+            return (True, "") if code >= 0 else (False, f"probe got {code_name(code)}")
+
+        try:
+            return await self._calls.run(check, timeout_s=self.config.probe_timeout_s)
+        except (TimeoutError, SlotsBusy) as exc:
+            return False, f"probe: {_explain(exc, self.config.probe_timeout_s)}"
+
+    def _mark_down(self, reason: str) -> None:
+        if self._health.healthy:
+            log.warning("Mooncake master %s marked unreachable: %s", self.config.master, reason)
+        self._health.mark_down(reason)
+
+    async def _setup(self) -> NativeStore:
+        store = await setup_store(self._module, self.config, self._calls)
+        for addr, nbytes in self._registered.ranges():
+            self._register_native(store, addr, nbytes)
+        if self._staging is not None:
+            self._register_native(store, self._staging.addr, self._staging.nbytes)
+        return store
+
+    def _register_native(self, store: NativeStore, addr: int, nbytes: int) -> None:
+        rc = store.register_buffer(addr, nbytes)
+        if rc != 0:
+            raise BackendError(
+                f"Mooncake could not register {nbytes} bytes at {addr:#x} ({code_name(rc)}); with "
+                "RDMA, check the memory lock limit (ulimit -l) and that the memory is host or device memory"
+            )
+
+    def _release_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+    # -- native calls ---------------------------------------------------------------------------
+
+    def _plan(self, objects: Sequence[ObjectRef], indices: Sequence[int]) -> list[Chunk]:
+        covers = self._registered.covers
+        zero_copy = [covers(obj) for obj in objects]
+        staging = None
+        if not all(zero_copy):
+            staging = self._staging_buffer()
+        return plan_chunks(objects, indices, zero_copy, max_batch=self.config.max_batch, staging=staging)
+
+    def _staging_buffer(self) -> StagingBuffer | None:
+        if self._staging is None and self.config.staging_bytes:
+            staging = StagingBuffer(self.config.staging_bytes)
+            if self._store is not None:
+                self._register_native(self._store, staging.addr, staging.nbytes)
+            self._staging = staging
+        return self._staging
+
+    async def _in_chunk(self, chunk: Chunk, call: Callable[[Chunk], T]) -> T | None:
+        """Run one chunk's native call; None if it could not run (the master is marked down)."""
+        started = time.monotonic()
+        try:
+            if chunk.staged:
+                async with self._staging_lock:
+                    outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
+            else:
+                outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
+        except SlotsBusy as exc:
+            self._mark_down(_explain(exc, self.config.timeout_s))
+            return None
+        elapsed = time.monotonic() - started
+        if elapsed > self.config.timeout_s:
+            log.warning("a Mooncake call for %d objects took %.1f s", len(chunk.keys), elapsed)
+        return outcome
+
+    def _note_failures(self, op: str, codes: list[int]) -> None:
+        if not codes:
+            return
+        if RPC_FAIL in codes:
+            self._mark_down(f"{op} got {code_name(RPC_FAIL)}")
+        log.warning(
+            "Mooncake %s: %d object(s) failed (%s)",
+            op,
+            len(codes),
+            ", ".join(sorted({code_name(c) for c in codes})),
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the Mooncake backend was closed; open a new one")
+
+
+def _explain(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, SlotsBusy):
+        return "every worker slot is held by a Mooncake call that has not returned"
+    return f"no answer within {timeout_s:.1f} s"

@@ -1,0 +1,287 @@
+"""Settings of the Mooncake backend, from a URL, a Mooncake JSON file or the environment.
+
+``mooncake://127.0.0.1:50051?segment=1GiB&buffer=64MiB&protocol=tcp`` names the master and what this
+client brings to the cluster. ``MooncakeConfig.from_file`` reads the ``mooncake.json`` that Mooncake
+and vllm-ascend read through ``MOONCAKE_CONFIG_PATH``; a URL may point at one (``?config=PATH``) and
+override any of its values. Pure values: nothing here imports Mooncake or opens a connection.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+
+from kvflow.config import parse_size, parse_url_query
+from kvflow.errors import ConfigError
+
+__all__ = ["MooncakeConfig", "parse_mooncake_size"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051
+MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments (INVALID_PARAMS at setup)
+CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+
+# URL parameter -> attribute; each value is read by the converter named in _URL_READERS.
+_URL_PARAMS = {
+    "segment": "segment_bytes",
+    "buffer": "buffer_bytes",
+    "protocol": "protocol",
+    "device": "device_name",
+    "metadata": "metadata_server",
+    "local_hostname": "local_hostname",
+    "replicas": "replicas",
+    "preferred_segment": "preferred_segment",
+    "prefer_same_node": "prefer_same_node",
+    "hard_pin": "hard_pin",
+    "setup_retries": "setup_retries",
+    "setup_timeout": "setup_timeout_s",
+    "timeout": "timeout_s",
+    "health_interval": "health_interval_s",
+    "probe_timeout": "probe_timeout_s",
+    "close_timeout": "close_timeout_s",
+    "max_batch": "max_batch",
+    "concurrency": "max_concurrency",
+    "staging": "staging_bytes",
+    "check_present": "check_present",
+}
+
+# Keys of Mooncake's own JSON config that kvflow uses, and the attribute each sets.
+_JSON_KEYS = {
+    "master_server_address": "master",
+    "metadata_server": "metadata_server",
+    "local_hostname": "local_hostname",
+    "global_segment_size": "segment_bytes",
+    "local_buffer_size": "buffer_bytes",
+    "protocol": "protocol",
+    "device_name": "device_name",
+    "alloc_in_same_node": "prefer_same_node",
+}
+# Keys other tools put in the same file; accepted and not used by kvflow.
+_JSON_IGNORED = {
+    "use_ascend_direct",
+    "enable_ssd_offload",
+    "ssd_offload_path",
+    "tenant_id",
+    "enable_client_http_server",
+    "client_http_port",
+}
+
+_MOONCAKE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|k|m|g|t|kib|mib|gib|tib)?\s*$", re.I)
+_BINARY = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_mooncake_size(value: object, *, name: str) -> int:
+    """A size as Mooncake's own JSON files write it: ``"1GB"`` and ``"1GiB"`` both mean 2**30.
+
+    Mooncake and vllm-ascend read KB/MB/GB as powers of 1024, so a file shared with them keeps
+    its meaning here (unlike kvflow URLs, where ``GB`` is 10**9 and ``GiB`` is 2**30).
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _MOONCAKE_SIZE.match(value)
+        if match is not None:
+            unit = (match.group(2) or "").lower()
+            return int(float(match.group(1)) * _BINARY[unit[:1]])
+    raise ConfigError(f'cannot read {name}={value!r} as a size; write e.g. 1073741824, "1GB" or "512MB"')
+
+
+def _flag(text: str, *, name: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off", ""}:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a boolean; write true or false")
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _nonnegative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_master(_: object, __: attrs.Attribute[str], value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"master address {value!r} must be HOST:PORT, e.g. 127.0.0.1:{DEFAULT_PORT}")
+
+
+@attrs.frozen
+class MooncakeConfig:
+    """How to reach a Mooncake master and what this client brings to the cluster.
+
+    - ``segment_bytes``: memory this client contributes to the cluster (0: a pure client). Objects
+      in it vanish when this client closes.
+    - ``buffer_bytes``: Mooncake's client-side transfer buffer (not used by zero-copy calls).
+    - ``replicas``, ``preferred_segment``, ``prefer_same_node``, ``hard_pin``: Mooncake's
+      ``ReplicateConfig`` for every put.
+    - ``setup_retries``: Mooncake's ``MC_STORE_CLIENT_SETUP_RETRIES`` (about 4.4 s per retry when
+      the master is down); ``setup_timeout_s`` bounds the whole setup.
+    - ``timeout_s``: bound of ``exists`` and the overrun alarm of ``put``/``get`` (see the backend).
+    - ``health_interval_s``: after a failure, how often one call may check whether the master is
+      back; other calls fail fast meanwhile. ``probe_timeout_s`` bounds that check.
+    - ``max_batch``: objects per Mooncake call; ``max_concurrency``: Mooncake calls at once.
+    - ``staging_bytes``: registered bounce buffer for objects whose memory was never registered.
+    - ``check_present``: before a put, ask which keys exist, to report them ``PRESENT`` and skip
+      their copy. Off, a put reports ``STORED`` for a key that existed (Mooncake still keeps the
+      old value and copies nothing): one RPC less, for callers that have just checked themselves.
+    """
+
+    master: str = attrs.field(default=f"127.0.0.1:{DEFAULT_PORT}", validator=_check_master)
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = ""
+    segment_bytes: int = attrs.field(default=1 << 30, validator=_nonnegative)
+    buffer_bytes: int = attrs.field(default=64 << 20, validator=_nonnegative)
+    protocol: str = "tcp"
+    device_name: str = ""
+    replicas: int = attrs.field(default=1, validator=_positive_int)
+    preferred_segment: str = ""
+    prefer_same_node: bool = False
+    hard_pin: bool = False
+    setup_retries: int = attrs.field(default=3, validator=_positive_int)
+    setup_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    health_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    probe_timeout_s: float = attrs.field(default=2.0, validator=_positive)
+    close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    max_batch: int = attrs.field(default=256, validator=_positive_int)
+    max_concurrency: int = attrs.field(default=4, validator=_positive_int)
+    staging_bytes: int = attrs.field(default=64 << 20, validator=_nonnegative)
+    check_present: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if 0 < self.segment_bytes < MIN_SEGMENT:
+            raise ConfigError(
+                f"Mooncake needs segment=0 (a pure client) or at least 16MiB, got {self.segment_bytes} bytes"
+            )
+        if not self.protocol.strip():
+            raise ConfigError("protocol must not be empty; use tcp (any host) or rdma")
+        if not self.local_hostname and not _is_loopback(self.master_host):
+            raise ConfigError(
+                f"the master {self.master} is not on this host, so peers must reach this client: "
+                "set local_hostname to this node's address that other nodes can connect to"
+            )
+
+    @property
+    def master_host(self) -> str:
+        return self.master.rpartition(":")[0].strip("[]")
+
+    @property
+    def client_hostname(self) -> str:
+        """The address this client announces: ``local_hostname``, or loopback for a local master."""
+        return self.local_hostname or "127.0.0.1"
+
+    # -- named constructors ---------------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str) -> MooncakeConfig:
+        """``mooncake://HOST:PORT?segment=1GiB&...``; ``?config=PATH`` starts from a JSON file."""
+        params = parse_url_query(url, scheme="mooncake", allowed={*_URL_PARAMS, "config"})
+        netloc = urlsplit(url).netloc
+        base = cls.from_file(params.pop("config")) if "config" in params else None
+        values: dict[str, object] = {}
+        if netloc:
+            values["master"] = netloc if ":" in netloc.rsplit("]", 1)[-1] else f"{netloc}:{DEFAULT_PORT}"
+        for param, text in params.items():
+            values[_URL_PARAMS[param]] = _read_url_value(param, text)
+        if base is None:
+            return cls(**values)  # type: ignore[arg-type]
+        return attrs.evolve(base, **values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, object], *, source: str = "config") -> MooncakeConfig:
+        """From the keys of Mooncake's JSON config (``master_server_address``, ``global_segment_size``...)."""
+        unknown = set(data) - set(_JSON_KEYS) - _JSON_IGNORED
+        if unknown:
+            raise ConfigError(
+                f"unknown key(s) {sorted(unknown)} in {source}; kvflow reads {sorted(_JSON_KEYS)} "
+                f"and ignores {sorted(_JSON_IGNORED)}"
+            )
+        if "master_server_address" not in data:
+            raise ConfigError(f"{source} has no master_server_address (HOST:PORT of mooncake_master)")
+        values: dict[str, object] = {}
+        for key, attribute in _JSON_KEYS.items():
+            if key not in data or data[key] is None:
+                continue
+            value = data[key]
+            if attribute.endswith("_bytes"):
+                values[attribute] = parse_mooncake_size(value, name=key)
+            elif attribute == "prefer_same_node":
+                values[attribute] = value if isinstance(value, bool) else _flag(str(value), name=key)
+            elif isinstance(value, str):
+                values[attribute] = value
+            else:
+                raise ConfigError(f"{key} in {source} must be a string, got {value!r}")
+        ignored = sorted(set(data) & _JSON_IGNORED)
+        if ignored:
+            log.debug("ignoring Mooncake config keys %s from %s", ignored, source)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MooncakeConfig:
+        """From a ``mooncake.json`` file as Mooncake and vllm-ascend read it."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the Mooncake config file {os.fspath(path)!r}: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"the Mooncake config file {os.fspath(path)!r} is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"the Mooncake config file {os.fspath(path)!r} must hold a JSON object")
+        return cls.from_mapping(data, source=os.fspath(path))
+
+    @classmethod
+    def from_env(cls) -> MooncakeConfig:
+        """From the file ``MOONCAKE_CONFIG_PATH`` names."""
+        path = os.environ.get(CONFIG_PATH_ENV)
+        if not path:
+            raise ConfigError(f"{CONFIG_PATH_ENV} is not set; point it at a mooncake.json file")
+        return cls.from_file(path)
+
+
+def _read_url_value(param: str, text: str) -> object:
+    attribute = _URL_PARAMS[param]
+    try:
+        if attribute.endswith("_bytes"):
+            return parse_size(text)
+        if attribute.endswith("_s"):
+            return float(text)
+        if attribute in {"replicas", "setup_retries", "max_batch", "max_concurrency"}:
+            return int(text)
+    except ValueError as exc:
+        raise ConfigError(f"{param}={text!r} in a mooncake:// URL is not a number") from exc
+    if attribute in {"prefer_same_node", "hard_pin", "check_present"}:
+        return _flag(text, name=param)
+    return text

@@ -1,0 +1,77 @@
+"""Whether the Mooncake master is believed reachable, and when a call may check again.
+
+When the master dies, Mooncake fails the first calls at once and then makes every call wait about
+4.5 s before it reports ``RPC_FAIL``. The gate turns that into fast failures: after a failure it is
+*down*; calls fail without touching Mooncake, except that at most one call per ``interval_s`` is
+allowed to probe the master (a bounded, cheap check). A successful probe opens the gate again.
+No thread and no background task: probes happen lazily, inside the calls that need an answer.
+
+Use a gate from one event loop; its methods never await.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import attrs
+
+__all__ = ["HealthGate"]
+
+
+@attrs.define
+class HealthGate:
+    """Up or down, with the reason and a rate limit for probes. ``clock`` is monotonic seconds."""
+
+    interval_s: float
+    clock: Callable[[], float] = time.monotonic
+    _reason: str | None = attrs.field(default=None, init=False)
+    _down_since: float = attrs.field(default=0.0, init=False)
+    _next_probe: float = attrs.field(default=0.0, init=False)
+    _probing: bool = attrs.field(default=False, init=False)
+    failures: int = attrs.field(default=0, init=False)
+
+    @property
+    def healthy(self) -> bool:
+        return self._reason is None
+
+    def mark_down(self, reason: str) -> None:
+        """Record a failure that means "the master cannot be reached"; keeps the first reason."""
+        self.failures += 1
+        if self._reason is None:
+            now = self.clock()
+            self._reason = reason
+            self._down_since = now
+            self._next_probe = now + self.interval_s
+
+    def mark_up(self) -> None:
+        self._reason = None
+
+    def claim_probe(self) -> bool:
+        """True for the one caller that should probe now; it must call :meth:`end_probe`."""
+        if self._reason is None or self._probing:
+            return False
+        now = self.clock()
+        if now < self._next_probe:
+            return False
+        self._probing = True
+        self._next_probe = now + self.interval_s
+        return True
+
+    def end_probe(self, ok: bool, reason: str = "") -> None:
+        self._probing = False
+        if ok:
+            self.mark_up()
+        elif reason:
+            self._reason = reason
+
+    def describe(self) -> str:
+        """Why the gate is down and when the next probe may run, for error messages."""
+        if self._reason is None:
+            return "the Mooncake master is reachable"
+        now = self.clock()
+        return (
+            f"the Mooncake master has been unreachable for {now - self._down_since:.1f} s "
+            f"({self._reason}); the next check runs in {max(0.0, self._next_probe - now):.1f} s. "
+            "Check that mooncake_master is running and reachable from this host"
+        )

@@ -1,0 +1,88 @@
+"""Blocking Mooncake calls in worker threads, never more than ``n`` at once, abandoned ones included.
+
+A call runs through ``anyio.to_thread.run_sync`` with a ``CapacityLimiter`` of ``n`` tokens owned
+by the backend, and inside the thread holds one of ``n`` *slots* (a ``threading.Semaphore``) until
+the native call returns. A call with a timeout is abandoned when the timeout fires: anyio gives its
+token back at once, but its slot stays taken until Mooncake returns. So abandoned calls can never
+pile up: once every slot is held, new calls raise :class:`SlotsBusy` at once instead of queueing
+behind calls that may never return.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+import attrs
+
+__all__ = ["NativeCalls", "SlotsBusy"]
+
+T = TypeVar("T")
+
+
+class SlotsBusy(Exception):
+    """Every slot is held by a Mooncake call that has not returned (some overran their timeout)."""
+
+
+@attrs.define
+class NativeCalls:
+    """Runs blocking calls for one backend. Use from the backend's event loop."""
+
+    n: int
+    _limiter: anyio.CapacityLimiter = attrs.field(init=False)
+    _slots: threading.Semaphore = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._limiter = anyio.CapacityLimiter(self.n)
+        self._slots = threading.Semaphore(self.n)
+
+    async def run(self, fn: Callable[[], T], *, timeout_s: float | None) -> T:
+        """Run ``fn`` in a worker thread holding a slot.
+
+        ``timeout_s=None``: wait until it returns, even when cancelled (for calls that read or
+        write caller memory). Otherwise raise TimeoutError after ``timeout_s`` and abandon the
+        thread, which keeps its slot until ``fn`` returns. Raises SlotsBusy when no slot is free.
+        """
+        slots = self._slots
+
+        def work() -> T:
+            if not slots.acquire(blocking=False):
+                raise SlotsBusy
+            try:
+                return fn()
+            finally:
+                slots.release()
+
+        if timeout_s is None:
+            return await anyio.to_thread.run_sync(work, limiter=self._limiter)
+        with anyio.fail_after(timeout_s):
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._limiter)
+
+    async def run_alone(self, fn: Callable[[], T], *, timeout_s: float) -> tuple[bool, T | None]:
+        """Wait (in a thread) until no other call runs, then run ``fn`` holding every slot.
+
+        Returns ``(False, None)`` if the other calls did not all return within ``timeout_s``; ``fn``
+        did not run then. For ``close``: closing a client under a running call is unsafe.
+        """
+        slots, n = self._slots, self.n
+        deadline = time.monotonic() + timeout_s
+
+        def work() -> tuple[bool, T | None]:
+            held = 0
+            try:
+                for _ in range(n):
+                    if not slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                        return False, None
+                    held += 1
+                return True, fn()
+            finally:
+                for _ in range(held):
+                    slots.release()
+
+        with anyio.move_on_after(timeout_s + 1.0):
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        return False, None

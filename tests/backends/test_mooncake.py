@@ -1,0 +1,659 @@
+"""The Mooncake backend against a real master on loopback (see conftest.py for how to run it).
+
+The first tests need no master (configuration, health gate, staging plans, isolation checks). The
+rest start real masters and clients inside the test's private network namespace. This module is
+also the peer program of the two-process tests: ``python -m tests.backends.test_mooncake peer ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import cast
+
+import anyio
+import anyio.to_thread
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.backends.mooncake import MooncakeBackend
+from kvflow.backends.mooncake_config import MooncakeConfig, parse_mooncake_size
+from kvflow.backends.mooncake_health import HealthGate
+from kvflow.backends.mooncake_master import MasterProcess, NotIsolatedError, free_port
+from kvflow.backends.mooncake_staging import RegisteredMemory, StagingBuffer, plan_chunks
+from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, MissingDependencyError
+from kvflow.layout import KVCacheEntry, KVLayout
+from kvflow.regions import buffer_address
+
+MakeBackend = Callable[[str], MooncakeBackend]
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- memory helpers -------------------------------------------------------------------------------
+
+
+class Slab:
+    """A bytearray and its address: seeded random content, or zeros."""
+
+    def __init__(self, nbytes: int, seed: int | None = None, fill: int = 0) -> None:
+        if seed is None:
+            self.buf = bytearray([fill]) * nbytes
+        else:
+            self.buf = bytearray(random.Random(seed).randbytes(nbytes))
+        self.addr = buffer_address(self.buf)
+
+    def read(self, obj: ObjectRef) -> bytes:
+        return b"".join(
+            bytes(self.buf[a - self.addr : a - self.addr + n]) for a, n in zip(obj.addrs, obj.sizes)
+        )
+
+    def register(self, backend: MooncakeBackend) -> Slab:
+        backend.register_memory(self.addr, len(self.buf))
+        return self
+
+
+def scattered(key: str, slab: Slab, start: int, nbytes: int, pieces: int, rng: random.Random) -> ObjectRef:
+    """An object of ``nbytes`` at ``slab[start:]`` cut into ``pieces`` regions, in shuffled order."""
+    cuts = sorted(rng.sample(range(1, nbytes), pieces - 1)) if pieces > 1 else []
+    bounds = [0, *cuts, nbytes]
+    parts = [(slab.addr + start + bounds[i], bounds[i + 1] - bounds[i]) for i in range(pieces)]
+    rng.shuffle(parts)
+    return ObjectRef.of(key, [a for a, _ in parts], [n for _, n in parts])
+
+
+def contiguous(key: str, slab: Slab, start: int, nbytes: int) -> ObjectRef:
+    return ObjectRef.of(key, [slab.addr + start], [nbytes])
+
+
+def layout_of(caches: dict[str, object]) -> KVLayout:
+    """The layout of test caches (tests.helpers builds them as plain dicts)."""
+    return KVLayout.from_kv_caches(cast("dict[str, KVCacheEntry]", caches))
+
+
+def prefix() -> str:
+    return f"test/{uuid.uuid4().hex[:12]}/"
+
+
+# -- configuration (no master needed) -------------------------------------------------------------
+
+
+def test_url_sets_every_option() -> None:
+    cfg = MooncakeConfig.from_url(
+        "mooncake://127.0.0.1:50099?segment=1GiB&buffer=256MiB&protocol=tcp&replicas=2"
+        "&preferred_segment=127.0.0.1:1234&prefer_same_node=true&hard_pin=1&setup_retries=2"
+        "&setup_timeout=12.5&timeout=3&health_interval=0.5&probe_timeout=0.75&max_batch=64"
+        "&concurrency=8&staging=8MiB&local_hostname=127.0.0.1&metadata=P2PHANDSHAKE&device="
+    )
+    assert cfg.master == "127.0.0.1:50099"
+    assert (cfg.segment_bytes, cfg.buffer_bytes, cfg.staging_bytes) == (1 << 30, 256 << 20, 8 << 20)
+    assert (cfg.replicas, cfg.preferred_segment, cfg.prefer_same_node, cfg.hard_pin) == (
+        2,
+        "127.0.0.1:1234",
+        True,
+        True,
+    )
+    assert (cfg.setup_retries, cfg.setup_timeout_s, cfg.timeout_s) == (2, 12.5, 3.0)
+    assert (cfg.health_interval_s, cfg.probe_timeout_s, cfg.max_batch, cfg.max_concurrency) == (
+        0.5,
+        0.75,
+        64,
+        8,
+    )
+    assert MooncakeConfig.from_url("mooncake://127.0.0.1").master == "127.0.0.1:50051"
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("mooncake://127.0.0.1:1?segmnt=1GiB", "segmnt"),
+        ("mooncake://127.0.0.1:1?replicas=0", "replicas"),
+        ("mooncake://127.0.0.1:1?timeout=soon", "timeout"),
+        ("mooncake://127.0.0.1:1?hard_pin=maybe", "hard_pin"),
+        ("mooncake://127.0.0.1:1?segment=lots", "lots"),
+        ("mooncake://10.0.0.7:50051", "local_hostname"),
+        ("mooncake://127.0.0.1:1?segment=8MiB", "16MiB"),
+        ("memory://", "mooncake://"),
+    ],
+)
+def test_bad_urls_say_what_is_wrong(url: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        MooncakeConfig.from_url(url)
+
+
+def test_mooncake_json_file_as_vllm_ascend_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps(
+            {
+                "local_hostname": "10.0.0.5",
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp",
+                "device_name": "",
+                "alloc_in_same_node": True,
+                "master_server_address": "10.0.0.1:50088",
+                "global_segment_size": "1GB",
+                "local_buffer_size": 1073741824,
+                "use_ascend_direct": False,
+            }
+        )
+    )
+    cfg = MooncakeConfig.from_file(path)
+    assert cfg.master == "10.0.0.1:50088" and cfg.local_hostname == "10.0.0.5"
+    assert cfg.segment_bytes == 1 << 30 and cfg.buffer_bytes == 1 << 30  # "GB" is 2**30 there
+    assert cfg.prefer_same_node
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    assert MooncakeConfig.from_env() == cfg
+    # a URL can start from the file and override single values
+    over = MooncakeConfig.from_url(f"mooncake://?config={path}&segment=64MiB&replicas=2")
+    assert over.master == cfg.master and over.segment_bytes == 64 << 20 and over.replicas == 2
+
+
+def test_bad_json_config_is_rejected_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:1", "global_segmnt_size": 5}))
+    with pytest.raises(ConfigError, match="global_segmnt_size"):
+        MooncakeConfig.from_file(path)
+    path.write_text(json.dumps({"global_segment_size": 5}))
+    with pytest.raises(ConfigError, match="master_server_address"):
+        MooncakeConfig.from_file(path)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not JSON"):
+        MooncakeConfig.from_file(path)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ConfigError, match="MOONCAKE_CONFIG_PATH"):
+        MooncakeConfig.from_env()
+    assert parse_mooncake_size("512MB", name="x") == 512 << 20
+    with pytest.raises(ConfigError):
+        parse_mooncake_size("-1", name="x")
+
+
+def test_missing_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def fake(name: str, package: str | None = None) -> object:
+        if name.startswith("mooncake"):
+            raise ImportError("No module named 'mooncake'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    with pytest.raises(MissingDependencyError, match=r"kvflow\[mooncake\]") as info:
+        MooncakeBackend.from_url("mooncake://127.0.0.1:50051")
+    assert info.value.package == "mooncake-transfer-engine"
+
+
+def test_master_refuses_to_start_outside_a_private_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvflow.backends import mooncake_master
+
+    monkeypatch.setattr(mooncake_master, "network_interfaces", lambda: ["eth0", "lo"])
+    with pytest.raises(NotIsolatedError, match="unshare -n"):
+        mooncake_master.start_master()
+    assert mooncake_master.main([]) == 2
+
+
+def test_health_gate_fails_fast_and_probes_once_per_interval() -> None:
+    now = [100.0]
+    gate = HealthGate(1.0, clock=lambda: now[0])
+    assert gate.healthy and not gate.claim_probe()
+    gate.mark_down("put got RPC_FAIL (-900)")
+    assert not gate.healthy and not gate.claim_probe()  # not before the interval
+    assert "RPC_FAIL" in gate.describe()
+    now[0] += 1.0
+    assert gate.claim_probe()
+    assert not gate.claim_probe()  # one probe at a time
+    gate.end_probe(False, "health_check returned 2")
+    assert not gate.claim_probe()  # the next one waits a full interval
+    now[0] += 1.0
+    assert gate.claim_probe()
+    gate.end_probe(True)
+    assert gate.healthy
+
+
+@given(st.lists(st.tuples(st.integers(1, 10_000), st.integers(1, 5_000)), min_size=1, max_size=20), st.data())
+def test_registered_memory_contains_exactly_the_regions_inside_one_range(
+    ranges: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    memory = RegisteredMemory()
+    for start, size in ranges:
+        memory.add(start, size)
+    addr = data.draw(st.integers(0, 16_000))
+    size = data.draw(st.integers(1, 3_000))
+    expected = any(s <= addr and addr + size <= s + n for s, n in ranges)
+    assert memory.contains(addr, size) == expected
+    # an object is zero-copy iff each non-empty region is (the fast path must agree)
+    regions = data.draw(st.lists(st.tuples(st.integers(1, 16_000), st.integers(0, 3_000)), max_size=6))
+    obj = ObjectRef.of("k", [a for a, _ in regions], [n for _, n in regions])
+    assert memory.covers(obj) == all(memory.contains(a, n) for a, n in regions if n)
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 7), st.data())
+def test_chunks_respect_batch_and_staging_limits(
+    sizes: list[int], max_batch: int, data: st.DataObject
+) -> None:
+    staging = StagingBuffer(8192)
+    try:
+        objects = [ObjectRef.of(f"k{i}", [4096 * (i + 1)], [n]) for i, n in enumerate(sizes)]
+        zero_copy = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+        chunks = plan_chunks(objects, range(len(objects)), zero_copy, max_batch=max_batch, staging=staging)
+        assert [i for c in chunks for i in c.indices] == list(range(len(objects)))
+        for chunk in chunks:
+            assert 1 <= len(chunk.indices) <= max_batch
+            staged = [chunk.indices[p] for p, _ in chunk.staged]
+            assert staged == [i for i in chunk.indices if not zero_copy[i]]
+            slots = sorted((slot, objects[chunk.indices[p]].nbytes) for p, slot in chunk.staged)
+            end = staging.addr
+            for slot, n in slots:  # staged objects do not overlap and fit the buffer
+                assert slot >= end
+                end = slot + n
+            assert end <= staging.addr + staging.nbytes
+    finally:
+        staging.close()
+
+
+# -- a real master --------------------------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+async def test_round_trip_of_objects_with_many_regions_is_bit_exact(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    writer = mooncake_backends(mooncake_master.url(segment="64MiB", max_batch=8))
+    reader = mooncake_backends(mooncake_master.url(segment="16MiB", max_batch=5))
+    rng, keys = random.Random(7), prefix()
+    src = Slab(8 << 20, seed=1).register(writer)
+    dst = Slab(8 << 20).register(reader)
+    sizes = [rng.randrange(40_000, 200_000) for _ in range(24)]
+    puts = [
+        scattered(f"{keys}{i}", src, i * 300_000, n, rng.randrange(1, 34), rng) for i, n in enumerate(sizes)
+    ]
+    gets = [
+        scattered(f"{keys}{i}", dst, i * 300_000, n, rng.randrange(1, 34), rng) for i, n in enumerate(sizes)
+    ]
+    await writer.connect()
+    assert await writer.put(puts) == [PutStatus.STORED] * len(puts)
+    assert await reader.get(gets) == [GetStatus.HIT] * len(gets)
+    for put, get in zip(puts, gets):
+        assert dst.read(get) == src.read(put)
+    stats = reader.stats()
+    assert stats.hits == len(gets) and stats.hit_bytes == sum(sizes)
+
+
+@pytest.mark.mooncake
+async def test_unregistered_memory_goes_through_the_staging_buffer(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    backend = mooncake_backends(mooncake_master.url(segment="32MiB", staging="1MiB"))
+    keys = prefix()
+    src, dst = Slab(4 << 20, seed=2), Slab(4 << 20)  # never registered
+    rng = random.Random(3)
+    puts = [scattered(f"{keys}{i}", src, i * 400_000, 300_000, 5, rng) for i in range(8)]
+    gets = [scattered(f"{keys}{i}", dst, i * 400_000, 300_000, 3, rng) for i in range(8)]
+    assert await backend.put(puts) == [PutStatus.STORED] * 8  # 3 objects per chunk at most
+    assert await backend.get(gets) == [GetStatus.HIT] * 8
+    assert all(dst.read(g) == src.read(p) for p, g in zip(puts, gets))
+    with pytest.raises(BackendError, match="staging"):
+        await backend.put([contiguous(f"{keys}big", src, 0, 2 << 20)])
+
+
+@pytest.mark.mooncake
+async def test_miss_exists_and_duplicate_puts(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    backend = mooncake_backends(mooncake_master.url(segment="16MiB"))
+    keys = prefix()
+    first, second = Slab(64 << 10, seed=4).register(backend), Slab(64 << 10, seed=5).register(backend)
+    dst = Slab(64 << 10, fill=0xAB).register(backend)
+    a = contiguous(f"{keys}a", first, 0, 10_000)
+    assert await backend.exists([a.key, f"{keys}none"]) == [False, False]
+    assert await backend.exists([]) == []
+    assert await backend.put([a]) == [PutStatus.STORED]
+    assert await backend.exists([a.key, f"{keys}none"]) == [True, False]
+    # a second put of the key, even with other bytes, keeps the first value
+    assert await backend.put([contiguous(a.key, second, 0, 10_000)]) == [PutStatus.PRESENT]
+    # the same key twice in one batch: stored once
+    b1, b2 = contiguous(f"{keys}b", first, 20_000, 5_000), contiguous(f"{keys}b", second, 0, 5_000)
+    assert await backend.put([b1, b2]) == [PutStatus.STORED, PutStatus.PRESENT]
+    got = await backend.get(
+        [
+            contiguous(a.key, dst, 0, 10_000),
+            contiguous(f"{keys}none", dst, 20_000, 4_000),
+            contiguous(b1.key, dst, 30_000, 5_000),
+        ]
+    )
+    assert got == [GetStatus.HIT, GetStatus.MISS, GetStatus.HIT]
+    assert bytes(dst.buf[:10_000]) == first.read(a)
+    assert bytes(dst.buf[20_000:24_000]) == b"\xab" * 4_000  # a miss leaves the regions untouched
+    assert bytes(dst.buf[30_000:35_000]) == first.read(b1)
+    stats = backend.stats()
+    assert (stats.puts, stats.present, stats.hits, stats.misses) == (2, 2, 2, 1)
+    # Without the existence check a repeated put says STORED, but still writes nothing.
+    unchecked = mooncake_backends(mooncake_master.url(segment="0", check_present="false"))
+    second.register(unchecked)
+    assert await unchecked.put([contiguous(a.key, second, 0, 10_000)]) == [PutStatus.STORED]
+    assert await backend.get([contiguous(a.key, dst, 0, 10_000)]) == [GetStatus.HIT]
+    assert bytes(dst.buf[:10_000]) == first.read(a)
+
+
+@pytest.mark.mooncake
+async def test_wrong_sizes_and_empty_objects_raise_with_the_key(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    backend = mooncake_backends(mooncake_master.url(segment="16MiB"))
+    key = prefix() + "sized"
+    slab = Slab(64 << 10, seed=6).register(backend)
+    assert await backend.put([contiguous(key, slab, 0, 1_000)]) == [PutStatus.STORED]
+    with pytest.raises(BackendError, match=f"{key}.*more than 500 bytes"):
+        await backend.get([contiguous(key, slab, 10_000, 500)])
+    with pytest.raises(BackendError, match=f"{key}.*has 1000 bytes"):
+        await backend.get([contiguous(key, slab, 10_000, 2_000)])
+    with pytest.raises(BackendError, match="at least one byte"):
+        await backend.put([ObjectRef.of(key + "0", [], [])])
+    assert await backend.exists([key]) == [True]  # nothing else broke
+
+
+@pytest.mark.mooncake
+async def test_full_segment_reports_no_space_and_nothing_else_breaks(
+    mooncake_master_factory: Callable[..., MasterProcess], mooncake_backends: MakeBackend
+) -> None:
+    # A short lease lets the master evict soon after the segment fills.
+    master = mooncake_master_factory(extra_args=["--default_kv_lease_ttl=200"])
+    backend = mooncake_backends(master.url(segment="16MiB"))
+    keys, mib = prefix(), 1 << 20
+    src = Slab(mib, seed=8).register(backend)
+    dst = Slab(mib).register(backend)
+    objects = [contiguous(f"{keys}{i}", src, 0, mib) for i in range(24)]
+    results = await backend.put(objects)
+    stored = [o for o, r in zip(objects, results) if r is PutStatus.STORED]
+    assert set(results) == {PutStatus.STORED, PutStatus.NO_SPACE}, results
+    assert 8 <= len(stored) <= 16
+    assert backend.stats().no_space == results.count(PutStatus.NO_SPACE)
+    # Everything stored is still readable, bit-exact (or evicted: a miss, never a failure).
+    assert all(await backend.exists([o.key for o in stored[-2:]]))
+    for obj in stored:
+        (status,) = await backend.get([contiguous(obj.key, dst, 0, mib)])
+        assert status in (GetStatus.HIT, GetStatus.MISS)
+        if status is GetStatus.HIT:
+            assert bytes(dst.buf) == bytes(src.buf)
+    # Eviction makes room again.
+    deadline = time.monotonic() + 15
+    while (await backend.put([contiguous(f"{keys}late", src, 0, mib)]))[0] is not PutStatus.STORED:
+        assert time.monotonic() < deadline, "no room after 15 s"
+        await anyio.sleep(0.2)
+    assert backend.stats().put_failures == 0
+
+
+@pytest.mark.mooncake
+async def test_master_loss_fails_fast_and_recovery_needs_no_restart(
+    mooncake_master_factory: Callable[..., MasterProcess], mooncake_backends: MakeBackend
+) -> None:
+    master = mooncake_master_factory()
+    backend = mooncake_backends(
+        master.url(segment="16MiB", health_interval=0.5, probe_timeout=1, timeout=5, setup_retries=1)
+    )
+    keys = prefix()
+    src = Slab(1 << 20, seed=9).register(backend)
+    dst = Slab(1 << 20).register(backend)
+    before = [contiguous(f"{keys}old{i}", src, i * 1000, 1000) for i in range(4)]
+    assert await backend.put(before) == [PutStatus.STORED] * 4
+
+    master.kill()
+    started = time.monotonic()
+    after = [contiguous(f"{keys}new{i}", src, i * 1000, 1000) for i in range(4)]
+    assert await backend.put(after) == [PutStatus.FAILED] * 4
+    assert await backend.get([contiguous(o.key, dst, 0, 1000) for o in before]) == [GetStatus.FAILED] * 4
+    assert time.monotonic() - started < 12  # Mooncake's own wait is about 4.5 s per call
+    for _ in range(6):  # fast answers while down: no 4.5 s wait per call
+        t = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match="unreachable"):
+            await backend.exists([before[0].key])
+        assert time.monotonic() - t < 2.0
+        t = time.monotonic()
+        assert await backend.put(after[:1]) == [PutStatus.FAILED]
+        assert time.monotonic() - t < 2.0
+        await anyio.sleep(0.25)
+
+    restarted = mooncake_master_factory(rpc_port=master.rpc_port)
+    assert restarted.alive()
+    deadline = time.monotonic() + 30
+    while (await backend.put(after[:1]))[0] is not PutStatus.STORED:
+        assert time.monotonic() < deadline, "the backend did not recover within 30 s"
+        await anyio.sleep(0.25)
+    assert await backend.exists([after[0].key, before[0].key]) == [True, False]  # a new master knows nothing
+    got = await backend.get([contiguous(after[0].key, dst, 0, 1000), contiguous(before[1].key, dst, 0, 1000)])
+    assert got == [GetStatus.HIT, GetStatus.MISS]
+    assert bytes(dst.buf[:1000]) == src.read(after[0])
+
+
+@pytest.mark.mooncake
+async def test_setup_against_a_dead_master_fails_within_the_bound(
+    mooncake_isolated: None, mooncake_backends: MakeBackend
+) -> None:
+    backend = mooncake_backends(f"mooncake://127.0.0.1:{free_port()}?setup_retries=1&setup_timeout=20")
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="mooncake_master"):
+        await backend.connect()
+    assert time.monotonic() - started < 15  # one retry is about 4.4 s
+    t = time.monotonic()
+    with pytest.raises(BackendUnavailableError):
+        await backend.exists(["k"])
+    slab = Slab(4096, seed=1)
+    assert await backend.put([contiguous("k", slab, 0, 100)]) == [PutStatus.FAILED]
+    assert time.monotonic() - t < 1.0  # no new setup before the health interval
+
+
+# -- two OS processes -----------------------------------------------------------------------------
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.backends.test_mooncake", *args],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def _receive(process: subprocess.Popen[str], timeout_s: float = 60) -> list[str]:
+    """The next protocol line ("KV ...") of a peer, split into words."""
+    assert process.stdout is not None
+    with anyio.fail_after(timeout_s):
+        while True:
+            line = await anyio.to_thread.run_sync(process.stdout.readline, abandon_on_cancel=True)
+            if not line:
+                raise AssertionError(f"peer exited with {process.wait()} before answering")
+            if line.startswith("KV "):
+                return line.split()[1:]
+
+
+def _send(process: subprocess.Popen[str], *words: str) -> None:
+    assert process.stdin is not None
+    process.stdin.write(" ".join(words) + "\n")
+    process.stdin.flush()
+
+
+def _finish(processes: Sequence[subprocess.Popen[str]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            _send(process, "EXIT")
+    for process in processes:
+        try:
+            assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+PEER_OBJECTS, PEER_SIZE = 16, 200_000
+
+
+@pytest.mark.mooncake
+async def test_two_processes_see_each_others_objects(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    keys = prefix()
+    url = mooncake_master.url(segment="32MiB")
+    backend = mooncake_backends(url)
+    mine = Slab(PEER_OBJECTS * PEER_SIZE, seed=21).register(backend)
+    await backend.connect()
+    peer = _spawn("peer", url, keys + "peer/", "20")
+    try:
+        assert await _receive(peer) == ["PUT", *(["stored"] * PEER_OBJECTS)]
+        theirs = Slab(PEER_OBJECTS * PEER_SIZE, seed=20)  # what the peer stored
+        got = Slab(PEER_OBJECTS * PEER_SIZE).register(backend)
+        peer_keys = [f"{keys}peer/{i}" for i in range(PEER_OBJECTS)]
+        assert await backend.exists(peer_keys) == [True] * PEER_OBJECTS
+        gets = [contiguous(k, got, i * PEER_SIZE, PEER_SIZE) for i, k in enumerate(peer_keys)]
+        assert await backend.get(gets) == [GetStatus.HIT] * PEER_OBJECTS
+        assert got.buf == theirs.buf
+        puts = [contiguous(f"{keys}main/{i}", mine, i * PEER_SIZE, PEER_SIZE) for i in range(PEER_OBJECTS)]
+        assert await backend.put(puts) == [PutStatus.STORED] * PEER_OBJECTS
+        _send(peer, "GET", keys + "main/", "21")
+        assert await _receive(peer) == ["GOT", "exact", *(["hit"] * PEER_OBJECTS)]
+    finally:
+        _finish([peer])
+
+
+async def _peer(url: str, key_prefix: str, seed: int) -> None:
+    """Put objects with content from ``seed``; on "GET PREFIX SEED" get and compare them."""
+    async with MooncakeBackend.from_url(url) as backend:
+        slab = Slab(PEER_OBJECTS * PEER_SIZE, seed=seed).register(backend)
+        puts = [contiguous(f"{key_prefix}{i}", slab, i * PEER_SIZE, PEER_SIZE) for i in range(PEER_OBJECTS)]
+        print("KV PUT", *(r.value for r in await backend.put(puts)), flush=True)
+        while (words := (await anyio.to_thread.run_sync(sys.stdin.readline)).split()) != ["EXIT"]:
+            if words[:1] == ["GET"]:
+                other, expected = words[1], Slab(PEER_OBJECTS * PEER_SIZE, seed=int(words[2]))
+                got = Slab(PEER_OBJECTS * PEER_SIZE).register(backend)
+                gets = [contiguous(f"{other}{i}", got, i * PEER_SIZE, PEER_SIZE) for i in range(PEER_OBJECTS)]
+                results = await backend.get(gets)
+                exact = "exact" if got.buf == expected.buf else "differs"
+                print("KV GOT", exact, *(r.value for r in results), flush=True)
+
+
+# -- the pool over Mooncake -----------------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+async def test_pool_round_trip_through_mooncake_for_every_layout(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    from kvflow import KVPool, PoolConfig
+    from tests.helpers import BLOCK, LAYOUTS, block_bytes, zeros_like_caches
+
+    tokens = list(range(500, 500 + BLOCK * 6 + 3))
+    writer = mooncake_backends(mooncake_master.url(segment="32MiB"))
+    reader = mooncake_backends(mooncake_master.url(segment="0"))  # a pure client: reads over TCP
+    model = prefix()
+    kept: list[object] = []
+    for name, make in sorted(LAYOUTS.items()):
+        src = make()
+        dst = zeros_like_caches(src)
+        kept += [src, dst]  # registered memory must outlive the backends
+        config = PoolConfig(model=model + name, timeout_s=10)
+        a = KVPool.create(config, layout=layout_of(src), backend=writer)
+        b = KVPool.create(config, layout=layout_of(dst), backend=reader)
+        stored = await a.store(block_ids=[4, 2, 7, 0, 9, 1], tokens=tokens)
+        assert stored.stored == 6 and stored.ok, name
+        assert await b.lookup(tokens=tokens) == 6 * BLOCK
+        result = await b.retrieve(block_ids=[0, 1, 2, 3, 5, 6], tokens=tokens)
+        assert result.hit_blocks == 6, (name, result)
+        for s, d in zip([4, 2, 7, 0, 9, 1], [0, 1, 2, 3, 5, 6]):
+            for layer in src:
+                assert block_bytes(dst[layer], d) == block_bytes(src[layer], s), (name, layer)
+
+
+@pytest.mark.mooncake
+async def test_two_processes_as_tp_ranks_of_an_mla_model_store_only_owned_blocks(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    from kvflow import KVPool, ParallelConfig, PoolConfig, owner
+    from tests.helpers import BLOCK
+
+    model, url = prefix(), mooncake_master.url(segment="32MiB")
+    ranks = [_spawn("rank", url, model, str(r)) for r in range(2)]
+    try:
+        reports = [await _receive(p, timeout_s=120) for p in ranks]
+        fingerprints = {words[1] for words in reports}
+        assert len(fingerprints) == 1 and all(words[0] == "STORED" for words in reports)
+        statuses = [words[2].split(",") for words in reports]
+        for rank, per_block in enumerate(statuses):
+            parallel = ParallelConfig(tp_rank=rank, tp_size=2, use_mla=True)
+            expected = ["stored" if owner(i, parallel) == rank else "none" for i in range(len(per_block))]
+            assert per_block == expected, (rank, per_block)
+        # The scheduler's view (no KV caches, another client): every block is in the pool once.
+        scheduler = KVPool.create(
+            PoolConfig(model=model),
+            backend=mooncake_backends(mooncake_master.url(segment="0")),
+            parallel=ParallelConfig(tp_rank=0, tp_size=2, use_mla=True),
+            fingerprint=fingerprints.pop(),
+            block_size=BLOCK,
+        )
+        assert await scheduler.lookup(tokens=RANK_TOKENS) == len(statuses[0]) * BLOCK
+        for p in ranks:
+            _send(p, "RETRIEVE")
+        for p in ranks:  # every rank loads every block, including those the other rank stored
+            assert await _receive(p) == ["RETRIEVED", str(len(statuses[0])), "exact"]
+    finally:
+        _finish(ranks)
+
+
+RANK_TOKENS = list(range(2000, 2000 + 16 * 8))  # 8 blocks of tests.helpers.BLOCK (16) tokens
+
+
+async def _rank(url: str, model: str, rank: int) -> None:
+    """A TP rank of an MLA model: store the request, report per-block statuses, then retrieve."""
+    import torch
+
+    from kvflow import KVPool, ParallelConfig, PoolConfig
+    from tests.helpers import LAYOUTS, block_bytes, zeros_like_caches
+
+    torch.manual_seed(0)  # MLA ranks hold byte-identical KV
+    src = LAYOUTS["mla"]()
+    dst = zeros_like_caches(src)
+    parallel = ParallelConfig(tp_rank=rank, tp_size=2, use_mla=True)
+    async with MooncakeBackend.from_url(url) as backend:
+        config = PoolConfig(model=model, timeout_s=20)
+        layout = layout_of(src)
+        pool = KVPool.create(config, layout=layout, backend=backend, parallel=parallel)
+        result = await pool.store(block_ids=list(range(8)), tokens=RANK_TOKENS)
+        words = ",".join("none" if s is None else s.value for s in result.statuses)
+        print("KV STORED", layout.fingerprint, words, flush=True)
+        while (line := (await anyio.to_thread.run_sync(sys.stdin.readline)).split()) != ["EXIT"]:
+            if line == ["RETRIEVE"]:
+                reader = KVPool.create(
+                    config,
+                    layout=layout_of(dst),
+                    backend=backend,
+                    parallel=parallel,
+                )
+                got = await reader.retrieve(block_ids=[7, 6, 5, 4, 3, 2, 1, 0], tokens=RANK_TOKENS)
+                exact = all(
+                    block_bytes(dst[name], d) == block_bytes(src[name], s)
+                    for s, d in zip(range(8), [7, 6, 5, 4, 3, 2, 1, 0])
+                    for name in src
+                )
+                print("KV RETRIEVED", got.hit_blocks, "exact" if exact else "differs", flush=True)
+
+
+def _main(argv: list[str]) -> int:
+    """Peer programs of the two-process tests."""
+    if argv[0] == "peer":
+        anyio.run(_peer, argv[1], argv[2], int(argv[3]))
+    elif argv[0] == "rank":
+        anyio.run(_rank, argv[1], argv[2], int(argv[3]))
+    else:
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

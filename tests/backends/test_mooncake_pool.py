@@ -1,0 +1,102 @@
+"""KVPool over a real Mooncake master: lookup across namespaces, and a master lost mid-run.
+
+Runs inside the private network namespace that tests/backends/conftest.py requires.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from kvflow import KVPool, ParallelConfig, PoolConfig
+from kvflow.backends.mooncake_master import MasterProcess
+from tests.backends.test_mooncake import REPO, MakeBackend, layout_of, prefix
+from tests.helpers import BLOCK, LAYOUTS, zeros_like_caches
+
+TOKENS = list(range(300, 300 + BLOCK * 8))
+
+pytestmark = pytest.mark.mooncake
+
+
+async def test_lookup_is_the_minimum_over_kv_head_and_pp_namespaces(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    backend = mooncake_backends(mooncake_master.url(segment="32MiB"))
+    model = prefix()
+    kept: list[object] = []
+    pools = {}
+    for tp in range(2):
+        for pp in range(2):
+            caches = LAYOUTS["kv_tuple"]()
+            kept.append(caches)
+            parallel = ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=2, pp_rank=pp, pp_size=2)
+            pools[tp, pp] = KVPool.create(
+                PoolConfig(model=model), layout=layout_of(caches), backend=backend, parallel=parallel
+            )
+    for (tp, pp), blocks in {(0, 0): 8, (1, 0): 7, (0, 1): 4, (1, 1): 6}.items():
+        assert (await pools[tp, pp].store(block_ids=list(range(blocks)), tokens=TOKENS)).stored == blocks
+    scheduler = KVPool.create(
+        PoolConfig(model=model),
+        backend=mooncake_backends(mooncake_master.url(segment="0")),
+        parallel=ParallelConfig(tp_rank=0, tp_size=2, num_kv_heads=2, pp_size=2),
+        fingerprint=pools[0, 0].fingerprint,
+        block_size=BLOCK,
+    )
+    assert await scheduler.lookup(tokens=TOKENS) == 4 * BLOCK
+    await pools[0, 1].store(block_ids=list(range(8)), tokens=TOKENS)
+    assert await scheduler.lookup(tokens=TOKENS) == 6 * BLOCK
+
+
+async def test_pool_survives_a_lost_master_with_bounded_failures(
+    mooncake_master_factory: Callable[..., MasterProcess], mooncake_backends: MakeBackend
+) -> None:
+    master = mooncake_master_factory()
+    backend = mooncake_backends(
+        master.url(segment="16MiB", health_interval=0.5, probe_timeout=1, timeout=5, setup_retries=1)
+    )
+    src = LAYOUTS["vllm_cpu"]()
+    dst = zeros_like_caches(src)
+    config = PoolConfig(model=prefix(), timeout_s=8)
+    writer = KVPool.create(config, layout=layout_of(src), backend=backend)
+    reader = KVPool.create(config, layout=layout_of(dst), backend=backend)
+    assert (await writer.store(block_ids=[0, 1, 2, 3], tokens=TOKENS)).stored == 4
+
+    master.kill()
+    started = time.monotonic()
+    stored = await writer.store(block_ids=[4, 5, 6, 7], tokens=TOKENS, block_offset=4)
+    assert stored.failed_indices == (0, 1, 2, 3)
+    got = await reader.retrieve(block_ids=[0, 1, 2, 3], tokens=TOKENS)
+    assert got.failed_block_ids == (0, 1, 2, 3)
+    assert time.monotonic() - started < 20
+    t = time.monotonic()
+    assert await reader.lookup(tokens=TOKENS) == 0
+    assert time.monotonic() - t < 2.0  # the health gate answers at once while the master is down
+
+    restarted = mooncake_master_factory(rpc_port=master.rpc_port)
+    assert restarted.alive()
+    deadline = time.monotonic() + 30
+    while (await writer.store(block_ids=[0, 1, 2, 3], tokens=TOKENS)).stored != 4:
+        assert time.monotonic() < deadline, "the pool did not recover within 30 s of the restart"
+        await anyio.sleep(0.25)
+    assert await reader.lookup(tokens=TOKENS) == 4 * BLOCK
+    assert (await reader.retrieve(block_ids=[0, 1, 2, 3], tokens=TOKENS)).hit_blocks == 4
+
+
+def test_demo_verifies_through_mooncake(mooncake_master: MasterProcess) -> None:
+    url = mooncake_master.url(segment="256MiB")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "demo", "--backend", url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["verified"] is True and summary["blocks_retrieved"] > 0
