@@ -38,7 +38,6 @@ from kvflow.errors import ConfigError, RequestError
 from kvflow.events import LayerEvents
 from kvflow.keys import layer_keys
 from kvflow.ownership import owner
-from kvflow.pipeline import run_batches
 from kvflow.results import RetrieveResult, StoreResult
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ class LayerwisePlan:
             if request.request_id in seen:
                 raise RequestError(f"request {request.request_id!r} appears twice in one batch; pass it once")
             seen.add(request.request_id)
-            got = pool._request_hashes(
+            got = pool.request_hashes(
                 request.block_ids, request.tokens, request.block_hashes, request.block_offset
             )
             start = len(hashes)
@@ -134,7 +133,7 @@ class _LayerTasks:
     _next: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._failed = [None] * self.pool._require_layout().num_layers
+        self._failed = [None] * self.pool.require_layout().num_layers
 
     @property
     def num_layers(self) -> int:
@@ -144,13 +143,13 @@ class _LayerTasks:
         if self._used:
             raise RuntimeError("a layerwise storer or retriever runs once; open a new one")
         self._used = True
-        self.pool._enter()
+        self.pool.begin_call()
         try:
             self._done = [anyio.Event() for _ in self._failed]
             tg = anyio.create_task_group()
             await tg.__aenter__()
         except BaseException:
-            self.pool._leave()
+            self.pool.end_call()
             raise
         self._tg = tg
         self._start(tg)
@@ -166,7 +165,7 @@ class _LayerTasks:
             tg.cancel_scope.cancel()  # whatever has not finished is abandoned; results say so
             return await tg.__aexit__(exc_type, exc, tb)
         finally:
-            self.pool._leave()
+            self.pool.end_call()
 
     def __aiter__(self: T) -> T:
         return self
@@ -251,7 +250,7 @@ class LayerwiseStorer(_LayerTasks):
         hashes = [self.plan.hashes[j] for j in self._owned]
         keys = [layer_keys(scope, hashes, layer) for layer in range(layers)]
         # Asking what is present reads no KV, so it runs while the engine computes layer 0.
-        found = await self.pool._exists([k for ks in keys for k in ks], self.timeout_s)
+        found = await self.pool.exists_or_none([k for ks in keys for k in ks], self.timeout_s)
         present = found if found is not None else [False] * (n * layers)
         for layer in range(layers):
             try:
@@ -270,17 +269,10 @@ class LayerwiseStorer(_LayerTasks):
         statuses = [PutStatus.PRESENT] * len(keys)
         todo = [k for k, p in enumerate(present) if not p]
         block_ids = self.plan.block_ids
-        objects = self.pool._layer_objects(
+        objects = self.pool.layer_objects(
             [keys[k] for k in todo], [block_ids[self._owned[k]] for k in todo], layer
         )
-        results = await run_batches(
-            objects,
-            self.pool.backend.put,
-            failed=PutStatus.FAILED,
-            max_batch=self.pool.backend.max_batch,
-            budget=self.pool._budget,
-            timeout_s=self.timeout_s,
-        )
+        results = await self.pool.put_objects(objects, self.timeout_s)
         for k, status in zip(todo, results):
             statuses[k] = status
         self._finish_layer(layer, statuses)
@@ -323,7 +315,7 @@ class LayerwiseRetriever(_LayerTasks):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._order = self.pool._load_order(len(self.plan))
+        self._order = self.pool.load_order(len(self.plan))
         self._status = [GetStatus.HIT] * len(self.plan)
 
     @classmethod
@@ -360,15 +352,8 @@ class LayerwiseRetriever(_LayerTasks):
         status = self._status
         todo = [j for j in self._order if status[j] is GetStatus.HIT]  # a failed block stays failed
         keys = layer_keys(self.pool.scope(), [self.plan.hashes[j] for j in todo], layer)
-        objects = self.pool._layer_objects(keys, [self.plan.block_ids[j] for j in todo], layer)
-        results = await run_batches(
-            objects,
-            self.pool.backend.get,
-            failed=GetStatus.FAILED,
-            max_batch=self.pool.backend.max_batch,
-            budget=self.pool._budget,
-            timeout_s=self.timeout_s,
-        )
+        objects = self.pool.layer_objects(keys, [self.plan.block_ids[j] for j in todo], layer)
+        results = await self.pool.get_objects(objects, self.timeout_s)
         hits = 0
         for j, result in zip(todo, results):
             if result is GetStatus.HIT:

@@ -121,12 +121,14 @@ class KVPool:
                     await self._idle.wait()
             await self.backend.aclose()
 
-    def _enter(self) -> None:
+    def begin_call(self) -> None:
+        """Count a call in flight (``aclose`` waits for it); pair with :meth:`end_call`."""
         if self._closed:
             raise PoolClosedError("this pool was closed; create a new KVPool")
         self._inflight += 1
 
-    def _leave(self) -> None:
+    def end_call(self) -> None:
+        """The call counted by :meth:`begin_call` finished."""
         self._inflight -= 1
         if self._inflight == 0 and self._idle is not None:
             self._idle.set()
@@ -150,19 +152,23 @@ class KVPool:
         p = self.parallel
         return [self.scope(h, pp) for h in range(p.num_head_ranks) for pp in range(p.pp_size)]
 
-    def _require_layout(self) -> KVLayout:
+    # -- stages shared with kvflow.layerwise: hashes, objects, batched puts and gets ------------
+
+    def require_layout(self) -> KVLayout:
+        """The registered layout; ConfigError for a lookup-only pool."""
         if self.layout is None:
             raise ConfigError("this pool has no registered KV caches; create it with a layout")
         return self.layout
 
-    def _request_hashes(
+    def request_hashes(
         self,
         block_ids: Sequence[int],
         tokens: Sequence[int] | None,
         block_hashes: Sequence[bytes] | None,
         block_offset: int,
     ) -> list[bytes]:
-        layout = self._require_layout()
+        """The hashes of blocks ``block_offset ..`` that ``block_ids`` hold, after validating both."""
+        layout = self.require_layout()
         hashes = resolve_hashes(self.block_size, tokens, block_hashes)
         if block_offset < 0 or block_offset + len(block_ids) > len(hashes):
             raise RequestError(
@@ -172,28 +178,51 @@ class KVPool:
         layout.check_block_ids(block_ids)
         return hashes[block_offset : block_offset + len(block_ids)]
 
-    def _objects(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[ObjectRef]:
-        layout = self._require_layout()
+    def block_objects(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[ObjectRef]:
+        """Whole-block objects: ``keys[i]`` holds every layer of block ``block_ids[i]``."""
+        layout = self.require_layout()
         sizes, nbytes = layout.block_sizes, layout.block_nbytes
         addrs = layout.block_addrs
         return [ObjectRef(k, addrs(b), sizes, nbytes) for k, b in zip(keys, block_ids)]
 
-    def _layer_objects(self, keys: Sequence[str], block_ids: Sequence[int], layer: int) -> list[ObjectRef]:
+    def layer_objects(self, keys: Sequence[str], block_ids: Sequence[int], layer: int) -> list[ObjectRef]:
         """Per-layer objects: ``keys[i]`` holds layer ``layer`` of block ``block_ids[i]``."""
-        layout = self._require_layout()
+        layout = self.require_layout()
         sizes = layout.layer_regions(0, layer)[1]
         nbytes = sum(sizes)
         return [
             ObjectRef(k, layout.layer_regions(b, layer)[0], sizes, nbytes) for k, b in zip(keys, block_ids)
         ]
 
-    def _load_order(self, count: int) -> list[int]:
+    def load_order(self, count: int) -> list[int]:
         """Indices ``0..count-1`` rotated by rank, so that the members of a replica group do not all
         read the same object first."""
         shift = self.parallel.tp_rank % count if count else 0
         return list(range(shift, count)) + list(range(shift))
 
-    async def _exists(self, keys: Sequence[str], timeout_s: float) -> list[bool] | None:
+    async def put_objects(self, objects: Sequence[ObjectRef], timeout_s: float) -> list[PutStatus]:
+        """Put in backend-sized batches within this pool's byte budget; one status per object."""
+        return await run_batches(
+            objects,
+            self.backend.put,
+            failed=PutStatus.FAILED,
+            max_batch=self.backend.max_batch,
+            budget=self._budget,
+            timeout_s=timeout_s,
+        )
+
+    async def get_objects(self, objects: Sequence[ObjectRef], timeout_s: float) -> list[GetStatus]:
+        """Get in backend-sized batches within this pool's byte budget; one status per object."""
+        return await run_batches(
+            objects,
+            self.backend.get,
+            failed=GetStatus.FAILED,
+            max_batch=self.backend.max_batch,
+            budget=self._budget,
+            timeout_s=timeout_s,
+        )
+
+    async def exists_or_none(self, keys: Sequence[str], timeout_s: float) -> list[bool] | None:
         """The backend's answer per key, or None (logged) if it failed or took too long."""
         if not keys:
             return []
@@ -228,7 +257,7 @@ class KVPool:
             raise RequestError(f"block_offset={block_offset} outside the request's {len(hashes)} full blocks")
         held = block_offset * self.block_size
         hashes = hashes[block_offset:]
-        self._enter()
+        self.begin_call()
         try:
             if not hashes:
                 return held
@@ -240,7 +269,7 @@ class KVPool:
             else:
                 namespaces = [block_keys(scope, hashes) for scope in scopes]
             keys = [k for namespace in namespaces for k in namespace]
-            found = await self._exists(keys, timeout_s or self.config.timeout_s)
+            found = await self.exists_or_none(keys, timeout_s or self.config.timeout_s)
             if found is None:
                 return held  # the engine recomputes the rest; the failure was logged
             n = len(hashes)
@@ -251,7 +280,7 @@ class KVPool:
                 hits = min(hits, first_missing)
             return held + hits * self.block_size
         finally:
-            self._leave()
+            self.end_call()
 
     async def store(
         self,
@@ -266,38 +295,31 @@ class KVPool:
         request whose tokens or hashes are given. Keys already present are skipped, per key."""
         if self.config.layerwise:
             request = LayerwiseRequest("", block_ids, tokens, block_hashes, block_offset)
-            events = LayerEvents.completed(self._require_layout().num_layers)
+            events = LayerEvents.completed(self.require_layout().num_layers)
             async with LayerwiseStorer.open(self, [request], events, timeout_s=timeout_s) as storer:
                 async for _ in storer:
                     pass
             return storer.results()[0]
-        hashes = self._request_hashes(block_ids, tokens, block_hashes, block_offset)
-        self._enter()
+        hashes = self.request_hashes(block_ids, tokens, block_hashes, block_offset)
+        self.begin_call()
         try:
             rank = self.parallel.tp_rank
             mine = [i for i in range(len(hashes)) if owner(block_offset + i, self.parallel) == rank]
             statuses: list[PutStatus | None] = [None] * len(hashes)
             keys = block_keys(self.scope(), [hashes[i] for i in mine])
             timeout = timeout_s or self.config.timeout_s
-            present = await self._exists(keys, timeout) or [False] * len(keys)
+            present = await self.exists_or_none(keys, timeout) or [False] * len(keys)
             todo = [j for j, p in enumerate(present) if not p]
             for j, p in enumerate(present):
                 if p:
                     statuses[mine[j]] = PutStatus.PRESENT
-            objects = self._objects([keys[j] for j in todo], [block_ids[mine[j]] for j in todo])
-            results = await run_batches(
-                objects,
-                self.backend.put,
-                failed=PutStatus.FAILED,
-                max_batch=self.backend.max_batch,
-                budget=self._budget,
-                timeout_s=timeout,
-            )
+            objects = self.block_objects([keys[j] for j in todo], [block_ids[mine[j]] for j in todo])
+            results = await self.put_objects(objects, timeout)
             for j, status in zip(todo, results):
                 statuses[mine[j]] = status
             return StoreResult(tuple(statuses))
         finally:
-            self._leave()
+            self.end_call()
 
     async def retrieve(
         self,
@@ -312,29 +334,22 @@ class KVPool:
         block of its namespace. Failed or missing blocks are reported, never raised."""
         if self.config.layerwise:
             request = LayerwiseRequest("", block_ids, tokens, block_hashes, block_offset)
-            depth = self._require_layout().num_layers  # nobody computes in between: all layers at once
+            depth = self.require_layout().num_layers  # nobody computes in between: all layers at once
             async with LayerwiseRetriever.open(self, [request], depth=depth, timeout_s=timeout_s) as loader:
                 async for _ in loader:
                     pass
             return loader.results()[0]
-        hashes = self._request_hashes(block_ids, tokens, block_hashes, block_offset)
-        self._enter()
+        hashes = self.request_hashes(block_ids, tokens, block_hashes, block_offset)
+        self.begin_call()
         try:
             ids = list(block_ids)
             keys = block_keys(self.scope(), hashes)
-            order = self._load_order(len(ids))
-            objects = self._objects([keys[i] for i in order], [ids[i] for i in order])
-            results = await run_batches(
-                objects,
-                self.backend.get,
-                failed=GetStatus.FAILED,
-                max_batch=self.backend.max_batch,
-                budget=self._budget,
-                timeout_s=timeout_s or self.config.timeout_s,
-            )
+            order = self.load_order(len(ids))
+            objects = self.block_objects([keys[i] for i in order], [ids[i] for i in order])
+            results = await self.get_objects(objects, timeout_s or self.config.timeout_s)
             statuses = [GetStatus.FAILED] * len(ids)
             for i, status in zip(order, results):
                 statuses[i] = status
             return RetrieveResult(tuple(ids), tuple(statuses), self.block_size)
         finally:
-            self._leave()
+            self.end_call()
