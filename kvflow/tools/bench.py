@@ -69,7 +69,9 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
     layout_src, layout_dst = KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst)
     ids = list(range(batch))
     nbytes = layout_src.block_nbytes * batch
-    backend = open_backend(url)
+    # A cache in service runs full: the memory backend then recycles evicted buffers instead of
+    # faulting in fresh pages, so give it room for exactly one batch.
+    backend = open_backend(f"memory://?capacity={nbytes}" if url == "memory://" else url)
     stamp = time.time_ns()
 
     async def store(i: int) -> float:
@@ -83,9 +85,10 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
         return elapsed
 
     async def retrieve(i: int) -> float:
-        pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-0"), layout=layout_dst, backend=backend)
+        last = repeat - 1  # the batch the last store wrote (earlier ones may have been evicted)
+        pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-{last}"), layout=layout_dst, backend=backend)
         start = time.perf_counter()
-        result = await pool.retrieve(block_ids=ids, tokens=list(range(16 * batch)))
+        result = await pool.retrieve(block_ids=ids, tokens=list(range(last, last + 16 * batch)))
         elapsed = time.perf_counter() - start
         if result.hit_blocks != batch:
             raise RuntimeError(f"bench retrieve loaded {result.hit_blocks} of {batch} blocks")

@@ -50,3 +50,17 @@ async def test_lru_eviction_keeps_within_capacity() -> None:
 def test_url_parsing() -> None:
     backend = open_backend("memory://?capacity=1MiB")
     assert isinstance(backend, MemoryBackend) and backend.config.capacity_bytes == 1 << 20
+
+
+async def test_a_recycled_buffer_holds_only_the_new_object() -> None:
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=200))
+    a, b, c = (torch.full((100,), v, dtype=torch.uint8) for v in (1, 2, 3))
+    await backend.put([obj("a", a), obj("b", b)])
+    assert await backend.put([obj("c", c)]) == [PutStatus.STORED]  # evicts a, reuses its buffer
+    out_b, out_c = torch.zeros(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
+    assert await backend.get([obj("a", out_b), obj("b", out_b), obj("c", out_c)]) == [
+        GetStatus.MISS,
+        GetStatus.HIT,
+        GetStatus.HIT,
+    ]
+    assert torch.equal(out_b, b) and torch.equal(out_c, c)
