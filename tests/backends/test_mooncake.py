@@ -118,7 +118,7 @@ def test_url_sets_every_option() -> None:
         ("mooncake://127.0.0.1:1?timeout=soon", "timeout"),
         ("mooncake://127.0.0.1:1?hard_pin=maybe", "hard_pin"),
         ("mooncake://127.0.0.1:1?segment=lots", "lots"),
-        ("mooncake://10.0.0.7:50051", "local_hostname"),
+        ("mooncake://kv-master.example:50051", "local_hostname"),
         ("mooncake://127.0.0.1:1?segment=8MiB", "16MiB"),
         ("memory://", "mooncake://"),
     ],
@@ -133,12 +133,12 @@ def test_mooncake_json_file_as_vllm_ascend_writes_it(tmp_path: Path, monkeypatch
     path.write_text(
         json.dumps(
             {
-                "local_hostname": "10.0.0.5",
+                "local_hostname": "worker-a.example",
                 "metadata_server": "P2PHANDSHAKE",
                 "protocol": "tcp",
                 "device_name": "",
                 "alloc_in_same_node": True,
-                "master_server_address": "10.0.0.1:50088",
+                "master_server_address": "kv-master.example:50088",
                 "global_segment_size": "1GB",
                 "local_buffer_size": 1073741824,
                 "use_ascend_direct": False,
@@ -146,7 +146,7 @@ def test_mooncake_json_file_as_vllm_ascend_writes_it(tmp_path: Path, monkeypatch
         )
     )
     cfg = MooncakeConfig.from_file(path)
-    assert cfg.master == "10.0.0.1:50088" and cfg.local_hostname == "10.0.0.5"
+    assert cfg.master == "kv-master.example:50088" and cfg.local_hostname == "worker-a.example"
     assert cfg.segment_bytes == 1 << 30 and cfg.buffer_bytes == 1 << 30  # "GB" is 2**30 there
     assert cfg.prefer_same_node
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))

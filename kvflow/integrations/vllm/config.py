@@ -1,0 +1,159 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Pure: imports neither vLLM nor torch, so it can be checked before an engine starts::
+
+    ConnectorConfig.from_extra_config({"backend": "local:///dev/shm/kvflow", "model_id": "llama-3-8b"})
+
+Keys (all optional; docs/vllm.md has the same table with examples):
+
+``backend``             store URL; default ``local:///dev/shm/kvflow``. ``memory://`` is refused: the
+                        scheduler side and the workers are separate objects (and usually processes),
+                        so they could never see each other's blocks.
+``lookup_backend``      store URL the scheduler side looks up in; default ``backend``. For Mooncake,
+                        the same master with ``segment=0``, so the scheduler process lends no memory.
+``model_id``            the model name in every key; default vLLM's ``served_model_name``. Set it to
+                        share a store between engines that load the same weights from different paths.
+``load_async``          load hits between engine steps (vLLM's asynchronous loading) instead of
+                        before the step's forward (default false).
+``layerwise``           one object per block and layer: stores put each layer as soon as the forward
+                        wrote it, loads fetch layer l+1 while layer l computes (default false). A
+                        store written in one mode is not seen by the other.
+``layerwise_depth``     layers a layerwise load keeps in flight ahead of the forward (default 2).
+``timeout_s``           bound of each store and retrieve (default 30).
+``lookup_timeout_s``    bound of one lookup (default 2); on timeout or error the request is computed
+                        as if nothing were cached.
+``lookup_wait_s``       how long, per engine step, the scheduler thread may wait for lookups before
+                        telling vLLM "ask again next step" (default 0.05); lookups keep running.
+``preemption_wait_s``   how long a worker waits for a preempted request's stores before its blocks are
+                        reused (default 60).
+``max_inflight_bytes``  bytes in backend calls at once per process (size text or int; default 1GiB).
+``save_decode_blocks``  also store blocks completed while decoding (default false: prompt blocks only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+import attrs
+
+from kvflow.config import PoolConfig, parse_size
+from kvflow.errors import ConfigError
+
+__all__ = ["DEFAULT_BACKEND", "ConnectorConfig"]
+
+DEFAULT_BACKEND = "local:///dev/shm/kvflow"
+
+_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "preemption_wait_s")
+_FLAGS = ("load_async", "layerwise", "save_decode_blocks")
+_TEXTS = ("backend", "lookup_backend", "model_id")
+_KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, "max_inflight_bytes", "layerwise_depth"})
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be > 0, got {value}")
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be > 0, got {value}")
+
+
+def _shared_backend(_: object, attribute: attrs.Attribute[str], url: str) -> None:
+    scheme = urlsplit(url).scheme
+    if scheme == "memory":
+        raise ConfigError(
+            f"kv_connector_extra_config[{attribute.name!r}] is memory://, which vLLM's scheduler and "
+            f"workers cannot share; use a shared store such as {DEFAULT_BACKEND} or mooncake://host:port"
+        )
+    if not scheme:
+        raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be a URL, got {url!r}")
+
+
+@attrs.frozen
+class ConnectorConfig:
+    """What the vLLM connector was told to do. Build it with :meth:`from_extra_config`."""
+
+    backend: str = attrs.field(default=DEFAULT_BACKEND, validator=_shared_backend)
+    lookup_backend: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_shared_backend)
+    )
+    model_id: str | None = None
+    load_async: bool = False
+    layerwise: bool = False
+    layerwise_depth: int = attrs.field(default=2, validator=_positive_int)
+    timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    lookup_timeout_s: float = attrs.field(default=2.0, validator=_positive)
+    lookup_wait_s: float = attrs.field(default=0.05, validator=_positive)
+    preemption_wait_s: float = attrs.field(default=60.0, validator=_positive)
+    max_inflight_bytes: int = attrs.field(default=1 << 30, validator=_positive_int)
+    save_decode_blocks: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorConfig:
+        """Parse vLLM's ``kv_connector_extra_config``; raise ConfigError naming any bad key."""
+        extra = extra or {}
+        unknown = set(extra) - _KEYS
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {sorted(unknown)} for KVFlowConnector; "
+                f"allowed: {sorted(_KEYS)}"
+            )
+        kwargs: dict[str, object] = {key: _text(extra, key) for key in _TEXTS if key in extra}
+        kwargs.update({key: _number(extra, key) for key in _FLOATS if key in extra})
+        kwargs.update({key: _flag(extra, key) for key in _FLAGS if key in extra})
+        if "layerwise_depth" in extra:
+            kwargs["layerwise_depth"] = _integer(extra, "layerwise_depth")
+        if "max_inflight_bytes" in extra:
+            value = extra["max_inflight_bytes"]
+            if not isinstance(value, (str, int)) or isinstance(value, bool):
+                raise ConfigError(f"max_inflight_bytes must be a size like 1GiB or 4096, got {value!r}")
+            kwargs["max_inflight_bytes"] = parse_size(value)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def pool_config(self, model: str) -> PoolConfig:
+        """The :class:`kvflow.PoolConfig` of a worker's pool serving ``model``."""
+        return PoolConfig(
+            backend=self.backend,
+            model=self.model_id or model,
+            max_inflight_bytes=self.max_inflight_bytes,
+            timeout_s=self.timeout_s,
+            layerwise=self.layerwise,
+        )
+
+    def lookup_pool_config(self, model: str) -> PoolConfig:
+        """The :class:`kvflow.PoolConfig` of the scheduler side's lookup-only pool."""
+        return attrs.evolve(
+            self.pool_config(model),
+            backend=self.lookup_backend or self.backend,
+            timeout_s=self.lookup_timeout_s,
+        )
+
+
+def _text(extra: Mapping[str, object], key: str) -> str:
+    value = extra[key]
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(extra: Mapping[str, object], key: str) -> float:
+    value = extra[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(extra: Mapping[str, object], key: str) -> int:
+    value = extra[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
+    return value
+
+
+def _flag(extra: Mapping[str, object], key: str) -> bool:
+    value = extra[key]
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+    return value

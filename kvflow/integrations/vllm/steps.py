@@ -1,0 +1,165 @@
+"""How a worker moves one engine step's KV: whole blocks around the forward, or layer by layer in it.
+
+Both kinds are driven by the worker's model-runner thread, in vLLM's order per step:
+``load`` (before the forward, only when the step has loads) -> per layer ``wait_for_layer`` and
+``save_layer`` -> ``finish`` (after the forward). ``finish`` answers with a :class:`StepOutcome`.
+
+- :class:`BlockSteps`: ``load`` gets every block of the step's loads and waits for them, so the
+  forward reads complete blocks; ``finish`` starts the stores of the blocks the step computed and
+  returns at once (the stores read blocks that stay allocated: see :mod:`.worker`).
+- :class:`LayerwiseSteps`: one object per block and layer. ``load`` starts a layerwise retriever that
+  fetches layer l+1 while layer l computes; ``wait_for_layer`` blocks until a layer is in place;
+  the first ``save_layer`` starts a layerwise storer that puts each layer once the forward has
+  written it; ``finish`` waits until every put of the step ended, so nothing of the step is in flight
+  afterwards.
+
+A step whose load failed stores nothing (:attr:`StepOutcome.dropped`): the KV it computed may rest on
+a block that never arrived, and storing it would put wrong values under a correct key.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+
+import attrs
+
+from kvflow.engine import LayerwiseEngine
+from kvflow.integrations.vllm.clients import (
+    WAIT_MARGIN_S,
+    layerwise_request,
+    submit_retrieve,
+    submit_store,
+)
+from kvflow.integrations.vllm.metadata import BlockSpan
+from kvflow.results import RetrieveResult, StoreResult
+from kvflow.runtime import SyncPool
+
+__all__ = ["BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_result"]
+
+log = logging.getLogger(__name__)
+
+Loaded = tuple[BlockSpan, RetrieveResult | None]
+Storing = tuple[BlockSpan, "concurrent.futures.Future[StoreResult]"]
+
+
+@attrs.frozen
+class StepOutcome:
+    """What one step's transfers did. ``loads``: each sync load and its result (None: it overran);
+    ``stores``: each save and its store, possibly still running; ``dropped``: saves not stored."""
+
+    loads: tuple[Loaded, ...] = ()
+    stores: tuple[Storing, ...] = ()
+    dropped: tuple[BlockSpan, ...] = ()
+
+    @property
+    def load_failed(self) -> bool:
+        return any(result is None or result.failed_block_ids for _, result in self.loads)
+
+
+def wait_result(future: concurrent.futures.Future[RetrieveResult], timeout_s: float) -> RetrieveResult | None:
+    """The retrieve's result, or None (logged) if it raised or overran ``timeout_s``."""
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        # The pool bounds every retrieve itself, so this is a missed deadline inside kvflow.
+        log.error("a kvflow load overran %.1f s; its blocks will be recomputed", timeout_s)
+    except Exception as exc:
+        log.warning("a kvflow load failed, its blocks will be recomputed: %r", exc)
+    return None
+
+
+def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
+    future: concurrent.futures.Future[StoreResult] = concurrent.futures.Future()
+    future.set_result(result)
+    return future
+
+
+@attrs.define(eq=False)
+class BlockSteps:
+    """Whole-block loads before the forward, asynchronous whole-block stores after it."""
+
+    pool: SyncPool
+    _loaded: list[Loaded] = attrs.field(factory=list, init=False)
+
+    @property
+    def wait_s(self) -> float:
+        return self.pool.pool.config.timeout_s + WAIT_MARGIN_S
+
+    def load(self, spans: Sequence[BlockSpan]) -> None:
+        futures = [(span, submit_retrieve(self.pool, span)) for span in spans]
+        self._loaded.extend((span, wait_result(future, self.wait_s)) for span, future in futures)
+
+    def wait_for_layer(self, layer: int) -> bool:
+        return True  # load() already waited for every block
+
+    def save_layer(self, layer: int, saves: Sequence[BlockSpan]) -> None:
+        """Nothing: whole blocks are stored after the forward."""
+
+    def finish(self, saves: Sequence[BlockSpan]) -> StepOutcome:
+        loads, self._loaded = tuple(self._loaded), []
+        outcome = StepOutcome(loads)
+        if outcome.load_failed:
+            return attrs.evolve(outcome, dropped=tuple(saves))
+        return attrs.evolve(outcome, stores=tuple((span, submit_store(self.pool, span)) for span in saves))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@attrs.define(eq=False)
+class LayerwiseSteps:
+    """Layer-by-layer loads and stores inside the forward, through kvflow's layerwise engine face."""
+
+    engine: LayerwiseEngine
+    _loads: tuple[BlockSpan, ...] = attrs.field(default=(), init=False)
+    _storing: bool = attrs.field(default=False, init=False)
+    _load_failed: bool = attrs.field(default=False, init=False)
+
+    @property
+    def pool(self) -> SyncPool:
+        return self.engine.sync_pool
+
+    @property
+    def wait_s(self) -> float:
+        return self.pool.pool.config.timeout_s + WAIT_MARGIN_S
+
+    def load(self, spans: Sequence[BlockSpan]) -> None:
+        self._loads = tuple(spans)
+        self.engine.start_load([layerwise_request(span) for span in spans])
+
+    def wait_for_layer(self, layer: int) -> bool:
+        arrived = self.engine.wait_for_layer_load(layer)
+        if not arrived:
+            self._load_failed = True
+        return arrived
+
+    def save_layer(self, layer: int, saves: Sequence[BlockSpan]) -> None:
+        if not saves or self._load_failed:
+            # After a failed layer the rest of the forward may rest on missing KV: record no more
+            # layers, so the storer skips them and the store never holds a partly wrong block.
+            return
+        if not self._storing:
+            self.engine.start_store([layerwise_request(span) for span in saves])
+            self._storing = True
+        self.engine.save_layer(layer)
+
+    def finish(self, saves: Sequence[BlockSpan]) -> StepOutcome:
+        loads, storing, failed = self._loads, self._storing, self._load_failed
+        self._loads, self._storing, self._load_failed = (), False, False
+        try:
+            result = self.engine.wait_for_save()
+        except Exception as exc:  # stuck transfers: count everything of the step as failed
+            log.error("kvflow's layerwise transfers of this step failed: %r; recomputing its loads", exc)
+            return StepOutcome(tuple((span, None) for span in loads), dropped=tuple(saves))
+        loaded = tuple((span, result.loaded.get(span.req_id)) for span in loads)
+        if not storing:
+            return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
+        stores = tuple(
+            (span, _completed(result.stored[span.req_id])) for span in saves if span.req_id in result.stored
+        )
+        return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.req_id not in result.stored))
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,85 @@
+"""What the connector needs to know about the engine, read from vLLM's config objects.
+
+Both sides call :func:`describe_engine` in their constructor; workers add their own ranks with
+:func:`worker_ranks`. Anything kvflow's connector does not support yet fails here, at engine start,
+with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvflow.errors import ConfigError
+from kvflow.ownership import ParallelConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["EngineShape", "describe_engine", "worker_ranks"]
+
+
+@attrs.frozen
+class EngineShape:
+    """The engine facts shared by the scheduler side and every worker."""
+
+    model: str
+    block_size: int
+    num_layers: int
+    tp_size: int
+    pp_size: int
+    total_num_kv_heads: int
+    use_mla: bool
+
+    def parallel(self, tp_rank: int = 0, pp_rank: int = 0) -> ParallelConfig:
+        """kvflow's view of one rank (the scheduler side uses rank 0: it only looks up)."""
+        return ParallelConfig(
+            tp_rank=tp_rank,
+            tp_size=self.tp_size,
+            num_kv_heads=self.total_num_kv_heads,
+            use_mla=self.use_mla,
+            pp_rank=pp_rank,
+            pp_size=self.pp_size,
+        )
+
+
+def describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineShape:
+    """Read the engine's shape; raise ConfigError for set-ups the connector does not handle."""
+    parallel = vllm_config.parallel_config
+    model_config = vllm_config.model_config
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVFlowConnector supports models with one KV cache group, this one has {len(groups)} "
+            "(hybrid attention); run it without the connector"
+        )
+    if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
+        raise ConfigError(
+            "KVFlowConnector does not support decode/prefill context parallelism yet; "
+            "set decode_context_parallel_size=1 and prefill_context_parallel_size=1"
+        )
+    block_size = groups[0].kv_cache_spec.block_size
+    hash_block_size = kv_cache_config.hash_block_size
+    if hash_block_size not in (None, block_size):
+        raise ConfigError(
+            f"vLLM hashes blocks of {hash_block_size} tokens but the KV cache block is {block_size}; "
+            "KVFlowConnector needs them equal"
+        )
+    return EngineShape(
+        model=str(model_config.served_model_name or model_config.model),
+        block_size=block_size,
+        num_layers=len(groups[0].layer_names),
+        tp_size=parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
+        total_num_kv_heads=model_config.get_total_num_kv_heads(),
+        use_mla=bool(model_config.use_mla),
+    )
+
+
+def worker_ranks() -> tuple[int, int]:
+    """This worker's ``(tp_rank, pp_rank)``. Call from a worker only (after vLLM set up its groups)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group

@@ -1,0 +1,78 @@
+"""Helpers of the connector tests that run in the test process (which never imports vLLM or torch).
+
+- :func:`kvflow_transfer_config`: the ``kv_transfer_config`` of an engine spec that loads
+  kvflow's connector (the product class, or the recording one of ``recording_connector.py``);
+- :func:`read_counters`: what each worker of a finished engine moved;
+- :func:`local_objects` / :func:`corrupt_local_store`: the objects of a local store, and a way to
+  change their KV while keeping them valid objects (checksum and all), so a load takes them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.backends.local_format import HEADER_SIZE, Header
+
+__all__ = [
+    "COUNTERS_ENV",
+    "corrupt_local_store",
+    "kvflow_transfer_config",
+    "local_objects",
+    "read_counters",
+]
+
+COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"
+
+
+def kvflow_transfer_config(backend: str, *, recording: bool = True, **extra: Any) -> dict[str, Any]:
+    """``KVTransferConfig`` keywords for kvflow's connector over ``backend``.
+
+    ``recording`` loads the test subclass (counters written to ``$KVFLOW_TEST_COUNTERS_DIR``, and the
+    ``failing-local://`` backend known); otherwise the product class by its documented path.
+    """
+    module, name = (
+        ("tests.integrations.vllm.recording_connector", "RecordingKVFlowConnector")
+        if recording
+        else ("kvflow.integrations.vllm", "KVFlowConnector")
+    )
+    return {
+        "kv_connector": name,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"backend": backend, **extra},
+    }
+
+
+def read_counters(folder: Path) -> dict[int, Mapping[str, int]]:
+    """Each worker's last counters (``TransferCounters`` as a dict), by TP rank."""
+    counters: dict[int, Mapping[str, int]] = {}
+    for path in sorted(folder.glob("worker-tp*-pp0.json")):
+        rank = int(path.name[len("worker-tp") :].split("-")[0])
+        counters[rank] = json.loads(path.read_text(encoding="utf-8"))
+    return counters
+
+
+def local_objects(store: Path) -> list[Path]:
+    """The object files of a local store directory."""
+    return sorted((store / "objects").iterdir())
+
+
+def corrupt_local_store(store: Path) -> int:
+    """Reverse the order of the float32 values in every object's payload and reseal it with a valid
+    checksum: the objects still load (no checksum error), but hold the wrong KV. Returns how many."""
+    paths = local_objects(store)
+    for path in paths:
+        data = path.read_bytes()
+        header = Header.unpack(data)
+        assert header is not None and len(data) == HEADER_SIZE + header.payload_len, path
+        payload = np.frombuffer(data, dtype=np.float32, offset=HEADER_SIZE)[::-1].copy()
+        view = memoryview(payload).cast("B")
+        sealed = Header.sealed(header.payload_len, header.digest, [view])
+        path.write_bytes(sealed.pack() + payload.tobytes())
+    return len(paths)

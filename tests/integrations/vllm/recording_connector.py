@@ -1,0 +1,104 @@
+"""KVFlowConnector as the tests load it: it writes each worker's counters to a file, and it knows a
+backend whose gets fail.
+
+- ``RecordingKVFlowConnector`` (``kv_connector="RecordingKVFlowConnector",
+  kv_connector_module_path="tests.integrations.vllm.recording_connector"``) is the product's
+  connector plus one thing: when ``KVFLOW_TEST_COUNTERS_DIR`` is set, every worker writes its running
+  :class:`~kvflow.integrations.vllm.stats.TransferCounters` to
+  ``<dir>/worker-tp<rank>-pp<rank>.json`` after each step that changed them and at shutdown.
+  A test reads them with ``connector_helpers.read_counters`` (which does not import vLLM).
+- ``failing-local:///path`` is the local backend at ``path`` whose every get first writes junk into
+  the engine blocks it was given, then reports ``FAILED``. Lookups and puts work. A connector that
+  ignored the failure would compute with the junk; vLLM with ``kv_load_failure_policy="recompute"``
+  must recompute those blocks instead.
+
+Importing this module registers the ``failing-local`` scheme with :func:`kvflow.backends.open_backend`
+in the importing process (vLLM imports it in every process that creates a connector).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvflow.backends import SCHEMES
+from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.local import LocalBackend
+from kvflow.integrations.vllm import KVFlowConnector
+from kvflow.integrations.vllm.stats import TransferCounters
+
+__all__ = ["FailingGetsBackend", "RecordingKVFlowConnector"]
+
+COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"  # the same name as connector_helpers.COUNTERS_ENV
+
+SCHEMES.setdefault("failing-local", f"{__name__}:FailingGetsBackend")
+
+
+@attrs.define(eq=False)
+class FailingGetsBackend:
+    """The local backend with gets that scribble over their regions and then fail."""
+
+    inner: LocalBackend
+
+    @classmethod
+    def from_url(cls, url: str) -> FailingGetsBackend:
+        return cls(LocalBackend.from_url("local" + url[len("failing-local") :]))
+
+    @property
+    def max_batch(self) -> int:
+        return self.inner.max_batch
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        return await self.inner.put(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        for obj in objects:
+            for addr, size in zip(obj.addrs, obj.sizes):
+                ctypes.memset(addr, 0x7F, size)  # 0x7f7f7f7f: a huge float, never a real KV value
+        return [GetStatus.FAILED] * len(objects)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.inner.exists(keys)
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        self.inner.register_memory(addr, nbytes)
+
+    def stats(self) -> BackendStats:
+        return self.inner.stats()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class RecordingKVFlowConnector(KVFlowConnector):
+    """KVFlowConnector that leaves its workers' counters in ``$KVFLOW_TEST_COUNTERS_DIR``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._written: TransferCounters | None = None
+
+    def _write_counters(self) -> None:
+        folder = os.environ.get(COUNTERS_ENV)
+        worker = self._worker
+        if not folder or worker is None or worker.counters == self._written:
+            return
+        self._written = worker.counters
+        path = Path(folder) / f"worker-tp{worker.tp_rank}-pp{worker.pp_rank}.json"
+        temp = path.with_suffix(f".{os.getpid()}.tmp")
+        temp.write_text(json.dumps(worker.counters.as_dict()), encoding="utf-8")
+        temp.replace(path)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        finished = super().get_finished(finished_req_ids)
+        self._write_counters()
+        return finished
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._write_counters()

