@@ -21,7 +21,7 @@ from kvflow.backends.base import ObjectRef
 from kvflow.errors import BackendError, BackendUnavailableError, KVFlowError, RequestError
 from kvflow.keys import hash_blocks
 
-__all__ = ["ByteBudget", "resolve_hashes", "run_batches"]
+__all__ = ["ByteBudget", "is_programming_error", "resolve_hashes", "run_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ async def run_batches(
                 raise KVFlowError(f"backend returned {len(answers)} results for {len(batch)} keys")
             results[start : start + len(batch)] = answers
         except Exception as exc:  # a backend fault becomes per-key failures
-            if _is_programming_error(exc):
+            if is_programming_error(exc):
                 errors.append(exc)
             log.warning("backend call for %d objects failed: %r", len(batch), exc)
         finally:
@@ -125,7 +125,7 @@ async def run_batches(
     return results
 
 
-def _is_programming_error(exc: Exception) -> bool:
+def is_programming_error(exc: Exception) -> bool:
     """Errors that retrying or recomputing cannot fix: they must reach the caller."""
     if isinstance(exc, BackendUnavailableError):
         return False

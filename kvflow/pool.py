@@ -25,7 +25,7 @@ from kvflow.keys import KeyScope, block_keys, layer_keys
 from kvflow.layerwise import LayerwiseRequest, LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVLayout
 from kvflow.ownership import ParallelConfig, owner
-from kvflow.pipeline import ByteBudget, resolve_hashes, run_batches
+from kvflow.pipeline import ByteBudget, is_programming_error, resolve_hashes, run_batches
 from kvflow.results import RetrieveResult, StoreResult
 
 __all__ = ["KVPool"]
@@ -229,7 +229,9 @@ class KVPool:
         try:
             with anyio.fail_after(timeout_s):
                 found = await self.backend.exists(keys)
-        except Exception as exc:  # any fault of the store means "unknown", never a crash
+        except Exception as exc:  # a fault of the store means "unknown", never a crash
+            if is_programming_error(exc):
+                raise  # a misconfigured backend must not look like an empty cache forever
             log.warning("exists() of %d keys failed: %r", len(keys), exc)
             return None
         if len(found) != len(keys):

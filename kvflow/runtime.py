@@ -65,9 +65,18 @@ class LoopThread:
             raise TimeoutError(f"kvflow call did not finish within {timeout_s} s") from None
 
     def stop(self) -> None:
-        """Stop the loop after the tasks it runs finish; joins the thread."""
-        cm, self._cm, self._portal = self._cm, None, None
-        if cm is not None:
+        """Cancel the tasks still on the loop, stop it and join its thread.
+
+        Owners close their work first (``SyncPool.close`` waits, bounded, for calls in flight);
+        whatever is left was given up on and must not keep the engine from shutting down.
+        """
+        cm, portal = self._cm, self._portal
+        self._cm = self._portal = None
+        if cm is None or portal is None:
+            return
+        try:
+            portal.call(portal.stop, True)
+        finally:
             cm.__exit__(None, None, None)
 
 
@@ -205,7 +214,8 @@ class SyncPool:
             self.loop.stop()
 
     def _wait(self, future: concurrent.futures.Future[T], timeout_s: float | None) -> T:
-        limit = timeout_s if timeout_s is not None else self.pool.config.timeout_s + 1.0
+        # a store is an exists() and then puts, each bounded by the pool's timeout
+        limit = timeout_s if timeout_s is not None else 2 * self.pool.config.timeout_s + 1.0
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:

@@ -254,3 +254,15 @@ async def test_lookup_from_a_block_offset_counts_engine_held_blocks_as_present()
     assert await pool.lookup(tokens=TOKENS, block_offset=8) == 8 * BLOCK
     with pytest.raises(RequestError, match="block_offset"):
         await pool.lookup(tokens=TOKENS, block_offset=9)
+
+
+async def test_programming_errors_of_a_backend_are_raised_not_taken_for_misses() -> None:
+    from kvflow.errors import BackendError
+
+    class Misconfigured(FaultyBackend):
+        async def exists(self, keys: Sequence[str]) -> list[bool]:
+            raise BackendError("the backend was set up with a wrong segment size")
+
+    pool = make_pool(LAYOUTS["vllm_cpu"](), Misconfigured())
+    with pytest.raises(BackendError, match="segment size"):
+        await pool.lookup(tokens=TOKENS)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
@@ -46,3 +47,16 @@ def test_blocking_calls_time_out_when_the_backend_hangs() -> None:
             pool.retrieve([0], tokens=TOKENS[:BLOCK], timeout_s=0.3)
         # the loop is still healthy after a timed-out call
         assert pool.store([0], tokens=TOKENS[:BLOCK], timeout_s=5).stored == 1
+
+
+def test_stop_cancels_a_call_that_was_given_up_on() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(hang_on={"put"})
+    pool = SyncPool.open(PoolConfig(timeout_s=600), layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    stuck = pool.submit_store([0], tokens=TOKENS[:BLOCK])
+    with pytest.raises(concurrent.futures.TimeoutError):
+        stuck.result(0.2)
+    start = time.monotonic()
+    pool.close(timeout_s=0.2)  # the pool gives up waiting; stopping the loop cancels the put
+    assert time.monotonic() - start < 5
+    assert stuck.done()
