@@ -84,6 +84,7 @@ class _Step:
     futures: list[concurrent.futures.Future[None]] = attrs.field(factory=list)
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _running: int = 0
+    _load_ended: bool = False  # the loader's task ended (loop thread, under _cond)
     _layers_in: list[bool] = attrs.field(factory=list)  # per layer handed out: every block arrived
     _loaded: list[RetrieveResult] = attrs.field(factory=list)
     _stored: list[StoreResult] = attrs.field(factory=list)
@@ -102,8 +103,10 @@ class _Step:
         loaded: list[RetrieveResult] | None = None,
         stored: list[StoreResult] | None = None,
         error: Exception | None = None,
+        load_ended: bool = False,
     ) -> None:
         with self._cond:
+            self._load_ended = self._load_ended or load_ended
             self._loaded = loaded or self._loaded
             self._stored = stored or self._stored
             self._error = self._error or error
@@ -124,7 +127,8 @@ class _Step:
     def wait_layer(self, layer: int, timeout_s: float) -> bool | None:
         """Whether every block of ``layer`` arrived; None if the wait timed out."""
         with self._cond:
-            ready = self._cond.wait_for(lambda: len(self._layers_in) > layer or not self._running, timeout_s)
+            # Not "nothing running": a storer waits for layer events this blocked engine never records.
+            ready = self._cond.wait_for(lambda: len(self._layers_in) > layer or self._load_ended, timeout_s)
             if not ready:
                 return None
             return len(self._layers_in) > layer and self._layers_in[layer]
@@ -158,7 +162,7 @@ async def _drive_load(step: _Step, loader: LayerwiseRetriever) -> None:
     except Exception as exc:  # a programming error: wait_for_save raises it
         error = exc
     finally:
-        step.finish(loaded=loader.results(), error=error)
+        step.finish(loaded=loader.results(), error=error, load_ended=True)
 
 
 async def _drive_store(step: _Step, storer: LayerwiseStorer) -> None:
@@ -308,13 +312,16 @@ class LayerwiseEngine:
         Layers never saved are not stored. After ``timeout_s`` (default: the pool's timeout) the
         step's transfers are cancelled and reported failed. Raises the error a transfer raised if
         it was a programming error (a misconfigured backend), never for a failed put or get.
+        Raises TimeoutError if a transfer does not stop even when cancelled; the step then stays
+        current, so that :meth:`close` still cancels and waits for it.
         """
-        step, self._step = self._step, None
+        step = self._step
         if step is None:
             return StepResult({}, {})
         if step.events is not None:
             step.events.seal()
         self._end(step, self._timeout if timeout_s is None else timeout_s)
+        self._step = None  # only now: nothing of the step runs any more
         return step.result()
 
     def close(self, timeout_s: float | None = None) -> None:

@@ -506,6 +506,44 @@ def test_a_layer_that_does_not_arrive_in_time_fails_the_steps_loads() -> None:
         assert time.monotonic() - start < 2.0
 
 
+def test_a_loader_that_ends_early_does_not_stall_the_layer_wait_behind_the_storer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def broken(self: LayerwiseRetriever) -> LayerwiseRetriever:
+        raise RuntimeError("a bug in the retriever")
+
+    monkeypatch.setattr(LayerwiseRetriever, "__aenter__", broken)
+    src = LAYOUTS["vllm_cpu"]()
+    with make_engine(zeros_like_caches(src), MemoryBackend(), timeout_s=5) as kv:
+        kv.start_store(request([8, 9], "s", tokens=list(range(2 * BLOCK))))  # waits for layer events
+        kv.start_load(request(ALL))
+        start = time.monotonic()
+        assert kv.wait_for_layer_load(0) is False
+        assert time.monotonic() - start < 1.0
+        with pytest.raises(RuntimeError, match="a bug in the retriever"):
+            kv.wait_for_save()
+
+
+def test_a_stuck_step_raises_and_stays_current_so_close_still_waits_for_it() -> None:
+    @attrs.define
+    class StuckPuts(ScriptedBackend):
+        async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+            with anyio.CancelScope(shield=True):  # a backend call that ignores cancellation
+                await anyio.sleep(1.0)
+            return await self.inner.put(objects)
+
+    src = LAYOUTS["vllm_cpu"]()
+    kv = make_engine(src, StuckPuts(), timeout_s=0.1)
+    kv.start_store(request(ALL))
+    forward(kv)
+    stuck = kv._step
+    with pytest.raises(TimeoutError, match="stuck"):
+        kv.wait_for_save(timeout_s=0.1)
+    assert kv._step is stuck  # still reachable: close() cancels and waits for it
+    kv.close(timeout_s=5)
+    assert stuck is not None and all(f.done() for f in stuck.futures)
+
+
 def test_close_mid_step_cancels_the_transfers_and_stops_the_thread() -> None:
     src = LAYOUTS["vllm_cpu"]()
     backend = ScriptedBackend()

@@ -61,7 +61,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         local = config.backend.startswith("local:")
         self._cache_hit_source = CacheHitSource.HOST if local else CacheHitSource.EXTERNAL_UNSPECIFIED
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, shape)
+            async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+            self._scheduler = SchedulerSide(config, shape, async_scheduling)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kv_load_failure_policy=%r: a block evicted between lookup and load fails the "
@@ -182,7 +183,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler_side().update_connector_output(connector_output.finished_recving)
+        self._scheduler_side().update_connector_output(
+            connector_output.finished_recving,
+            connector_output.invalid_block_ids,
+            connector_output.failed_recving,
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request), None

@@ -51,12 +51,15 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     layerwise load: before each layer reads). ``async_loads`` start now and are reported done through
     ``get_finished`` (their requests are not in this step). ``saves`` are read once the forward
     wrote them. ``preempted_req_ids`` lost their blocks this step: workers finish reading them first.
+    ``drop_saves``: finished requests whose earlier saves workers stop tracking without reporting
+    them finished sending (vLLM frees their blocks when their asynchronous load is reported).
     """
 
     loads: tuple[BlockSpan, ...] = ()
     async_loads: tuple[BlockSpan, ...] = ()
     saves: tuple[BlockSpan, ...] = ()
     preempted_req_ids: frozenset[str] = frozenset()
+    drop_saves: frozenset[str] = frozenset()
 
 
 @attrs.frozen

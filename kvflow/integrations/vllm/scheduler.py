@@ -14,6 +14,13 @@ Store policy: the full blocks of a request are stored once, by the step that com
 blocks only unless ``save_decode_blocks``). Blocks vLLM found in its own prefix cache are taken as
 stored (the request that computed them stored them), and blocks loaded from kvflow are stored by
 definition.
+
+A request's blocks computed in a step in which it also loaded are not stored in that step: on another
+rank that load may have failed, and every rank computed from its (all-reduced) output. The scheduler
+holds them back until vLLM's aggregated connector output for that step is in (one step later; two with
+asynchronous scheduling). If it named no failed block of the load, a later step stores them; if it did,
+vLLM recomputes from the first failed block, and the step that recomputes stores. A request that
+finishes first leaves them unstored: a lost caching chance, never wrong data.
 """
 
 from __future__ import annotations
@@ -54,11 +61,21 @@ class _Tracked:
 
 
 @attrs.define(eq=False)
+class _LoadCheck:
+    """A sync load whose step's computed blocks wait for vLLM's verdict on the load."""
+
+    span: BlockSpan
+    steps_left: int  # build_connector_meta calls until the load step's connector output is in
+
+
+@attrs.define(eq=False)
 class SchedulerSide:
     """Owns the lookup pool (once the workers' handshake arrived) and the per-request state."""
 
     config: ConnectorConfig
     shape: EngineShape
+    #: vLLM schedules step N+1 before it processes step N's output (scheduler_config.async_scheduling)
+    async_scheduling: bool = False
     _pool: SyncPool | None = attrs.field(default=None, init=False)
     _lookups: Lookups | None = attrs.field(default=None, init=False)
     _requests: dict[str, _Tracked] = attrs.field(factory=dict, init=False)
@@ -67,6 +84,8 @@ class SchedulerSide:
     _pending_async: dict[str, BlockSpan] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)  # asynchronous loads not yet reported done
     _saving: set[str] = attrs.field(factory=set, init=False)  # requests some step stored blocks of
+    _unchecked: dict[str, _LoadCheck] = attrs.field(factory=dict, init=False)  # no saves until checked
+    _drop_saves: set[str] = attrs.field(factory=set, init=False)  # workers: forget, do not report
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -154,6 +173,10 @@ class SchedulerSide:
         """This step's loads (before the forward), asynchronous loads and saves. Resets the step."""
         if self._lookups is not None:
             self._lookups.new_step()
+        for req_id, check in list(self._unchecked.items()):
+            check.steps_left -= 1
+            if check.steps_left <= 0:
+                del self._unchecked[req_id]
         loads: list[BlockSpan] = []
         saves: list[BlockSpan] = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -181,20 +204,26 @@ class SchedulerSide:
             self._pending_loads.clear()
         async_loads = tuple(self._pending_async.values())
         self._pending_async.clear()
+        drop_saves, self._drop_saves = frozenset(self._drop_saves), set()
         return KVFlowConnectorMetadata(
             loads=tuple(loads),
             async_loads=async_loads,
             saves=tuple(saves),
             preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+            drop_saves=drop_saves,
         )
 
     def _take_load(self, req_id: str, loads: list[BlockSpan]) -> None:
         span = self._pending_loads.pop(req_id, None)
         if span is not None:
             loads.append(span)
+            # Hold back what this step computes until vLLM's verdict on the load is in.
+            self._unchecked[req_id] = _LoadCheck(span, steps_left=2 if self.async_scheduling else 1)
 
     def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[BlockSpan]) -> None:
         request = tracked.request
+        if request.request_id in self._unchecked:
+            return  # saved_upto stays: a later step stores these blocks (see the module docstring)
         if not self.config.save_decode_blocks:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
         hashes = request.block_hashes
@@ -207,9 +236,25 @@ class SchedulerSide:
         tracked.saved_upto = end
         self._saving.add(req_id)
 
-    def update_connector_output(self, finished_recving: set[str] | None) -> None:
-        """Asynchronous loads that every worker reported done."""
+    def update_connector_output(
+        self,
+        finished_recving: set[str] | None,
+        invalid_block_ids: set[int] | None = None,
+        failed_recving: set[str] | None = None,
+    ) -> None:
+        """Every worker's output of a step: asynchronous loads that every worker reported done, and
+        the blocks (or requests) whose load failed on some worker."""
         self._loading.difference_update(finished_recving or ())
+        invalid, failed = invalid_block_ids or set(), failed_recving or set()
+        for req_id, check in self._unchecked.items():
+            span = check.span
+            bad = [i for i, b in enumerate(span.block_ids) if b in invalid]
+            if req_id in failed:
+                bad.append(0)
+            tracked = self._requests.get(req_id)
+            if bad and tracked is not None:
+                # vLLM recomputes from the first failed block; the step that does stores it.
+                tracked.saved_upto = min(tracked.saved_upto, span.first_block + min(bad))
 
     # -- the end of a request ---------------------------------------------------------------------
 
@@ -219,18 +264,26 @@ class SchedulerSide:
         Whole-block stores read blocks after their step, so a request that had saves waits for
         every worker to list it as finished sending (each worker lists exactly the requests some
         step's metadata carried saves of, so both sides agree). A request whose asynchronous load
-        is still running waits for every worker to list it as finished receiving.
+        is still running waits for every worker to list it as finished receiving, and only that:
+        if it also had saves (preempted, then reloading), the next metadata tells the workers to drop
+        them unreported, so vLLM frees its blocks once, after the load.
         """
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._local_hits.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
+        self._unchecked.pop(req_id, None)
         if self._lookups is not None:
             self._lookups.forget(req_id)
         saving = req_id in self._saving and not self.config.layerwise
         self._saving.discard(req_id)
-        loading = req_id in self._loading
-        return saving or loading
+        if req_id in self._loading:
+            # Preempted after some saves, then aborted while reloading: vLLM must free the blocks
+            # once, when every worker reports the load. Workers drop the old saves unreported.
+            if saving:
+                self._drop_saves.add(req_id)
+            return True
+        return saving
 
     def reset_cache(self) -> bool:
         """Drop the lookups in flight. The pool itself is shared with other engines and stays: False."""

