@@ -10,7 +10,7 @@ import attrs
 
 from kvflow.errors import ConfigError
 
-__all__ = ["PoolConfig", "parse_size", "parse_url_query"]
+__all__ = ["PoolConfig", "nonnegative", "parse_size", "parse_url_query", "positive"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -44,9 +44,16 @@ def parse_url_query(url: str, *, scheme: str, allowed: set[str]) -> dict[str, st
     return params
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    """attrs validator: the value must be > 0 (ConfigError naming the field otherwise)."""
     if value <= 0:
         raise ConfigError(f"{attribute.name} must be > 0, got {value}")
+
+
+def nonnegative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    """attrs validator: the value must be >= 0 (ConfigError naming the field otherwise)."""
+    if value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
 
 
 @attrs.frozen
@@ -59,6 +66,6 @@ class PoolConfig:
 
     backend: str = "memory://"
     model: str = "model"
-    max_inflight_bytes: int = attrs.field(default=1 << 30, validator=_positive)
-    timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    max_inflight_bytes: int = attrs.field(default=1 << 30, validator=positive)
+    timeout_s: float = attrs.field(default=30.0, validator=positive)
     layerwise: bool = False

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from kvflow.backends import Backend, GetStatus
-from kvflow.config import PoolConfig
+from kvflow.config import PoolConfig, positive
 from kvflow.errors import ConfigError, RequestError
 from kvflow.events import DeviceEvent, LayerEvents, make_event
 from kvflow.layerwise import (
@@ -177,11 +177,6 @@ async def _drive_store(step: _Step, storer: LayerwiseStorer) -> None:
         step.finish(stored=storer.results(), error=error)
 
 
-def _positive_depth(_: object, __: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"depth (layers fetched ahead) must be >= 1, got {value}")
-
-
 @attrs.define(eq=False)
 class LayerwiseEngine:
     """Layerwise loads and stores for a synchronous engine, over a :class:`SyncPool` it owns.
@@ -192,7 +187,7 @@ class LayerwiseEngine:
     """
 
     sync_pool: SyncPool
-    depth: int = attrs.field(default=1, validator=_positive_depth)
+    depth: int = attrs.field(default=1, validator=positive)
     event_factory: Callable[[], DeviceEvent] | None = None
     _step: _Step | None = attrs.field(default=None, init=False)
 

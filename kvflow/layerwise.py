@@ -34,6 +34,7 @@ import attrs
 from anyio.abc import TaskGroup
 
 from kvflow.backends.base import GetStatus, PutStatus
+from kvflow.config import positive
 from kvflow.errors import ConfigError, RequestError
 from kvflow.events import LayerEvents
 from kvflow.keys import layer_keys
@@ -295,11 +296,6 @@ class LayerwiseStorer(_LayerTasks):
         return [StoreResult(tuple(flat[a:b])) for a, b in self.plan.spans]
 
 
-def _positive_depth(_: object, __: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"depth (layers fetched ahead) must be >= 1, got {value}")
-
-
 @attrs.define(eq=False)
 class LayerwiseRetriever(_LayerTasks):
     """Loads a batch of requests' blocks into the KV cache, layer by layer, ``depth`` layers ahead.
@@ -308,7 +304,7 @@ class LayerwiseRetriever(_LayerTasks):
     event loop.
     """
 
-    depth: int = attrs.field(validator=_positive_depth)
+    depth: int = attrs.field(validator=positive)
     _order: list[int] = attrs.field(init=False)  # flat indices, rotated by rank
     _status: list[GetStatus] = attrs.field(init=False)  # per flat block: HIT until a layer is not
     _started: int = attrs.field(default=0, init=False)  # layers whose fetch has started

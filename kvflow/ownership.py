@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import attrs
 
+from kvflow.config import positive
 from kvflow.errors import ConfigError
 
 __all__ = ["ParallelConfig", "owner"]
-
-
-def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
 
 
 @attrs.frozen
@@ -35,14 +31,14 @@ class ParallelConfig:
     """
 
     tp_rank: int = 0
-    tp_size: int = attrs.field(default=1, validator=_positive)
-    num_kv_heads: int = attrs.field(default=1, validator=_positive)
+    tp_size: int = attrs.field(default=1, validator=positive)
+    num_kv_heads: int = attrs.field(default=1, validator=positive)
     use_mla: bool = False
-    dcp_size: int = attrs.field(default=1, validator=_positive)
+    dcp_size: int = attrs.field(default=1, validator=positive)
     pp_rank: int = 0
-    pp_size: int = attrs.field(default=1, validator=_positive)
+    pp_size: int = attrs.field(default=1, validator=positive)
     pcp_rank: int = 0
-    pcp_size: int = attrs.field(default=1, validator=_positive)
+    pcp_size: int = attrs.field(default=1, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         for rank, size, what in (

@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import anyio
@@ -38,7 +37,7 @@ from kvflow.backends.local_format import (
     write_from,
 )
 from kvflow.backends.local_space import Reservation, SpaceLedger
-from kvflow.config import parse_size, parse_url_query
+from kvflow.config import parse_size, parse_url_query, positive
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 
 __all__ = ["LocalBackend", "LocalConfig"]
@@ -54,11 +53,6 @@ _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _mid_write_hook: Callable[[str], None] | None = None
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"local backend {attribute.name} must be > 0, got {value}")
-
-
 @attrs.frozen
 class LocalConfig:
     """``local:///dev/shm/kvflow?capacity=8GiB&lock_timeout=10``.
@@ -68,8 +62,8 @@ class LocalConfig:
     """
 
     path: str = _DEFAULT_PATH
-    capacity_bytes: int = attrs.field(default=_DEFAULT_CAPACITY, validator=_positive)
-    lock_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    capacity_bytes: int = attrs.field(default=_DEFAULT_CAPACITY, validator=positive)
+    lock_timeout_s: float = attrs.field(default=10.0, validator=positive)
 
     @classmethod
     def from_url(cls, url: str) -> LocalConfig:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from kvflow.config import parse_size, parse_url_query
+from kvflow.config import nonnegative, parse_size, parse_url_query, positive
 from kvflow.errors import ConfigError
 
 __all__ = ["MooncakeConfig", "parse_mooncake_size"]
@@ -108,21 +108,6 @@ def _flag(text: str, *, name: str) -> bool:
     raise ConfigError(f"{name}={text!r} is not a boolean; write true or false")
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
-
-
-def _nonnegative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 0:
-        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -162,23 +147,23 @@ class MooncakeConfig:
     master: str = attrs.field(default=f"127.0.0.1:{DEFAULT_PORT}", validator=_check_master)
     metadata_server: str = "P2PHANDSHAKE"
     local_hostname: str = ""
-    segment_bytes: int = attrs.field(default=1 << 30, validator=_nonnegative)
-    buffer_bytes: int = attrs.field(default=64 << 20, validator=_nonnegative)
+    segment_bytes: int = attrs.field(default=1 << 30, validator=nonnegative)
+    buffer_bytes: int = attrs.field(default=64 << 20, validator=nonnegative)
     protocol: str = "tcp"
     device_name: str = ""
-    replicas: int = attrs.field(default=1, validator=_positive_int)
+    replicas: int = attrs.field(default=1, validator=positive)
     preferred_segment: str = ""
     prefer_same_node: bool = False
     hard_pin: bool = False
-    setup_retries: int = attrs.field(default=3, validator=_positive_int)
-    setup_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    health_interval_s: float = attrs.field(default=1.0, validator=_positive)
-    probe_timeout_s: float = attrs.field(default=2.0, validator=_positive)
-    close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    max_batch: int = attrs.field(default=256, validator=_positive_int)
-    max_concurrency: int = attrs.field(default=4, validator=_positive_int)
-    staging_bytes: int = attrs.field(default=64 << 20, validator=_nonnegative)
+    setup_retries: int = attrs.field(default=3, validator=positive)
+    setup_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    timeout_s: float = attrs.field(default=10.0, validator=positive)
+    health_interval_s: float = attrs.field(default=1.0, validator=positive)
+    probe_timeout_s: float = attrs.field(default=2.0, validator=positive)
+    close_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    max_batch: int = attrs.field(default=256, validator=positive)
+    max_concurrency: int = attrs.field(default=4, validator=positive)
+    staging_bytes: int = attrs.field(default=64 << 20, validator=nonnegative)
     check_present: bool = True
 
     def __attrs_post_init__(self) -> None:
