@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 
 from kvflow.engine import LayerwiseEngine
+from kvflow.events import DeviceEvent, wait_event
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.metadata import BlockSpan, KVFlowHandshake
 from kvflow.integrations.vllm.topology import EngineShape
@@ -91,9 +92,25 @@ def submit_lookup(
     return pool.loop.submit(call)
 
 
-def submit_store(pool: SyncPool, span: BlockSpan) -> concurrent.futures.Future[StoreResult]:
-    """Start storing the span's blocks that this rank owns."""
-    return pool.submit_store(span.block_ids, block_hashes=span.block_hashes, block_offset=span.first_block)
+def submit_store(
+    pool: SyncPool, span: BlockSpan, written: DeviceEvent | None = None
+) -> concurrent.futures.Future[StoreResult]:
+    """Start storing the span's blocks that this rank owns; after ``written`` fired, when given
+    (recorded on the engine's stream after the forward, so no store reads KV still being computed)."""
+    if written is None:
+        return pool.submit_store(
+            span.block_ids, block_hashes=span.block_hashes, block_offset=span.first_block
+        )
+    event = written
+    kv_pool = pool.pool
+
+    async def store_once_written() -> StoreResult:
+        await wait_event(event, kv_pool.config.timeout_s)
+        return await kv_pool.store(
+            block_ids=span.block_ids, block_hashes=span.block_hashes, block_offset=span.first_block
+        )
+
+    return pool.loop.submit(store_once_written)
 
 
 def submit_retrieve(pool: SyncPool, span: BlockSpan) -> concurrent.futures.Future[RetrieveResult]:

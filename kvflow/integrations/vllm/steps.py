@@ -25,9 +25,11 @@ import logging
 from collections.abc import Sequence
 
 import attrs
+import torch
 
 from kvflow.engine import LayerwiseEngine
 from kvflow.errors import BackendError
+from kvflow.events import make_event
 from kvflow.integrations.vllm.clients import (
     WAIT_MARGIN_S,
     layerwise_request,
@@ -99,6 +101,11 @@ def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
     return future
 
 
+def device_needs_event(device: torch.device) -> bool:
+    """Whether KV on ``device`` is written asynchronously to the host (GPU and NPU streams)."""
+    return device.type != "cpu"
+
+
 @attrs.define(eq=False)
 class BlockSteps:
     """Whole-block loads before the forward, asynchronous whole-block stores after it."""
@@ -128,7 +135,13 @@ class BlockSteps:
         failed, self._load_failed = self._load_failed, False
         if failed:
             return StepOutcome(dropped=tuple(saves))
-        return StepOutcome(stores=tuple((span, submit_store(self.pool, span)) for span in saves))
+        written = None
+        device = self.pool.pool.require_layout().device
+        if saves and device_needs_event(device):
+            # The host returns from the forward before the device finishes it: order the reads.
+            written = make_event(device)
+            written.record()
+        return StepOutcome(stores=tuple((span, submit_store(self.pool, span, written)) for span in saves))
 
     def close(self) -> None:
         self.pool.close()

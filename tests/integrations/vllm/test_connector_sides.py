@@ -572,3 +572,48 @@ def test_layerwise_finish_lets_stuck_steps_and_bugs_raise(error: Exception, prop
             steps.finish([span])
     else:
         assert steps.finish([span]).dropped == (span,)
+
+
+@attrs.define
+class _GateEvent:
+    """A device event the test completes by hand, standing in for a GPU stream still computing."""
+
+    done: threading.Event = attrs.field(factory=threading.Event)
+    recorded: bool = False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+
+def test_stores_of_device_caches_wait_for_the_forward_to_finish(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvflow.integrations.vllm import steps
+
+    gate = _GateEvent()
+    monkeypatch.setattr(steps, "device_needs_event", lambda device: True)
+    monkeypatch.setattr(steps, "make_event", lambda device: gate)
+    sides: Sides = open_sides()
+    request = FakeRequest("r1", TOKENS)
+    cache = sides.caches[0]
+    sides.admit(request, [5, 6, 7, 8])
+    stale = _block(cache, 5)
+    _prefill(sides, request, [5, 6, 7, 8])  # the step's stores are now waiting for the gate
+    assert gate.recorded
+    time.sleep(0.2)
+    assert sides.workers[0].counters.stored_blocks == 0  # nothing was read before the event fired
+    for name in LAYERS:  # the "device" finishes writing block 5 only now
+        cache[name][5].add_(1)
+    gate.done.set()
+    assert sides.scheduler.request_finished(request) is True
+    sides.until_finished({"r1"})
+    assert sides.workers[0].counters.stored_blocks == 3
+    reader = open_sides()
+    again = FakeRequest("r2", TOKENS)
+    assert reader.admit(again, [1, 2, 3, 4])[0] == 12
+    _prefill(reader, again, [1, 2, 3, 4], computed=0)
+    loaded = _block(reader.caches[0], 1)
+    assert all(torch.equal(got, old + 1) for got, old in zip(loaded, stale))
