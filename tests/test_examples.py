@@ -25,6 +25,12 @@ def test_example_runs_and_verifies(script: str) -> None:
     assert "True" in proc.stdout
 
 
+def test_two_processes_share_kv_through_the_local_backend(tmp_path: Path) -> None:
+    proc = run("examples/multiprocess_local.py", f"local://{tmp_path}/store")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stored 8 blocks" in proc.stdout and "identical: True" in proc.stdout
+
+
 def test_demo_verifies_every_retrieved_block() -> None:
     proc = run("-m", "kvflow.cli", "demo", "--json")
     assert proc.returncode == 0, proc.stderr

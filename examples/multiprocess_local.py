@@ -1,0 +1,71 @@
+"""Two OS processes share KV through the local shared-memory backend, with no server.
+
+Process "writer" computes a prompt's KV and stores it; process "reader", started afterwards with an
+empty cache, looks the prompt up and loads it. Each builds its cache from the same seed, so the
+reader can check every loaded byte.
+
+Run: python examples/multiprocess_local.py [local:///dev/shm/kvflow-example]
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+
+import torch
+
+import kvflow
+
+BLOCKS, HEADS, BLOCK, HEAD_DIM, LAYERS = 16, 2, 16, 64, 4
+PROMPT = list(range(500, 500 + BLOCK * 8))
+
+
+def computed_kv() -> dict[str, torch.Tensor]:
+    """What the "engine" computes for PROMPT: the same bytes in every process."""
+    gen = torch.Generator().manual_seed(1234)
+    return {
+        f"layers.{i}": torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, generator=gen) for i in range(LAYERS)
+    }
+
+
+def writer(url: str) -> None:
+    kv = computed_kv()
+    with kvflow.SyncPool.open(
+        kvflow.PoolConfig(backend=url, model="example"), layout=kvflow.KVLayout.from_kv_caches(kv)
+    ) as pool:
+        result = pool.store(list(range(8)), tokens=PROMPT, timeout_s=60)
+    print(f"writer (pid {multiprocessing.current_process().pid}): stored {result.stored} blocks", flush=True)
+
+
+def reader(url: str, verdict: multiprocessing.Queue[bool]) -> None:
+    kv = {name: torch.zeros_like(t) for name, t in computed_kv().items()}
+    with kvflow.SyncPool.open(
+        kvflow.PoolConfig(backend=url, model="example"), layout=kvflow.KVLayout.from_kv_caches(kv)
+    ) as pool:
+        hit = pool.lookup(tokens=PROMPT, timeout_s=60)
+        got = pool.retrieve(list(range(hit // BLOCK)), tokens=PROMPT, timeout_s=60)
+    expected = computed_kv()
+    same = all(torch.equal(kv[n][:8], expected[n][:8]) for n in kv)
+    print(
+        f"reader (pid {multiprocessing.current_process().pid}): lookup hit {hit} tokens, "
+        f"loaded {got.hit_blocks} blocks, identical: {same}",
+        flush=True,
+    )
+    verdict.put(same and got.hit_blocks == 8)
+
+
+def main(url: str) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    first = ctx.Process(target=writer, args=(url,))
+    first.start()
+    first.join(120)
+    verdict: multiprocessing.Queue[bool] = ctx.Queue()
+    second = ctx.Process(target=reader, args=(url, verdict))
+    second.start()
+    second.join(120)
+    ok = first.exitcode == 0 and second.exitcode == 0 and verdict.get(timeout=5)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "local:///dev/shm/kvflow-example"))
