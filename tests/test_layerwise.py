@@ -33,19 +33,18 @@ from kvflow import (
     PutStatus,
     RequestError,
 )
-from kvflow.backends import BackendStats, ObjectRef
+from kvflow.backends import ObjectRef
 from kvflow.keys import decode_key
-from tests.helpers import BLOCK, LAYOUTS, block_bytes, zeros_like_caches
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
 
 TOKENS = list(range(500, 500 + BLOCK * 8))
 ALL = list(range(8))
 
 
 @attrs.define
-class ScriptedBackend:
+class ScriptedBackend(FaultyBackend):
     """A memory backend whose gets can be slowed and whose calls can fail or hang, per layer."""
 
-    inner: MemoryBackend = attrs.field(factory=MemoryBackend)
     get_delay_s: float = 0.0
     fail_get: set[int] = attrs.field(factory=set)
     fail_put: set[int] = attrs.field(factory=set)
@@ -74,18 +73,6 @@ class ScriptedBackend:
         if self._layers(objects) & self.fail_get:
             raise ConnectionError("injected get failure")
         return await self.inner.get(objects)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self.inner.exists(keys)
-
-    def register_memory(self, addr: int, nbytes: int) -> None:
-        pass
-
-    def stats(self) -> BackendStats:
-        return self.inner.stats()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def make_pool(
