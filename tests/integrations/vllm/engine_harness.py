@@ -3,7 +3,7 @@
 Every engine runs in its own process (``run_engine.py``) so that no vLLM global state, prefix cache,
 thread binding or connector singleton leaks from one run to the next; the harness itself never imports vLLM
 (about 8 s) or torch into the test process. Each run costs about 12-15 s in-process mode and 25-70 s with
-vLLM's multiprocessing on (see /work/notes/vllm_api.md for the measurements).
+vLLM's multiprocessing on (measured on a 2-core CPU machine).
 
 Children get the repository root on ``PYTHONPATH``, so a connector under test loads by its module
 path (``kvflow.integrations.vllm`` or ``tests.integrations.vllm.probe_connector``).
