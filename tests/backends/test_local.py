@@ -434,6 +434,15 @@ class Workers:
             reports.append(json.loads(out.strip().splitlines()[-1]))
         return reports
 
+    @classmethod
+    def run_all(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Start one worker per spec, run them together and return their reports (never leaks one)."""
+        workers = cls(specs)
+        try:
+            return workers.run()
+        finally:
+            workers.kill_all()
+
     def kill_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -465,11 +474,7 @@ async def test_concurrent_processes_see_whole_objects_and_first_writer_wins(tmp_
          "size": size, "rounds": 3, "batch": 8, "seed": w}
         for w in range(writers)
     ]  # fmt: skip
-    workers = Workers(specs)
-    try:
-        reports = workers.run()
-    finally:
-        workers.kill_all()
+    reports = Workers.run_all(specs)
     assert [r["torn"] for r in reports] == [[]] * writers
     assert all(r["get"].get("hit", 0) > 0 for r in reports)
     assert sum(r["put"].get("stored", 0) for r in reports) == len(keys)  # each key stored exactly once
@@ -495,11 +500,7 @@ async def test_eviction_under_a_small_budget_with_concurrent_writers(tmp_path: P
          "keys": shared + [f"w{w}-{i}" for i in range(40)], "size": size, "rounds": 2, "batch": 6}
         for w in range(writers)
     ]  # fmt: skip
-    workers = Workers(specs)
-    try:
-        reports = workers.run()
-    finally:
-        workers.kill_all()
+    reports = Workers.run_all(specs)
     assert [r["torn"] for r in reports] == [[]] * writers
     assert sum(r["evictions"] for r in reports) > 0
     assert all(r["get"].get("hit", 0) > 0 for r in reports)
