@@ -37,10 +37,10 @@ import attrs
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
-from kvflow.backends.mooncake_master import free_port, start_master
-from kvflow.backends.mooncake_native import NativeStore
+from kvflow.backends.mooncake.native import NativeStore
 from kvflow.config import parse_size
 from kvflow.regions import buffer_address
+from kvflow.tools.mooncake_master import free_port, start_master
 
 SEGMENT = 1 << 30
 

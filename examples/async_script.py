@@ -1,6 +1,6 @@
 """Awaiting kvflow directly in a script: store blocks, look them up, retrieve them elsewhere.
 
-Run: python examples/async_script.py [backend-url]
+Run: python examples/async_script.py [backend-url] [--keep]
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ async def main(url: str) -> int:
     tokens = list(range(32 * 5))
 
     async with kvflow.KVPool.create(layout=kvflow.KVLayout.from_kv_caches(source), backend=backend) as pool:
-        stored = await pool.store(block_ids=[0, 1, 2, 3, 4], tokens=tokens)
-        print("stored", stored.stored, "blocks; lookup says", await pool.lookup(tokens=tokens), "tokens")
+        stored = await pool.store(kvflow.KVRequest(block_ids=[0, 1, 2, 3, 4], tokens=tokens))
+        hit = await pool.lookup(kvflow.KVRequest(tokens=tokens))
+        print("stored", stored.stored, "blocks; lookup says", hit, "tokens")
         reader = kvflow.KVPool.create(layout=kvflow.KVLayout.from_kv_caches(target), backend=backend)
-        got = await reader.retrieve(block_ids=[10, 11, 12, 13, 14], tokens=tokens)
+        got = await reader.retrieve(kvflow.KVRequest(block_ids=[10, 11, 12, 13, 14], tokens=tokens))
+        if "--keep" not in sys.argv:  # on a store that outlives the run, leave nothing behind
+            await pool.remove(kvflow.KVRequest(tokens=tokens))
     ok = got.hit_blocks == 5 and all(
         torch.equal(target[n][p][10 + i], source[n][p][i]) for n in source for p in (0, 1) for i in range(5)
     )
@@ -33,4 +36,5 @@ async def main(url: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "memory://"))
+    args = [a for a in sys.argv[1:] if a != "--keep"]
+    sys.exit(anyio.run(main, args[0] if args else "memory://"))

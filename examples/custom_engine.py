@@ -1,7 +1,7 @@
 """A synchronous engine using kvflow: register the KV cache, store a prompt's blocks after prefill,
 and let a second engine instance load them instead of recomputing.
 
-Run: python examples/custom_engine.py [backend-url]
+Run: python examples/custom_engine.py [backend-url] [--keep]
 """
 
 from __future__ import annotations
@@ -40,24 +40,28 @@ def main(url: str) -> int:
 
     first = TinyEngine(backend)
     first.prefill(prompt, list(range(10)))
-    saving = first.kv.submit_store(list(range(10)), tokens=prompt)  # runs while the engine decodes
+    # The store runs on kvflow's loop thread while the engine goes on decoding.
+    saving = first.kv.submit_store(kvflow.KVRequest(block_ids=list(range(10)), tokens=prompt))
     print("stored", saving.result(timeout=30).stored, "blocks")
 
     second = TinyEngine(backend)
-    hit_tokens = second.kv.lookup(tokens=prompt, timeout_s=30)
+    hit_tokens = second.kv.lookup(kvflow.KVRequest(tokens=prompt), timeout_s=30)
     hit_blocks = hit_tokens // BLOCK
     targets = list(range(20, 20 + hit_blocks))
-    loaded = second.kv.retrieve(targets, tokens=prompt, timeout_s=30)
+    loaded = second.kv.retrieve(kvflow.KVRequest(block_ids=targets, tokens=prompt), timeout_s=30)
     same = all(
         torch.equal(second.kv_caches[name][t], first.kv_caches[name][s])
         for name in first.kv_caches
         for s, t in zip(range(hit_blocks), targets)
     )
     print(f"lookup hit {hit_tokens} tokens, loaded {loaded.hit_blocks} blocks, identical: {same}")
+    if "--keep" not in sys.argv:  # on a store that outlives the run, leave nothing behind
+        second.kv.remove(kvflow.KVRequest(tokens=prompt), timeout_s=30)
     second.kv.close()
     first.kv.close()
     return 0 if same and loaded.hit_blocks == 10 else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "memory://"))
+    args = [a for a in sys.argv[1:] if a != "--keep"]
+    sys.exit(main(args[0] if args else "memory://"))

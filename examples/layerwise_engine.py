@@ -6,7 +6,7 @@ same prompt, looks it up, and loads the hit blocks layer by layer: ``wait_for_la
 returns as soon as that layer is in place, while the next layer is still on its way, so B computes
 layer ``l`` while layer ``l+1`` loads.
 
-Run: python examples/layerwise_engine.py [backend-url]
+Run: python examples/layerwise_engine.py [backend-url] [--keep]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 import torch
 
 import kvflow
+from kvflow.sync_layerwise import StepResult
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, LAYERS = 32, 4, 16, 64, 6
 COMPUTE_S = 0.01  # the rest of a layer's work, besides writing its KV
@@ -32,7 +33,7 @@ class TinyEngine:
         }
         layout = kvflow.KVLayout.from_kv_caches(self.kv_caches)
         config = kvflow.PoolConfig(model="tiny", layerwise=True)
-        self.kv = kvflow.LayerwiseEngine.open(config, layout=layout, backend=backend)
+        self.kv = kvflow.SyncLayerwisePool.open(config, layout=layout, backend=backend)
 
     def write_kv(self, layer: int, tokens: list[int], block_ids: list[int], first_block: int) -> None:
         """The layer's "kernel": KV of blocks ``first_block..`` of the prompt into ``block_ids``."""
@@ -50,16 +51,16 @@ class TinyEngine:
         *,
         hit_blocks: int = 0,
         check: TinyEngine | None = None,
-    ) -> kvflow.StepResult:
+    ) -> StepResult:
         """One step, in the order a vLLM connector drives kvflow: start loads and stores, then per
         layer wait for its load, compute it, save it; finally wait for the saves."""
         full = len(tokens) // BLOCK
         if hit_blocks:
-            self.kv.start_load([kvflow.LayerwiseRequest("prompt", block_ids[:hit_blocks], tokens=tokens)])
+            hit = kvflow.KVRequest(request_id="prompt", block_ids=block_ids[:hit_blocks], tokens=tokens)
+            self.kv.start_load([hit])
         if hit_blocks < full:
-            new = kvflow.LayerwiseRequest(
-                "prompt", block_ids[hit_blocks:full], tokens=tokens, block_offset=hit_blocks
-            )
+            ids = block_ids[hit_blocks:full]
+            new = kvflow.KVRequest(request_id="prompt", block_ids=ids, tokens=tokens, block_offset=hit_blocks)
             self.kv.start_store([new])
         for layer in range(LAYERS):
             self.kv.wait_for_layer_load(layer, timeout_s=30)
@@ -84,7 +85,7 @@ def main(url: str) -> int:
     print("stored", saved.stored["prompt"].stored, "blocks x", LAYERS, "layers")
 
     second = TinyEngine(backend)
-    hit_tokens = second.kv.sync_pool.lookup(tokens=prompt, timeout_s=30)
+    hit_tokens = second.kv.lookup(kvflow.KVRequest(tokens=prompt), timeout_s=30)
     hit_blocks = hit_tokens // BLOCK
     targets = list(range(20, 31))
     start = time.perf_counter()
@@ -95,10 +96,13 @@ def main(url: str) -> int:
         f"lookup hit {hit_tokens} tokens, loaded {loaded.loaded['prompt'].hit_blocks} blocks layer by layer "
         f"in a {LAYERS}-layer forward of {elapsed * 1e3:.0f} ms, identical: {same}"
     )
+    if "--keep" not in sys.argv:  # on a store that outlives the run, leave nothing behind
+        second.kv.remove(kvflow.KVRequest(tokens=prompt), timeout_s=30)
     second.kv.close()
     first.kv.close()
     return 0 if same and loaded.loaded["prompt"].hit_blocks == 10 else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "memory://"))
+    args = [a for a in sys.argv[1:] if a != "--keep"]
+    sys.exit(main(args[0] if args else "memory://"))

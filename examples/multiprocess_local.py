@@ -4,13 +4,18 @@ Process "writer" computes a prompt's KV and stores it; process "reader", started
 empty cache, looks the prompt up and loads it. Each builds its cache from the same seed, so the
 reader can check every loaded byte.
 
-Run: python examples/multiprocess_local.py [local:///dev/shm/kvflow-example]
+Run: python examples/multiprocess_local.py [local:///dev/shm/DIR] [--keep]
+
+Without a URL it uses a fresh directory in /dev/shm and removes it at the end; with one, the reader
+removes the objects the writer stored. ``--keep`` keeps them.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -33,17 +38,20 @@ def writer(url: str) -> None:
     with kvflow.SyncPool.open(
         kvflow.PoolConfig(backend=url, model="example"), layout=kvflow.KVLayout.from_kv_caches(kv)
     ) as pool:
-        result = pool.store(list(range(8)), tokens=PROMPT, timeout_s=60)
+        result = pool.store(kvflow.KVRequest(block_ids=list(range(8)), tokens=PROMPT), timeout_s=60)
     print(f"writer (pid {multiprocessing.current_process().pid}): stored {result.stored} blocks", flush=True)
 
 
-def reader(url: str, verdict: multiprocessing.Queue[bool]) -> None:
+def reader(url: str, keep: bool, verdict: multiprocessing.Queue[bool]) -> None:
     kv = {name: torch.zeros_like(t) for name, t in computed_kv().items()}
     with kvflow.SyncPool.open(
         kvflow.PoolConfig(backend=url, model="example"), layout=kvflow.KVLayout.from_kv_caches(kv)
     ) as pool:
-        hit = pool.lookup(tokens=PROMPT, timeout_s=60)
-        got = pool.retrieve(list(range(hit // BLOCK)), tokens=PROMPT, timeout_s=60)
+        hit = pool.lookup(kvflow.KVRequest(tokens=PROMPT), timeout_s=60)
+        request = kvflow.KVRequest(block_ids=range(hit // BLOCK), tokens=PROMPT)
+        got = pool.retrieve(request, timeout_s=60)
+        if not keep:
+            pool.remove(request, timeout_s=60)
     expected = computed_kv()
     same = all(torch.equal(kv[n][:8], expected[n][:8]) for n in kv)
     print(
@@ -54,13 +62,13 @@ def reader(url: str, verdict: multiprocessing.Queue[bool]) -> None:
     verdict.put(same and got.hit_blocks == 8)
 
 
-def main(url: str) -> int:
+def main(url: str, keep: bool) -> int:
     ctx = multiprocessing.get_context("spawn")
     first = ctx.Process(target=writer, args=(url,))
     first.start()
     first.join(120)
     verdict: multiprocessing.Queue[bool] = ctx.Queue()
-    second = ctx.Process(target=reader, args=(url, verdict))
+    second = ctx.Process(target=reader, args=(url, keep, verdict))
     second.start()
     second.join(120)
     ok = first.exitcode == 0 and second.exitcode == 0 and verdict.get(timeout=5)
@@ -68,4 +76,13 @@ def main(url: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "local:///dev/shm/kvflow-example"))
+    args = [a for a in sys.argv[1:] if a != "--keep"]
+    keep = "--keep" in sys.argv[1:]
+    if args:
+        sys.exit(main(args[0], keep))
+    store = tempfile.mkdtemp(prefix="kvflow-example-", dir="/dev/shm")
+    try:
+        sys.exit(main(f"local://{store}", keep))
+    finally:
+        if not keep:
+            shutil.rmtree(store, ignore_errors=True)

@@ -17,6 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="store a prefix-sharing workload, retrieve it and verify it")
     demo.add_argument("--backend", default="memory://", help="backend URL (default: memory://)")
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    demo.add_argument("--keep", action="store_true", help="keep the blocks the demo stored (default: remove)")
 
     bench = sub.add_parser("bench", help="store/retrieve/lookup throughput as ratios to memcpy")
     bench.add_argument("--backend", default="memory://", help="backend URL (default: memory://)")
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     if args_list[:1] == ["mooncake-master"]:
-        from kvflow.backends.mooncake_master import main as master_main
+        from kvflow.tools.mooncake_master import main as master_main
 
         return int(master_main(args_list[1:]))
     args = _parser().parse_args(args_list)
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from kvflow.tools.demo import demo_main
 
-        return demo_main(args.backend, args.json)
+        return demo_main(args.backend, args.json, keep=args.keep)
     if args.command == "bench":
         from kvflow.tools.bench import bench_main
 

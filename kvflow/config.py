@@ -1,7 +1,12 @@
-"""Configuration values: sizes, backend URLs and the pool's settings."""
+"""Configuration values: sizes, durations, backend URLs, attrs validators and the pool's settings.
+
+Every value is checked when it is built: a size or count is an ``int`` (never a ``bool``), a
+duration a finite number of seconds; each error names the field and says what to write instead.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -10,18 +15,33 @@ import attrs
 
 from kvflow.errors import ConfigError
 
-__all__ = ["PoolConfig", "nonnegative", "parse_size", "parse_url_query", "positive"]
+__all__ = [
+    "PoolConfig",
+    "nonnegative_int",
+    "parse_seconds",
+    "parse_size",
+    "parse_url_query",
+    "positive_int",
+    "positive_seconds",
+]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_size(text: str | int) -> int:
     """``"256MiB"`` -> 268435456; ``"1GB"`` -> 10**9; ``"4096"`` -> 4096. Raises ConfigError."""
-    if isinstance(text, int):
+    if _is_int(text):
+        assert isinstance(text, int)
         if text < 0:
             raise ConfigError(f"a size must be >= 0, got {text}")
         return text
+    if not isinstance(text, str):
+        raise ConfigError(f"a size must be an integer or text like 256MiB, got {text!r}")
     match = _SIZE.match(text)
     if match is None:
         raise ConfigError(f"cannot read {text!r} as a size; write e.g. 4096, 256MiB, 1GiB or 2GB")
@@ -32,40 +52,85 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * scale)
 
 
+def parse_seconds(text: str | float, what: str) -> float:
+    """A finite, positive number of seconds from text or a number; ConfigError naming ``what``."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{what} must be a number of seconds, got {text!r}")
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def parse_url_query(url: str, *, scheme: str, allowed: set[str]) -> dict[str, str]:
-    """The query parameters of a backend URL, checking its scheme and the parameter names."""
+    """The query parameters of a backend URL, checking its scheme and the parameter names.
+
+    Refuses a URL that is not text, contains a NUL byte, repeats a parameter or names one the
+    scheme does not take.
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"a backend URL must be text, got {url!r}")
+    if "\x00" in url:
+        raise ConfigError(f"the backend URL {url!r} contains a NUL byte")
     parts = urlsplit(url)
     if parts.scheme != scheme:
         raise ConfigError(f"expected a {scheme}:// URL, got {url!r}")
-    params = dict(parse_qsl(parts.query, keep_blank_values=True))
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    params = dict(pairs)
+    if len(params) != len(pairs):
+        raise ConfigError(f"a parameter appears twice in {url!r}; give each once")
     unknown = set(params) - allowed
     if unknown:
-        raise ConfigError(f"unknown parameter(s) {sorted(unknown)} in {url!r}; allowed: {sorted(allowed)}")
+        hint = f"allowed: {sorted(allowed)}" if allowed else f"{scheme}:// takes no parameters"
+        raise ConfigError(f"unknown parameter(s) {sorted(unknown)} in {url!r}; {hint}")
     return params
 
 
-def positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    """attrs validator: the value must be > 0 (ConfigError naming the field otherwise)."""
-    if value <= 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
+def positive_int(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """attrs validator: an ``int`` (not a bool) > 0."""
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"{attribute.name} must be an integer > 0, got {value!r}")
 
 
-def nonnegative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    """attrs validator: the value must be >= 0 (ConfigError naming the field otherwise)."""
-    if value < 0:
-        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
+def nonnegative_int(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """attrs validator: an ``int`` (not a bool) >= 0."""
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+def positive_seconds(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """attrs validator: a finite number of seconds > 0 (not a bool)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"{attribute.name} must be a finite number of seconds > 0, got {value!r}")
+
+
+def _text(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ConfigError(f"{attribute.name} must be non-empty text without NUL bytes, got {value!r}")
+
+
+def _flag(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
 
 
 @attrs.frozen
 class PoolConfig:
-    """Settings of a :class:`kvflow.KVPool`.
+    """Settings of a pool (:class:`kvflow.KVPool` and the synchronous faces).
 
+    ``backend``: the store's URL (``memory://``, ``local:///dev/shm/...``, ``mooncake://host:port``).
+    ``model``: the model name in every key; pools share objects only under the same name.
     ``max_inflight_bytes`` bounds the bytes a pool has in backend calls at once (backpressure).
-    ``timeout_s`` bounds each store, retrieve and lookup at the API edge.
+    ``timeout_s`` bounds each store, retrieve and lookup, counted from the call.
+    ``layerwise``: one object per block and layer instead of one per block.
     """
 
-    backend: str = "memory://"
-    model: str = "model"
-    max_inflight_bytes: int = attrs.field(default=1 << 30, validator=positive)
-    timeout_s: float = attrs.field(default=30.0, validator=positive)
-    layerwise: bool = False
+    backend: str = attrs.field(default="memory://", validator=_text)
+    model: str = attrs.field(default="model", validator=_text)
+    max_inflight_bytes: int = attrs.field(default=1 << 30, validator=positive_int)
+    timeout_s: float = attrs.field(default=30.0, validator=positive_seconds)
+    layerwise: bool = attrs.field(default=False, validator=_flag)

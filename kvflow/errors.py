@@ -46,12 +46,11 @@ class BackendUnavailableError(BackendError):
 
 
 class MissingDependencyError(KVFlowError, ImportError):
-    """An optional package is not installed."""
+    """A package a feature needs is not installed; the message says what to install."""
 
-    def __init__(self, package: str, extra: str, feature: str) -> None:
+    def __init__(self, package: str, feature: str, install: str) -> None:
         super().__init__(
-            f"{feature} needs the {package!r} package, which is not installed. "
-            f"Install it with: pip install 'kvflow[{extra}]'"
+            f"{feature} needs the {package!r} package, which is not installed. Install it with: {install}"
         )
         self.package = package
-        self.extra = extra
+        self.install = install

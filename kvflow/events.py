@@ -115,7 +115,9 @@ def _torch_npu() -> ModuleType:
     try:
         return importlib.import_module("torch_npu")
     except ImportError as exc:
-        raise MissingDependencyError("torch_npu", "npu", "NPU events") from exc
+        raise MissingDependencyError(
+            "torch_npu", "NPU events", "pip install 'kvflow[npu]' (Ascend's torch_npu, matching your CANN)"
+        ) from exc
 
 
 @attrs.define(eq=False)

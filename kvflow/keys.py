@@ -71,7 +71,7 @@ class KeyScope:
 
     model: str
     fingerprint: str = attrs.field(validator=_fingerprint)
-    head_or_tp_rank: int = attrs.field(default=0, validator=_nonnegative)
+    kv_head_group: int = attrs.field(default=0, validator=_nonnegative)
     pp_rank: int = attrs.field(default=0, validator=_nonnegative)
     pcp_rank: int = attrs.field(default=0, validator=_nonnegative)
     dcp_rank: int = attrs.field(default=0, validator=_nonnegative)
@@ -81,7 +81,7 @@ class KeyScope:
         """The key text shared by every block of this scope; keys append the hash in hex."""
         return (
             f"{_VERSION}@{quote(self.model, safe='')}@{self.fingerprint}"
-            f"@pcp{self.pcp_rank}@dcp{self.dcp_rank}@h{self.head_or_tp_rank}@pp{self.pp_rank}@"
+            f"@pcp{self.pcp_rank}@dcp{self.dcp_rank}@h{self.kv_head_group}@pp{self.pp_rank}@"
         )
 
 
@@ -129,7 +129,7 @@ def decode_key(text: str) -> BlockKey:
         fingerprint=fields[2],
         pcp_rank=_rank(fields[3], "pcp"),
         dcp_rank=_rank(fields[4], "dcp"),
-        head_or_tp_rank=_rank(fields[5], "h"),
+        kv_head_group=_rank(fields[5], "h"),
         pp_rank=_rank(fields[6], "pp"),
     )
     try:

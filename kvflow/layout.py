@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from kvflow.errors import LayoutError, RequestError
+from kvflow.errors import LayoutError
 
-__all__ = ["KVCacheEntry", "KVLayout", "LayerLayout", "LayoutKind", "Plane"]
+__all__ = ["KVCacheEntry", "KVFormat", "KVLayout", "LayerLayout", "LayoutKind", "Plane"]
 
 KVCacheEntry = torch.Tensor | Sequence[torch.Tensor]
 
@@ -49,6 +49,31 @@ class LayoutKind(enum.Enum):
     KV_TUPLE = "kv_tuple"
     MLA = "mla"
     MLA_TUPLE = "mla_tuple"
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _fingerprint_text(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value or "@" in value:
+        raise LayoutError(f"a layout fingerprint must be non-empty text free of '@', got {value!r}")
+
+
+@attrs.frozen
+class KVFormat:
+    """The facts about a KV cache that every pool over it must agree on, as one value.
+
+    ``block_size`` tokens per block, ``num_layers`` layers (of this pipeline stage), and the
+    ``fingerprint`` that changes whenever two caches' blocks are not interchangeable bytes. A
+    worker's pool takes them from its :class:`KVLayout` (``layout.format``); a pool that only looks
+    up (an engine's scheduler) is given them, e.g. in vLLM's handshake.
+    """
+
+    block_size: int = attrs.field(validator=_positive_int)
+    num_layers: int = attrs.field(validator=_positive_int)
+    fingerprint: str = attrs.field(validator=_fingerprint_text)
 
 
 @attrs.frozen
@@ -223,6 +248,11 @@ class KVLayout:
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    @property
+    def format(self) -> KVFormat:
+        """The facts a pool over this layout shares with pools that only look up."""
+        return KVFormat(self.block_size, self.num_layers, self.fingerprint)
+
     def block_addrs(self, block_id: int) -> list[int]:
         """The region addresses of block ``block_id`` over every layer (sizes: :attr:`block_sizes`)."""
         return [base + block_id * stride for base, stride in zip(self._bases, self._strides)]
@@ -236,12 +266,3 @@ class KVLayout:
         """Each registered tensor's ``(address, nbytes)`` span, for zero-copy registration."""
         spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.tensors}
         return sorted(spans)
-
-    def check_block_ids(self, block_ids: Sequence[int]) -> None:
-        """Raise RequestError unless every id is an int in ``[0, num_blocks)``."""
-        limit = self.num_blocks
-        for block_id in block_ids:
-            if not isinstance(block_id, int) or isinstance(block_id, bool) or not 0 <= block_id < limit:
-                raise RequestError(
-                    f"block id {block_id!r} is out of range: the KV cache has {limit} blocks (0..{limit - 1})"
-                )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvflow.config import positive
+from kvflow.config import nonnegative_int, positive_int
 from kvflow.errors import ConfigError
 
 __all__ = ["ParallelConfig", "owner"]
@@ -30,15 +30,15 @@ class ParallelConfig:
     ``dcp_rank`` is ``tp_rank % dcp_size``, as in vLLM.
     """
 
-    tp_rank: int = 0
-    tp_size: int = attrs.field(default=1, validator=positive)
-    num_kv_heads: int = attrs.field(default=1, validator=positive)
-    use_mla: bool = False
-    dcp_size: int = attrs.field(default=1, validator=positive)
-    pp_rank: int = 0
-    pp_size: int = attrs.field(default=1, validator=positive)
-    pcp_rank: int = 0
-    pcp_size: int = attrs.field(default=1, validator=positive)
+    tp_rank: int = attrs.field(default=0, validator=nonnegative_int)
+    tp_size: int = attrs.field(default=1, validator=positive_int)
+    num_kv_heads: int = attrs.field(default=1, validator=positive_int)
+    use_mla: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    dcp_size: int = attrs.field(default=1, validator=positive_int)
+    pp_rank: int = attrs.field(default=0, validator=nonnegative_int)
+    pp_size: int = attrs.field(default=1, validator=positive_int)
+    pcp_rank: int = attrs.field(default=0, validator=nonnegative_int)
+    pcp_size: int = attrs.field(default=1, validator=positive_int)
 
     def __attrs_post_init__(self) -> None:
         for rank, size, what in (
@@ -91,36 +91,37 @@ class ParallelConfig:
         return max(1, self.tp_size // self.num_kv_heads)
 
     @property
-    def put_step(self) -> int:
-        """The size of this rank's replica group: ranks holding byte-identical KV."""
+    def replica_group_size(self) -> int:
+        """How many ranks hold byte-identical KV with this one (vllm-ascend's ``put_step``)."""
         return self.replication // self.dcp_size
 
     @property
-    def head_or_tp_rank(self) -> int:
-        """The KV-head namespace this rank's KV belongs to (0 for MLA)."""
+    def kv_head_group(self) -> int:
+        """Which slice of the model's KV heads this rank holds, counted in slices of
+        ``num_kv_heads // num_kv_head_groups`` heads (vllm-ascend's ``head_or_tp_rank``; 0 for MLA)."""
         return self.tp_rank // self.replication
 
     @property
-    def num_head_ranks(self) -> int:
-        """How many distinct KV-head namespaces the TP group holds."""
+    def num_kv_head_groups(self) -> int:
+        """How many distinct KV-head slices the TP group holds (1 for MLA)."""
         return self.tp_size // self.replication
 
     @property
     def group_base(self) -> int:
         """The lowest TP rank of this rank's replica group."""
-        return self.head_or_tp_rank * self.replication + self.dcp_rank
+        return self.kv_head_group * self.replication + self.dcp_rank
 
     def replica_group(self) -> tuple[int, ...]:
         """The TP ranks holding the same KV as this one, lowest first (includes this rank)."""
-        return tuple(self.group_base + j * self.dcp_size for j in range(self.put_step))
+        return tuple(self.group_base + j * self.dcp_size for j in range(self.replica_group_size))
 
 
 def owner(block_index: int, parallel: ParallelConfig) -> int:
     """The TP rank, within ``parallel.tp_rank``'s replica group, that stores block ``block_index``.
 
-    Pure: depends on its arguments only. Over any ``put_step`` consecutive blocks each member of the
-    group owns exactly one.
+    Pure: depends on its arguments only. Over any ``replica_group_size`` consecutive blocks each
+    member of the group owns exactly one.
     """
     if block_index < 0:
         raise ConfigError(f"block_index must be >= 0, got {block_index}")
-    return parallel.group_base + (block_index % parallel.put_step) * parallel.dcp_size
+    return parallel.group_base + (block_index % parallel.replica_group_size) * parallel.dcp_size

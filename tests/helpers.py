@@ -8,7 +8,7 @@ import anyio
 import attrs
 import torch
 
-from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.memory import MemoryBackend
 
 NUM_BLOCKS = 12
@@ -70,6 +70,10 @@ class FaultyBackend:
     def max_batch(self) -> int:
         return 4
 
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self.inner.capabilities
+
     async def _fault(self, op: str) -> None:
         self.calls.append(op)
         if op in self.raise_on:
@@ -90,6 +94,10 @@ class FaultyBackend:
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         await self._fault("exists")
         return await self.inner.exists(keys)
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        await self._fault("remove")
+        return await self.inner.remove(keys)
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         pass

@@ -13,22 +13,15 @@ import torch
 
 from kvflow import (
     ConfigError,
-    CpuEvent,
-    CudaEvent,
-    DeviceEvent,
     KVLayout,
     KVPool,
-    LayerEvents,
-    LayerwiseRequest,
-    LayerwiseStorer,
+    KVRequest,
     MemoryBackend,
     MissingDependencyError,
     PoolConfig,
     RequestError,
-    make_event,
-    wait_event,
 )
-from kvflow.events import MAX_POLL_S
+from kvflow.events import MAX_POLL_S, CpuEvent, CudaEvent, DeviceEvent, LayerEvents, make_event, wait_event
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -137,7 +130,9 @@ async def test_a_layer_is_not_read_before_its_event_fires() -> None:
     slow = TimedEvent(delay_s=0.1)
     events = LayerEvents.create(2, lambda: slow)
     tokens = list(range(16 * 4))
-    async with LayerwiseStorer.open(pool, [LayerwiseRequest("r", [0, 1], tokens)], events) as storer:
+    async with pool.layerwise_store(
+        [KVRequest(request_id="r", block_ids=[0, 1], tokens=tokens)], events
+    ) as storer:
         events.record(0)
         await anyio.sleep(0.05)
         assert backend.stored_keys() == []  # recorded, but the device has not finished
@@ -146,7 +141,7 @@ async def test_a_layer_is_not_read_before_its_event_fires() -> None:
         assert len(backend.stored_keys()) == 2
         events.seal()  # layer 1 never written
     assert storer.results()[0].failed_indices == (0, 1)
-    assert await pool.lookup(tokens=tokens) == 0
+    assert await pool.lookup(KVRequest(tokens=tokens)) == 0
 
 
 # -- CUDA: the same contract on a real stream -----------------------------------------------------
@@ -179,7 +174,9 @@ async def test_cuda_event_gates_a_store_of_a_device_to_host_copy() -> None:
     pool = KVPool.create(PoolConfig(layerwise=True), layout=KVLayout.from_kv_caches(host), backend=backend)
     events = LayerEvents.create(layers, lambda: CudaEvent(torch.device("cuda")))
     tokens = list(range(16 * blocks))
-    async with LayerwiseStorer.open(pool, [LayerwiseRequest("r", list(range(blocks)), tokens)], events) as s:
+    async with pool.layerwise_store(
+        [KVRequest(request_id="r", block_ids=range(blocks), tokens=tokens)], events
+    ) as s:
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side):
             for layer, name in enumerate(host):
@@ -190,7 +187,7 @@ async def test_cuda_event_gates_a_store_of_a_device_to_host_copy() -> None:
             assert outcome.ok
     dst = {name: torch.zeros_like(t) for name, t in host.items()}
     reader = KVPool.create(PoolConfig(layerwise=True), layout=KVLayout.from_kv_caches(dst), backend=backend)
-    got = await reader.retrieve(block_ids=list(range(blocks)), tokens=tokens)
+    got = await reader.retrieve(KVRequest(block_ids=list(range(blocks)), tokens=tokens))
     assert got.hit_blocks == blocks
     for name in host:
         assert torch.equal(dst[name], gpu[name].cpu())

@@ -19,16 +19,33 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     "script", ["examples/custom_engine.py", "examples/async_script.py", "examples/layerwise_engine.py"]
 )
-def test_example_runs_and_verifies(script: str) -> None:
+def test_example_runs_and_verifies(script: str, tmp_path: Path) -> None:
     proc = run(script)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "True" in proc.stdout
+    # On a store that outlives the run, the example removes what it stored.
+    proc = run(script, f"local://{tmp_path}/store")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "True" in proc.stdout
+    assert list((tmp_path / "store" / "objects").iterdir()) == []
 
 
 def test_two_processes_share_kv_through_the_local_backend(tmp_path: Path) -> None:
     proc = run("examples/multiprocess_local.py", f"local://{tmp_path}/store")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "stored 8 blocks" in proc.stdout and "identical: True" in proc.stdout
+    assert list((tmp_path / "store" / "objects").iterdir()) == []  # it removed what it stored
+    kept = run("examples/multiprocess_local.py", f"local://{tmp_path}/store", "--keep")
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert len(list((tmp_path / "store" / "objects").iterdir())) == 8
+
+
+def test_the_multiprocess_example_cleans_up_its_own_store() -> None:
+    before = set(Path("/dev/shm").glob("kvflow-example-*"))
+    proc = run("examples/multiprocess_local.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical: True" in proc.stdout
+    assert set(Path("/dev/shm").glob("kvflow-example-*")) == before
 
 
 def test_demo_verifies_every_retrieved_block() -> None:
@@ -55,8 +72,21 @@ def test_bench_reports_ratios_against_memcpy() -> None:
 
 
 def test_demo_runs_on_the_local_shared_memory_backend(tmp_path: Path) -> None:
-    proc = run("-m", "kvflow.cli", "demo", "--backend", f"local://{tmp_path}/store", "--json")
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
-    assert summary["verified"] is True and summary["blocks_retrieved"] > 0
-    assert any((tmp_path / "store").rglob("*")), "the demo wrote no object files"
+    url = f"local://{tmp_path}/store"
+    objects = tmp_path / "store" / "objects"
+
+    def demo(*extra: str) -> dict[str, int]:
+        proc = run("-m", "kvflow.cli", "demo", "--backend", url, "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(proc.stdout)
+        assert summary["verified"] is True and summary["blocks_retrieved"] > 0
+        return summary  # type: ignore[no-any-return]
+
+    first = demo()
+    assert first["blocks_found"] == 0 and first["blocks_removed"] == first["blocks_stored"] > 0
+    assert list(objects.iterdir()) == []  # it removed what it stored
+    kept = demo("--keep")
+    assert kept["blocks_removed"] == 0 and len(list(objects.iterdir())) == kept["blocks_stored"]
+    again = demo()  # finds the kept blocks from the earlier run, stores and removes nothing
+    assert again["blocks_found"] == kept["blocks_stored"] and again["blocks_stored"] == 0
+    assert again["blocks_removed"] == 0 and len(list(objects.iterdir())) == kept["blocks_stored"]

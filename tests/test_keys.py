@@ -61,7 +61,7 @@ scopes = st.builds(
     KeyScope,
     model=st.text(min_size=1, max_size=20),
     fingerprint=st.text("0123456789abcdef", min_size=1, max_size=16),
-    head_or_tp_rank=st.integers(0, 64),
+    kv_head_group=st.integers(0, 64),
     pp_rank=st.integers(0, 8),
     pcp_rank=st.integers(0, 8),
     dcp_rank=st.integers(0, 8),

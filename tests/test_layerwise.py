@@ -18,23 +18,22 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from kvflow import (
     ConfigError,
-    CpuEvent,
     GetStatus,
+    KVFormat,
     KVLayout,
     KVPool,
-    LayerEvents,
-    LayerwiseEngine,
-    LayerwiseRequest,
-    LayerwiseRetriever,
-    LayerwiseStorer,
+    KVRequest,
     MemoryBackend,
     ParallelConfig,
     PoolConfig,
     PutStatus,
     RequestError,
+    SyncLayerwisePool,
 )
 from kvflow.backends import ObjectRef
+from kvflow.events import CpuEvent, LayerEvents
 from kvflow.keys import decode_key
+from kvflow.layerwise import LayerwiseRetriever
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
 
 TOKENS = list(range(500, 500 + BLOCK * 8))
@@ -93,8 +92,8 @@ def make_engine(
     timeout_s: float = 5.0,
     event_factory: Callable[[], CpuEvent] | None = None,
     **parallel: object,
-) -> LayerwiseEngine:
-    return LayerwiseEngine.open(
+) -> SyncLayerwisePool:
+    return SyncLayerwisePool.open(
         PoolConfig(layerwise=True, timeout_s=timeout_s),
         layout=KVLayout.from_kv_caches(caches),  # type: ignore[arg-type]
         backend=backend,  # type: ignore[arg-type]
@@ -103,13 +102,11 @@ def make_engine(
     )
 
 
-def request(
-    block_ids: Sequence[int], rid: str = "r", tokens: Sequence[int] = TOKENS
-) -> list[LayerwiseRequest]:
-    return [LayerwiseRequest(rid, list(block_ids), tokens=tokens)]
+def request(block_ids: Sequence[int], rid: str = "r", tokens: Sequence[int] = TOKENS) -> list[KVRequest]:
+    return [KVRequest(request_id=rid, block_ids=block_ids, tokens=tokens)]
 
 
-def forward(kv: LayerwiseEngine, compute_s: float = 0.0) -> list[bool]:
+def forward(kv: SyncLayerwisePool, compute_s: float = 0.0) -> list[bool]:
     """One forward pass through the sync face, as vLLM drives a connector."""
     arrived = []
     for layer in range(kv.num_layers):
@@ -150,42 +147,31 @@ async def test_lookup_counts_a_block_only_when_every_layer_is_present() -> None:
     src = LAYOUTS["flash_attn"]()
     backend = MemoryBackend()
     pool = make_pool(src, backend)
-    assert (await pool.store(block_ids=ALL[:6], tokens=TOKENS)).stored == 6
-    assert (await pool.store(block_ids=ALL[:6], tokens=TOKENS)).present == 6  # skipped, per key
-    assert await pool.lookup(tokens=TOKENS) == 6 * BLOCK
+    assert (await pool.store(KVRequest(block_ids=ALL[:6], tokens=TOKENS))).stored == 6
+    assert (await pool.store(KVRequest(block_ids=ALL[:6], tokens=TOKENS))).present == 6  # skipped, per key
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK
     victim = next(k for k in backend.stored_keys() if decode_key(k).layer == 2)
     block = [decode_key(k).block_hash for k in backend.stored_keys() if decode_key(k).layer == 0].index(
         decode_key(victim).block_hash
     )
     backend._objects.pop(victim)  # one layer of one block is gone (evicted)
-    assert await pool.lookup(tokens=TOKENS) == block * BLOCK
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == block * BLOCK
     dst = zeros_like_caches(src)
-    got = await make_pool(dst, backend).retrieve(block_ids=ALL[:6], tokens=TOKENS)
+    got = await make_pool(dst, backend).retrieve(KVRequest(block_ids=ALL[:6], tokens=TOKENS))
     assert got.statuses[block] is GetStatus.MISS and got.hit_blocks == block
-    # the scheduler's pool has no layout: it needs the layer count to ask for every layer
-    with pytest.raises(ConfigError, match="num_layers"):
-        KVPool.create(
-            PoolConfig(layerwise=True), backend=backend, fingerprint=pool.fingerprint, block_size=BLOCK
-        )
-    sched = KVPool.create(
-        PoolConfig(layerwise=True),
-        backend=backend,
-        fingerprint=pool.fingerprint,
-        block_size=BLOCK,
-        num_layers=3,
-    )
-    assert await sched.lookup(tokens=TOKENS) == block * BLOCK
-    whole_blocks = KVPool.create(
-        PoolConfig(), backend=backend, fingerprint=pool.fingerprint, block_size=BLOCK
-    )
-    assert await whole_blocks.lookup(tokens=TOKENS) == 0  # per-layer objects are not whole blocks
+    # the scheduler's pool has no layout: the format it is given carries the layer count
+    assert pool.format == KVFormat(BLOCK, 3, pool.format.fingerprint)
+    sched = KVPool.create(PoolConfig(layerwise=True), backend=backend, format=pool.format)
+    assert await sched.lookup(KVRequest(tokens=TOKENS)) == block * BLOCK
+    whole_blocks = KVPool.create(PoolConfig(), backend=backend, format=pool.format)
+    assert await whole_blocks.lookup(KVRequest(tokens=TOKENS)) == 0  # per-layer objects are not whole blocks
 
 
 async def test_replicas_store_each_layer_of_each_block_once_and_all_load_everything() -> None:
     backend = MemoryBackend()
     src = LAYOUTS["mla"]()
     pools = [make_pool(src, backend, tp_rank=r, tp_size=2, use_mla=True) for r in range(2)]
-    results = [await p.store(block_ids=ALL, tokens=TOKENS) for p in pools]
+    results = [await p.store(KVRequest(block_ids=ALL, tokens=TOKENS)) for p in pools]
     for rank, result in enumerate(results):
         assert [s is PutStatus.STORED for s in result.statuses] == [i % 2 == rank for i in ALL]
         assert result.not_owned == 4
@@ -193,7 +179,7 @@ async def test_replicas_store_each_layer_of_each_block_once_and_all_load_everyth
     for rank in range(2):
         dst = zeros_like_caches(src)
         got = await make_pool(dst, backend, tp_rank=rank, tp_size=2, use_mla=True).retrieve(
-            block_ids=ALL, tokens=TOKENS
+            KVRequest(block_ids=ALL, tokens=TOKENS)
         )
         assert got.hit_blocks == 8
         assert all(block_bytes(dst[n], i) == block_bytes(src[n], i) for n in src for i in ALL)
@@ -257,7 +243,7 @@ async def test_storer_stores_what_the_kernels_wrote_never_stale_memory() -> None
         events = LayerEvents.create(3, stream.event)
         async with anyio.create_task_group() as device:
             device.start_soon(run_device, receive)
-            async with LayerwiseStorer.open(pool, request(range(6), tokens=tokens), events) as storer:
+            async with pool.layerwise_store(request(range(6), tokens=tokens), events) as storer:
                 for layer, name in enumerate(caches):  # the engine: launch a layer, record, go on
                     stream.launch(functools.partial(caches[name].copy_, fresh[name]), max_delay_s=0.004)
                     events.record(layer)
@@ -266,7 +252,7 @@ async def test_storer_stores_what_the_kernels_wrote_never_stale_memory() -> None
             send.close()
         assert [o.ok for o in outcomes] == [True] * 3
         dst = zeros_like_caches(caches)  # type: ignore[arg-type]
-        got = await make_pool(dst, backend).retrieve(block_ids=list(range(6)), tokens=tokens)
+        got = await make_pool(dst, backend).retrieve(KVRequest(block_ids=list(range(6)), tokens=tokens))
         assert got.hit_blocks == 6
         for name in caches:
             assert torch.equal(dst[name], fresh[name]), f"trial {trial}: stale KV stored for {name}"  # type: ignore[arg-type]
@@ -315,7 +301,7 @@ def test_sync_face_waits_for_each_layers_event_before_reading_it() -> None:
             assert kv.wait_for_save(timeout_s=5).stored["r"].stored == 8
             dst = zeros_like_caches(caches)  # type: ignore[arg-type]
             reader = make_pool(dst, backend)
-            got = anyio.run(functools.partial(reader.retrieve, block_ids=ALL, tokens=tokens))
+            got = anyio.run(reader.retrieve, KVRequest(block_ids=ALL, tokens=tokens))
             assert got.hit_blocks == 8
             assert all(torch.equal(dst[n], fresh[n]) for n in caches), f"step {step}"  # type: ignore[arg-type]
 
@@ -335,7 +321,7 @@ def overlap_caches() -> dict[str, object]:
 def test_sync_face_loads_layer_l_plus_1_while_the_engine_computes_layer_l() -> None:
     src = overlap_caches()
     backend = ScriptedBackend()
-    anyio.run(lambda: make_pool(src, backend).store(block_ids=ALL, tokens=TOKENS))
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
     backend.get_delay_s = STEP_S  # every layer's get takes 30 ms
     dst = zeros_like_caches(src)
     with make_engine(dst, backend) as kv:
@@ -352,12 +338,12 @@ def test_sync_face_loads_layer_l_plus_1_while_the_engine_computes_layer_l() -> N
 async def test_retriever_fetches_ahead_while_the_consumer_computes() -> None:
     src = overlap_caches()
     backend = ScriptedBackend()
-    await make_pool(src, backend).store(block_ids=ALL, tokens=TOKENS)
+    await make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS))
     backend.get_delay_s = STEP_S
     dst = zeros_like_caches(src)
     pool = make_pool(dst, backend)
     start = time.monotonic()
-    async with LayerwiseRetriever.open(pool, request(ALL), depth=1) as loader:
+    async with pool.layerwise_retrieve(request(ALL), depth=1) as loader:
         async for outcome in loader:
             assert outcome.ok
             await anyio.sleep(STEP_S)  # compute the layer that just arrived
@@ -402,7 +388,7 @@ def test_a_full_cycle_through_the_sync_face_starts_only_the_loop_thread() -> Non
 def test_a_layer_whose_get_fails_fails_every_block_of_the_request() -> None:
     src = LAYOUTS["kv_tuple"]()
     backend = ScriptedBackend()
-    anyio.run(lambda: make_pool(src, backend).store(block_ids=ALL, tokens=TOKENS))
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
     backend.fail_get = {1}
     with make_engine(zeros_like_caches(src), backend) as kv:
         kv.start_load(request([7, 6, 5, 4, 3, 2, 1, 0]))
@@ -421,14 +407,14 @@ async def test_a_failing_put_does_not_hold_back_later_layers(fault: str) -> None
     setattr(backend, f"{fault}_put", {1})
     pool = make_pool(src, backend, timeout_s=0.5)
     start = time.monotonic()
-    async with LayerwiseStorer.open(pool, request(ALL), LayerEvents.completed(3)) as storer:
+    async with pool.layerwise_store(request(ALL), LayerEvents.completed(3)) as storer:
         outcomes = {o.layer: o for o in [o async for o in storer]}
     assert outcomes[0].ok and outcomes[2].ok and outcomes[1].failed == 8
     layer2_put = min(t for t, layer in backend.put_log if layer == 2)
     assert layer2_put - start < 0.2  # did not wait for layer 1's put to fail or time out
     assert storer.results()[0].failed_indices == tuple(ALL)  # a block with a missing layer is not stored
     assert {decode_key(k).layer for k in backend.inner.stored_keys()} == {0, 2}
-    assert await pool.lookup(tokens=TOKENS) == 0  # the partly stored blocks are invisible
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 0  # the partly stored blocks are invisible
 
 
 async def test_cancelling_a_store_or_load_mid_request_leaves_no_tasks_and_nothing_visible() -> None:
@@ -438,21 +424,21 @@ async def test_cancelling_a_store_or_load_mid_request_leaves_no_tasks_and_nothin
     tasks_before = len(asyncio.all_tasks())
     events = LayerEvents.create(3, CpuEvent)
     with anyio.move_on_after(0.1) as scope:
-        async with LayerwiseStorer.open(pool, request(ALL), events) as storer:
+        async with pool.layerwise_store(request(ALL), events) as storer:
             events.record(0)  # the engine dies before layer 1
             async for _ in storer:
                 pass
     assert scope.cancelled_caught
     assert len(asyncio.all_tasks()) == tasks_before
     assert storer.results()[0].failed_indices == tuple(ALL)
-    assert await pool.lookup(tokens=TOKENS) == 0  # layer 0 is there, but no block is complete
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 0  # layer 0 is there, but no block is complete
 
-    await pool.store(block_ids=ALL, tokens=TOKENS)
+    await pool.store(KVRequest(block_ids=ALL, tokens=TOKENS))
     backend.get_delay_s = 10
     dst = zeros_like_caches(src)
     reader = make_pool(dst, backend)
     with anyio.move_on_after(0.1):
-        async with LayerwiseRetriever.open(reader, request(ALL), depth=3) as loader:
+        async with reader.layerwise_retrieve(request(ALL), depth=3) as loader:
             async for _ in loader:
                 pass
     assert len(asyncio.all_tasks()) == tasks_before
@@ -471,7 +457,7 @@ def test_wait_for_save_skips_layers_that_were_never_saved() -> None:
         result = kv.wait_for_save()
         assert time.monotonic() - start < 1.0
         assert result.stored["r"].failed_indices == tuple(ALL)
-        assert kv.sync_pool.lookup(tokens=TOKENS, timeout_s=5) == 0
+        assert kv.lookup(KVRequest(tokens=TOKENS), timeout_s=5) == 0
         kv.start_store(request(ALL))  # the next step works as usual
         forward(kv)
         assert kv.wait_for_save().stored["r"].stored == 8
@@ -480,7 +466,7 @@ def test_wait_for_save_skips_layers_that_were_never_saved() -> None:
 def test_a_layer_that_does_not_arrive_in_time_fails_the_steps_loads() -> None:
     src = LAYOUTS["vllm_cpu"]()
     backend = ScriptedBackend()
-    anyio.run(lambda: make_pool(src, backend).store(block_ids=ALL, tokens=TOKENS))
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
     backend.get_delay_s = 10  # the store hangs; the pool gives up after 0.5 s
     with make_engine(zeros_like_caches(src), backend, timeout_s=0.5) as kv:
         kv.start_load(request(ALL))
@@ -534,7 +520,7 @@ def test_a_stuck_step_raises_and_stays_current_so_close_still_waits_for_it() -> 
 def test_close_mid_step_cancels_the_transfers_and_stops_the_thread() -> None:
     src = LAYOUTS["vllm_cpu"]()
     backend = ScriptedBackend()
-    anyio.run(lambda: make_pool(src, backend).store(block_ids=ALL, tokens=TOKENS))
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
     backend.get_delay_s = 10
     before = set(threading.enumerate())
     kv = make_engine(zeros_like_caches(src), backend, timeout_s=30)
@@ -550,9 +536,9 @@ def test_close_mid_step_cancels_the_transfers_and_stops_the_thread() -> None:
 def test_misuse_is_refused_with_a_clear_error() -> None:
     src = LAYOUTS["vllm_cpu"]()
     with pytest.raises(ConfigError, match="layerwise=True"):
-        LayerwiseEngine.open(PoolConfig(), layout=KVLayout.from_kv_caches(src))  # type: ignore[arg-type]
+        SyncLayerwisePool.open(PoolConfig(), layout=KVLayout.from_kv_caches(src))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="depth"):
-        LayerwiseEngine.open(layout=KVLayout.from_kv_caches(src), depth=0)  # type: ignore[arg-type]
+        SyncLayerwisePool.open(layout=KVLayout.from_kv_caches(src), depth=0)  # type: ignore[arg-type]
     with make_engine(src, MemoryBackend()) as kv:
         with pytest.raises(RequestError, match="out of range"):
             kv.save_layer(3)
@@ -565,7 +551,7 @@ def test_misuse_is_refused_with_a_clear_error() -> None:
         with pytest.raises(RequestError, match="before the first save_layer"):
             kv.start_store(request([0]))
         with pytest.raises(RequestError, match="twice"):
-            LayerwiseRetriever.open(kv.sync_pool.pool, request([0]) + request([1]))
+            make_pool(src, MemoryBackend()).layerwise_retrieve(request([0]) + request([1]))
         kv.wait_for_save(timeout_s=5)
 
 

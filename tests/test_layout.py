@@ -5,7 +5,7 @@ import ctypes
 import pytest
 import torch
 
-from kvflow.errors import LayoutError, RequestError
+from kvflow.errors import LayoutError
 from kvflow.layout import KVLayout, LayoutKind
 from tests.helpers import BLOCK, LAYOUTS, NUM_BLOCKS, block_bytes
 
@@ -79,14 +79,6 @@ def test_mixed_layers_and_wrong_block_size_are_rejected() -> None:
         KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8)}, block_size=32)
     with pytest.raises(LayoutError, match="no KV caches"):
         KVLayout.from_kv_caches({})
-
-
-def test_block_ids_are_checked() -> None:
-    layout = KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8)})
-    layout.check_block_ids([0, 3])
-    for bad in ([4], [-1], [True], [1.0]):
-        with pytest.raises(RequestError, match="out of range"):
-            layout.check_block_ids(bad)  # type: ignore[arg-type]
 
 
 def test_allocations_cover_shared_storage_once() -> None:

@@ -44,13 +44,13 @@ def test_each_block_has_exactly_one_owner_per_replica_group(ranks: list[Parallel
     for p in ranks:
         group = [q.tp_rank for q in ranks if identical_kv(p, q)]
         assert list(p.replica_group()) == group
-        assert p.put_step == len(group)
-        for i in range(start, start + 2 * p.put_step):
+        assert p.replica_group_size == len(group)
+        for i in range(start, start + 2 * p.replica_group_size):
             who = owner(i, p)
             assert who in group
             # every member computes the same owner from its own config
             assert all(owner(i, ranks[g]) == who for g in group)
-        window = [owner(i, p) for i in range(start, start + p.put_step)]
+        window = [owner(i, p) for i in range(start, start + p.replica_group_size)]
         assert sorted(window) == group
 
 
@@ -58,9 +58,9 @@ def test_each_block_has_exactly_one_owner_per_replica_group(ranks: list[Parallel
 def test_head_namespaces_match_replica_groups(ranks: list[ParallelConfig]) -> None:
     for p in ranks:
         for q in ranks:
-            same_ns = (p.head_or_tp_rank, p.dcp_rank) == (q.head_or_tp_rank, q.dcp_rank)
+            same_ns = (p.kv_head_group, p.dcp_rank) == (q.kv_head_group, q.dcp_rank)
             assert same_ns == identical_kv(p, q)
-    assert {p.head_or_tp_rank for p in ranks} == set(range(ranks[0].num_head_ranks))
+    assert {p.kv_head_group for p in ranks} == set(range(ranks[0].num_kv_head_groups))
 
 
 def test_documented_tables() -> None:
@@ -69,7 +69,7 @@ def test_documented_tables() -> None:
     gqa = [ParallelConfig(r, 16, 8, False) for r in range(16)]
     assert gqa[5].replica_group() == (4, 5)
     assert [owner(i, gqa[5]) for i in range(4)] == [4, 5, 4, 5]
-    assert gqa[5].head_or_tp_rank == 2
+    assert gqa[5].kv_head_group == 2
     mha = ParallelConfig(3, 4, 32, False)
     assert [owner(i, mha) for i in range(3)] == [3, 3, 3]
 

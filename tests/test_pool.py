@@ -4,6 +4,7 @@ import time
 from collections.abc import Sequence
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -11,16 +12,17 @@ from kvflow import (
     GetStatus,
     KVLayout,
     KVPool,
+    KVRequest,
     MemoryBackend,
     ParallelConfig,
     PoolClosedError,
     PoolConfig,
     PutStatus,
     RequestError,
-    owner,
 )
 from kvflow.backends import ObjectRef
 from kvflow.keys import decode_key
+from kvflow.ownership import owner
 from tests.helpers import BLOCK, LAYOUTS, NUM_BLOCKS, FaultyBackend, block_bytes, zeros_like_caches
 
 TOKENS = list(range(1000, 1000 + BLOCK * 8 + 5))  # 8 full blocks and a partial one
@@ -41,9 +43,9 @@ async def test_round_trip_of_every_layout_is_bit_exact(layout_name: str) -> None
     dst = zeros_like_caches(src)
     backend = MemoryBackend()
     a, b = make_pool(src, backend), make_pool(dst, backend)
-    stored = await a.store(block_ids=[3, 1, 4, 0, 5, 9, 2, 6], tokens=TOKENS)
+    stored = await a.store(KVRequest(block_ids=[3, 1, 4, 0, 5, 9, 2, 6], tokens=TOKENS))
     assert stored.stored == 8 and stored.ok
-    result = await b.retrieve(block_ids=[10, 11, 7, 8, 0, 1, 2, 3], tokens=TOKENS)
+    result = await b.retrieve(KVRequest(block_ids=[10, 11, 7, 8, 0, 1, 2, 3], tokens=TOKENS))
     assert result.hit_blocks == 8 and result.failed_block_ids == ()
     for s, d in zip([3, 1, 4, 0, 5, 9, 2, 6], [10, 11, 7, 8, 0, 1, 2, 3]):
         for name in src:
@@ -52,29 +54,29 @@ async def test_round_trip_of_every_layout_is_bit_exact(layout_name: str) -> None
 
 async def test_store_skips_present_keys_and_lookup_counts_leading_blocks() -> None:
     pool = make_pool(LAYOUTS["vllm_cpu"]())
-    assert await pool.lookup(tokens=TOKENS) == 0
-    first = await pool.store(block_ids=[0, 1, 2], tokens=TOKENS)
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 0
+    first = await pool.store(KVRequest(block_ids=[0, 1, 2], tokens=TOKENS))
     assert first.stored == 3
-    assert await pool.lookup(tokens=TOKENS) == 3 * BLOCK
-    again = await pool.store(block_ids=list(range(8)), tokens=TOKENS)
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 3 * BLOCK
+    again = await pool.store(KVRequest(block_ids=list(range(8)), tokens=TOKENS))
     assert again.statuses[:3] == (PutStatus.PRESENT,) * 3 and again.stored == 5
-    assert await pool.lookup(tokens=TOKENS) == 8 * BLOCK
-    assert await pool.lookup(tokens=TOKENS[: BLOCK - 1]) == 0
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 8 * BLOCK
+    assert await pool.lookup(KVRequest(tokens=TOKENS[: BLOCK - 1])) == 0
     # a different suffix shares only the prefix blocks
     other = TOKENS[: 2 * BLOCK] + [7] * (3 * BLOCK)
-    assert await pool.lookup(tokens=other) == 2 * BLOCK
+    assert await pool.lookup(KVRequest(tokens=other)) == 2 * BLOCK
 
 
 async def test_block_offset_stores_the_tail_of_a_request() -> None:
     src = LAYOUTS["mla"]()
     backend = MemoryBackend()
     pool = make_pool(src, backend)
-    await pool.store(block_ids=[0, 1], tokens=TOKENS)
-    result = await pool.store(block_ids=[5, 6], tokens=TOKENS, block_offset=2)
+    await pool.store(KVRequest(block_ids=[0, 1], tokens=TOKENS))
+    result = await pool.store(KVRequest(block_ids=[5, 6], tokens=TOKENS, block_offset=2))
     assert result.stored == 2
-    assert await pool.lookup(tokens=TOKENS) == 4 * BLOCK
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 4 * BLOCK
     dst = zeros_like_caches(src)
-    got = await make_pool(dst, backend).retrieve(block_ids=[0, 1], tokens=TOKENS, block_offset=2)
+    got = await make_pool(dst, backend).retrieve(KVRequest(block_ids=[0, 1], tokens=TOKENS, block_offset=2))
     assert got.hit_blocks == 2
     assert block_bytes(dst["l0"], 1) == block_bytes(src["l0"], 6)
 
@@ -85,7 +87,7 @@ async def test_mla_ranks_store_only_owned_blocks_and_load_everything() -> None:
     # identical KV on both ranks, as MLA guarantees
     srcs[1] = {k: v.clone() for k, v in srcs[0].items()}  # type: ignore[attr-defined]
     pools = [make_pool(srcs[r], backend, tp_rank=r, tp_size=2, use_mla=True) for r in range(2)]
-    results = [await p.store(block_ids=list(range(8)), tokens=TOKENS) for p in pools]
+    results = [await p.store(KVRequest(block_ids=list(range(8)), tokens=TOKENS)) for p in pools]
     for rank, result in enumerate(results):
         for i, status in enumerate(result.statuses):
             expect_mine = owner(i, pools[rank].parallel) == rank
@@ -93,11 +95,11 @@ async def test_mla_ranks_store_only_owned_blocks_and_load_everything() -> None:
             assert (status is None) == (not expect_mine)
     assert backend.stats().puts == 8
     assert len(backend.stored_keys()) == 8
-    assert {decode_key(k).scope.head_or_tp_rank for k in backend.stored_keys()} == {0}
+    assert {decode_key(k).scope.kv_head_group for k in backend.stored_keys()} == {0}
     for rank in range(2):
         dst = zeros_like_caches(srcs[0])
         got = await make_pool(dst, backend, tp_rank=rank, tp_size=2, use_mla=True).retrieve(
-            block_ids=list(range(8)), tokens=TOKENS
+            KVRequest(block_ids=list(range(8)), tokens=TOKENS)
         )
         assert got.hit_blocks == 8
         assert all(block_bytes(dst["l1"], i) == block_bytes(srcs[0]["l1"], i) for i in range(8))
@@ -115,28 +117,24 @@ async def test_lookup_is_the_minimum_over_head_ranks_and_pp_ranks() -> None:
     }
     stored_blocks = {(0, 0): 8, (1, 0): 6, (0, 1): 5, (1, 1): 7}
     for who, n in stored_blocks.items():
-        await pools[who].store(block_ids=list(range(n)), tokens=TOKENS)
+        await pools[who].store(KVRequest(block_ids=list(range(n)), tokens=TOKENS))
     # any rank (and a scheduler-side pool without a layout) sees the minimum
     for pool in pools.values():
-        assert await pool.lookup(tokens=TOKENS) == 5 * BLOCK
+        assert await pool.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
     sched = KVPool.create(
-        PoolConfig(),
-        backend=backend,
-        fingerprint=pools[0, 0].fingerprint,
-        block_size=BLOCK,
-        parallel=ParallelConfig(0, 2, 2, pp_size=2),
+        PoolConfig(), backend=backend, format=pools[0, 0].format, parallel=ParallelConfig(0, 2, 2, pp_size=2)
     )
-    assert await sched.lookup(tokens=TOKENS) == 5 * BLOCK
+    assert await sched.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
     with pytest.raises(Exception, match="no registered KV caches"):
-        await sched.store(block_ids=[0], tokens=TOKENS)
+        await sched.store(KVRequest(block_ids=[0], tokens=TOKENS))
 
 
 async def test_retrieve_reports_missing_blocks_as_failed_ids() -> None:
     src = LAYOUTS["flash_attn"]()
     backend = MemoryBackend()
-    await make_pool(src, backend).store(block_ids=[0, 1, 2], tokens=TOKENS)
+    await make_pool(src, backend).store(KVRequest(block_ids=[0, 1, 2], tokens=TOKENS))
     dst = zeros_like_caches(src)
-    got = await make_pool(dst, backend).retrieve(block_ids=[5, 6, 7, 8], tokens=TOKENS)
+    got = await make_pool(dst, backend).retrieve(KVRequest(block_ids=[5, 6, 7, 8], tokens=TOKENS))
     assert got.statuses == (GetStatus.HIT,) * 3 + (GetStatus.MISS,)
     assert got.failed_block_ids == (8,) and got.hit_tokens == 3 * BLOCK
     assert block_bytes(dst["l0"], 8) == bytes(len(block_bytes(dst["l0"], 8)))  # untouched
@@ -150,43 +148,58 @@ async def test_retrieve_reports_missing_blocks_as_failed_ids() -> None:
         ({"block_ids": [0], "tokens": TOKENS, "block_hashes": [b"x"]}, "block hashes"),
         ({"block_ids": [0], "block_hashes": ["not-bytes"]}, "non-empty bytes"),
         ({"block_ids": [0]}, "tokens or block_hashes"),
-        ({"block_ids": [0], "tokens": TOKENS, "block_offset": -1}, "full blocks"),
+        ({"block_ids": [0], "tokens": TOKENS, "block_offset": -1}, "block_offset must be >= 0"),
+        ({"block_ids": [5, 5, 5], "tokens": TOKENS}, r"\[5\] appear more than once"),
+        ({"block_ids": [0, True], "tokens": TOKENS}, "must be an integer"),
+        ({"block_ids": [0.5], "tokens": TOKENS}, "must be an integer"),
     ],
 )
 async def test_bad_requests_fail_before_anything_is_written(kwargs: dict[str, object], message: str) -> None:
     backend = MemoryBackend()
     pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
     with pytest.raises(RequestError, match=message):
-        await pool.store(**kwargs)  # type: ignore[arg-type]
+        await pool.store(KVRequest(**kwargs))  # type: ignore[arg-type]
     with pytest.raises(RequestError, match=message):
-        await pool.retrieve(**kwargs)  # type: ignore[arg-type]
+        await pool.retrieve(KVRequest(**kwargs))  # type: ignore[arg-type]
     assert backend.stored_keys() == []
+
+
+async def test_numpy_integer_block_ids_are_accepted() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    stored = await make_pool(src, backend).store(KVRequest(block_ids=np.arange(3), tokens=TOKENS))
+    assert stored.stored == 3
+    dst = zeros_like_caches(src)
+    ids = [np.int32(5), np.int64(6), np.int16(7)]
+    got = await make_pool(dst, backend).retrieve(KVRequest(block_ids=ids, tokens=TOKENS))
+    assert got.block_ids == (5, 6, 7) and got.hit_blocks == 3
+    assert block_bytes(dst["l0"], 6) == block_bytes(src["l0"], 1)
 
 
 async def test_engine_hashes_are_used_as_given() -> None:
     backend = MemoryBackend()
     pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
     engine_hashes = [bytes([i]) * 32 for i in range(4)]
-    await pool.store(block_ids=[0, 1, 2, 3], block_hashes=engine_hashes)
+    await pool.store(KVRequest(block_ids=[0, 1, 2, 3], block_hashes=engine_hashes))
     assert {decode_key(k).block_hash for k in backend.stored_keys()} == set(engine_hashes)
-    assert await pool.lookup(block_hashes=engine_hashes) == 4 * BLOCK
-    assert await pool.lookup(tokens=list(range(4 * BLOCK))) == 0
+    assert await pool.lookup(KVRequest(block_hashes=engine_hashes)) == 4 * BLOCK
+    assert await pool.lookup(KVRequest(tokens=list(range(4 * BLOCK)))) == 0
 
 
 @pytest.mark.parametrize("fault", ["raise", "hang"])
 async def test_backend_faults_become_results_within_the_timeout(fault: str) -> None:
     src = LAYOUTS["vllm_cpu"]()
     inner = MemoryBackend()
-    await make_pool(src, inner).store(block_ids=[0, 1, 2, 3], tokens=TOKENS)
+    await make_pool(src, inner).store(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS))
     faulty = FaultyBackend(inner)
     ops = {"put", "get", "exists"}
     setattr(faulty, f"{fault}_on", ops)
     pool = KVPool.create(PoolConfig(timeout_s=0.3), layout=KVLayout.from_kv_caches(src), backend=faulty)  # type: ignore[arg-type]
     start = time.monotonic()
-    assert await pool.lookup(tokens=TOKENS) == 0
-    stored = await pool.store(block_ids=[4, 5, 6, 7, 8], tokens=TOKENS)
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 0
+    stored = await pool.store(KVRequest(block_ids=[4, 5, 6, 7, 8], tokens=TOKENS))
     assert stored.failed_indices == (0, 1, 2, 3, 4)
-    got = await pool.retrieve(block_ids=[0, 1, 2], tokens=TOKENS)
+    got = await pool.retrieve(KVRequest(block_ids=[0, 1, 2], tokens=TOKENS))
     assert got.failed_block_ids == (0, 1, 2)
     assert time.monotonic() - start < 3.0  # three bounded calls of 0.3 s (+ exists inside store)
     assert inner.stats().puts == 4  # nothing was written by the faulty pool
@@ -205,7 +218,7 @@ async def test_aclose_waits_for_inflight_stores_and_then_refuses() -> None:
     async with anyio.create_task_group() as tg:
 
         async def store() -> None:
-            results.append(await pool.store(block_ids=[0, 1], tokens=TOKENS))
+            results.append(await pool.store(KVRequest(block_ids=[0, 1], tokens=TOKENS)))
 
         tg.start_soon(store)
         await anyio.sleep(0.05)
@@ -220,7 +233,7 @@ async def test_aclose_waits_for_inflight_stores_and_then_refuses() -> None:
         release.set()
     assert results[0].stored == 2 and results[1] == "closed"  # type: ignore[union-attr]
     with pytest.raises(PoolClosedError):
-        await pool.lookup(tokens=TOKENS)
+        await pool.lookup(KVRequest(tokens=TOKENS))
 
 
 async def test_inflight_bytes_stay_within_the_budget() -> None:
@@ -241,19 +254,19 @@ async def test_inflight_bytes_stay_within_the_budget() -> None:
         PoolConfig(max_inflight_bytes=budget), layout=layout, backend=FaultyBackend(put_hook=tracking_put)
     )  # type: ignore[arg-type]
     tokens = list(range(BLOCK * 40))
-    result = await pool.store(block_ids=list(range(40)), tokens=tokens)
+    result = await pool.store(KVRequest(block_ids=list(range(40)), tokens=tokens))
     assert result.stored == 40
     assert 0 < peak <= budget
 
 
 async def test_lookup_from_a_block_offset_counts_engine_held_blocks_as_present() -> None:
     pool = make_pool(LAYOUTS["vllm_cpu"]())
-    await pool.store(block_ids=[2, 3, 4], tokens=TOKENS, block_offset=2)  # blocks 0, 1 not stored
-    assert await pool.lookup(tokens=TOKENS) == 0
-    assert await pool.lookup(tokens=TOKENS, block_offset=2) == 5 * BLOCK
-    assert await pool.lookup(tokens=TOKENS, block_offset=8) == 8 * BLOCK
+    await pool.store(KVRequest(block_ids=[2, 3, 4], tokens=TOKENS, block_offset=2))  # blocks 0, 1 not stored
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 0
+    assert await pool.lookup(KVRequest(tokens=TOKENS, block_offset=2)) == 5 * BLOCK
+    assert await pool.lookup(KVRequest(tokens=TOKENS, block_offset=8)) == 8 * BLOCK
     with pytest.raises(RequestError, match="block_offset"):
-        await pool.lookup(tokens=TOKENS, block_offset=9)
+        await pool.lookup(KVRequest(tokens=TOKENS, block_offset=9))
 
 
 async def test_programming_errors_of_a_backend_are_raised_not_taken_for_misses() -> None:
@@ -265,4 +278,14 @@ async def test_programming_errors_of_a_backend_are_raised_not_taken_for_misses()
 
     pool = make_pool(LAYOUTS["vllm_cpu"](), Misconfigured())
     with pytest.raises(BackendError, match="segment size"):
-        await pool.lookup(tokens=TOKENS)
+        await pool.lookup(KVRequest(tokens=TOKENS))
+
+
+def test_pools_are_made_only_through_their_named_constructors() -> None:
+    from kvflow import SyncPool
+
+    pool = make_pool(LAYOUTS["vllm_cpu"]())
+    with pytest.raises(TypeError, match=r"KVPool\.create"):
+        KVPool(_transfer=pool._transfer, _token=object())  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"SyncPool\.open"):
+        SyncPool(_loop=None, _pool=pool, _token=object())  # type: ignore[call-arg, arg-type]

@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 from urllib.parse import urlsplit
 
-from kvflow.backends.base import Backend, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import Backend, BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.errors import ConfigError
 
 __all__ = [
     "SCHEMES",
     "Backend",
+    "BackendCapabilities",
     "BackendStats",
     "GetStatus",
     "ObjectRef",

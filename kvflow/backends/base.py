@@ -19,6 +19,7 @@ import attrs
 
 __all__ = [
     "Backend",
+    "BackendCapabilities",
     "BackendStats",
     "GetStatus",
     "ObjectRef",
@@ -67,6 +68,19 @@ class ObjectRef:
         if len(addrs) != len(sizes):
             raise ValueError(f"{len(addrs)} addresses but {len(sizes)} sizes for key {key!r}")
         return cls(key, addrs, sizes, sum(sizes))
+
+
+@attrs.frozen
+class BackendCapabilities:
+    """What a backend can do beyond the protocol's minimum, so the transfer layer can choose a path.
+
+    ``device_memory``: puts and gets read and write accelerator (CUDA/NPU) memory directly; without
+    it, KV caches on a device go through pinned host staging buffers.
+    ``ranged_reads``: a get may read part of an object (a byte range) instead of all of it.
+    """
+
+    device_memory: bool = False
+    ranged_reads: bool = False
 
 
 @attrs.define
@@ -124,11 +138,21 @@ class Backend(Protocol):
         """Largest number of objects the pool should pass in one call."""
         ...
 
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """What this backend can do (device memory, ranged reads)."""
+        ...
+
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]: ...
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]: ...
 
     async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Delete objects; True where one was removed (False: there was none). Raises
+        :class:`~kvflow.errors.BackendError` when the store cannot be reached."""
+        ...
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Announce engine memory that later puts and gets will use (zero-copy registration)."""

@@ -15,7 +15,7 @@ import anyio.lowlevel
 import attrs
 import torch
 
-from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.config import parse_size, parse_url_query
 from kvflow.errors import ConfigError
 from kvflow.regions import gather, scatter
@@ -64,6 +64,10 @@ class MemoryBackend:
     def max_batch(self) -> int:
         return 64
 
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities()
+
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Nothing to register: copies go straight through ``memmove``."""
 
@@ -92,6 +96,16 @@ class MemoryBackend:
         self._check_open()
         objects = self._objects
         return [key in objects for key in keys]
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        removed = []
+        for key in keys:
+            buf = self._objects.pop(key, None)
+            if buf is not None:
+                self._stats.used_bytes -= buf.numel()
+            removed.append(buf is not None)
+        return removed
 
     async def aclose(self) -> None:
         self._closed = True

@@ -14,11 +14,12 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from kvflow.backends import BackendStats, GetStatus, ObjectRef, PutStatus, open_backend
+from kvflow.backends import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus, open_backend
 from kvflow.config import PoolConfig
 from kvflow.keys import KeyScope, block_keys, hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
+from kvflow.request import KVRequest
 from kvflow.tools.workload import memcpy_gbps
 
 __all__ = ["bench_main", "run_bench"]
@@ -34,6 +35,10 @@ class NullBackend:
     def max_batch(self) -> int:
         return 256
 
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities()
+
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         return [PutStatus.STORED] * len(objects)
 
@@ -41,6 +46,9 @@ class NullBackend:
         return [GetStatus.HIT] * len(objects)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [False] * len(keys)
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
         return [False] * len(keys)
 
     def register_memory(self, addr: int, nbytes: int) -> None:
@@ -78,7 +86,7 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
         pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-{i}"), layout=layout_src, backend=backend)
         tokens = list(range(i, i + 16 * batch))
         start = time.perf_counter()
-        result = await pool.store(block_ids=ids, tokens=tokens)
+        result = await pool.store(KVRequest(block_ids=ids, tokens=tokens))
         elapsed = time.perf_counter() - start
         if result.stored != batch:
             raise RuntimeError(f"bench store stored {result.stored} of {batch} blocks: {result}")
@@ -88,7 +96,7 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
         last = repeat - 1  # the batch the last store wrote (earlier ones may have been evicted)
         pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-{last}"), layout=layout_dst, backend=backend)
         start = time.perf_counter()
-        result = await pool.retrieve(block_ids=ids, tokens=list(range(last, last + 16 * batch)))
+        result = await pool.retrieve(KVRequest(block_ids=ids, tokens=range(last, last + 16 * batch)))
         elapsed = time.perf_counter() - start
         if result.hit_blocks != batch:
             raise RuntimeError(f"bench retrieve loaded {result.hit_blocks} of {batch} blocks")
@@ -122,11 +130,11 @@ async def _lookup_ms(url: str, blocks: int) -> float:
     )
     tokens = list(range(16 * blocks))
     hashes = hash_blocks(tokens, 16)
-    await pool.store(block_ids=list(range(blocks)), block_hashes=hashes)
+    await pool.store(KVRequest(block_ids=range(blocks), block_hashes=hashes))
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        hit = await pool.lookup(block_hashes=hashes)
+        hit = await pool.lookup(KVRequest(block_hashes=hashes))
         best = min(best, time.perf_counter() - start)
         if hit != 16 * blocks:
             raise RuntimeError(f"bench lookup found {hit} of {16 * blocks} tokens")
@@ -135,14 +143,15 @@ async def _lookup_ms(url: str, blocks: int) -> float:
 
 
 async def _pipeline_us(blocks: int) -> dict[str, float]:
-    caches = _caches(64 << 10, 64)
+    caches = _caches(128, blocks)  # the null backend copies nothing: the size does not matter
     pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches), backend=NullBackend())
     hashes = hash_blocks(list(range(16 * blocks)), 16)
-    ids = [i % 64 for i in range(blocks)]
+    ids = range(blocks)
     out: dict[str, float] = {}
+    request = KVRequest(block_ids=ids, block_hashes=hashes)
     for name, op in (("store", pool.store), ("retrieve", pool.retrieve)):
         start = time.perf_counter()
-        await op(block_ids=ids, block_hashes=hashes)
+        await op(request)
         out[f"{name}_us_per_block"] = (time.perf_counter() - start) / blocks * 1e6
     scope = KeyScope("bench-model", "0123456789abcdef")
     start = time.perf_counter()

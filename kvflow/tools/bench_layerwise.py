@@ -7,7 +7,7 @@ engine face:
 - compute alone: the engine's per-layer compute, simulated by ``time.sleep`` on the engine thread
   (it releases the GIL, as an engine waiting on its device does);
 - whole-block retrieve, then compute: a plain pool loads every block, then the engine computes;
-- layerwise, overlapped: :class:`~kvflow.engine.LayerwiseEngine` loads layer ``l+1`` while the
+- layerwise, overlapped: :class:`~kvflow.SyncLayerwisePool` loads layer ``l+1`` while the
   engine computes layer ``l``.
 
 The per-layer compute defaults to the whole-block retrieve time divided by the layer count, the
@@ -26,11 +26,11 @@ import torch
 
 from kvflow.backends.memory import MemoryBackend, MemoryConfig
 from kvflow.config import PoolConfig
-from kvflow.engine import LayerwiseEngine
 from kvflow.keys import hash_blocks
-from kvflow.layerwise import LayerwiseRequest
 from kvflow.layout import KVLayout
-from kvflow.runtime import SyncPool
+from kvflow.request import KVRequest
+from kvflow.sync import SyncPool
+from kvflow.sync_layerwise import SyncLayerwisePool
 from kvflow.tools.workload import Geometry, make_kv_caches
 
 __all__ = ["layerwise_main", "run_layerwise_bench"]
@@ -66,14 +66,15 @@ def run_layerwise_bench(
     _random_bits(src)
     ids = list(range(blocks))
     hashes = hash_blocks(list(range(blocks * g.block_size)), g.block_size)
-    requests = [LayerwiseRequest("bench", ids, block_hashes=hashes)]
+    request = KVRequest(request_id="bench", block_ids=ids, block_hashes=hashes)
+    requests = [request]
     backend = MemoryBackend(MemoryConfig(capacity_bytes=4 * g.block_nbytes * blocks))
     src_layout, dst_layout = KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst)
     layerwise_config = PoolConfig(model="bench-layerwise", layerwise=True)
     whole_config = PoolConfig(model="bench-layerwise")
-    writer = LayerwiseEngine.open(layerwise_config, layout=src_layout, backend=backend)
+    writer = SyncLayerwisePool.open(layerwise_config, layout=src_layout, backend=backend)
     whole_writer = SyncPool.open(whole_config, layout=src_layout, backend=backend)
-    engine = LayerwiseEngine.open(layerwise_config, layout=dst_layout, backend=backend)
+    engine = SyncLayerwisePool.open(layerwise_config, layout=dst_layout, backend=backend)
     whole = SyncPool.open(whole_config, layout=dst_layout, backend=backend)
     try:
         writer.start_store(requests)
@@ -81,11 +82,11 @@ def run_layerwise_bench(
             writer.save_layer(layer)
         if not writer.wait_for_save().stored["bench"].ok:
             raise RuntimeError("bench: the layerwise store failed")
-        if not whole_writer.store(ids, block_hashes=hashes).ok:
+        if not whole_writer.store(request).ok:
             raise RuntimeError("bench: the whole-block store failed")
 
         def retrieve() -> None:
-            if whole.retrieve(ids, block_hashes=hashes).hit_blocks != blocks:
+            if whole.retrieve(request).hit_blocks != blocks:
                 raise RuntimeError("bench: the whole-block retrieve missed blocks")
 
         load_s = _best(repeat, retrieve)

@@ -1,20 +1,25 @@
 """``kvflow demo``: an engine-like run that stores a prefix-sharing workload, retrieves it into a
-fresh, zeroed cache and verifies every retrieved block bit-exact."""
+fresh, zeroed cache and verifies every retrieved block bit-exact.
+
+On a store that outlives the run (``local://``, ``mooncake://``) the demo first reports blocks it
+finds from an earlier run, and at the end removes the objects it stored itself unless ``keep``."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import attrs
 from tqdm import tqdm
 
-from kvflow.backends import Backend, open_backend
+from kvflow.backends import Backend, PutStatus, open_backend
 from kvflow.config import PoolConfig
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
+from kvflow.request import KVRequest
 from kvflow.tools.workload import (
     Geometry,
     block_matches,
@@ -37,6 +42,8 @@ class DemoSummary:
     blocks_verified: int = 0
     blocks_mismatched: int = 0
     blocks_reused: int = 0  # engine A: blocks another request had already stored
+    blocks_found: int = 0  # blocks of the workload the store held before this run
+    blocks_removed: int = 0  # objects this run stored and removed at its end
     lookup_hit_blocks: int = 0
     store_bytes: int = 0
     retrieve_bytes: int = 0
@@ -71,10 +78,12 @@ async def run_demo(
     *,
     progress: bool = True,
     backend: Backend | None = None,
+    keep: bool = False,
 ) -> DemoSummary:
     """Store the workload from engine A, then retrieve and verify it in engine B.
 
-    ``backend`` (optional) replaces the one ``backend_url`` names, e.g. to inject faults."""
+    ``backend`` (optional) replaces the one ``backend_url`` names, e.g. to inject faults. Unless
+    ``keep``, the objects engine A stored are removed at the end."""
     g = geometry or Geometry()
     requests = chat_workload(g.block_size)
     max_blocks = max(len(r) for r in requests) // g.block_size
@@ -85,18 +94,21 @@ async def run_demo(
     # Engine A: computes each request's missing blocks and stores them.
     cache_a = make_kv_caches(g, max_blocks)
     pool_a = KVPool.create(config, layout=KVLayout.from_kv_caches(cache_a), backend=backend)
+    summary.blocks_found = await _blocks_present(pool_a, requests, g.block_size)
+    created: list[KVRequest] = []  # runs of blocks this run stored, to remove at the end
     for tokens in tqdm(requests, desc="store   ", unit="req", disable=not progress):
         hashes = hash_blocks(tokens, g.block_size)
         ids = list(range(len(hashes)))
-        hit = await pool_a.lookup(block_hashes=hashes) // g.block_size
+        hit = await pool_a.lookup(KVRequest(block_hashes=hashes)) // g.block_size
         summary.blocks_reused += hit
         for i in range(hit, len(hashes)):
             fill_block(cache_a, g, ids[i], hashes[i])
         start = time.perf_counter()
-        result = await pool_a.store(block_ids=ids[hit:], block_hashes=hashes, block_offset=hit)
+        result = await pool_a.store(KVRequest(block_ids=ids[hit:], block_hashes=hashes, block_offset=hit))
         summary.store_s += time.perf_counter() - start
         summary.blocks_stored += result.stored
         summary.store_bytes += result.stored * g.block_nbytes
+        created.extend(_stored_runs(hashes, hit, result.statuses))
 
     # Engine B: a fresh, zeroed cache; looks up, retrieves and verifies every hit block.
     cache_b = make_kv_caches(g, max_blocks)
@@ -105,13 +117,13 @@ async def run_demo(
         for tokens in tqdm(requests, desc="retrieve", unit="req", disable=not progress):
             hashes = hash_blocks(tokens, g.block_size)
             summary.blocks_requested += len(hashes)
-            hit = await pool_b.lookup(block_hashes=hashes) // g.block_size
+            hit = await pool_b.lookup(KVRequest(block_hashes=hashes)) // g.block_size
             summary.lookup_hit_blocks += hit
             ids = list(range(hit))
             for block_id in ids:
                 cache_b_zero(cache_b, block_id)
             start = time.perf_counter()
-            loaded = await pool_b.retrieve(block_ids=ids, block_hashes=hashes[:hit])
+            loaded = await pool_b.retrieve(KVRequest(block_ids=ids, block_hashes=hashes[:hit]))
             summary.retrieve_s += time.perf_counter() - start
             summary.blocks_retrieved += loaded.hit_blocks
             summary.retrieve_bytes += loaded.hit_blocks * g.block_nbytes
@@ -121,8 +133,33 @@ async def run_demo(
                 else:
                     summary.blocks_mismatched += 1
             summary.blocks_mismatched += len(loaded.failed_block_ids)
+        if not keep:
+            for run in created:
+                summary.blocks_removed += await pool_b.remove(run)
     summary.memcpy_gbps = memcpy_gbps(max(summary.retrieve_bytes, g.block_nbytes), g.block_nbytes)
     return summary
+
+
+async def _blocks_present(pool: KVPool, requests: list[list[int]], block_size: int) -> int:
+    """Distinct blocks of the workload the store already holds (from an earlier run)."""
+    present: set[bytes] = set()
+    for tokens in requests:
+        hashes = hash_blocks(tokens, block_size)
+        present.update(hashes[: await pool.lookup(KVRequest(block_hashes=hashes)) // block_size])
+    return len(present)
+
+
+def _stored_runs(hashes: list[bytes], first: int, statuses: Sequence[PutStatus | None]) -> list[KVRequest]:
+    """The runs of consecutive blocks a store wrote (``statuses[i]`` is block ``first + i``'s)."""
+    runs: list[KVRequest] = []
+    start: int | None = None
+    for i, status in enumerate([*statuses, None]):
+        if status is PutStatus.STORED and start is None:
+            start = i
+        elif status is not PutStatus.STORED and start is not None:
+            runs.append(KVRequest(block_hashes=hashes[: first + i], block_offset=first + start))
+            start = None
+    return runs
 
 
 def cache_b_zero(cache: dict[str, Any], block_id: int) -> None:
@@ -131,15 +168,20 @@ def cache_b_zero(cache: dict[str, Any], block_id: int) -> None:
         tensor[block_id].zero_()
 
 
-def demo_main(backend_url: str, as_json: bool) -> int:
+def demo_main(backend_url: str, as_json: bool, keep: bool = False) -> int:
     import functools
     import json
 
-    summary = anyio.run(functools.partial(run_demo, backend_url, progress=not as_json))
+    summary = anyio.run(functools.partial(run_demo, backend_url, progress=not as_json, keep=keep))
     data = summary.as_dict()
     if as_json:
         print(json.dumps(data))
     else:
+        if summary.blocks_found:
+            print(
+                f"the store already held {summary.blocks_found} blocks of this workload from an earlier "
+                "run; they were reused, not stored again"
+            )
         print(
             f"backend {data['backend']}: {data['requests']} requests, "
             f"{data['blocks_stored']} blocks stored ({data['block_nbytes'] // 1024} KiB each), "
@@ -149,6 +191,11 @@ def demo_main(backend_url: str, as_json: bool) -> int:
             f"store {data['store_gbps']:.2f} GB/s, retrieve {data['retrieve_gbps']:.2f} GB/s, "
             f"memcpy {data['memcpy_gbps']:.2f} GB/s "
             f"(retrieve/memcpy {data['retrieve_gbps'] / max(data['memcpy_gbps'], 1e-9):.2f}x)\n"
+            + (
+                f"removed the {summary.blocks_removed} blocks this run stored (--keep keeps them)\n"
+                if summary.blocks_removed
+                else ""
+            )
             + ("VERIFIED" if summary.verified else "NOT VERIFIED")
         )
     return 0 if summary.verified else 1

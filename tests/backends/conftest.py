@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from kvflow.backends.mooncake import MooncakeBackend
-from kvflow.backends.mooncake_master import (
+from kvflow.tools.mooncake_master import (
     MasterProcess,
     NotIsolatedError,
     check_private_netns,

@@ -18,11 +18,7 @@ import json
 import random
 import sys
 import time
-import types
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def content(key: str, writer: int, size: int) -> bytes:
@@ -60,15 +56,8 @@ def check(key: str, data: bytes, writers: int) -> str | None:
     return None
 
 
-def _light_import() -> None:
-    """Import the backend without ``kvflow/__init__`` (which loads torch: seconds per process)."""
-    package = types.ModuleType("kvflow")
-    package.__path__ = [str(ROOT / "kvflow")]
-    sys.modules.setdefault("kvflow", package)
-
-
 async def _run(spec: dict[str, Any]) -> dict[str, Any]:
-    import kvflow.backends.local as local
+    import kvflow.backends.local.backend as local
     from kvflow.backends.base import GetStatus, ObjectRef
     from kvflow.regions import buffer_address
 
@@ -111,7 +100,6 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    _light_import()
     import anyio
 
     spec = json.loads(sys.argv[1])

@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvflow.backends.local as local
+import kvflow.backends.local.backend as local
 from kvflow.backends import open_backend
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
-from kvflow.backends.local_format import (
+from kvflow.backends.local.format import (
     HEADER_SIZE,
     Header,
     TempName,

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from kvflow import GetStatus, MemoryBackend, ObjectRef, PutStatus, open_backend
+from kvflow import GetStatus, MemoryBackend, PutStatus, open_backend
+from kvflow.backends import ObjectRef
 from kvflow.backends.memory import MemoryConfig
 
 

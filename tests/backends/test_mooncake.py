@@ -25,13 +25,14 @@ from hypothesis import strategies as st
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
-from kvflow.backends.mooncake_config import MooncakeConfig, parse_mooncake_size
-from kvflow.backends.mooncake_health import HealthGate
-from kvflow.backends.mooncake_master import MasterProcess, NotIsolatedError, free_port
-from kvflow.backends.mooncake_staging import RegisteredMemory, StagingBuffer, plan_chunks
+from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
+from kvflow.backends.mooncake.health import HealthGate
+from kvflow.backends.mooncake.staging import RegisteredMemory, StagingBuffer, plan_chunks
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, MissingDependencyError
-from kvflow.layout import KVCacheEntry, KVLayout
+from kvflow.layout import KVCacheEntry, KVFormat, KVLayout
 from kvflow.regions import buffer_address
+from kvflow.request import KVRequest
+from kvflow.tools.mooncake_master import MasterProcess, NotIsolatedError, free_port
 
 MakeBackend = Callable[[str], MooncakeBackend]
 REPO = Path(__file__).resolve().parents[2]
@@ -186,13 +187,15 @@ def test_missing_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch) 
         return real(name, package)
 
     monkeypatch.setattr(importlib, "import_module", fake)
-    with pytest.raises(MissingDependencyError, match=r"kvflow\[mooncake\]") as info:
+    with pytest.raises(
+        MissingDependencyError, match=r"pip install 'kvflow\[mooncake\]'.*libibverbs1"
+    ) as info:
         MooncakeBackend.from_url("mooncake://127.0.0.1:50051")
     assert info.value.package == "mooncake-transfer-engine"
 
 
 def test_master_refuses_to_start_outside_a_private_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvflow.backends import mooncake_master
+    from kvflow.tools import mooncake_master
 
     monkeypatch.setattr(mooncake_master, "network_interfaces", lambda: ["eth0", "lo"])
     with pytest.raises(NotIsolatedError, match="unshare -n"):
@@ -561,10 +564,10 @@ async def test_pool_round_trip_through_mooncake_for_every_layout(
         config = PoolConfig(model=model + name, timeout_s=10)
         a = KVPool.create(config, layout=layout_of(src), backend=writer)
         b = KVPool.create(config, layout=layout_of(dst), backend=reader)
-        stored = await a.store(block_ids=[4, 2, 7, 0, 9, 1], tokens=tokens)
+        stored = await a.store(KVRequest(block_ids=[4, 2, 7, 0, 9, 1], tokens=tokens))
         assert stored.stored == 6 and stored.ok, name
-        assert await b.lookup(tokens=tokens) == 6 * BLOCK
-        result = await b.retrieve(block_ids=[0, 1, 2, 3, 5, 6], tokens=tokens)
+        assert await b.lookup(KVRequest(tokens=tokens)) == 6 * BLOCK
+        result = await b.retrieve(KVRequest(block_ids=[0, 1, 2, 3, 5, 6], tokens=tokens))
         assert result.hit_blocks == 6, (name, result)
         for s, d in zip([4, 2, 7, 0, 9, 1], [0, 1, 2, 3, 5, 6]):
             for layer in src:
@@ -575,7 +578,8 @@ async def test_pool_round_trip_through_mooncake_for_every_layout(
 async def test_two_processes_as_tp_ranks_of_an_mla_model_store_only_owned_blocks(
     mooncake_master: MasterProcess, mooncake_backends: MakeBackend
 ) -> None:
-    from kvflow import KVPool, ParallelConfig, PoolConfig, owner
+    from kvflow import KVPool, ParallelConfig, PoolConfig
+    from kvflow.ownership import owner
     from tests.helpers import BLOCK
 
     model, url = prefix(), mooncake_master.url(segment="32MiB")
@@ -594,10 +598,9 @@ async def test_two_processes_as_tp_ranks_of_an_mla_model_store_only_owned_blocks
             PoolConfig(model=model),
             backend=mooncake_backends(mooncake_master.url(segment="0")),
             parallel=ParallelConfig(tp_rank=0, tp_size=2, use_mla=True),
-            fingerprint=fingerprints.pop(),
-            block_size=BLOCK,
+            format=KVFormat(block_size=BLOCK, num_layers=3, fingerprint=fingerprints.pop()),
         )
-        assert await scheduler.lookup(tokens=RANK_TOKENS) == len(statuses[0]) * BLOCK
+        assert await scheduler.lookup(KVRequest(tokens=RANK_TOKENS)) == len(statuses[0]) * BLOCK
         for p in ranks:
             _send(p, "RETRIEVE")
         for p in ranks:  # every rank loads every block, including those the other rank stored
@@ -624,7 +627,7 @@ async def _rank(url: str, model: str, rank: int) -> None:
         config = PoolConfig(model=model, timeout_s=20)
         layout = layout_of(src)
         pool = KVPool.create(config, layout=layout, backend=backend, parallel=parallel)
-        result = await pool.store(block_ids=list(range(8)), tokens=RANK_TOKENS)
+        result = await pool.store(KVRequest(block_ids=list(range(8)), tokens=RANK_TOKENS))
         words = ",".join("none" if s is None else s.value for s in result.statuses)
         print("KV STORED", layout.fingerprint, words, flush=True)
         while (line := (await anyio.to_thread.run_sync(sys.stdin.readline)).split()) != ["EXIT"]:
@@ -635,7 +638,7 @@ async def _rank(url: str, model: str, rank: int) -> None:
                     backend=backend,
                     parallel=parallel,
                 )
-                got = await reader.retrieve(block_ids=[7, 6, 5, 4, 3, 2, 1, 0], tokens=RANK_TOKENS)
+                got = await reader.retrieve(KVRequest(block_ids=[7, 6, 5, 4, 3, 2, 1, 0], tokens=RANK_TOKENS))
                 exact = all(
                     block_bytes(dst[name], d) == block_bytes(src[name], s)
                     for s, d in zip(range(8), [7, 6, 5, 4, 3, 2, 1, 0])

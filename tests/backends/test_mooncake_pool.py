@@ -14,8 +14,8 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from kvflow import KVPool, ParallelConfig, PoolConfig
-from kvflow.backends.mooncake_master import MasterProcess
+from kvflow import KVPool, KVRequest, ParallelConfig, PoolConfig
+from kvflow.tools.mooncake_master import MasterProcess
 from tests.backends.test_mooncake import REPO, MakeBackend, layout_of, prefix
 from tests.helpers import BLOCK, LAYOUTS, zeros_like_caches
 
@@ -40,17 +40,18 @@ async def test_lookup_is_the_minimum_over_kv_head_and_pp_namespaces(
                 PoolConfig(model=model), layout=layout_of(caches), backend=backend, parallel=parallel
             )
     for (tp, pp), blocks in {(0, 0): 8, (1, 0): 7, (0, 1): 4, (1, 1): 6}.items():
-        assert (await pools[tp, pp].store(block_ids=list(range(blocks)), tokens=TOKENS)).stored == blocks
+        assert (
+            await pools[tp, pp].store(KVRequest(block_ids=list(range(blocks)), tokens=TOKENS))
+        ).stored == blocks
     scheduler = KVPool.create(
         PoolConfig(model=model),
         backend=mooncake_backends(mooncake_master.url(segment="0")),
         parallel=ParallelConfig(tp_rank=0, tp_size=2, num_kv_heads=2, pp_size=2),
-        fingerprint=pools[0, 0].fingerprint,
-        block_size=BLOCK,
+        format=pools[0, 0].format,
     )
-    assert await scheduler.lookup(tokens=TOKENS) == 4 * BLOCK
-    await pools[0, 1].store(block_ids=list(range(8)), tokens=TOKENS)
-    assert await scheduler.lookup(tokens=TOKENS) == 6 * BLOCK
+    assert await scheduler.lookup(KVRequest(tokens=TOKENS)) == 4 * BLOCK
+    await pools[0, 1].store(KVRequest(block_ids=list(range(8)), tokens=TOKENS))
+    assert await scheduler.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK
 
 
 async def test_pool_survives_a_lost_master_with_bounded_failures(
@@ -65,27 +66,27 @@ async def test_pool_survives_a_lost_master_with_bounded_failures(
     config = PoolConfig(model=prefix(), timeout_s=8)
     writer = KVPool.create(config, layout=layout_of(src), backend=backend)
     reader = KVPool.create(config, layout=layout_of(dst), backend=backend)
-    assert (await writer.store(block_ids=[0, 1, 2, 3], tokens=TOKENS)).stored == 4
+    assert (await writer.store(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS))).stored == 4
 
     master.kill()
     started = time.monotonic()
-    stored = await writer.store(block_ids=[4, 5, 6, 7], tokens=TOKENS, block_offset=4)
+    stored = await writer.store(KVRequest(block_ids=[4, 5, 6, 7], tokens=TOKENS, block_offset=4))
     assert stored.failed_indices == (0, 1, 2, 3)
-    got = await reader.retrieve(block_ids=[0, 1, 2, 3], tokens=TOKENS)
+    got = await reader.retrieve(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS))
     assert got.failed_block_ids == (0, 1, 2, 3)
     assert time.monotonic() - started < 20
     t = time.monotonic()
-    assert await reader.lookup(tokens=TOKENS) == 0
+    assert await reader.lookup(KVRequest(tokens=TOKENS)) == 0
     assert time.monotonic() - t < 2.0  # the health gate answers at once while the master is down
 
     restarted = mooncake_master_factory(rpc_port=master.rpc_port)
     assert restarted.alive()
     deadline = time.monotonic() + 30
-    while (await writer.store(block_ids=[0, 1, 2, 3], tokens=TOKENS)).stored != 4:
+    while (await writer.store(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS))).stored != 4:
         assert time.monotonic() < deadline, "the pool did not recover within 30 s of the restart"
         await anyio.sleep(0.25)
-    assert await reader.lookup(tokens=TOKENS) == 4 * BLOCK
-    assert (await reader.retrieve(block_ids=[0, 1, 2, 3], tokens=TOKENS)).hit_blocks == 4
+    assert await reader.lookup(KVRequest(tokens=TOKENS)) == 4 * BLOCK
+    assert (await reader.retrieve(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS))).hit_blocks == 4
 
 
 def test_demo_verifies_through_mooncake(mooncake_master: MasterProcess) -> None:

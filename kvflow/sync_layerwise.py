@@ -1,7 +1,6 @@
-"""The layerwise face for synchronous engines.
+"""SyncLayerwisePool: layer-by-layer loads and stores for a synchronous engine's forward pass.
 
-A forward step loads and stores KV layer by layer while the engine computes. Call every method
-from the engine's thread, in this order per step (a vLLM connector maps its hooks one to one)::
+The engine calls, on its own thread, in this order per step (a vLLM connector maps its hooks one to one)::
 
     kv.start_load(requests)             # start_load_kv: before the forward
     kv.start_store(requests)            # before the step's first save_layer
@@ -11,9 +10,9 @@ from the engine's thread, in this order per step (a vLLM connector maps its hook
         kv.save_layer(layer)            # save_kv_layer: records an event; never blocks
     result = kv.wait_for_save()         # wait_for_save: every put of the step finished or failed
 
-The transfers run on the loop thread of the wrapped :class:`~kvflow.runtime.SyncPool`: a
+The transfers run on kvflow's loop thread (as :class:`~kvflow.SyncPool`'s do): a
 :class:`~kvflow.layerwise.LayerwiseRetriever` and a :class:`~kvflow.layerwise.LayerwiseStorer`
-per step, each in one task of the loop's portal. ``save_layer`` and ``wait_for_layer_load`` never
+per step, each in one task on that loop. ``save_layer`` and ``wait_for_layer_load`` never
 cross into the loop: the storer polls the step's layer events, and the retriever reports each
 layer through a condition the engine thread waits on. ``start_load`` and ``start_store`` cross
 once per step. A step ends in ``wait_for_save``; after it no transfer of the step touches the
@@ -27,28 +26,25 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kvflow.backends import Backend, GetStatus
-from kvflow.config import PoolConfig, positive
+from kvflow.config import PoolConfig, positive_int
 from kvflow.errors import ConfigError, RequestError
 from kvflow.events import DeviceEvent, LayerEvents, make_event
-from kvflow.layerwise import (
-    LayerOutcome,
-    LayerwisePlan,
-    LayerwiseRequest,
-    LayerwiseRetriever,
-    LayerwiseStorer,
-)
-from kvflow.layout import KVLayout
+from kvflow.layerwise import LayerOutcome, LayerwiseRetriever, LayerwiseStorer
+from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
+from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
-from kvflow.runtime import SyncPool
+from kvflow.sync import SyncPool, start_pool, stop_pool
 
-__all__ = ["LayerwiseEngine", "StepResult"]
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["StepResult", "SyncLayerwisePool"]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +144,8 @@ class _Step:
                 for r in loaded
             ]
         return StepResult(
-            dict(zip(self.storer.plan.request_ids, stored)) if self.storer else {},
-            dict(zip(self.loader.plan.request_ids, loaded)) if self.loader else {},
+            dict(zip(self.storer.request_ids, stored)) if self.storer else {},
+            dict(zip(self.loader.request_ids, loaded)) if self.loader else {},
         )
 
 
@@ -178,67 +174,64 @@ async def _drive_store(step: _Step, storer: LayerwiseStorer) -> None:
 
 
 @attrs.define(eq=False)
-class LayerwiseEngine:
-    """Layerwise loads and stores for a synchronous engine, over a :class:`SyncPool` it owns.
+class SyncLayerwisePool(SyncPool):
+    """A :class:`SyncPool` of a layerwise pool, plus the per-step face of an engine's forward pass.
 
-    Call every method from one engine thread. ``depth`` is how many layers the retriever keeps
-    in flight at once; ``event_factory`` makes the event :meth:`save_layer` records (default: the
-    kind the KV cache's device needs).
+    Make it with :meth:`open`. Call the step methods from one engine thread; the :class:`SyncPool`
+    methods (whole requests, every layer at once) from any thread but the loop thread. ``depth``
+    is how many layers a load keeps in flight ahead of the engine; ``event_factory`` makes the
+    event :meth:`save_layer` records (default: the kind the KV cache's device needs).
     """
 
-    sync_pool: SyncPool
-    depth: int = attrs.field(default=1, validator=positive)
-    event_factory: Callable[[], DeviceEvent] | None = None
+    depth: int = attrs.field(default=1, kw_only=True, validator=positive_int)
+    event_factory: Callable[[], DeviceEvent] | None = attrs.field(default=None, kw_only=True)
     _step: _Step | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
-        pool = self.sync_pool.pool
-        if not pool.config.layerwise:
+        super().__attrs_post_init__()
+        if not self.config.layerwise:
             raise ConfigError(_NOT_LAYERWISE)
-        if pool.layout is None:
-            raise ConfigError("the layerwise face needs registered KV caches; open the pool with a layout")
         if self.event_factory is None:
-            self.event_factory = functools.partial(make_event, pool.layout.device)
+            self.event_factory = functools.partial(make_event, self.kv_layout.device)
 
     @classmethod
     def open(
         cls,
         config: PoolConfig | None = None,
         *,
-        layout: KVLayout,
+        layout: KVLayout | None = None,
+        format: KVFormat | None = None,
         parallel: ParallelConfig | None = None,
         backend: Backend | None = None,
         depth: int = 1,
         event_factory: Callable[[], DeviceEvent] | None = None,
-    ) -> LayerwiseEngine:
-        """Start the loop thread and a layerwise pool over ``layout`` on it."""
+    ) -> Self:
+        """Start the loop thread and a layerwise pool over ``layout`` (required) on it."""
         config = config or PoolConfig(layerwise=True)
         if not config.layerwise:
             raise ConfigError(_NOT_LAYERWISE)
-        sync_pool = SyncPool.open(config, layout=layout, parallel=parallel, backend=backend)
+        if layout is None or format is not None:
+            raise ConfigError("the layerwise face moves KV: open it with the KV caches' layout, not a format")
+        loop, pool = start_pool(config, layout=layout, parallel=parallel, backend=backend)
         try:
-            return cls(sync_pool, depth, event_factory)
+            return cls._on_loop(loop, pool, depth=depth, event_factory=event_factory)
         except BaseException:
-            sync_pool.close()
+            stop_pool(loop, pool, None)
             raise
 
     @property
+    def kv_layout(self) -> KVLayout:
+        layout = self.layout
+        assert layout is not None  # opened with a layout
+        return layout
+
+    @property
     def num_layers(self) -> int:
-        layout = self.sync_pool.pool.layout
-        assert layout is not None
-        return layout.num_layers
-
-    def __enter__(self) -> LayerwiseEngine:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+        return self.format.num_layers
 
     # -- one forward step -----------------------------------------------------------------------
 
-    def start_load(self, requests: Sequence[LayerwiseRequest]) -> None:
+    def start_load(self, requests: Sequence[KVRequest]) -> None:
         """Start loading ``requests``' blocks, layer 0 first. Once per step, before the forward.
 
         Raises RequestError for a malformed request (nothing is loaded then).
@@ -248,12 +241,11 @@ class LayerwiseEngine:
         step = self._current()
         if step.loader is not None:
             raise RequestError("start_load was already called in this step; pass all its requests at once")
-        plan = LayerwisePlan.build(self.sync_pool.pool, requests)
-        loader = LayerwiseRetriever(self.sync_pool.pool, plan, self._timeout, self.depth)
+        loader = self._pool.layerwise_retrieve(requests, depth=self.depth)  # plans only: any thread
         step.loader = loader
-        step.spawn(self.sync_pool.loop.submit, _drive_load, step, loader)
+        step.spawn(self._loop.submit, _drive_load, step, loader)
 
-    def start_store(self, requests: Sequence[LayerwiseRequest]) -> None:
+    def start_store(self, requests: Sequence[KVRequest]) -> None:
         """Store ``requests``' owned blocks as the step's layers are saved. Once per step, before its
         first :meth:`save_layer`. Raises RequestError for a malformed request."""
         if not requests:
@@ -267,10 +259,9 @@ class LayerwiseEngine:
             )
         assert self.event_factory is not None
         events = LayerEvents.create(self.num_layers, self.event_factory)
-        plan = LayerwisePlan.build(self.sync_pool.pool, requests)
-        storer = LayerwiseStorer(self.sync_pool.pool, plan, self._timeout, events)
+        storer = self._pool.layerwise_store(requests, events)  # plans only: any thread
         step.events, step.storer = events, storer
-        step.spawn(self.sync_pool.loop.submit, _drive_store, step, storer)
+        step.spawn(self._loop.submit, _drive_store, step, storer)
 
     def save_layer(self, layer: int) -> None:
         """Layer ``layer``'s KV writes have been launched: record its event on the current stream.
@@ -319,8 +310,9 @@ class LayerwiseEngine:
         self._step = None  # only now: nothing of the step runs any more
         return step.result()
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Cancel the current step's transfers, close the pool and stop the loop thread."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Cancel the current step's transfers, close the pool and stop the loop thread (bounded by
+        ``timeout_s``, default the pool's); False when something had to be abandoned."""
         step, self._step = self._step, None
         if step is not None:
             if step.events is not None:
@@ -328,13 +320,13 @@ class LayerwiseEngine:
             for future in step.futures:
                 future.cancel()
             step.wait_finished(self._timeout if timeout_s is None else timeout_s)
-        self.sync_pool.close(timeout_s)
+        return super().close(timeout_s)
 
     # -- helpers ----------------------------------------------------------------------------------
 
     @property
     def _timeout(self) -> float:
-        return self.sync_pool.pool.config.timeout_s
+        return self.config.timeout_s
 
     def _current(self) -> _Step:
         if self._step is None:

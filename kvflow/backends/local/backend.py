@@ -6,7 +6,7 @@ which is atomic and never replaces an existing name, so readers see whole object
 first of two writers of a key wins. A get reads header and payload straight into the caller's
 regions with one ``preadv`` and verifies the xxh3 checksum before answering ``HIT``. See
 ``docs/local-backend.md`` for the format, the eviction policy and measured speed;
-:mod:`kvflow.backends.local_space` keeps the budget, :mod:`kvflow.backends.local_format` the format.
+:mod:`kvflow.backends.local.space` keeps the budget, :mod:`kvflow.backends.local.format` the format.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-from kvflow.backends.base import BackendStats, GetStatus, ObjectRef, PutStatus
-from kvflow.backends.local_format import (
+from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.local.format import (
     HEADER_SIZE,
     Header,
     key_digest,
@@ -36,8 +36,8 @@ from kvflow.backends.local_format import (
     region_views,
     write_from,
 )
-from kvflow.backends.local_space import Reservation, SpaceLedger
-from kvflow.config import parse_size, parse_url_query, positive
+from kvflow.backends.local.space import Reservation, SpaceLedger
+from kvflow.config import parse_seconds, parse_size, parse_url_query, positive_int, positive_seconds
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 
 __all__ = ["LocalBackend", "LocalConfig"]
@@ -62,8 +62,8 @@ class LocalConfig:
     """
 
     path: str = _DEFAULT_PATH
-    capacity_bytes: int = attrs.field(default=_DEFAULT_CAPACITY, validator=positive)
-    lock_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    capacity_bytes: int = attrs.field(default=_DEFAULT_CAPACITY, validator=positive_int)
+    lock_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
 
     @classmethod
     def from_url(cls, url: str) -> LocalConfig:
@@ -76,12 +76,7 @@ class LocalConfig:
             )
         path = unquote(parts.path) or _DEFAULT_PATH
         capacity = parse_size(params["capacity"]) if "capacity" in params else _DEFAULT_CAPACITY
-        try:
-            timeout = float(params.get("lock_timeout", "10"))
-        except ValueError:
-            raise ConfigError(
-                f"lock_timeout in {url!r} must be a number of seconds, got {params['lock_timeout']!r}"
-            ) from None
+        timeout = parse_seconds(params.get("lock_timeout", "10"), f"lock_timeout in {url!r}")
         return cls(path, capacity, timeout)
 
 
@@ -125,6 +120,10 @@ class LocalBackend:
     @property
     def max_batch(self) -> int:
         return 64
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities()
 
     @property
     def root(self) -> str:
@@ -197,6 +196,12 @@ class LocalBackend:
             else:
                 found.append(True)
         return found
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Delete objects (under the directory lock, so the shared budget stays exact)."""
+        self._check_open()
+        async with self._ledger.locked(self.config.lock_timeout_s):
+            return [self._ledger.remove_if(object_file_name(key), lambda _: True) for key in keys]
 
     async def aclose(self) -> None:
         """Close this instance; the objects stay in the directory for other processes."""

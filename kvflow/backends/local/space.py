@@ -42,7 +42,7 @@ import anyio
 import attrs
 
 from kvflow.backends.base import PutStatus
-from kvflow.backends.local_format import TempName, WriterId
+from kvflow.backends.local.format import TempName, WriterId
 from kvflow.errors import BackendUnavailableError, ConfigError
 
 __all__ = ["Reservation", "SpaceLedger"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
-from kvflow.backends.mooncake_native import (
+from kvflow.backends.mooncake.native import (
     INVALID_PARAMS,
     NO_SPACE,
     OBJECT_NOT_FOUND,
@@ -31,7 +31,7 @@ from kvflow.backends.mooncake_native import (
     NativeStore,
     code_name,
 )
-from kvflow.backends.mooncake_staging import Chunk
+from kvflow.backends.mooncake.staging import Chunk
 from kvflow.errors import BackendError
 
 __all__ = ["check_objects", "dedupe", "get_chunk", "get_results", "put_chunk", "put_results"]

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from kvflow.config import nonnegative, parse_size, parse_url_query, positive
+from kvflow.config import nonnegative_int, parse_size, parse_url_query, positive_int, positive_seconds
 from kvflow.errors import ConfigError
 
 __all__ = ["MooncakeConfig", "parse_mooncake_size"]
@@ -147,23 +147,23 @@ class MooncakeConfig:
     master: str = attrs.field(default=f"127.0.0.1:{DEFAULT_PORT}", validator=_check_master)
     metadata_server: str = "P2PHANDSHAKE"
     local_hostname: str = ""
-    segment_bytes: int = attrs.field(default=1 << 30, validator=nonnegative)
-    buffer_bytes: int = attrs.field(default=64 << 20, validator=nonnegative)
+    segment_bytes: int = attrs.field(default=1 << 30, validator=nonnegative_int)
+    buffer_bytes: int = attrs.field(default=64 << 20, validator=nonnegative_int)
     protocol: str = "tcp"
     device_name: str = ""
-    replicas: int = attrs.field(default=1, validator=positive)
+    replicas: int = attrs.field(default=1, validator=positive_int)
     preferred_segment: str = ""
     prefer_same_node: bool = False
     hard_pin: bool = False
-    setup_retries: int = attrs.field(default=3, validator=positive)
-    setup_timeout_s: float = attrs.field(default=30.0, validator=positive)
-    timeout_s: float = attrs.field(default=10.0, validator=positive)
-    health_interval_s: float = attrs.field(default=1.0, validator=positive)
-    probe_timeout_s: float = attrs.field(default=2.0, validator=positive)
-    close_timeout_s: float = attrs.field(default=10.0, validator=positive)
-    max_batch: int = attrs.field(default=256, validator=positive)
-    max_concurrency: int = attrs.field(default=4, validator=positive)
-    staging_bytes: int = attrs.field(default=64 << 20, validator=nonnegative)
+    setup_retries: int = attrs.field(default=3, validator=positive_int)
+    setup_timeout_s: float = attrs.field(default=30.0, validator=positive_seconds)
+    timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
+    health_interval_s: float = attrs.field(default=1.0, validator=positive_seconds)
+    probe_timeout_s: float = attrs.field(default=2.0, validator=positive_seconds)
+    close_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
+    max_batch: int = attrs.field(default=256, validator=positive_int)
+    max_concurrency: int = attrs.field(default=4, validator=positive_int)
+    staging_bytes: int = attrs.field(default=64 << 20, validator=nonnegative_int)
     check_present: bool = True
 
     def __attrs_post_init__(self) -> None:

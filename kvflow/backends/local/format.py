@@ -33,7 +33,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     from kvflow.errors import MissingDependencyError
 
-    raise MissingDependencyError("xxhash", "local", "the local shared-memory backend") from exc
+    raise MissingDependencyError(
+        "xxhash", "The local shared-memory backend", "pip install xxhash (a dependency of kvflow)"
+    ) from exc
 
 __all__ = [
     "HEADER_SIZE",

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol, cast
 
-from kvflow.backends.mooncake_config import MooncakeConfig
-from kvflow.backends.mooncake_threads import NativeCalls, SlotsBusy
+from kvflow.backends.mooncake.config import MooncakeConfig
+from kvflow.backends.mooncake.threads import NativeCalls, SlotsBusy
 from kvflow.errors import BackendUnavailableError, MissingDependencyError
 
 __all__ = [
@@ -75,6 +75,8 @@ class NativeStore(Protocol):
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
 
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
+
     def batch_put_from_multi_buffers(
         self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]], config: object
     ) -> list[int]: ...
@@ -107,7 +109,12 @@ def load_store_module() -> StoreModule:
     try:
         module = importlib.import_module("mooncake.store")
     except ImportError as exc:
-        raise MissingDependencyError("mooncake-transfer-engine", "mooncake", "The Mooncake backend") from exc
+        raise MissingDependencyError(
+            "mooncake-transfer-engine",
+            "The Mooncake backend",
+            "pip install 'kvflow[mooncake]' (no CUDA), or pip install mooncake-transfer-engine on GPU "
+            "machines; both need Debian's libibverbs1",
+        ) from exc
     return cast(StoreModule, module)
 
 

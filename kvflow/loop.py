@@ -1,0 +1,222 @@
+"""The one thread kvflow starts: an event loop for synchronous engines, and the rule for waiting on it.
+
+A synchronous engine cannot await. :class:`LoopThread` runs one asyncio event loop (through anyio)
+in one dedicated daemon thread, with a task group that owns every task submitted to it. Engine
+threads :meth:`~LoopThread.submit` a coroutine function and get a :class:`CallFuture` back at once:
+submission never waits for the loop, so a loop held up by a slow call cannot hold up the engine.
+
+The wait rule (one for every synchronous face): a call given ``timeout_s`` has a *deadline*,
+``timeout_s`` after the call was made (not after the loop picked it up). The pool bounds its own
+work by that deadline and answers with results (failed blocks, no hit) by then; a caller that waits
+gives the loop :data:`ANSWER_GRACE_S` more to deliver that answer, then gives up with TimeoutError
+and cancels the call. :attr:`CallFuture.answer_by` is that moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import attrs
+
+from kvflow.errors import PoolClosedError
+
+__all__ = ["ANSWER_GRACE_S", "CallFuture", "LoopThread", "wait_answer"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How long after a call's deadline a waiting caller still expects the loop to deliver its answer.
+ANSWER_GRACE_S = 1.0
+#: How long :meth:`LoopThread.start` waits for the new thread's loop to run.
+_START_TIMEOUT_S = 30.0
+
+
+class CallFuture(concurrent.futures.Future[T]):
+    """A ``concurrent.futures.Future`` of a call on the loop thread. ``answer_by``: the
+    ``time.monotonic()`` second by which the call's answer is due (its deadline plus the grace);
+    ``cancel()`` cancels the call on the loop, even while it runs."""
+
+    def __init__(self, answer_by: float) -> None:
+        super().__init__()
+        self.answer_by = answer_by
+
+
+def wait_answer(future: CallFuture[T]) -> T:
+    """Block until the call answers; after ``future.answer_by`` cancel it and raise TimeoutError."""
+    try:
+        return future.result(max(0.0, future.answer_by - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(
+            "kvflow did not answer within its timeout: its loop thread is held up (a backend call "
+            "that blocks?); the call was cancelled"
+        ) from None
+
+
+@attrs.define(eq=False)
+class LoopThread:
+    """One event loop in one daemon thread. Start, submit to and stop it from any other thread."""
+
+    name: str = "kvflow-loop"
+    _thread: threading.Thread | None = attrs.field(default=None, init=False)
+    _loop: asyncio.AbstractEventLoop | None = attrs.field(default=None, init=False)
+    _wake: anyio.Event | None = attrs.field(default=None, init=False)
+    _inbox: collections.deque[tuple[Any, tuple[Any, ...], CallFuture[Any]]] = attrs.field(
+        factory=collections.deque, init=False
+    )
+    _stop_requested: bool = attrs.field(default=False, init=False)
+    _ready: threading.Event = attrs.field(factory=threading.Event, init=False)
+    _stopping: bool = attrs.field(default=False, init=False)
+    # Futures not yet resolved: the loop's end cancels them, so no caller waits on a dead loop.
+    _pending: set[CallFuture[Any]] = attrs.field(factory=set, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def start(self) -> LoopThread:
+        """Start the thread and wait (bounded) until its loop runs."""
+        if self._thread is not None:
+            return self
+        thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread = thread
+        thread.start()
+        if not self._ready.wait(_START_TIMEOUT_S) or self._loop is None:
+            raise RuntimeError(f"the kvflow loop thread did not start within {_START_TIMEOUT_S} s")
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None and not self._stopping
+
+    def submit(
+        self, fn: Callable[..., Awaitable[T]], *args: Any, answer_by: float | None = None
+    ) -> CallFuture[T]:
+        """Run ``fn(*args)`` on the loop; never waits for the loop. The future resolves with its
+        result or exception; cancelling the future cancels the call (one cancelled before it
+        started still starts, cancelled, so its own cleanup runs). ``answer_by`` (default: never)
+        is recorded on the future for :func:`wait_answer`."""
+        loop = self._loop
+        if loop is None or self._stopping:
+            raise PoolClosedError("the kvflow loop thread is not running; open a new pool")
+        future: CallFuture[T] = CallFuture(float("inf") if answer_by is None else answer_by)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        self._inbox.append((fn, args, future))
+        try:
+            loop.call_soon_threadsafe(self._notify)
+        except RuntimeError:  # the loop closed meanwhile
+            future.cancel()
+            raise PoolClosedError("the kvflow loop thread has stopped; open a new pool") from None
+        return future
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout_s: float) -> T:
+        """Run ``fn(*args)`` on the loop and wait for it; TimeoutError (and the call cancelled)
+        after ``timeout_s``."""
+        return wait_answer(self.submit(fn, *args, answer_by=time.monotonic() + timeout_s))
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Cancel the tasks still on the loop, stop it and wait (at most ``timeout_s``) for the thread.
+
+        Owners close their work first; whatever is left was given up on. Returns False when the
+        thread did not end in time (a call blocking the loop); it is then abandoned, and ends with
+        the process (a daemon thread).
+        """
+        thread, loop = self._thread, self._loop
+        if thread is None or self._stopping:
+            return thread is None or not thread.is_alive()
+        self._stopping = True
+        if loop is not None:
+            _call_soon(loop, self._request_stop)
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning(
+                "the kvflow loop thread did not stop within %.1f s (a call is blocking it); abandoning it",
+                timeout_s,
+            )
+            return False
+        return True
+
+    # -- the loop thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            anyio.run(self._main, backend="asyncio")
+        except BaseException:  # pragma: no cover - a crash of the loop itself
+            log.exception("the kvflow loop thread crashed")
+        finally:
+            self._loop = None
+            self._ready.set()
+            with self._lock:
+                orphans, self._pending = self._pending, set()
+            for future in orphans:  # submitted, but the loop ended before they ran
+                future.cancel()
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    async def _main(self) -> None:
+        """Start every submitted call in the task group, until asked to stop."""
+        self._wake = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            self._loop = asyncio.get_running_loop()
+            self._ready.set()
+            while not self._stop_requested:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                while self._inbox and not self._stop_requested:
+                    tg.start_soon(self._call, *self._inbox.popleft())
+            tg.cancel_scope.cancel()
+
+    def _notify(self) -> None:
+        """On the loop (a plain callback): new calls are in the inbox."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def _request_stop(self) -> None:
+        self._stop_requested = True
+        self._notify()
+
+    async def _call(
+        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], future: CallFuture[T]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        with anyio.CancelScope() as scope:
+            if future.cancelled():  # run it anyway, cancelled: its own cleanup must run
+                scope.cancel()
+
+            def cancel_if_cancelled(f: concurrent.futures.Future[T]) -> None:
+                if f.cancelled():
+                    _call_soon(loop, scope.cancel)
+
+            future.add_done_callback(cancel_if_cancelled)
+            try:
+                result = await fn(*args)
+            except anyio.get_cancelled_exc_class():
+                future.cancel()
+                raise
+            except BaseException as exc:
+                if not future.done():
+                    future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            if not future.done():
+                future.set_result(result)
+        if not future.done():  # the scope was cancelled from the future's side
+            future.cancel()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    """Schedule ``fn`` on ``loop`` from any thread; nothing when the loop has already closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn)

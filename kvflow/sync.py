@@ -1,0 +1,195 @@
+"""SyncPool: the synchronous face of a :class:`~kvflow.KVPool`, for engines that cannot await.
+
+The pool lives on kvflow's loop thread (:class:`~kvflow.loop.LoopThread`). Every method may be
+called from any thread but the loop thread. ``submit_*`` return a :class:`~kvflow.loop.CallFuture`
+at once; the blocking forms wait by the one rule of :mod:`kvflow.loop`: a call's ``timeout_s``
+(default: the pool's) counts from the call, the pool answers within it, and a caller gives up with
+TimeoutError only when the loop did not deliver that answer in time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar
+
+import attrs
+
+from kvflow.backends import Backend
+from kvflow.config import PoolConfig
+from kvflow.events import DeviceEvent
+from kvflow.layout import KVFormat, KVLayout
+from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
+from kvflow.ownership import ParallelConfig
+from kvflow.pool import KVPool, check_timeout
+from kvflow.request import KVRequest
+from kvflow.results import RetrieveResult, StoreResult
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["SyncPool", "start_pool", "stop_pool"]
+
+T = TypeVar("T")
+
+_OPEN = object()  # SyncPool's constructor is private: make it with SyncPool.open
+
+
+@attrs.define(eq=False)
+class SyncPool:
+    """A :class:`KVPool` for synchronous callers, on kvflow's loop thread. Make it with :meth:`open`."""
+
+    _loop: LoopThread = attrs.field(alias="_loop")
+    _pool: KVPool = attrs.field(alias="_pool")
+    _token: object = attrs.field(alias="_token", repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self._token is not _OPEN:
+            raise TypeError("make a synchronous pool with SyncPool.open(...)")
+
+    @classmethod
+    def open(
+        cls,
+        config: PoolConfig | None = None,
+        *,
+        layout: KVLayout | None = None,
+        format: KVFormat | None = None,
+        parallel: ParallelConfig | None = None,
+        backend: Backend | None = None,
+    ) -> SyncPool:
+        """Start the loop thread and create the pool on it (arguments as :meth:`KVPool.create`)."""
+        loop, pool = start_pool(config, layout=layout, format=format, parallel=parallel, backend=backend)
+        return cls(_loop=loop, _pool=pool, _token=_OPEN)
+
+    @classmethod
+    def _on_loop(cls, loop: LoopThread, pool: KVPool, **fields: object) -> Self:
+        """Wrap a pool already running on ``loop`` (for subclasses' named constructors)."""
+        return cls(_loop=loop, _pool=pool, _token=_OPEN, **fields)
+
+    # -- what it is ------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> PoolConfig:
+        return self._pool.config
+
+    @property
+    def format(self) -> KVFormat:
+        return self._pool.format
+
+    @property
+    def layout(self) -> KVLayout | None:
+        return self._pool.layout
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self._pool.parallel
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def submit_lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> CallFuture[int]:
+        """Start :meth:`KVPool.lookup`; the future's answer is due by ``future.answer_by``."""
+        return self._submit(lambda t: self._pool.lookup(request, timeout_s=t), timeout_s)
+
+    def submit_store(
+        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+    ) -> CallFuture[StoreResult]:
+        """Start :meth:`KVPool.store`, reading no block before ``after`` (an event recorded on the
+        engine's stream after the forward) completed."""
+        return self._submit(lambda t: self._pool.store(request, after=after, timeout_s=t), timeout_s)
+
+    def submit_retrieve(
+        self, request: KVRequest, *, timeout_s: float | None = None
+    ) -> CallFuture[RetrieveResult]:
+        """Start :meth:`KVPool.retrieve`. Do not reuse the request's blocks before the future is
+        done: a get may write them until then."""
+        return self._submit(lambda t: self._pool.retrieve(request, timeout_s=t), timeout_s)
+
+    def lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
+        """Blocking lookup; TimeoutError when no answer came by its timeout (plus the grace)."""
+        return wait_answer(self.submit_lookup(request, timeout_s=timeout_s))
+
+    def store(
+        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+    ) -> StoreResult:
+        """Blocking store; TimeoutError when no answer came by its timeout (plus the grace)."""
+        return wait_answer(self.submit_store(request, after=after, timeout_s=timeout_s))
+
+    def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
+        """Blocking retrieve; TimeoutError when no answer came by its timeout (plus the grace)."""
+        return wait_answer(self.submit_retrieve(request, timeout_s=timeout_s))
+
+    def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
+        """Blocking :meth:`KVPool.remove`: delete this rank's objects of the prompt's blocks."""
+        return wait_answer(self._submit(lambda t: self._pool.remove(request, timeout_s=t), timeout_s))
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> SyncPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Close the pool (waiting for calls in flight) and stop the loop thread, all within
+        ``timeout_s`` (default: the pool's timeout). Returns False when something had to be
+        abandoned (a backend that would not close, a loop thread held by a blocking call)."""
+        return stop_pool(self._loop, self._pool, timeout_s)
+
+    # -- the wait rule ---------------------------------------------------------------------------
+
+    def _submit(self, call: Callable[[float], Awaitable[T]], timeout_s: float | None) -> CallFuture[T]:
+        check_timeout(timeout_s)
+        limit = self.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        return self._loop.submit(_by_deadline, call, deadline, answer_by=deadline + ANSWER_GRACE_S)
+
+
+def start_pool(
+    config: PoolConfig | None = None,
+    *,
+    layout: KVLayout | None = None,
+    format: KVFormat | None = None,
+    parallel: ParallelConfig | None = None,
+    backend: Backend | None = None,
+) -> tuple[LoopThread, KVPool]:
+    """Start a loop thread and create a :class:`KVPool` on it (arguments as :meth:`KVPool.create`)."""
+    config = config or PoolConfig()
+    loop = LoopThread().start()
+
+    async def make() -> KVPool:
+        return KVPool.create(config, layout=layout, format=format, parallel=parallel, backend=backend)
+
+    try:
+        pool = loop.call(make, timeout_s=config.timeout_s)
+    except BaseException:
+        loop.stop()
+        raise
+    return loop, pool
+
+
+def stop_pool(loop: LoopThread, pool: KVPool, timeout_s: float | None) -> bool:
+    """Close ``pool`` on ``loop`` and stop the loop, within ``timeout_s`` (default: the pool's).
+    False when something had to be abandoned."""
+    check_timeout(timeout_s)
+    limit = pool.config.timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + limit
+    closed = True
+    if loop.running:
+        try:
+            wait_answer(loop.submit(pool.aclose, limit, answer_by=deadline))
+        except TimeoutError:
+            closed = False
+    stopped = loop.stop(max(0.0, deadline - time.monotonic()) + ANSWER_GRACE_S)
+    return closed and stopped
+
+
+async def _by_deadline(call: Callable[[float], Awaitable[T]], deadline: float) -> T:
+    """Run ``call`` with what is left of its deadline, counted from when the caller made the call."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's timeout passed before kvflow's loop thread could start it")
+    return await call(left)

@@ -1,0 +1,85 @@
+"""Batched backend calls: one result per object, in input order, faults turned into results.
+
+``run_batches`` splits a request's objects into backend-sized batches and runs them concurrently in
+a task group, holding the pool's byte budget so that the bytes in backend calls at once stay
+bounded. A batch whose call raises a store fault, or that has not finished by the deadline, gets the
+failure result for each of its objects; nothing is dropped. Programming errors (a misconfigured
+backend, a malformed request) are raised after every batch ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+
+from kvflow.backends.base import ObjectRef
+from kvflow.errors import BackendError, BackendUnavailableError, KVFlowError, RequestError
+from kvflow.transfer.budget import ByteBudget
+
+__all__ = ["is_programming_error", "run_batches"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+def is_programming_error(exc: BaseException) -> bool:
+    """Errors that retrying or recomputing cannot fix: they must reach the caller."""
+    if isinstance(exc, BackendUnavailableError):
+        return False
+    return isinstance(exc, (BackendError, RequestError, TypeError))
+
+
+async def run_batches(
+    objects: Sequence[ObjectRef],
+    call: Callable[[Sequence[ObjectRef]], Awaitable[list[R]]],
+    *,
+    failed: R,
+    max_batch: int,
+    budget: ByteBudget,
+    deadline: float,
+) -> list[R]:
+    """Run ``call`` over ``objects`` in batches; one result per object, in input order.
+
+    A batch that raises, or that has not finished by ``deadline`` (``time.monotonic()`` seconds),
+    gets ``failed`` for each of its objects. Returns when every batch finished or the deadline
+    cancelled the rest.
+    """
+    results: list[R] = [failed] * len(objects)
+    if not objects:
+        return results
+    size = max(1, max_batch)
+    # Spread objects over batches of near-equal size so no batch is tiny.
+    count = math.ceil(len(objects) / size)
+    step = math.ceil(len(objects) / count)
+    errors: list[Exception] = []
+
+    async def one(start: int) -> None:
+        batch = objects[start : start + step]
+        held = await budget.acquire(sum(o.nbytes for o in batch))
+        try:
+            answers = await call(batch)
+            if len(answers) != len(batch):
+                raise KVFlowError(f"backend returned {len(answers)} results for {len(batch)} keys")
+            results[start : start + len(batch)] = answers
+        except Exception as exc:  # a backend fault becomes per-key failures
+            if is_programming_error(exc):
+                errors.append(exc)
+            log.warning("backend call for %d objects failed: %r", len(batch), exc)
+        finally:
+            budget.release(held)
+
+    with anyio.move_on_after(deadline - time.monotonic()) as scope:
+        async with anyio.create_task_group() as tg:
+            for start in range(0, len(objects), step):
+                tg.start_soon(one, start)
+    if scope.cancelled_caught:
+        log.warning("backend calls for %d objects ran past their deadline", len(objects))
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,77 @@
+"""KVRequest and the transfer layer's plan: bad input is refused before anything moves."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow import KVFormat, KVLayout, KVRequest, RequestError
+from kvflow.keys import hash_blocks
+from kvflow.transfer import BlockPlan
+
+FORMAT = KVFormat(block_size=16, num_layers=1, fingerprint="f")
+TOKENS = list(range(16 * 5))
+
+
+def test_block_ids_are_checked_against_the_cache_and_for_type() -> None:
+    layout = KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8)})
+    plan = BlockPlan.build([KVRequest(block_ids=[0, 3], tokens=TOKENS)], layout.format, layout.num_blocks)
+    assert plan.block_ids == [0, 3] and plan.indices == [0, 1]
+    with pytest.raises(RequestError, match="out of range"):
+        BlockPlan.build([KVRequest(block_ids=[4], tokens=TOKENS)], layout.format, layout.num_blocks)
+    for bad, message in (([-1], ">= 0"), ([True], "integer"), ([1.0], "integer"), (["2"], "integer")):
+        with pytest.raises(RequestError, match=message):
+            KVRequest(block_ids=bad, tokens=TOKENS)
+
+
+def test_duplicate_block_ids_are_refused_with_the_ids_named() -> None:
+    with pytest.raises(RequestError, match=r"block ids \[5, 7\] appear more than once"):
+        KVRequest(block_ids=[5, 7, 5, 5, 7, 1], tokens=TOKENS)
+
+
+def test_numpy_and_torch_integers_become_ints() -> None:
+    request = KVRequest(block_ids=np.array([3, 1]), tokens=TOKENS, block_offset=np.int64(2))
+    assert request.block_ids == (3, 1) and all(type(b) is int for b in request.block_ids)
+    assert request.block_offset == 2 and type(request.block_offset) is int
+    assert KVRequest(block_ids=torch.tensor([4, 5]), tokens=TOKENS).block_ids == (4, 5)
+
+
+def test_a_request_names_its_prompt_and_pickles() -> None:
+    with pytest.raises(RequestError, match="tokens or block_hashes"):
+        KVRequest(block_ids=[0])
+    with pytest.raises(RequestError, match="non-empty bytes"):
+        KVRequest(block_hashes=[b""])
+    with pytest.raises(RequestError, match="token ids"):
+        KVRequest(tokens="hello")  # type: ignore[arg-type]
+    request = KVRequest(
+        block_ids=[2, 3], block_hashes=hash_blocks(TOKENS, 16), block_offset=1, request_id="r"
+    )
+    assert pickle.loads(pickle.dumps(request)) == request
+    assert request.end_block == 3
+
+
+def test_the_plan_refuses_blocks_past_the_prompt_and_disagreeing_hashes() -> None:
+    with pytest.raises(RequestError, match=r"blocks 4..5 of the prompt requested, but it has 5"):
+        BlockPlan.build([KVRequest(block_ids=[0, 1], tokens=TOKENS, block_offset=4)], FORMAT, 8)
+    with pytest.raises(RequestError, match="4 block hashes but 80 tokens"):
+        BlockPlan.build([KVRequest(tokens=TOKENS, block_hashes=hash_blocks(TOKENS, 16)[:4])], FORMAT, 8)
+    with pytest.raises(RequestError, match="appears twice in one batch"):
+        BlockPlan.build([KVRequest(block_ids=[0], tokens=TOKENS, request_id="a")] * 2, FORMAT, 8)
+
+
+def test_a_plan_flattens_a_batch_in_order() -> None:
+    hashes = hash_blocks(TOKENS, 16)
+    plan = BlockPlan.build(
+        [
+            KVRequest(block_ids=[7, 6], tokens=TOKENS, block_offset=3, request_id="a"),
+            KVRequest(block_ids=[1], block_hashes=hashes, request_id="b"),
+        ],
+        FORMAT,
+        8,
+    )
+    assert plan.spans == ((0, 2), (2, 3)) and plan.request_ids == ("a", "b")
+    assert plan.hashes == [hashes[3], hashes[4], hashes[0]]
+    assert plan.block_ids == [7, 6, 1] and plan.indices == [3, 4, 0]

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import pytest
+
+from kvflow import KVLayout, KVRequest, MemoryBackend, PoolClosedError, PoolConfig, SyncPool
+from kvflow.loop import ANSWER_GRACE_S
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
+
+TOKENS = list(range(BLOCK * 6))
+
+
+def test_sync_facade_round_trip_starts_exactly_one_thread() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    dst = zeros_like_caches(src)
+    backend = MemoryBackend()
+    before = set(threading.enumerate())
+    writer = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    started = set(threading.enumerate()) - before
+    assert len(started) == 1
+    future = writer.submit_store(KVRequest(block_ids=list(range(6)), tokens=TOKENS))
+    assert isinstance(future, concurrent.futures.Future)
+    assert future.result(5).stored == 6
+    assert writer.lookup(KVRequest(tokens=TOKENS), timeout_s=5) == 6 * BLOCK
+    assert set(threading.enumerate()) - before == started
+    reader = SyncPool.open(layout=KVLayout.from_kv_caches(dst), backend=backend)  # type: ignore[arg-type]
+    result = reader.retrieve(KVRequest(block_ids=list(range(6)), tokens=TOKENS), timeout_s=5)
+    assert result.hit_blocks == 6
+    assert all(block_bytes(dst["l0"], i) == block_bytes(src["l0"], i) for i in range(6))
+    assert len(set(threading.enumerate()) - before) == 2  # one loop thread per SyncPool, nothing else
+    reader.close()
+    writer.close()
+    assert set(threading.enumerate()) - before == set()
+    with pytest.raises(PoolClosedError):
+        writer.lookup(KVRequest(tokens=TOKENS))
+
+
+def test_a_hanging_backend_gives_failed_results_by_the_timeout() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(hang_on={"get"})
+    with SyncPool.open(
+        PoolConfig(timeout_s=60), layout=KVLayout.from_kv_caches(src), backend=backend
+    ) as pool:  # type: ignore[arg-type]
+        start = time.monotonic()
+        result = pool.retrieve(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), timeout_s=0.3)
+        assert result.failed_block_ids == (0,)
+        assert time.monotonic() - start < 0.3 + ANSWER_GRACE_S
+        # the loop is still healthy after a call that timed out inside
+        assert pool.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), timeout_s=5).stored == 1
+
+
+@attrs.define
+class BlockingBackend(FaultyBackend):
+    """A backend whose exists() blocks the loop thread itself (a synchronous call that stalls)."""
+
+    block_s: float = 3.0
+    close_hangs: bool = False
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        time.sleep(self.block_s)  # holds the event loop: nothing else on it runs meanwhile
+        return await self.inner.exists(keys)
+
+    async def aclose(self) -> None:
+        if self.close_hangs:
+            await anyio.sleep_forever()
+        await self.inner.aclose()
+
+
+def test_a_timeout_counts_from_the_call_even_when_the_loop_thread_is_held() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=BlockingBackend(block_s=4.0))  # type: ignore[arg-type]
+    try:
+        stalled = pool.submit_lookup(KVRequest(tokens=TOKENS))  # holds the loop thread for 4 s
+        time.sleep(0.1)
+        start = time.monotonic()
+        queued = pool.submit_lookup(KVRequest(tokens=TOKENS), timeout_s=1.0)
+        assert time.monotonic() - start < 0.1  # submitting never waits for the loop
+        with pytest.raises(TimeoutError, match="loop thread is held up"):
+            pool.lookup(KVRequest(tokens=TOKENS), timeout_s=1.0)
+        assert time.monotonic() - start < 1.0 + ANSWER_GRACE_S + 0.5
+        assert stalled.result(10) == 0
+        with pytest.raises(TimeoutError, match="before kvflow's loop thread could start it"):
+            queued.result(10)  # its time was up before the loop could run it
+    finally:
+        pool.close(timeout_s=10)
+
+
+def test_close_returns_within_its_bound_when_the_backend_never_closes() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=BlockingBackend(close_hangs=True))  # type: ignore[arg-type]
+    start = time.monotonic()
+    assert pool.close(timeout_s=1.0) is False  # reports that it abandoned the backend
+    assert time.monotonic() - start < 1.0 + ANSWER_GRACE_S + 0.5
+
+
+def test_close_returns_within_its_bound_when_a_call_blocks_the_loop_thread() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=BlockingBackend(block_s=5.0))  # type: ignore[arg-type]
+    pool.submit_lookup(KVRequest(tokens=TOKENS))
+    time.sleep(0.1)
+    start = time.monotonic()
+    assert pool.close(timeout_s=1.0) is False
+    assert time.monotonic() - start < 1.0 + 2 * ANSWER_GRACE_S + 0.5
+
+
+def test_stop_cancels_a_call_that_was_given_up_on() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(hang_on={"put"})
+    pool = SyncPool.open(PoolConfig(timeout_s=600), layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    stuck = pool.submit_store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
+    with pytest.raises(concurrent.futures.TimeoutError):
+        stuck.result(0.2)
+    start = time.monotonic()
+    pool.close(timeout_s=0.2)  # the pool gives up waiting; stopping the loop cancels the put
+    assert time.monotonic() - start < 5
+    assert stuck.done()
