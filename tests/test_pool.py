@@ -289,3 +289,13 @@ def test_pools_are_made_only_through_their_named_constructors() -> None:
         KVPool(_transfer=pool._transfer, _token=object())  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"SyncPool\.open"):
         SyncPool(_loop=None, _pool=pool, _token=object())  # type: ignore[call-arg, arg-type]
+
+
+async def test_remove_deletes_this_ranks_objects_from_the_offset_on() -> None:
+    backend = MemoryBackend()
+    pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
+    await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))
+    assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=5)) == 3
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
+    assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=5)) == 0  # nothing left there
+    assert await pool.remove(KVRequest(tokens=TOKENS)) == 5 and backend.stored_keys() == []

@@ -199,6 +199,10 @@ async def test_put_never_overwrites_and_get_checks_size(tmp_path: Path) -> None:
     stats = backend.stats()
     assert (stats.puts, stats.present, stats.hits, stats.misses, stats.get_failures) == (1, 2, 1, 1, 2)
     assert stats.used_bytes == HEADER_SIZE + 1000 == await backend.usage()
+    # remove gives the bytes back to the shared budget at once
+    assert await backend.remove(["k", "nope"]) == [True, False]
+    assert await backend.exists(["k"]) == [False] and object_files(tmp_path) == {}
+    assert backend.stats().used_bytes == 0 == await backend.usage()
     await backend.aclose()
     with pytest.raises(PoolClosedError):
         await backend.get([ref("k", target)])

@@ -46,6 +46,8 @@ async def test_lru_eviction_keeps_within_capacity() -> None:
     too_big = torch.zeros(301, dtype=torch.uint8)
     assert await backend.put([obj("e", too_big)]) == [PutStatus.NO_SPACE]
     assert stats.no_space == 1 and stats.hits == 1
+    assert await backend.remove(["a", "b", "zz"]) == [True, False, False]
+    assert await backend.exists(list("acd")) == [False, True, True] and stats.used_bytes == 200
 
 
 def test_url_parsing() -> None:

@@ -186,28 +186,23 @@ class MooncakeBackend:
             self._register_native(self._store, addr, nbytes)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
-        if not keys:
-            return []
-        store = await self._usable_store()
-        if store is None:
-            raise BackendUnavailableError(self._health.describe())
-        batch, timeout_s = list(keys), self.config.timeout_s
-        try:
-            codes = await self._calls.run(lambda: store.batch_is_exist(batch), timeout_s=timeout_s)
-        except (TimeoutError, SlotsBusy) as exc:
-            self._mark_down(f"exists of {len(batch)} keys: {_explain(exc, timeout_s)}")
-            raise BackendUnavailableError(self._health.describe()) from None
+        codes = await self._key_call("exists", keys, lambda store, batch: store.batch_is_exist(batch))
         bad = [c for c in codes if c < 0]
         if bad:
-            if RPC_FAIL in bad:
-                self._mark_down(f"exists got {code_name(RPC_FAIL)}")
-                raise BackendUnavailableError(self._health.describe())
             raise BackendUnavailableError(f"Mooncake batch_is_exist failed with {code_name(bad[0])}")
         return [c == 1 for c in codes]
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:
-        """Delete objects from the cluster (Mooncake refuses objects under a lease: False)."""
+        """Delete objects from the cluster. False where there was none, or where a reader's lease
+        still holds it (Mooncake leases an object to every get for a few seconds): try again later."""
+        codes = await self._key_call("remove", keys, lambda store, batch: store.batch_remove(batch))
+        return [c == 0 for c in codes]
+
+    async def _key_call(
+        self, op: str, keys: Sequence[str], call: Callable[[NativeStore, list[str]], list[int]]
+    ) -> list[int]:
+        """A call that names keys and touches no caller memory: bounded by ``timeout_s`` and
+        abandoned after it. BackendUnavailableError (and the master marked down) when it cannot run."""
         self._check_open()
         if not keys:
             return []
@@ -216,14 +211,14 @@ class MooncakeBackend:
             raise BackendUnavailableError(self._health.describe())
         batch, timeout_s = list(keys), self.config.timeout_s
         try:
-            codes = await self._calls.run(lambda: store.batch_remove(batch), timeout_s=timeout_s)
+            codes = await self._calls.run(lambda: call(store, batch), timeout_s=timeout_s)
         except (TimeoutError, SlotsBusy) as exc:
-            self._mark_down(f"remove of {len(batch)} keys: {_explain(exc, timeout_s)}")
+            self._mark_down(f"{op} of {len(batch)} keys: {_explain(exc, timeout_s)}")
             raise BackendUnavailableError(self._health.describe()) from None
         if RPC_FAIL in codes:
-            self._mark_down(f"remove got {code_name(RPC_FAIL)}")
+            self._mark_down(f"{op} got {code_name(RPC_FAIL)}")
             raise BackendUnavailableError(self._health.describe())
-        return [c == 0 for c in codes]
+        return codes
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store objects that are not stored yet; an existing key is ``PRESENT`` and kept as is
