@@ -24,8 +24,6 @@ Keys (all optional; docs/vllm.md has the same table with examples):
                         as if nothing were cached.
 ``lookup_wait_s``       how long, per engine step, the scheduler thread may wait for lookups before
                         telling vLLM "ask again next step" (default 0.05); lookups keep running.
-``preemption_wait_s``   how long a worker waits for a preempted request's stores before its blocks are
-                        reused (default 60).
 ``max_inflight_bytes``  bytes in backend calls at once per process (size text or int; default 1GiB).
 ``save_decode_blocks``  also store blocks completed while decoding (default false: prompt blocks only).
 """
@@ -44,7 +42,7 @@ __all__ = ["DEFAULT_BACKEND", "ConnectorConfig"]
 
 DEFAULT_BACKEND = "local:///dev/shm/kvflow"
 
-_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "preemption_wait_s")
+_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")
 _TEXTS = ("backend", "lookup_backend", "model_id")
 _KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, "max_inflight_bytes", "layerwise_depth"})
@@ -86,7 +84,6 @@ class ConnectorConfig:
     timeout_s: float = attrs.field(default=30.0, validator=_positive)
     lookup_timeout_s: float = attrs.field(default=2.0, validator=_positive)
     lookup_wait_s: float = attrs.field(default=0.05, validator=_positive)
-    preemption_wait_s: float = attrs.field(default=60.0, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=1 << 30, validator=_positive_int)
     save_decode_blocks: bool = False
 

@@ -15,12 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.config import ConnectorConfig
-from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, TransferCounters
 from kvflow.integrations.vllm.topology import describe_engine, worker_ranks
@@ -61,8 +62,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         local = config.backend.startswith("local:")
         self._cache_hit_source = CacheHitSource.HOST if local else CacheHitSource.EXTERNAL_UNSPECIFIED
         if role == KVConnectorRole.SCHEDULER:
-            async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-            self._scheduler = SchedulerSide(config, shape, async_scheduling)
+            self._scheduler = SchedulerSide(config, shape)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kv_load_failure_policy=%r: a block evicted between lookup and load fails the "
@@ -110,10 +110,6 @@ class KVFlowConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker_side().handshake()
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if isinstance(kv_connector_metadata, KVFlowConnectorMetadata):
-            self._worker_side().handle_preemptions(kv_connector_metadata)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker_side().start_load_kv(self._metadata())
 
@@ -137,6 +133,9 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side().worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
@@ -183,10 +182,12 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
         self._scheduler_side().update_connector_output(
             connector_output.finished_recving,
             connector_output.invalid_block_ids,
             connector_output.failed_recving,
+            meta.steps if isinstance(meta, KVFlowWorkerMeta) else (),
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -13,31 +13,47 @@ import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 from kvflow.layout import KVFormat
 from kvflow.request import KVRequest
 
-__all__ = ["KVFlowConnectorMetadata", "KVFlowHandshake"]
+__all__ = ["KVFlowConnectorMetadata", "KVFlowHandshake", "KVFlowWorkerMeta"]
 
 
 @attrs.frozen
 class KVFlowConnectorMetadata(KVConnectorMetadata):
     """One engine step's work for every worker.
 
-    ``loads`` must be in the KV cache before this step's forward reads them (the layers of a
-    layerwise load: before each layer reads). ``async_loads`` start now and are reported done through
-    ``get_finished`` (their requests are not in this step). ``saves`` are read once the forward
-    wrote them. ``preempted_req_ids`` lost their blocks this step: workers finish reading them first.
-    ``drop_saves``: finished requests whose earlier saves workers stop tracking without reporting
-    them finished sending (vLLM frees their blocks when their asynchronous load is reported).
+    ``step`` numbers the scheduler's steps (workers echo it back once the step's loads are known
+    good or bad: :class:`KVFlowWorkerMeta`). ``loads`` must be in the KV cache before this step's
+    forward reads them (the layers of a layerwise load: before each layer reads).
+    ``async_loads`` start now and are reported done through ``get_finished`` (their requests are
+    not in this step). ``saves`` are read once the forward wrote them, and within the step: when
+    the step ends no kvflow transfer reads its blocks any more.
     """
 
+    step: int = 0
     loads: tuple[KVRequest, ...] = ()
     async_loads: tuple[KVRequest, ...] = ()
     saves: tuple[KVRequest, ...] = ()
-    preempted_req_ids: frozenset[str] = frozenset()
-    drop_saves: frozenset[str] = frozenset()
+
+
+@attrs.frozen
+class KVFlowWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler side with a step's output: the steps whose loads have
+    ended on this worker (their failed blocks are in the same output's ``invalid_block_ids``).
+
+    vLLM aggregates the workers' metas of one step; each worker lists a step once, so a step is
+    settled on every worker when it was listed as often as there are workers."""
+
+    steps: tuple[int, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVFlowWorkerMeta:
+        if not isinstance(other, KVFlowWorkerMeta):
+            raise TypeError(f"cannot aggregate KVFlowWorkerMeta with {type(other).__name__}")
+        return KVFlowWorkerMeta(self.steps + other.steps)
 
 
 @attrs.frozen

@@ -15,19 +15,22 @@ blocks only unless ``save_decode_blocks``). Blocks vLLM found in its own prefix 
 stored (the request that computed them stored them), and blocks loaded from kvflow are stored by
 definition.
 
-A request's blocks computed in a step in which it also loaded are not stored in that step: on another
-rank that load may have failed, and every rank computed from its (all-reduced) output. The scheduler
-holds them back until vLLM's aggregated connector output for that step is in (one step later; two with
-asynchronous scheduling). If it named no failed block of the load, a later step stores them; if it did,
-vLLM recomputes from the first failed block, and the step that recomputes stores. A request that
-finishes first leaves them unstored: a lost caching chance, never wrong data.
+What is never stored: KV computed from a block whose load is not known good on every rank
+(:mod:`.trust`). A step's loads settle when every worker listed the step in its
+:class:`~.metadata.KVFlowWorkerMeta`; until then (one step later, two with asynchronous
+scheduling) every save that reads one of their blocks, through the request's own loads or through
+vLLM's prefix cache, is held back: ``saved_upto`` stays, and a later step stores the blocks. A
+failed block stays untrusted until a step recomputes it; every request reading it has ``saved_upto``
+lowered to it, so the step that recomputes stores again. A request that finishes first leaves held
+blocks unstored: a lost caching chance, never wrong data.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -39,6 +42,7 @@ from kvflow.integrations.vllm.lookups import Lookups
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.topology import EngineShape
+from kvflow.integrations.vllm.trust import BlockTrust, StepWork
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
@@ -63,31 +67,21 @@ class _Tracked:
 
 
 @attrs.define(eq=False)
-class _LoadCheck:
-    """A sync load whose step's computed blocks wait for vLLM's verdict on the load."""
-
-    span: KVRequest
-    steps_left: int  # build_connector_meta calls until the load step's connector output is in
-
-
-@attrs.define(eq=False)
 class SchedulerSide:
     """Owns the lookup pool (once the workers' handshake arrived) and the per-request state."""
 
     config: ConnectorConfig
     shape: EngineShape
-    #: vLLM schedules step N+1 before it processes step N's output (scheduler_config.async_scheduling)
-    async_scheduling: bool = False
     _pool: SyncPool | None = attrs.field(default=None, init=False)
     _lookups: Lookups | None = attrs.field(default=None, init=False)
     _requests: dict[str, _Tracked] = attrs.field(factory=dict, init=False)
     _local_hits: dict[str, int] = attrs.field(factory=dict, init=False)
     _pending_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _pending_async: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
-    _loading: set[str] = attrs.field(factory=set, init=False)  # asynchronous loads not yet reported done
-    _saving: set[str] = attrs.field(factory=set, init=False)  # requests some step stored blocks of
-    _unchecked: dict[str, _LoadCheck] = attrs.field(factory=dict, init=False)  # no saves until checked
-    _drop_saves: set[str] = attrs.field(factory=set, init=False)  # workers: forget, do not report
+    _async_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)  # until finished_recving
+    _trust: BlockTrust = attrs.field(factory=BlockTrust, init=False)
+    _reports: Counter[int] = attrs.field(factory=Counter, init=False)  # step -> workers that settled it
+    _step: int = attrs.field(default=0, init=False)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -168,7 +162,6 @@ class SchedulerSide:
         )
         if self.config.load_async:
             self._pending_async[req_id] = span
-            self._loading.add(req_id)
         else:
             self._pending_loads[req_id] = span
         tracked.saved_upto = max(tracked.saved_upto, end)
@@ -179,20 +172,21 @@ class SchedulerSide:
         """This step's loads (before the forward), asynchronous loads and saves. Resets the step."""
         if self._lookups is not None:
             self._lookups.new_step()
-        for req_id, check in list(self._unchecked.items()):
-            check.steps_left -= 1
-            if check.steps_left <= 0:
-                del self._unchecked[req_id]
-        loads: list[KVRequest] = []
-        saves: list[KVRequest] = []
+        self._step += 1
+        step = self._step
         scheduled = scheduler_output.num_scheduled_tokens
+        # (request, tokens computed before this step, tokens computed by the end of it)
+        work: list[tuple[_Tracked, int, int]] = []
+        loads: list[KVRequest] = []
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            self._take_load(new.req_id, loads)
-            self._plan_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), saves)
+            self._take_load(new.req_id, step, loads)
+            work.append(
+                (tracked, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
@@ -201,112 +195,118 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
-                self._take_load(req_id, loads)
+                self._take_load(req_id, step, loads)
             elif new_ids is not None:
                 tracked.block_ids.extend(new_ids[0])
-            self._plan_save(tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), saves)
+            computed = cached.num_computed_tokens[i]
+            work.append((tracked, computed, computed + scheduled.get(req_id, 0)))
+        block = self.shape.block_size
+        self._trust.computed(
+            [
+                StepWork(
+                    reads=t.block_ids[: -(-before // block)],
+                    writes=t.block_ids[before // block : -(-after // block)],
+                )
+                for t, before, after in work
+            ]
+        )
+        saves: list[KVRequest] = []
+        for tracked, _, after in work:  # only now: a save may read blocks another request loads
+            self._plan_save(tracked, after, saves)
         if self._pending_loads:
             log.warning("dropping kvflow loads of unscheduled requests %s", sorted(self._pending_loads))
             self._pending_loads.clear()
         async_loads = tuple(self._pending_async.values())
+        self._async_loads.update(self._pending_async)
         self._pending_async.clear()
-        drop_saves, self._drop_saves = frozenset(self._drop_saves), set()
         return KVFlowConnectorMetadata(
-            loads=tuple(loads),
-            async_loads=async_loads,
-            saves=tuple(saves),
-            preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
-            drop_saves=drop_saves,
+            step=step, loads=tuple(loads), async_loads=async_loads, saves=tuple(saves)
         )
 
-    def _take_load(self, req_id: str, loads: list[KVRequest]) -> None:
+    def _take_load(self, req_id: str, step: int, loads: list[KVRequest]) -> None:
         span = self._pending_loads.pop(req_id, None)
         if span is not None:
             loads.append(span)
-            # Hold back what this step computes until vLLM's verdict on the load is in.
-            self._unchecked[req_id] = _LoadCheck(span, steps_left=2 if self.async_scheduling else 1)
+            self._trust.loading(step, span)
 
     def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest]) -> None:
         request = tracked.request
-        if request.request_id in self._unchecked:
-            return  # saved_upto stays: a later step stores these blocks (see the module docstring)
         if not self.config.save_decode_blocks:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
         hashes = request.block_hashes
         start, end = save_range(tracked.saved_upto, computed_tokens, len(hashes), self.shape.block_size)
         end = min(end, len(tracked.block_ids))
-        if end <= start:
-            return
-        req_id = request.request_id
+        if end <= start or not self._trust.trusted(tracked.block_ids[start:end]):
+            return  # nothing new, or held back: saved_upto stays, a later step stores these blocks
         saves.append(
             KVRequest(
-                request_id=req_id,
+                request_id=request.request_id,
                 block_ids=tracked.block_ids[start:end],
                 block_hashes=hashes[:end],
                 block_offset=start,
             )
         )
         tracked.saved_upto = end
-        self._saving.add(req_id)
 
     def update_connector_output(
         self,
         finished_recving: set[str] | None,
         invalid_block_ids: set[int] | None = None,
         failed_recving: set[str] | None = None,
+        settled_steps: Sequence[int] = (),
     ) -> None:
-        """Every worker's output of a step: asynchronous loads that every worker reported done, and
-        the blocks (or requests) whose load failed on some worker."""
-        self._loading.difference_update(finished_recving or ())
-        invalid, failed = invalid_block_ids or set(), failed_recving or set()
-        for req_id, check in self._unchecked.items():
-            span = check.span
-            bad = [i for i, b in enumerate(span.block_ids) if b in invalid]
-            if req_id in failed:
-                bad.append(0)
-            tracked = self._requests.get(req_id)
-            if bad and tracked is not None:
-                # vLLM recomputes from the first failed block; the step that does stores it.
-                tracked.saved_upto = min(tracked.saved_upto, span.block_offset + min(bad))
+        """Every worker's output of a step: the steps whose loads ended on some workers (each worker
+        lists a step once), asynchronous loads that every worker reported done, and the blocks (or
+        requests) whose load failed on some worker."""
+        bad = set(invalid_block_ids or ())
+        failed = failed_recving or set()
+        self._reports.update(settled_steps)
+        workers = self.shape.tp_size * self.shape.pp_size  # each reports every step once
+        for step in sorted(s for s in set(settled_steps) if self._reports[s] >= workers):
+            del self._reports[step]
+            self._trust.settle(step, bad)
+        for req_id in finished_recving or ():
+            load = self._async_loads.pop(req_id, None)
+            if load is not None:
+                self._trust.load_ended(load, load.block_ids if req_id in failed else bad)
+        if bad or failed:
+            for tracked in self._requests.values():
+                # vLLM recomputes every request that reads a failed block from that block on; the
+                # step that recomputes it stores it again.
+                for index, block in enumerate(tracked.block_ids[: tracked.saved_upto]):
+                    if self._trust.bad(block):
+                        tracked.saved_upto = index
+                        break
 
     # -- the end of a request ---------------------------------------------------------------------
 
     def request_finished(self, request: Request) -> bool:
-        """Forget the request. True: vLLM keeps its blocks until every worker reports it.
-
-        Whole-block stores read blocks after their step, so a request that had saves waits for
-        every worker to list it as finished sending (each worker lists exactly the requests some
-        step's metadata carried saves of, so both sides agree). A request whose asynchronous load
-        is still running waits for every worker to list it as finished receiving, and only that:
-        if it also had saves (preempted, then reloading), the next metadata tells the workers to drop
-        them unreported, so vLLM frees its blocks once, after the load.
-        """
+        """Forget the request. True (vLLM keeps its blocks until every worker reports it finished
+        receiving) only while an asynchronous load may still write its blocks: stores end inside
+        their step, so nothing else holds a block."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._local_hits.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
-        self._unchecked.pop(req_id, None)
         if self._lookups is not None:
             self._lookups.forget(req_id)
-        saving = req_id in self._saving and not self.config.layerwise
-        self._saving.discard(req_id)
-        if req_id in self._loading:
-            # Preempted after some saves, then aborted while reloading: vLLM must free the blocks
-            # once, when every worker reports the load. Workers drop the old saves unreported.
-            if saving:
-                self._drop_saves.add(req_id)
-            return True
-        return saving
+        if req_id in self._pending_async:  # allocated, but its load was never sent to the workers
+            del self._pending_async[req_id]
+            return False
+        return req_id in self._async_loads
 
     def reset_cache(self) -> bool:
-        """Drop the lookups in flight. The pool itself is shared with other engines and stays: False."""
+        """vLLM resets its prefix cache (also on sleep, pause and KV-memory release): drop what this
+        engine remembers of the store (lookups in flight and their answers). The store itself is
+        shared with other engines and is never cleared here; after changing weights, give the
+        connector a new ``model_id`` or clear the model's objects (docs/vllm.md)."""
         if self._lookups is not None:
             self._lookups.clear()
-        log.warning(
-            "kvflow's pool is shared by every engine using it and is not cleared by one engine's "
-            "reset; after changing weights, give the connector a new model_id"
+        self._local_hits.clear()
+        log.info(
+            "kvflow forgot its lookups; its store (%s) is shared and keeps its objects", self.config.backend
         )
-        return False
+        return True
 
     def shutdown(self) -> None:
         pool, self._pool = self._pool, None

@@ -4,18 +4,23 @@ Both kinds are driven by the worker's model-runner thread, in vLLM's order per s
 ``load`` (before the forward, only when the step has loads) -> per layer ``wait_for_layer`` and
 ``save_layer`` -> ``finish`` (after the forward). ``finish`` answers with a :class:`StepOutcome`.
 
-- :class:`BlockSteps`: ``load`` gets every block of the step's loads and waits for them, so the
-  forward reads complete blocks; ``finish`` starts the stores of the blocks the step computed and
-  returns at once (the stores read blocks that stay allocated: see :mod:`.worker`).
-- :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
-  ``load`` starts a layerwise retriever that
-  fetches layer l+1 while layer l computes; ``wait_for_layer`` blocks until a layer is in place;
-  the first ``save_layer`` starts a layerwise storer that puts each layer once the forward has
-  written it; ``finish`` waits until every put of the step ended, so nothing of the step is in flight
-  afterwards.
+Either way a step's transfers stop touching its blocks before the step ends: a load before the
+forward reads the blocks (or, layer by layer, before each layer does), a store before ``finish``
+returns. So vLLM may free or reuse any block as soon as the step is over: no block is held for
+kvflow between steps (which is what lets vLLM's prefix-cache reset, sleep and pause work on an idle
+engine), except the blocks of an asynchronous load, which vLLM holds until every worker reports it.
 
-The scheduler side never plans saves of a request in a step in which it loads (every rank must agree,
-see :mod:`.scheduler`). On top of that, a rank whose load failed stores nothing of its step
+- :class:`BlockSteps`: ``load`` gets every block of the step's loads and waits for them, so the
+  forward reads complete blocks; ``finish`` stores the blocks the step computed and waits until
+  the stores have read them.
+- :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
+  ``load`` starts a layerwise retriever that fetches layer l+1 while layer l computes;
+  ``wait_for_layer`` blocks until a layer is in place; the first ``save_layer`` starts a layerwise
+  storer that puts each layer once the forward has written it; ``finish`` waits until every put of
+  the step ended.
+
+The scheduler side plans no save that reads a block whose load is not known good on every rank
+(see :mod:`.scheduler`). On top of that, a rank whose load failed stores nothing of its step
 (:attr:`StepOutcome.dropped`).
 """
 
@@ -25,6 +30,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import attrs
 import torch
@@ -37,25 +43,28 @@ from kvflow.results import RetrieveResult, StoreResult
 from kvflow.sync import SyncPool
 from kvflow.sync_layerwise import SyncLayerwisePool
 
-__all__ = ["STILL_RUNNING_LOG_S", "BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_result"]
+__all__ = ["STILL_RUNNING_LOG_S", "BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_ended"]
 
 log = logging.getLogger(__name__)
 
-Loaded = tuple[KVRequest, RetrieveResult | None]
-Storing = tuple[KVRequest, "concurrent.futures.Future[StoreResult]"]
+T = TypeVar("T")
 
-#: How often a load still running past its deadline is logged (it may still write into its blocks,
+Loaded = tuple[KVRequest, RetrieveResult | None]
+Stored = tuple[KVRequest, StoreResult | None]
+
+#: How often a transfer still running past its deadline is logged (it may still touch its blocks,
 #: so nothing may report it ended before it has).
 STILL_RUNNING_LOG_S = 30.0
 
 
 @attrs.frozen
 class StepOutcome:
-    """What one step's transfers did. ``loads``: each sync load and its result (None: it overran);
-    ``stores``: each save and its store, possibly still running; ``dropped``: saves not stored."""
+    """What one step's transfers did. ``loads``: each sync load and its result (None: it failed as a
+    whole); ``stores``: each save and its result (None: it failed as a whole); ``dropped``: saves
+    not stored because a load of the step failed on this rank."""
 
     loads: tuple[Loaded, ...] = ()
-    stores: tuple[Storing, ...] = ()
+    stores: tuple[Stored, ...] = ()
     dropped: tuple[KVRequest, ...] = ()
 
     @property
@@ -63,13 +72,11 @@ class StepOutcome:
         return any(result is None or result.failed_block_ids for _, result in self.loads)
 
 
-def wait_result(
-    future: CallFuture[RetrieveResult], log_every_s: float = STILL_RUNNING_LOG_S
-) -> RetrieveResult | None:
-    """The retrieve's result, or None (logged) if it raised.
+def wait_ended(future: CallFuture[T], what: str, log_every_s: float = STILL_RUNNING_LOG_S) -> T | None:
+    """The transfer's result, or None (logged) if it raised.
 
-    Waits until the retrieve has really ended, however long: a get still running at its
-    ``answer_by`` may still write into the blocks, and vLLM would reuse them once this returned.
+    Waits until the transfer has really ended, however long: one still running at its
+    ``answer_by`` may still read or write its blocks, and vLLM would reuse them once this returned.
     Logs an error then and every ``log_every_s`` after that.
     """
     started = time.monotonic()
@@ -78,23 +85,17 @@ def wait_result(
         try:
             return future.result(wait)
         except concurrent.futures.TimeoutError:
-            # The pool bounds every retrieve itself, so this is a stuck get inside kvflow or its backend.
-            waited = time.monotonic() - started
+            # The pool bounds every call itself, so this is a stuck call inside kvflow or its backend.
             wait = log_every_s
             log.error(
-                "a kvflow load is still running after %.0f s; the engine waits for it, because it "
-                "may still write into its blocks (check the store backend)",
-                waited,
+                "a kvflow %s is still running after %.0f s; the engine waits for it, because it may "
+                "still touch its blocks (check the store backend)",
+                what,
+                time.monotonic() - started,
             )
         except Exception as exc:
-            log.warning("a kvflow load failed, its blocks will be recomputed: %r", exc)
+            log.warning("a kvflow %s failed: %r", what, exc)
             return None
-
-
-def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
-    future: concurrent.futures.Future[StoreResult] = concurrent.futures.Future()
-    future.set_result(result)
-    return future
 
 
 def device_needs_event(device: torch.device) -> bool:
@@ -104,7 +105,7 @@ def device_needs_event(device: torch.device) -> bool:
 
 @attrs.define(eq=False)
 class BlockSteps:
-    """Whole-block loads before the forward, asynchronous whole-block stores after it."""
+    """Whole-block loads before the forward, whole-block stores after it, both within the step."""
 
     pool: SyncPool
     _load_failed: bool = attrs.field(default=False, init=False)
@@ -112,7 +113,7 @@ class BlockSteps:
     def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
         """Load every block now; the results (the caller records them at once)."""
         futures = [(span, self.pool.submit_retrieve(span)) for span in spans]
-        loaded = tuple((span, wait_result(future)) for span, future in futures)
+        loaded = tuple((span, wait_ended(future, "load")) for span, future in futures)
         self._load_failed = self._load_failed or StepOutcome(loaded).load_failed
         return loaded
 
@@ -123,7 +124,8 @@ class BlockSteps:
         """Nothing: whole blocks are stored after the forward."""
 
     def finish(self, saves: Sequence[KVRequest]) -> StepOutcome:
-        """Start the stores (the step's loads were reported by :meth:`load`)."""
+        """Store the step's computed blocks and wait until the stores have read them (the step's
+        loads were reported by :meth:`load`)."""
         failed, self._load_failed = self._load_failed, False
         if failed:
             return StepOutcome(dropped=tuple(saves))
@@ -134,9 +136,8 @@ class BlockSteps:
             # The host returns from the forward before the device finishes it: order the reads.
             written = make_event(layout.device)
             written.record()
-        return StepOutcome(
-            stores=tuple((span, self.pool.submit_store(span, after=written)) for span in saves)
-        )
+        futures = [(span, self.pool.submit_store(span, after=written)) for span in saves]
+        return StepOutcome(stores=tuple((span, wait_ended(future, "store")) for span, future in futures))
 
     def close(self) -> None:
         self.pool.close()
@@ -144,7 +145,7 @@ class BlockSteps:
 
 @attrs.define(eq=False)
 class LayerwiseSteps:
-    """Layer-by-layer loads and stores inside the forward, through kvflow's layerwise engine face."""
+    """Layer-by-layer loads and stores inside the forward, through kvflow's layerwise face."""
 
     engine: SyncLayerwisePool
     _loads: tuple[KVRequest, ...] = attrs.field(default=(), init=False)
@@ -192,9 +193,7 @@ class LayerwiseSteps:
         if not storing:
             return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
         stored = result.stored
-        stores = tuple(
-            (span, _completed(stored[span.request_id])) for span in saves if span.request_id in stored
-        )
+        stores = tuple((span, stored[span.request_id]) for span in saves if span.request_id in stored)
         return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.request_id not in stored))
 
     def close(self) -> None:

@@ -1,22 +1,18 @@
 """The worker side of the connector: loads, stores, and what each step reports back to vLLM.
 
 Every method runs on the worker's model-runner thread. Transfers run on kvflow's loop thread; this
-side submits them (through :mod:`.steps`) and waits on ``concurrent.futures.Future`` objects. A load
-is never reported ended (done or failed) before its future is: a get past its deadline may still
-write into its blocks. Such a load is logged as an error periodically and waited for.
+side submits them (through :mod:`.steps`) and waits on futures. A transfer is never reported ended
+before its future is: a get or put past its deadline may still touch its blocks. Such a transfer
+is logged as an error periodically and waited for.
 
-Block lifetime, which is what makes asynchronous transfers safe:
+Block lifetime: a step's loads and stores end inside the step (:mod:`.steps`), so vLLM may reuse
+every block once the step is over and a finished or preempted request's blocks are never held for
+kvflow. The one exception is an asynchronous load: it writes blocks of a request vLLM keeps waiting
+(and does not free, even when it is aborted) until every worker lists it as finished receiving.
 
-- a whole-block store reads blocks after the step that computed them. Blocks of a running request
-  are never freed; when a request finishes, the scheduler side has told vLLM to keep its blocks
-  (``request_finished`` -> True) until every worker lists the request as finished sending, which this
-  side does once the request's stores are all done, on every rank, even one that owned no block;
-- a preempted request's blocks are freed at once, so :meth:`handle_preemptions` waits for its stores
-  before the step may reuse them;
-- an asynchronous load writes blocks of a request vLLM keeps waiting (and does not free, even when it
-  is aborted) until every worker lists it as finished receiving; a request with earlier saves that
-  is aborted while it reloads is reported only that way (the metadata's ``drop_saves``);
-- layerwise steps end every transfer inside the step (``wait_for_save``), so nothing is delayed.
+What each step reports: asynchronous loads that ended (``get_finished``), the blocks any load of
+this worker failed to fill (``take_load_errors``), and the steps whose loads have ended
+(:meth:`worker_meta`), which the scheduler side needs before it stores anything computed from them.
 """
 
 from __future__ import annotations
@@ -30,14 +26,14 @@ import attrs
 
 from kvflow.integrations.vllm.clients import open_layerwise_pool, open_worker_pool
 from kvflow.integrations.vllm.config import ConnectorConfig
-from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.stats import TransferCounters
 from kvflow.integrations.vllm.steps import STILL_RUNNING_LOG_S, BlockSteps, LayerwiseSteps, StepOutcome
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.layout import KVCacheEntry, KVLayout
-from kvflow.loop import ANSWER_GRACE_S, CallFuture
+from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
-from kvflow.results import RetrieveResult, StoreResult
+from kvflow.results import RetrieveResult
 
 __all__ = ["WorkerSide"]
 
@@ -47,13 +43,13 @@ log = logging.getLogger(__name__)
 @attrs.define(eq=False)
 class _AsyncLoad:
     span: KVRequest
-    future: concurrent.futures.Future[RetrieveResult]
+    future: CallFuture[RetrieveResult]
     deadline: float  # after it, a load still running is logged (and keeps its blocks until it ends)
 
 
 @attrs.define(eq=False)
 class WorkerSide:
-    """Owns this worker's pool (through its step kind), the transfers in flight and the counters."""
+    """Owns this worker's pool (through its step kind), the loads in flight and the counters."""
 
     config: ConnectorConfig
     shape: EngineShape
@@ -62,20 +58,11 @@ class WorkerSide:
     _steps: BlockSteps | LayerwiseSteps | None = attrs.field(default=None, init=False)
     _layout: KVLayout | None = attrs.field(default=None, init=False)
     _layer_index: dict[str, int] = attrs.field(factory=dict, init=False)
-    # Requests that had saves: their stores not yet counted. A request leaves when reported finished.
-    _stores: dict[str, list[concurrent.futures.Future[StoreResult]]] = attrs.field(factory=dict, init=False)
-    # Stores of requests the scheduler told to forget (drop_saves): counted, never reported.
-    _detached: list[concurrent.futures.Future[StoreResult]] = attrs.field(factory=list, init=False)
-    _finished: set[str] = attrs.field(factory=set, init=False)  # finished, stores maybe in flight
     _async_loads: dict[str, _AsyncLoad] = attrs.field(factory=dict, init=False)
     _load_errors: set[int] = attrs.field(factory=set, init=False)
+    _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
-
-    @property
-    def delays_frees(self) -> bool:
-        """Whether finished requests wait for this side's stores (whole-block mode)."""
-        return not self.config.layerwise
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -110,22 +97,6 @@ class WorkerSide:
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def handle_preemptions(self, meta: KVFlowConnectorMetadata) -> None:
-        """Finish reading the blocks of preempted requests before this step may overwrite them."""
-        for req_id in meta.preempted_req_ids:
-            pending = [f for f in self._stores.get(req_id, ()) if not f.done()]
-            if not pending:
-                continue
-            _, not_done = concurrent.futures.wait(pending, timeout=self.config.preemption_wait_s)
-            if not_done:
-                log.error(
-                    "request %s was preempted with %d kvflow stores still running after %.0f s; its "
-                    "blocks are reused now, so those stores may hold wrong bytes",
-                    req_id,
-                    len(not_done),
-                    self.config.preemption_wait_s,
-                )
-
     def start_load_kv(self, meta: KVFlowConnectorMetadata) -> None:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""
         steps = self._steps
@@ -144,6 +115,8 @@ class WorkerSide:
                 # Recorded now: with speculative decoding vLLM asks for load errors before
                 # wait_for_save.
                 self._record(StepOutcome(steps.load(meta.loads)))
+        if not isinstance(steps, LayerwiseSteps) or not meta.loads:
+            self._settled_steps.add(meta.step)  # every load of the step has ended (or there is none)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -156,16 +129,10 @@ class WorkerSide:
             self._steps.save_layer(layer, meta.saves)
 
     def wait_for_save(self, meta: KVFlowConnectorMetadata) -> None:
-        """End the step: count its loads, start (or, layerwise, finish) storing what it computed."""
-        for req_id in meta.drop_saves:  # reported once, as finished receiving, by its load
-            self._detached.extend(self._stores.pop(req_id, ()))
-            self._finished.discard(req_id)
-        for span in meta.saves:  # every rank tracks every saving request, stored or not
-            self._stores.setdefault(span.request_id, [])
-        if self._steps is None:
-            return
-        outcome = self._steps.finish(meta.saves)
-        self._record(outcome)
+        """End the step: its stores (and, layerwise, its loads) have ended when this returns."""
+        if self._steps is not None:
+            self._record(self._steps.finish(meta.saves))
+        self._settled_steps.add(meta.step)  # a layerwise step's loads end here
 
     def _record(self, outcome: StepOutcome) -> None:
         counters = self._counters
@@ -176,8 +143,11 @@ class WorkerSide:
             else:
                 self._load_errors.update(loaded.failed_block_ids)
                 counters = counters.with_load(loaded)
-        for span, future in outcome.stores:
-            self._stores[span.request_id].append(future)
+        for span, stored in outcome.stores:
+            if stored is None:
+                counters = counters.with_failed_store(len(span.block_ids))
+            else:
+                counters = counters.with_store(stored)
         if outcome.dropped:
             blocks = sum(len(span.block_ids) for span in outcome.dropped)
             log.warning("a kvflow load of this step failed; not storing its %d computed blocks", blocks)
@@ -185,46 +155,10 @@ class WorkerSide:
         self._counters = counters
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending, finished receiving): finished requests whose stores are all done on
-        this rank (possibly none), and asynchronous loads that ended (failed blocks are reported by
-        :meth:`take_load_errors` in the same step)."""
-        self._harvest_stores()
-        sending: set[str] = set()
-        finished = {r for r in finished_req_ids if r in self._stores}
-        if self.delays_frees:
-            self._finished |= finished
-            sending = {r for r in self._finished if not self._stores[r]}
-            self._finished -= sending
-            finished = sending
-        for req_id in finished:
-            del self._stores[req_id]
-        return sending or None, self._harvest_async_loads() or None
-
-    def _harvest_stores(self) -> None:
-        for req_id, futures in self._stores.items():
-            if futures:
-                futures[:] = self._count_stores(req_id, futures)
-        self._detached = self._count_stores("(finished)", self._detached)
-
-    def _count_stores(
-        self, req_id: str, futures: list[concurrent.futures.Future[StoreResult]]
-    ) -> list[concurrent.futures.Future[StoreResult]]:
-        """Count the ended stores; return those still running."""
-        counters = self._counters
-        running = []
-        for future in futures:
-            if not future.done():
-                running.append(future)
-                continue
-            try:
-                result = future.result()
-            except Exception as exc:
-                log.warning("a kvflow store of request %s failed: %r", req_id, exc)
-                counters = counters.with_failed_store(1)
-                continue
-            counters = counters.with_store(result)
-        self._counters = counters
-        return running
+        """(finished sending, finished receiving): never any sending (stores end inside their step);
+        the asynchronous loads that ended (failed blocks are reported by :meth:`take_load_errors`
+        in the same step)."""
+        return None, self._harvest_async_loads() or None
 
     def _harvest_async_loads(self) -> set[str]:
         done: set[str] = set()
@@ -240,12 +174,12 @@ class WorkerSide:
                     )
                     load.deadline = now + STILL_RUNNING_LOG_S
                 continue
-            if load.future.exception() is None:
+            if not load.future.cancelled() and load.future.exception() is None:
                 result = load.future.result()
                 self._load_errors.update(result.failed_block_ids)
                 self._counters = self._counters.with_load(result)
             else:
-                log.warning("a kvflow load of request %s failed: %r", req_id, load.future.exception())
+                log.warning("a kvflow load of request %s failed: %r", req_id, _error(load.future))
                 self._load_errors.update(load.span.block_ids)
                 self._counters = self._counters.with_failed_load(len(load.span.block_ids))
             done.add(req_id)
@@ -256,6 +190,13 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def worker_meta(self) -> KVFlowWorkerMeta | None:
+        """The steps whose loads ended since the last call (their errors are already taken)."""
+        if not self._settled_steps:
+            return None
+        steps, self._settled_steps = tuple(sorted(self._settled_steps)), set()
+        return KVFlowWorkerMeta(steps)
 
     # -- counters ---------------------------------------------------------------------------------
 
@@ -273,13 +214,15 @@ class WorkerSide:
     # -- the end ----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Wait (bounded) for transfers in flight, then close the pool."""
-        deadline = time.monotonic() + self.config.timeout_s + ANSWER_GRACE_S
-        stores = [f for futures in self._stores.values() for f in futures] + self._detached
-        concurrent.futures.wait(stores, timeout=max(0.0, deadline - time.monotonic()))
-        loads = [load.future for load in self._async_loads.values()]
-        concurrent.futures.wait(loads, timeout=max(0.0, deadline - time.monotonic()))
-        self._harvest_stores()
+        """Wait (bounded) for loads in flight, then close the pool."""
+        if self._async_loads:
+            latest = max(load.future.answer_by for load in self._async_loads.values())
+            futures = [load.future for load in self._async_loads.values()]
+            concurrent.futures.wait(futures, timeout=max(0.0, latest - time.monotonic()))
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.close()
+
+
+def _error(future: CallFuture[RetrieveResult]) -> BaseException | str:
+    return "cancelled" if future.cancelled() else future.exception() or "unknown"

@@ -78,6 +78,7 @@ class EngineSpec:
     multiprocessing: bool = False
     seed: int = 0
     env: Mapping[str, str] = attrs.field(factory=dict, converter=_env)
+    between_batches: tuple[str, ...] = ()
 
     @classmethod
     def of_prompts(cls, model: Path, prompts: Sequence[Sequence[int]], **kwargs: Any) -> EngineSpec:
@@ -102,6 +103,7 @@ class EngineSpec:
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "multiprocessing": self.multiprocessing,
                 "seed": self.seed,
+                "between_batches": list(self.between_batches),
                 "env": dict(self.env),
             }
         )

@@ -8,14 +8,19 @@ The spec (every key but ``model`` and ``batches`` optional)::
      "max_tokens": 8, "dtype": "float32", "block_size": 32, "max_model_len": 2048,
      "kv_cache_memory_bytes": 16777216, "max_num_batched_tokens": null,
      "enable_prefix_caching": true, "kv_transfer_config": null,
-     "tensor_parallel_size": 1, "multiprocessing": false, "seed": 0, "env": {}}
+     "tensor_parallel_size": 1, "multiprocessing": false, "seed": 0, "env": {},
+     "between_batches": ["reset", "sleep"]}
 
 Each batch is one ``LLM.generate`` call on the same engine, in order, so a later batch can hit what an
-earlier one cached. Prompts are token ids (no tokenizer is loaded); sampling is greedy and ignores EOS,
-so every request produces exactly ``max_tokens`` tokens. The result::
+earlier one cached. ``between_batches`` runs engine calls after every batch but the last: ``reset``
+(``llm.reset_prefix_cache()``, its answer recorded) and ``sleep`` (``llm.sleep(level=1)`` then
+``llm.wake_up()``, which reset the connector's cache too). Prompts are token ids (no tokenizer is
+loaded); sampling is greedy and ignores EOS, so every request produces exactly ``max_tokens``
+tokens. The result::
 
     {"batches": [[{"token_ids": [...], "num_cached_tokens": 0}, ...], ...],
-     "timings": {"import_s": ..., "init_s": ..., "generate_s": [...], "shutdown_s": ...}}
+     "timings": {"import_s": ..., "init_s": ..., "generate_s": [...], "shutdown_s": ...,
+                 "between": [{"reset": true, "slept": true}, ...]}}
 
 Everything vLLM logs goes to stderr: the script moves file descriptor 1 onto stderr before importing
 vLLM and writes the result alone to the original stdout. Run it in a fresh process for every engine.
@@ -99,7 +104,20 @@ def _run(spec: dict[str, Any], timings: dict[str, Any]) -> list[list[dict[str, A
     )
     results: list[list[dict[str, Any]]] = []
     timings["generate_s"] = []
-    for batch in spec["batches"]:
+    timings["between"] = []
+    for index, batch in enumerate(spec["batches"]):
+        if index:
+            done: dict[str, Any] = {}
+            for action in spec.get("between_batches") or ():
+                if action == "reset":
+                    done["reset"] = bool(llm.reset_prefix_cache())
+                elif action == "sleep":
+                    llm.sleep(level=1)
+                    llm.wake_up()
+                    done["slept"] = True
+                else:
+                    raise SystemExit(f"unknown between_batches action {action!r}")
+            timings["between"].append(done)
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in batch]
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -193,16 +193,26 @@ def test_layerwise_mode_stores_and_loads_layer_by_layer(
 
 
 def test_async_load_mode(reference: Reference, tiny_model_dir: Path, tmp_path: Path) -> None:
-    run, counters, store = _one_engine_run(tiny_model_dir, tmp_path, extra={"load_async": True})
+    """Also: between the batches vLLM resets its prefix cache (the connector holds no block of a
+    finished request, so the reset succeeds at once) and sleeps and wakes (which resets the
+    connector's cache too); the second batch still loads everything and its tokens stay exact."""
+    run, counters, store = _one_engine_run(
+        tiny_model_dir, tmp_path, extra={"load_async": True}, between_batches=("reset", "sleep")
+    )
     _assert_one_engine(run, counters, reference)
     assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
+    assert run.timings["between"] == [{"reset": True, "slept": True}]
 
 
 @pytest.mark.slow
 def test_multiprocess_mode(reference: Reference, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """vLLM's default: the scheduler in the engine-core process, the worker in its own."""
-    run, counters, store = _one_engine_run(tiny_model_dir, tmp_path, multiprocessing=True)
+    """vLLM's default: the scheduler in the engine-core process, the worker in its own; a prefix
+    cache reset and a sleep between the batches work there too."""
+    run, counters, store = _one_engine_run(
+        tiny_model_dir, tmp_path, multiprocessing=True, between_batches=("reset", "sleep")
+    )
     _assert_one_engine(run, counters, reference)
+    assert run.timings["between"] == [{"reset": True, "slept": True}]
     assert counters[0]["stored_blocks"] == ONE_ENGINE_STORED_BLOCKS
     assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
 

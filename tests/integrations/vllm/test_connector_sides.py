@@ -11,7 +11,6 @@ real tensors in vLLM's CPU layout, the store a real local backend in a temporary
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from collections.abc import Iterator
@@ -118,29 +117,36 @@ class Sides:
         return tokens, load_async
 
     def step(
-        self, output: FakeSchedulerOutput, finished: frozenset[str] = frozenset()
+        self, output: FakeSchedulerOutput, finished: frozenset[str] = frozenset(), *, report: bool = True
     ) -> list[tuple[Any, Any]]:
-        """One engine step on every worker; returns each worker's (sending, recving)."""
+        """One engine step on every worker, then (unless ``report`` is off) the workers' outputs
+        aggregated into the scheduler side as vLLM does; returns each worker's (sending, recving)."""
         meta = self.scheduler.build_connector_meta(output)  # type: ignore[arg-type]
-        reports = []
+        reports, invalid, steps = [], set(), []
         for worker in self.workers:
-            worker.handle_preemptions(meta)
             worker.start_load_kv(meta)
             for name in LAYERS:
                 worker.wait_for_layer_load(name)
                 worker.save_kv_layer(name, meta)
             worker.wait_for_save(meta)
             reports.append(worker.get_finished(set(finished)))
+            if report:
+                invalid |= worker.take_load_errors()
+                worker_meta = worker.worker_meta()
+                steps += worker_meta.steps if worker_meta is not None else ()
+        if report:
+            recving = set.intersection(*[set(r or ()) for _, r in reports])
+            self.scheduler.update_connector_output(recving, invalid, set(), steps)
         return reports
 
-    def until_finished(self, finished: set[str], *, recving: bool = False) -> list[set[str]]:
-        """Empty steps until every worker reported ``finished`` (sending, or receiving)."""
+    def until_received(self, finished: set[str]) -> list[set[str]]:
+        """Empty steps until every worker reported ``finished`` as finished receiving."""
         seen: list[set[str]] = [set() for _ in self.workers]
         deadline = time.monotonic() + 20
         while any(not finished <= s for s in seen):
             assert time.monotonic() < deadline, f"workers reported only {seen}"
-            for i, (sending, received) in enumerate(self.step(FakeSchedulerOutput(), frozenset(finished))):
-                seen[i] |= (received if recving else sending) or set()
+            for i, (_, received) in enumerate(self.step(FakeSchedulerOutput(), frozenset(finished))):
+                seen[i] |= received or set()
             time.sleep(0.01)
         return seen
 
@@ -176,13 +182,15 @@ def open_sides(tmp_path: Path) -> Iterator[Any]:
         sides.close()
 
 
-def _prefill(sides: Sides, request: FakeRequest, block_ids: list[int], computed: int = 0) -> None:
+def _prefill(
+    sides: Sides, request: FakeRequest, block_ids: list[int], computed: int = 0, *, report: bool = True
+) -> None:
     """Schedule the whole (rest of the) prompt in one step."""
     output = FakeSchedulerOutput(
         [FakeNewRequest(request.request_id, (block_ids,), computed)],
         num_scheduled_tokens={request.request_id: request.num_tokens - computed},
     )
-    sides.step(output)
+    sides.step(output, report=report)
 
 
 def _block(cache: dict[str, torch.Tensor], block_id: int) -> list[torch.Tensor]:
@@ -300,14 +308,13 @@ def test_lookups_start_on_arrival_and_share_one_wait_per_step() -> None:
 # -- the two sides together ---------------------------------------------------------------------
 
 
-def test_store_then_load_copies_the_blocks_and_keeps_blocks_until_stores_finish(open_sides: Any) -> None:
+def test_stores_end_inside_their_step_so_finished_requests_hold_no_blocks(open_sides: Any) -> None:
     sides: Sides = open_sides()
     first = FakeRequest("r1", TOKENS)
     assert sides.admit(first, [5, 6, 7, 8]) == (0, False)
     _prefill(sides, first, [5, 6, 7, 8])
-    assert sides.scheduler.request_finished(first) is True  # its stores may still read blocks 5-7
-    sides.until_finished({"r1"})
-    assert sides.workers[0].counters.stored_blocks == 3
+    assert sides.workers[0].counters.stored_blocks == 3  # stored before the step ended
+    assert sides.scheduler.request_finished(first) is False  # nothing reads blocks 5-7 any more
 
     again = FakeRequest("r2", TOKENS)
     assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
@@ -316,7 +323,7 @@ def test_store_then_load_copies_the_blocks_and_keeps_blocks_until_stores_finish(
     for src, dst in zip((5, 6, 7), (9, 10, 11)):
         assert all(torch.equal(s, d) for s, d in zip(_block(cache, src), _block(cache, dst)))
     assert sides.workers[0].counters.loaded_blocks == 3
-    assert sides.scheduler.request_finished(again) is False  # no saves: its blocks go at once
+    assert sides.scheduler.request_finished(again) is False
 
     # Every token stored: one is left for vLLM, and the block holding it is loaded whole.
     whole = FakeRequest("r3", TOKENS[:12])
@@ -335,51 +342,50 @@ def test_store_then_load_copies_the_blocks_and_keeps_blocks_until_stores_finish(
     ]
 
 
-def test_every_rank_reports_every_request_even_one_that_stored_nothing(open_sides: Any) -> None:
+def test_every_rank_stores_only_its_own_blocks_and_ends_with_the_step(open_sides: Any) -> None:
     """TP=2 with one KV head: block i is stored by rank i % 2 alone; a one-block request leaves
-    rank 1 with nothing to store, and rank 1 must still report it finished."""
+    rank 1 with nothing to store."""
     sides: Sides = open_sides(tp_size=2, kv_heads=1)
     request = FakeRequest("r1", TOKENS[:6])  # one full block
     sides.admit(request, [3, 4])
     _prefill(sides, request, [3, 4])
-    assert sides.scheduler.request_finished(request) is True
-    sides.until_finished({"r1"})
     rank0, rank1 = (w.counters for w in sides.workers)
     assert (rank0.stored_blocks, rank0.not_owned_blocks) == (1, 0)
     assert (rank1.stored_blocks, rank1.not_owned_blocks) == (0, 1)
+    assert sides.scheduler.request_finished(request) is False
 
 
 def test_aborted_asynchronous_load_keeps_its_blocks_until_every_worker_reports_it(open_sides: Any) -> None:
     sides: Sides = open_sides(load_async=True)
-    first = FakeRequest("r1", TOKENS)
-    sides.admit(first, [5, 6, 7, 8])
-    _prefill(sides, first, [5, 6, 7, 8])
-    sides.scheduler.request_finished(first)
-    sides.until_finished({"r1"})
-
+    _stored_r1(sides)
     loading = FakeRequest("r2", TOKENS)
     assert sides.admit(loading, [9, 10, 11]) == (12, True)
+    sides.step(FakeSchedulerOutput(), report=False)  # the load is sent to the workers
     assert sides.scheduler.request_finished(loading) is True  # aborted while its load may run
-    (received,) = sides.until_finished({"r2"}, recving=True)
+    (received,) = sides.until_received({"r2"})
     assert received == {"r2"}
-    sides.scheduler.update_connector_output({"r2"})
     assert sides.workers[0].counters.loaded_blocks == 3
     assert sides.workers[0].take_load_errors() == set()
+
+
+def test_an_async_load_aborted_before_it_was_sent_holds_nothing(open_sides: Any) -> None:
+    sides: Sides = open_sides(load_async=True)
+    _stored_r1(sides)
+    loading = FakeRequest("r2", TOKENS)
+    assert sides.admit(loading, [9, 10, 11]) == (12, True)
+    assert sides.scheduler.request_finished(loading) is False
+    assert sides.scheduler.build_connector_meta(FakeSchedulerOutput()).async_loads == ()  # type: ignore[arg-type]
 
 
 def test_a_failed_load_is_reported_and_its_step_stores_nothing(open_sides: Any, tmp_path: Path) -> None:
     import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
 
     sides: Sides = open_sides()
-    first = FakeRequest("r1", TOKENS)
-    sides.admit(first, [5, 6, 7, 8])
-    _prefill(sides, first, [5, 6, 7, 8])
-    sides.scheduler.request_finished(first)
-    sides.until_finished({"r1"})
+    _stored_r1(sides)
     failing: Sides = open_sides(backend=f"failing-local://{tmp_path}/store")
     longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])  # blocks 0-2 stored, 3-4 new
     assert failing.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
-    _prefill(failing, longer, [9, 10, 11, 12, 13, 14], computed=12)
+    _prefill(failing, longer, [9, 10, 11, 12, 13, 14], computed=12, report=False)
     worker = failing.workers[0]
     assert worker.take_load_errors() == {9, 10, 11}
     # The scheduler holds back the load step's blocks, so nothing was even planned to be stored.
@@ -402,6 +408,8 @@ def test_a_failed_load_is_reported_before_wait_for_save(open_sides: Any, tmp_pat
     (worker,) = failing.workers
     worker.start_load_kv(meta)
     assert worker.take_load_errors() == {9, 10, 11}  # no wait_for_save yet
+    worker_meta = worker.worker_meta()
+    assert worker_meta is not None and meta.step in worker_meta.steps  # the step's loads have ended
     worker.wait_for_save(meta)
     assert worker.take_load_errors() == set() and worker.counters.load_failed_blocks == 3
 
@@ -423,7 +431,7 @@ def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) ->
     assert sides.workers[0].counters.loaded_blocks == 3
 
 
-# -- a load's step stores nothing until vLLM's verdict on the load --------------------------------
+# -- nothing is stored from a load until every rank's load is known good --------------------------
 
 
 def _stored_r1(sides: Sides) -> None:
@@ -431,7 +439,6 @@ def _stored_r1(sides: Sides) -> None:
     sides.admit(first, [5, 6, 7, 8])
     _prefill(sides, first, [5, 6, 7, 8])
     sides.scheduler.request_finished(first)
-    sides.until_finished({"r1"})
 
 
 def _decode_step(req_id: str, computed: int, scheduled: int = 1) -> FakeSchedulerOutput:
@@ -461,16 +468,9 @@ def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank_and_the_recompute
 
     longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])  # blocks 0-2 stored, 3-4 new
     assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
-    _prefill(sides, longer, [9, 10, 11, 12, 13, 14], computed=12)
-    assert failing.take_load_errors() == {9, 10, 11} and sides.workers[0].take_load_errors() == set()
-    for worker in sides.workers:
-        concurrent.futures.wait([f for fs in worker._stores.values() for f in fs])
-        worker.get_finished(set())
+    _prefill(sides, longer, [9, 10, 11, 12, 13, 14], computed=12)  # vLLM's aggregate: {9, 10, 11}
     assert [w.counters.stored_blocks for w in sides.workers] == stored_before  # rank 0 too
-
-    # vLLM's aggregate names the failed blocks and truncates the request to block 0: the step that
-    # recomputes stores everything it computed.
-    sides.scheduler.update_connector_output(None, {9, 10, 11}, set())
+    # vLLM truncates the request to block 0: the step that recomputes stores everything it computes.
     meta = sides.scheduler.build_connector_meta(_decode_step("r2", 0, scheduled=20))  # type: ignore[arg-type]
     assert [(s.block_offset, s.block_ids) for s in meta.saves] == [(0, (9, 10, 11, 12, 13))]
 
@@ -486,9 +486,62 @@ def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed
         )
     )  # type: ignore[arg-type]
     assert [s.request_id for s in load_step.loads] == ["r2"] and load_step.saves == ()
-    sides.scheduler.update_connector_output(None, set(), set())  # nothing failed anywhere
-    decode = sides.scheduler.build_connector_meta(_decode_step("r2", 20))  # type: ignore[arg-type]
+    # the load's step has not settled: a save that reads its blocks is still held back
+    held = sides.scheduler.build_connector_meta(_decode_step("r2", 20))  # type: ignore[arg-type]
+    assert held.saves == ()
+    sides.scheduler.update_connector_output(None, set(), set(), [load_step.step])  # settled, nothing failed
+    decode = sides.scheduler.build_connector_meta(_decode_step("r2", 21))  # type: ignore[arg-type]
     assert [(s.block_offset, s.block_ids) for s in decode.saves] == [(3, (12, 13))]
+
+
+def test_a_request_reading_loaded_blocks_through_the_prefix_cache_is_held_back_too(open_sides: Any) -> None:
+    """R1 gets R0's blocks from vLLM's prefix cache in the step R0 loads them: what R1 computes
+    from them waits for the load's verdict just like R0's own blocks."""
+    sides: Sides = open_sides(tp_size=2)
+    _stored_r1(sides)
+    r0 = FakeRequest("r0", [*TOKENS[:12], *range(500, 508)])
+    r1 = FakeRequest("r1b", [*TOKENS[:12], *range(600, 608)])
+    assert sides.admit(r0, [9, 10, 11, 12, 13, 14]) == (12, False)
+    assert sides.admit(r1, [9, 10, 11, 1, 2, 3], local_tokens=12) == (0, False)  # vLLM's own hit
+    step = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [
+                FakeNewRequest("r0", ([9, 10, 11, 12, 13, 14],), 12),
+                FakeNewRequest("r1b", ([9, 10, 11, 1, 2, 3],), 12),
+            ],
+            num_scheduled_tokens={"r0": 8, "r1b": 8},
+        )
+    )  # type: ignore[arg-type]
+    assert [s.request_id for s in step.loads] == ["r0"] and step.saves == ()
+    # one rank's load failed: block 10 is bad; both requests are recomputed from it and store again
+    sides.scheduler.update_connector_output(None, {10}, set(), [step.step, step.step])
+    recompute = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            scheduled_cached_reqs=FakeCachedRequests(["r0", "r1b"], set(), [None, None], [4, 12]),
+            num_scheduled_tokens={"r0": 16, "r1b": 8},
+        )
+    )  # type: ignore[arg-type]
+    # r0 recomputes block 1 (engine block 10) on; r1b still reads block 10, recomputed in this step
+    assert [(s.request_id, s.block_offset, s.block_ids) for s in recompute.saves] == [
+        ("r0", 1, (10, 11, 12, 13)),
+        ("r1b", 1, (10, 11, 1, 2)),
+    ]
+
+
+def test_a_step_settles_only_when_every_worker_reported_it(open_sides: Any) -> None:
+    sides: Sides = open_sides(tp_size=2)
+    _stored_r1(sides)
+    longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
+    sides.admit(longer, [9, 10, 11, 12, 13, 14])
+    step = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 12)], num_scheduled_tokens={"r2": 8}
+        )
+    )  # type: ignore[arg-type]
+    sides.scheduler.update_connector_output(None, set(), set(), [step.step])  # one worker of two
+    assert sides.scheduler.build_connector_meta(_decode_step("r2", 20)).saves == ()  # type: ignore[arg-type]
+    sides.scheduler.update_connector_output(None, set(), set(), [step.step])  # the other one
+    assert sides.scheduler.build_connector_meta(_decode_step("r2", 21)).saves != ()  # type: ignore[arg-type]
 
 
 # -- loads are reported only once they ended ------------------------------------------------------
@@ -510,22 +563,40 @@ def test_an_overdue_asynchronous_load_is_not_reported_until_its_get_ends(
         assert sides.step(FakeSchedulerOutput()) == [(None, None)]
     assert worker.take_load_errors() == set()
     held.set_exception(ConnectionError("store down"))  # the get ended
-    assert sides.step(FakeSchedulerOutput()) == [(None, {"r2"})]
+    assert sides.step(FakeSchedulerOutput(), report=False) == [(None, {"r2"})]
     assert worker.take_load_errors() == {9, 10, 11}
 
 
-def test_a_synchronous_load_waits_for_its_get_past_the_timeout() -> None:
-    from kvflow.integrations.vllm.steps import wait_result
+def test_a_transfer_is_waited_for_past_its_deadline() -> None:
+    from kvflow.integrations.vllm.steps import wait_ended
 
     future: CallFuture[Any] = CallFuture(time.monotonic() + 0.05)
     timer = threading.Timer(0.3, future.set_result, args=("done",))
     timer.start()
     started = time.monotonic()
-    assert wait_result(future, log_every_s=0.05) == "done"
+    assert wait_ended(future, "load", log_every_s=0.05) == "done"
     assert time.monotonic() - started >= 0.25
 
 
-# -- a preempted request with saves, aborted while it reloads, is reported once -------------------
+def test_an_async_load_whose_blocks_failed_is_stored_again_after_the_recompute(open_sides: Any) -> None:
+    """Blocks evicted between lookup and an asynchronous load are recomputed, then stored again."""
+    sides: Sides = open_sides(load_async=True)
+    _stored_r1(sides)
+    loading = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
+    assert sides.admit(loading, [9, 10, 11, 12, 13, 14]) == (12, True)
+    sides.step(FakeSchedulerOutput(), report=False)
+    # every worker finished receiving; block 10 (the request's block 1) did not load
+    sides.scheduler.update_connector_output({"r2"}, {10}, set(), [])
+    sides.scheduler.update_state_after_alloc(loading, FakeBlocks([9, 10, 11, 12, 13, 14]), 0)  # type: ignore[arg-type]
+    recompute = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 4)], num_scheduled_tokens={"r2": 16}
+        )
+    )  # type: ignore[arg-type]
+    assert [(s.block_offset, s.block_ids) for s in recompute.saves] == [(1, (10, 11, 12, 13))]
+
+
+# -- a preempted request aborted while it reloads is reported once -------------------------------
 
 
 def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
@@ -534,9 +605,7 @@ def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
     sides: Sides = open_sides(load_async=True)
     request = FakeRequest("r", TOKENS)
     assert sides.admit(request, [5, 6, 7, 8]) == (0, False)
-    _prefill(sides, request, [5, 6, 7, 8])  # saves blocks 0-2
-    (worker,) = sides.workers
-    concurrent.futures.wait(worker._stores["r"])
+    _prefill(sides, request, [5, 6, 7, 8])  # stores blocks 0-2 within the step
     sides.step(FakeSchedulerOutput(preempted_req_ids={"r"}))  # its blocks are freed
 
     held: CallFuture[Any] = CallFuture(float("inf"))
@@ -547,11 +616,12 @@ def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
     assert answer == (12, True)
     sides.step(FakeSchedulerOutput())  # the reload starts
     assert sides.scheduler.request_finished(request) is True  # aborted while it reloads
-    for _ in range(3):  # its old saves are done, but blocks 1-3 are under the running load
+    for _ in range(3):  # blocks 1-3 are under the running load
         assert sides.step(FakeSchedulerOutput(), frozenset({"r"})) == [(None, None)]
     held.set_exception(ConnectionError("store down"))
-    reports = sides.step(FakeSchedulerOutput(), frozenset())
+    reports = sides.step(FakeSchedulerOutput(), frozenset(), report=False)
     assert reports == [(None, {"r"})]
+    (worker,) = sides.workers
     assert worker.take_load_errors() == {1, 2, 3}
     for _ in range(2):
         assert sides.step(FakeSchedulerOutput(), frozenset()) == [(None, None)]
@@ -608,16 +678,23 @@ def test_stores_of_device_caches_wait_for_the_forward_to_finish(
     cache = sides.caches[0]
     sides.admit(request, [5, 6, 7, 8])
     stale = _block(cache, 5)
-    _prefill(sides, request, [5, 6, 7, 8])  # the step's stores are now waiting for the gate
-    assert gate.recorded
-    time.sleep(0.2)
-    assert sides.workers[0].counters.stored_blocks == 0  # nothing was read before the event fired
-    for name in LAYERS:  # the "device" finishes writing block 5 only now
-        cache[name][5].add_(1)
-    gate.done.set()
-    assert sides.scheduler.request_finished(request) is True
-    sides.until_finished({"r1"})
+    seen_before_event: list[int] = []
+
+    def device() -> None:
+        """The "device" is still computing: the step's stores must wait for its event."""
+        time.sleep(0.2)
+        seen_before_event.append(sides.workers[0].counters.stored_blocks)
+        for name in LAYERS:  # the forward finishes writing block 5 only now
+            cache[name][5].add_(1)
+        gate.done.set()
+
+    finisher = threading.Thread(target=device)
+    finisher.start()
+    _prefill(sides, request, [5, 6, 7, 8])  # wait_for_save returns once the stores have read the blocks
+    finisher.join()
+    assert gate.recorded and seen_before_event == [0]  # nothing was read before the event fired
     assert sides.workers[0].counters.stored_blocks == 3
+    assert sides.scheduler.request_finished(request) is False
     reader = open_sides()
     again = FakeRequest("r2", TOKENS)
     assert reader.admit(again, [1, 2, 3, 4])[0] == 12

@@ -1,0 +1,258 @@
+"""The connector under vLLM's real Scheduler and AsyncScheduler, TP=1 and TP=2, with faults.
+
+Every scenario runs ``scheduler_harness.Harness`` (vLLM's scheduler, real worker-side connectors
+over CPU caches, a fake forward that checks what every request computed from) and ends with the same
+checks (the ``engines`` fixture): no block was written while a transfer on it ran, every KV block
+vLLM allocated is free again, every object in the store holds exactly the KV the clean model
+computes, and a fresh engine that loads every stored block computes from correct KV only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from tests.integrations.vllm import scheduler_harness
+from tests.integrations.vllm.scheduler_harness import Faults, Harness
+
+A = list(range(10, 30))  # 5 full blocks of 4
+A_LONG = [*A, *range(300, 309)]  # A's 5 blocks, 2 more, and a token
+B_SHARED = [*A[:12], *range(400, 409)]  # A's first 3 blocks, then its own
+
+MakeHarness = Callable[..., Harness]
+
+
+@attrs.define
+class Engines:
+    store: Path
+    model: Path
+    made: list[Harness] = attrs.field(factory=list)
+    prompts: list[list[int]] = attrs.field(factory=list)
+
+    def __call__(self, **kwargs: Any) -> Harness:
+        harness = Harness(self.store, self.model, **kwargs)
+        self.made.append(harness)
+        return harness
+
+    def serve(self, harness: Harness, *prompts: list[int], max_tokens: int = 3) -> list[str]:
+        """Add ``prompts`` at once and run until all finished; outputs must be the clean model's."""
+        ids = [harness.add(p, max_tokens=max_tokens) for p in prompts]
+        harness.run()
+        self.prompts.extend(p for p in prompts if p not in self.prompts)
+        for req_id, prompt in zip(ids, prompts):
+            tracked = harness.requests[req_id]
+            assert tracked.finished, req_id
+            assert tracked.outputs == harness.expected_outputs(prompt, max_tokens), req_id
+        return ids
+
+    def check(self, harness: Harness) -> None:
+        """What must hold after every scenario of every engine."""
+        assert harness.writes_under_transfer == []
+        assert harness.free_blocks() == harness.free_blocks_at_start
+        assert not harness.scheduler.requests
+        assert harness.scheduler.reset_prefix_cache() is True  # an idle engine holds no block
+
+
+@pytest.fixture
+def engines(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Engines]:
+    faults = Faults()
+    scheduler_harness.FAULTS = faults  # a fresh fault plan for every test
+    engines = Engines(tmp_path / "store", tiny_model_dir)
+    yield engines
+    faults.fail_gets = False
+    try:
+        for harness in engines.made:
+            engines.check(harness)
+        if engines.prompts:
+            assert engines.made[0].stored_objects_are_correct(engines.prompts) > 0
+            # a fresh engine that loads every stored block computes from correct KV only
+            verifier = engines(tp=engines.made[0].tp, num_kv_heads=engines.made[0].num_kv_heads)
+            for prompt in list(engines.prompts):
+                engines.serve(verifier, prompt)
+            assert verifier.wrong_inputs == []
+            engines.check(verifier)
+    finally:
+        for harness in engines.made:
+            harness.close()
+
+
+def loaded(harness: Harness) -> list[int]:
+    return [w.counters().loaded_blocks for w in harness.workers]  # type: ignore[union-attr]
+
+
+def stored(harness: Harness) -> list[int]:
+    return [w.counters().stored_blocks for w in harness.workers]  # type: ignore[union-attr]
+
+
+# -- hits -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (1, True), (2, True)])
+def test_full_and_partial_hits_load_instead_of_compute(
+    engines: Engines, tp: int, async_scheduling: bool
+) -> None:
+    first = engines(tp=tp, async_scheduling=async_scheduling)
+    engines.serve(first, A)
+    assert stored(first) == [5] * tp  # GQA, 2 KV heads: each rank stores its own heads' blocks
+    second = engines(tp=tp, async_scheduling=async_scheduling)
+    engines.serve(second, A_LONG)
+    assert loaded(second) == [5] * tp and stored(second) == [2] * tp
+    assert second.wrong_inputs == []
+
+
+def test_requests_sharing_a_prefix_in_one_step(engines: Engines) -> None:
+    first = engines()
+    engines.serve(first, A)
+    second = engines()
+    engines.serve(second, A_LONG, B_SHARED)  # B's first 3 blocks: loaded for A_LONG, shared by B
+    assert second.wrong_inputs == []
+
+
+def test_asynchronous_loads(engines: Engines) -> None:
+    first = engines(extra={"load_async": True})
+    engines.serve(first, A)
+    second = engines(extra={"load_async": True})
+    engines.serve(second, A_LONG)
+    assert loaded(second) == [5] and second.wrong_inputs == []
+
+
+def test_layerwise_transfers(engines: Engines) -> None:
+    first = engines(extra={"layerwise": True})
+    engines.serve(first, A)
+    second = engines(extra={"layerwise": True})
+    engines.serve(second, A_LONG)
+    assert loaded(second) == [5] and second.wrong_inputs == []
+
+
+# -- failed loads never leave wrong KV in the store -------------------------------------------------
+
+
+def test_a_load_failing_on_one_rank_stores_nothing_computed_from_it_even_for_a_prefix_sharer(
+    engines: Engines,
+) -> None:
+    """TP=2: R0 loads a stored prefix, R1 gets the same blocks through vLLM's prefix cache in the
+    same step. Rank 0's load fails, rank 1's succeeds. Nothing either computed from the failed
+    load may reach the store, on any rank; vLLM recomputes both and they come out exact."""
+    first = engines(tp=2)
+    engines.serve(first, A[:12])  # 3 blocks stored
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_matching = True, "@h0@"  # rank 0's namespace only
+    second = engines(tp=2)
+    engines.serve(second, A_LONG, B_SHARED)
+    assert loaded(second)[1] == 3 and second.workers[0].counters().load_failed_blocks == 3  # type: ignore[union-attr]
+    assert second.wrong_inputs  # the failed step did compute from junk (then vLLM recomputed it)
+
+
+def test_async_scheduling_never_stores_what_a_request_admitted_onto_a_failed_load_computed(
+    engines: Engines,
+) -> None:
+    """vLLM's AsyncScheduler plans step N+1 before it sees step N's output: a request admitted in
+    N+1 onto the blocks a failing load writes in N must not have its blocks stored.
+
+    (vLLM 0.32 itself does not recompute that request's step N+1, which read the failed blocks, so
+    its tokens may differ from the clean model's: the test asserts what kvflow owns, the store.)"""
+    first = engines()
+    engines.serve(first, A[:12])
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_left = True, 1
+    second = engines(async_scheduling=True)
+    r0 = second.add(A_LONG, max_tokens=3)
+    second.step()  # step N: R0 loads (and fails); its output is not processed yet
+    r1 = second.add(B_SHARED, max_tokens=3)
+    second.run()
+    engines.prompts += [A_LONG, B_SHARED]
+    assert second.requests[r0].finished and second.requests[r1].finished
+    assert second.wrong_inputs  # the requests did compute from the failed blocks at first
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_loads_with_either_policy(engines: Engines, policy: str) -> None:
+    first = engines()
+    engines.serve(first, A)
+    scheduler_harness.FAULTS.fail_gets = True
+    second = engines(policy=policy)
+    if policy == "recompute":
+        engines.serve(second, A_LONG)
+        assert stored(second) == [2]  # the recompute stored what it computed; loaded blocks exist
+        return
+    req_id = second.add(A_LONG, max_tokens=3)
+    second.run()
+    assert second.requests[req_id].finished and second.requests[req_id].outputs == []  # failed
+    engines.prompts.append(A)
+
+
+def test_an_async_load_that_misses_blocks_stores_them_again_after_the_recompute(engines: Engines) -> None:
+    """Blocks evicted between lookup and an asynchronous load are recomputed and stored again, so a
+    later request finds every block."""
+    first = engines(extra={"load_async": True})
+    engines.serve(first, A)
+    scheduler_harness.FAULTS.evict_gets_left = 1  # the objects go between lookup and load
+    second = engines(extra={"load_async": True})
+    engines.serve(second, A_LONG)
+    assert stored(second) == [7]  # the 5 evicted blocks again, and 2 new ones
+    third = engines(extra={"load_async": True})
+    engines.serve(third, A_LONG)
+    assert loaded(third) == [7]
+
+
+# -- blocks and transfers ----------------------------------------------------------------------------
+
+
+def test_slow_stores_finish_inside_their_step_and_finished_requests_hold_nothing(engines: Engines) -> None:
+    scheduler_harness.FAULTS.put_delay_s = 0.05
+    harness = engines()
+    engines.serve(harness, A, B_SHARED, max_tokens=1)
+    assert harness.scheduler.reset_prefix_cache() is True  # right after the last request finished
+
+
+def test_abort_during_an_asynchronous_load_keeps_its_blocks_until_the_load_ends(engines: Engines) -> None:
+    first = engines(extra={"load_async": True})
+    engines.serve(first, A)
+    scheduler_harness.FAULTS.get_delay_s = 0.3
+    second = engines(extra={"load_async": True})
+    req_id = second.add(A_LONG, max_tokens=3)
+    second.step()  # the load starts and runs for 0.3 s
+    second.abort(req_id)
+    assert second.free_blocks() < second.free_blocks_at_start  # the load may still write them
+    second.run()  # idle steps until every worker reported the load ended: then they are free
+    assert second.requests[req_id].outputs == []
+    engines.prompts.append(A)
+
+
+def test_preemption_with_transfers_in_flight(engines: Engines) -> None:
+    """A cache too small for every request at once: vLLM preempts and resumes requests while loads
+    and (delayed) stores run; no block is written under a transfer and every output is exact."""
+    first = engines()
+    engines.serve(first, A)
+    faults = scheduler_harness.FAULTS
+    faults.put_delay_s, faults.get_delay_s = 0.02, 0.02
+    small = engines(num_blocks=14, max_num_batched_tokens=32)
+    prompts = [A_LONG, B_SHARED, [*range(700, 724)], [*A[:8], *range(800, 815)]]
+    engines.serve(small, *prompts, max_tokens=6)
+    assert small.preempted  # the scenario did preempt
+
+
+def test_reset_cache_lets_vllm_reset_and_keeps_the_store(engines: Engines) -> None:
+    harness = engines()
+    engines.serve(harness, A)
+    connector = harness.scheduler.connector
+    assert connector is not None and connector.reset_cache() is True
+    assert harness.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    again = engines()
+    engines.serve(again, A)
+    assert loaded(again) == [5]  # the store kept its objects
+
+
+def test_every_block_is_free_again_after_each_scenario_step_by_step(engines: Engines) -> None:
+    harness = engines()
+    req = harness.add(A, max_tokens=2)
+    harness.step()
+    assert harness.free_blocks() < harness.free_blocks_at_start
+    harness.run()
+    assert harness.requests[req].finished
+    assert harness.free_blocks() == harness.free_blocks_at_start
+    engines.prompts.append(A)

@@ -1,0 +1,79 @@
+"""The block-trust bookkeeping of the scheduler side, step by step (pure: no vLLM objects)."""
+
+from __future__ import annotations
+
+from kvflow.integrations.vllm.trust import BlockTrust, StepWork
+from kvflow.request import KVRequest
+
+
+def load(*blocks: int, request_id: str = "r") -> KVRequest:
+    return KVRequest(request_id=request_id, block_ids=blocks, block_hashes=[b"h"] * len(blocks))
+
+
+def test_a_load_is_pending_until_its_step_settles_then_trusted() -> None:
+    trust = BlockTrust()
+    trust.loading(1, load(10, 11))
+    assert not trust.trusted([10]) and trust.trusted([12])
+    assert trust.settle(1, set()) == [load(10, 11)]
+    assert trust.trusted([10, 11]) and trust.untrusted == 0
+
+
+def test_what_a_step_computes_from_a_pending_load_waits_for_it_even_when_a_sharer_computes_it() -> None:
+    trust = BlockTrust()
+    trust.loading(1, load(10, 11))
+    # r0 reads its loaded blocks and writes 12; r1 shares 10, 11 through the prefix cache, writes 20
+    trust.computed([StepWork(reads=[10, 11], writes=[12]), StepWork(reads=[10, 11], writes=[20])])
+    assert not trust.trusted([12]) and not trust.trusted([20])
+    # a later step computes 21 from 10, 11, 20: it inherits the dependency
+    trust.computed([StepWork(reads=[10, 11, 20], writes=[21])])
+    assert not trust.trusted([21])
+    trust.settle(1, set())
+    assert trust.trusted([10, 11, 12, 20, 21])
+
+
+def test_a_failed_load_makes_everything_computed_from_its_step_bad_until_rewritten() -> None:
+    trust = BlockTrust()
+    trust.loading(1, load(10, 11))
+    trust.computed([StepWork(reads=[10, 11], writes=[12])])
+    trust.loading(2, load(30))  # another step's load, not affected
+    trust.settle(1, {11})
+    assert trust.bad(11) and trust.bad(12)
+    assert not trust.bad(10) and trust.trusted([10])  # loaded alone and fine
+    # the recompute rewrites 11 and 12 from the trusted block 10: trusted again
+    trust.computed([StepWork(reads=[10], writes=[11, 12])])
+    assert trust.trusted([11, 12]) and not trust.trusted([30])
+
+
+def test_a_rewrite_from_bad_inputs_stays_bad() -> None:
+    trust = BlockTrust()
+    trust.loading(1, load(10))
+    trust.settle(1, {10})
+    trust.computed([StepWork(reads=[10], writes=[11])])
+    assert trust.bad(11)
+
+
+def test_a_partly_recomputed_loaded_block_is_judged_by_its_inputs() -> None:
+    """The last loaded block is rewritten for its last token: it then depends on every input."""
+    trust = BlockTrust()
+    trust.loading(1, load(10, 11))
+    trust.computed([StepWork(reads=[10, 11], writes=[11])])
+    trust.settle(1, {10})
+    assert trust.bad(10) and trust.bad(11)
+
+
+def test_requests_of_one_step_see_each_others_writes() -> None:
+    """r1 reads block 12, which r0 recomputes in the same step from trusted inputs."""
+    trust = BlockTrust()
+    trust.loading(1, load(12))
+    trust.settle(1, {12})
+    assert trust.bad(12)
+    trust.computed([StepWork(reads=[10, 12], writes=[20]), StepWork(reads=[10], writes=[12])])
+    assert trust.trusted([12, 20])
+
+
+def test_an_asynchronous_load_is_judged_when_it_ends() -> None:
+    trust = BlockTrust()
+    trust.load_ended(load(5, 6), {6})
+    assert trust.trusted([5]) and trust.bad(6)
+    trust.load_ended(load(5, 6), set())  # vLLM retried the load, and it worked
+    assert trust.trusted([5, 6])
