@@ -18,12 +18,26 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="memory://", help="backend URL (default: memory://)")
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     demo.add_argument("--keep", action="store_true", help="keep the blocks the demo stored (default: remove)")
+    demo.add_argument(
+        "--staged", action="store_true", help="move blocks through host staging buffers, as device caches do"
+    )
+    demo.add_argument(
+        "--device", default="cpu", help="where the KV caches live: cpu, cuda, npu (default: cpu)"
+    )
 
     bench = sub.add_parser("bench", help="store/retrieve/lookup throughput as ratios to memcpy")
     bench.add_argument("--backend", default="memory://", help="backend URL (default: memory://)")
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     bench.add_argument("--layerwise", action="store_true", help="layerwise retrieve overlapped with compute")
+    bench.add_argument(
+        "--staged",
+        action="store_true",
+        help="the host staging path against the direct path (or copy_ on a GPU)",
+    )
+    bench.add_argument(
+        "--device", default="cpu", help="with --staged: where the caches live (cpu, cuda, npu)"
+    )
 
     sub.add_parser(
         "mooncake-master", help="run a local Mooncake master (private network namespace only)", add_help=False
@@ -42,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from kvflow.tools.demo import demo_main
 
-        return demo_main(args.backend, args.json, keep=args.keep)
+        return demo_main(args.backend, args.json, keep=args.keep, staged=args.staged, device=args.device)
     if args.command == "bench":
+        if args.staged:
+            from kvflow.tools.bench_staged import staged_main
+
+            return staged_main(as_json=args.json, quick=args.quick, device=args.device)
         from kvflow.tools.bench import bench_main
 
         return int(bench_main(args.backend, as_json=args.json, quick=args.quick, layerwise=args.layerwise))

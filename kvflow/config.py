@@ -113,6 +113,16 @@ def _text(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         raise ConfigError(f"{attribute.name} must be non-empty text without NUL bytes, got {value!r}")
 
 
+def _one_of(*choices: str) -> Any:
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in choices:
+            raise ConfigError(
+                f"{attribute.name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            )
+
+    return check
+
+
 def _flag(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
@@ -127,6 +137,10 @@ class PoolConfig:
     ``max_inflight_bytes`` bounds the bytes a pool has in backend calls at once (backpressure).
     ``timeout_s`` bounds each store, retrieve and lookup, counted from the call.
     ``layerwise``: one object per block and layer instead of one per block.
+    ``staging``: move blocks through host staging buffers: ``"auto"`` (when the KV cache is on a
+    device the backend cannot read or write), ``"always"`` (also host caches: how the device path is
+    tested on a CPU), ``"never"`` (a device cache the backend cannot reach is then refused).
+    ``staging_bytes``: the staging buffers, allocated once per pool (pinned when on a device).
     """
 
     backend: str = attrs.field(default="memory://", validator=_text)
@@ -134,3 +148,5 @@ class PoolConfig:
     max_inflight_bytes: int = attrs.field(default=1 << 30, validator=positive_int)
     timeout_s: float = attrs.field(default=30.0, validator=positive_seconds)
     layerwise: bool = attrs.field(default=False, validator=_flag)
+    staging: str = attrs.field(default="auto", validator=_one_of("auto", "always", "never"))
+    staging_bytes: int = attrs.field(default=256 << 20, validator=positive_int)

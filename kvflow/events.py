@@ -110,6 +110,11 @@ class CudaEvent:
     def query(self) -> bool:
         return self._recorded and bool(self._event.query())  # type: ignore[no-untyped-call]
 
+    @property
+    def native(self) -> torch.cuda.Event | None:
+        """The recorded ``torch.cuda.Event`` (a stream can wait on it on the device), else None."""
+        return self._event if self._recorded else None
+
 
 def _torch_npu() -> ModuleType:
     try:
@@ -140,6 +145,11 @@ class NpuEvent:
 
     def query(self) -> bool:
         return self._recorded and bool(self._event.query())
+
+    @property
+    def native(self) -> Any:
+        """The recorded ``torch_npu`` event (a stream can wait on it on the device), else None."""
+        return self._event if self._recorded else None
 
 
 def make_event(device: torch.device | str) -> DeviceEvent:

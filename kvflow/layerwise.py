@@ -38,7 +38,7 @@ from anyio.abc import TaskGroup
 
 from kvflow.config import positive_int
 from kvflow.errors import ConfigError
-from kvflow.events import LayerEvents
+from kvflow.events import DeviceEvent, LayerEvents
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer import BlockPlan, LoadJob, StoreJob, Transfer
 
@@ -52,10 +52,16 @@ T = TypeVar("T", bound="_LayerTasks")
 @attrs.frozen
 class LayerOutcome:
     """A layer of a layerwise store or load has finished; ``failed`` of its objects did not make it
-    (a put that failed or found no space; a load that missed or failed)."""
+    (a put that failed or found no space; a load that missed or failed).
+
+    A staged load's copies into the cache may still run on the device: ``ready`` holds their events
+    (make the compute stream wait on them before the layer's kernels read the blocks; empty when
+    nothing is left to wait for).
+    """
 
     layer: int
     failed: int
+    ready: tuple[DeviceEvent, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -71,6 +77,7 @@ class _LayerTasks:
     plan: BlockPlan
     timeout_s: float
     _failed: list[int | None] = attrs.field(init=False)  # per layer; None until it finished
+    _ready: list[tuple[DeviceEvent, ...]] = attrs.field(init=False)
     _done: list[anyio.Event] = attrs.field(init=False, factory=list)
     _tg: TaskGroup | None = attrs.field(default=None, init=False)
     _used: bool = attrs.field(default=False, init=False)
@@ -78,6 +85,7 @@ class _LayerTasks:
 
     def __attrs_post_init__(self) -> None:
         self._failed = [None] * self.transfer.format.num_layers
+        self._ready = [()] * self.transfer.format.num_layers
 
     @property
     def num_layers(self) -> int:
@@ -113,7 +121,11 @@ class _LayerTasks:
             tg.cancel_scope.cancel()  # whatever has not finished is abandoned; results say so
             return await tg.__aexit__(exc_type, exc, tb)
         finally:
+            await self._cleanup()
             self.transfer.end()
+
+    async def _cleanup(self) -> None:
+        """After the task group ended (shielded if it must wait)."""
 
     def __aiter__(self: T) -> T:
         return self
@@ -129,13 +141,14 @@ class _LayerTasks:
         self._advance(layer)
         failed = self._failed[layer]
         assert failed is not None
-        return LayerOutcome(layer, failed)
+        return LayerOutcome(layer, failed, self._ready[layer])
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
-    def _finish(self, layer: int, failed: int) -> None:
+    def _finish(self, layer: int, failed: int, ready: tuple[DeviceEvent, ...] = ()) -> None:
         self._failed[layer] = failed
+        self._ready[layer] = ready
         self._done[layer].set()
         log.debug("layer %d finished, %d objects failed", layer, failed)
 
@@ -192,6 +205,9 @@ class LayerwiseStorer(_LayerTasks):
     async def _put_layer(self, layer: int) -> None:
         self._finish(layer, await self._job.put(layer, self._deadline()))
 
+    async def _cleanup(self) -> None:
+        self._job.release_all()
+
     def results(self) -> list[StoreResult]:
         """One :class:`StoreResult` per request: a block's status is the worst over its layers
         (``None`` where another rank owns it; FAILED where a layer never finished)."""
@@ -228,7 +244,13 @@ class LayerwiseRetriever(_LayerTasks):
             self._started += 1
 
     async def _fetch(self, layer: int) -> None:
-        self._finish(layer, await self._job.get(layer, self._deadline()))
+        deadline = self._deadline()
+        failed = await self._job.get(layer, deadline)
+        self._finish(layer, failed, self._job.ready(layer))  # handed out: the engine may wait on the device
+        await self._job.settle(layer, deadline)  # then the staging chunks go back
+
+    async def _cleanup(self) -> None:
+        await self._job.settle_all(self._deadline())
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every layer of it was

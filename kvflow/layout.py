@@ -121,6 +121,15 @@ def _plane(view: torch.Tensor, name: str) -> Plane:
     return Plane(view.data_ptr(), stride, block_nbytes, order)
 
 
+def _bytes_view(view: torch.Tensor, plane: Plane) -> torch.Tensor:
+    """``view``'s plane as ``uint8 [num_blocks, block_nbytes]`` over the same memory."""
+    storage = view.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8, device=view.device)
+    whole.set_(storage, 0, (storage.nbytes(),), (1,))
+    offset = plane.base - storage.data_ptr()
+    return whole.as_strided((view.size(0), plane.block_nbytes), (plane.block_stride, 1), offset)
+
+
 def _describe(entry: KVCacheEntry) -> str:
     if isinstance(entry, torch.Tensor):
         return f"tensor{list(entry.shape)}"
@@ -170,6 +179,9 @@ class KVLayout:
     device: torch.device
     layers: tuple[LayerLayout, ...]
     tensors: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    #: every plane as a ``uint8`` tensor ``[num_blocks, block_nbytes]`` over the cache's memory, in
+    #: the order of :meth:`block_addrs` (layer by layer): the staging path copies these
+    plane_views: tuple[torch.Tensor, ...] = attrs.field(repr=False)
     _bases: list[int] = attrs.field(repr=False)
     _strides: list[int] = attrs.field(repr=False)
     _sizes: list[int] = attrs.field(repr=False)
@@ -185,6 +197,7 @@ class KVLayout:
         kinds: set[LayoutKind] = set()
         layers: list[LayerLayout] = []
         tensors: list[torch.Tensor] = []
+        views_u8: list[torch.Tensor] = []
         sizes: set[int] = set()
         num_blocks: set[int] = set()
         dtypes: set[torch.dtype] = set()
@@ -198,7 +211,9 @@ class KVLayout:
                 dtypes.add(view.dtype)
                 devices.add(view.device)
             tensors.extend([entry] if isinstance(entry, torch.Tensor) else entry)
-            layers.append(LayerLayout(name, tuple(_plane(v, name) for v in views)))
+            planes_of_layer = tuple(_plane(v, name) for v in views)
+            layers.append(LayerLayout(name, planes_of_layer))
+            views_u8.extend(_bytes_view(v, p) for v, p in zip(views, planes_of_layer))
         for what, values in (
             ("layout kinds", kinds),
             ("block sizes", sizes),
@@ -220,6 +235,7 @@ class KVLayout:
             device=devices.pop(),
             layers=tuple(layers),
             tensors=tuple(tensors),
+            plane_views=tuple(views_u8),
             bases=[p.base for p in planes],
             strides=[p.block_stride for p in planes],
             sizes=[p.block_nbytes for p in planes],
@@ -256,6 +272,13 @@ class KVLayout:
     def block_addrs(self, block_id: int) -> list[int]:
         """The region addresses of block ``block_id`` over every layer (sizes: :attr:`block_sizes`)."""
         return [base + block_id * stride for base, stride in zip(self._bases, self._strides)]
+
+    def unit_planes(self, layer: int | None) -> list[int]:
+        """Indices into :attr:`plane_views` of one layer's planes, or of every plane (``None``)."""
+        if layer is None:
+            return list(range(len(self.plane_views)))
+        first = sum(len(lay.planes) for lay in self.layers[:layer])
+        return list(range(first, first + len(self.layers[layer].planes)))
 
     def layer_regions(self, block_id: int, layer: int) -> tuple[list[int], list[int]]:
         """The region addresses and sizes of block ``block_id`` in layer ``layer`` only."""

@@ -13,8 +13,7 @@ block only when every layer is present, and :meth:`~KVPool.layerwise_store` /
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import anyio
@@ -22,8 +21,9 @@ import attrs
 
 from kvflow.backends import Backend, open_backend
 from kvflow.config import PoolConfig
+from kvflow.device import Device
 from kvflow.errors import ConfigError
-from kvflow.events import DeviceEvent, LayerEvents, wait_event
+from kvflow.events import DeviceEvent, LayerEvents
 from kvflow.layerwise import LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
@@ -68,17 +68,25 @@ class KVPool:
         format: KVFormat | None = None,
         parallel: ParallelConfig | None = None,
         backend: Backend | None = None,
+        device: Device | None = None,
     ) -> KVPool:
         """A pool over ``backend`` (default: the one ``config.backend`` names).
 
         With ``layout`` (the engine's registered KV caches) it stores, retrieves and looks up, and
-        registers the caches' memory with the backend. Without one it only looks up, as an
-        engine's scheduler does, and needs the ``format`` the workers' layouts have.
+        registers with the backend the memory it will read and write: the caches', or its staging
+        buffers when blocks go through host memory (``config.staging``). Without a layout it only
+        looks up, as an engine's scheduler does, and needs the ``format`` the workers' layouts have.
+        ``device``: the shim of the caches' device (default: from the layout; tests pass their own).
         """
         config = config or PoolConfig()
         backend = backend if backend is not None else open_backend(config.backend)
         transfer = Transfer.open(
-            config, backend=backend, parallel=parallel or ParallelConfig(), layout=layout, format=format
+            config,
+            backend=backend,
+            parallel=parallel or ParallelConfig(),
+            layout=layout,
+            format=format,
+            device=device,
         )
         return cls(_transfer=transfer, _token=_CREATE)
 
@@ -105,6 +113,12 @@ class KVPool:
     @property
     def backend(self) -> Backend:
         return self._transfer.backend
+
+    @property
+    def device(self) -> Device | None:
+        """The caches' device shim when blocks move through host staging buffers, else None."""
+        staging = self._transfer.staging
+        return staging.device if staging is not None else None
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -140,30 +154,34 @@ class KVPool:
             transfer.end()
 
     async def store(
-        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+        self,
+        request: KVRequest,
+        *,
+        after: DeviceEvent | None = None,
+        on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
     ) -> StoreResult:
         """Store the request's blocks that this rank owns (another rank of its replica group stores
-        the rest); keys already present are skipped.
+        the rest); keys already present are skipped. Failures are results.
 
         ``after``: an event recorded on the engine's stream after the work that writes the blocks
-        (a device cache's forward); no block is read before it completed. Failures are results.
+        (a device cache's forward); no block is read before it completed. ``on_released``: called
+        once, on this loop, as soon as the blocks are no longer read (copied out to staging, or
+        stored), possibly before the store ends; the engine may then reuse them.
         """
         check_timeout(timeout_s)
         transfer = self._transfer
-        job = StoreJob(transfer, transfer.plan([request]))
+        job = StoreJob(transfer, transfer.plan([request]), on_released)
         deadline = transfer.deadline(timeout_s)
         transfer.begin()
         try:
             await job.skip_present(deadline)  # reads no KV: may run before the event
-            if after is not None and not await _fired(after, deadline):
-                for unit in transfer.units:
-                    job.abandon(unit)
-                return job.results()[0]
             async with anyio.create_task_group() as tg:
                 for unit in transfer.units:
-                    tg.start_soon(job.put, unit, deadline)
+                    tg.start_soon(job.put, unit, deadline, after)
             return job.results()[0]
         finally:
+            job.release_all()
             transfer.end()
 
     async def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
@@ -180,6 +198,7 @@ class KVPool:
                     tg.start_soon(job.get, unit, deadline)
             return job.results()[0]
         finally:
+            await job.settle_all(deadline)  # staged: the copies into the cache are done
             transfer.end()
 
     async def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
@@ -235,13 +254,3 @@ class KVPool:
 
 def _timeout(pool: KVPool, timeout_s: float | None) -> float:
     return pool.config.timeout_s if timeout_s is None else timeout_s
-
-
-async def _fired(event: DeviceEvent, deadline: float) -> bool:
-    """Wait for ``event`` until the deadline; False (logged) if it did not complete in time."""
-    try:
-        await wait_event(event, max(0.0, deadline - time.monotonic()))
-    except TimeoutError as exc:
-        log.warning("a store gives up: %s", exc)
-        return False
-    return True

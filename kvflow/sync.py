@@ -18,6 +18,7 @@ import attrs
 
 from kvflow.backends import Backend
 from kvflow.config import PoolConfig
+from kvflow.device import Device
 from kvflow.events import DeviceEvent
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
@@ -57,9 +58,12 @@ class SyncPool:
         format: KVFormat | None = None,
         parallel: ParallelConfig | None = None,
         backend: Backend | None = None,
+        device: Device | None = None,
     ) -> SyncPool:
         """Start the loop thread and create the pool on it (arguments as :meth:`KVPool.create`)."""
-        loop, pool = start_pool(config, layout=layout, format=format, parallel=parallel, backend=backend)
+        loop, pool = start_pool(
+            config, layout=layout, format=format, parallel=parallel, backend=backend, device=device
+        )
         return cls(_loop=loop, _pool=pool, _token=_OPEN)
 
     @classmethod
@@ -85,6 +89,11 @@ class SyncPool:
     def parallel(self) -> ParallelConfig:
         return self._pool.parallel
 
+    @property
+    def device(self) -> Device | None:
+        """The caches' device shim when blocks move through host staging, else None."""
+        return self._pool.device
+
     # -- calls -----------------------------------------------------------------------------------
 
     def submit_lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> CallFuture[int]:
@@ -92,11 +101,20 @@ class SyncPool:
         return self._submit(lambda t: self._pool.lookup(request, timeout_s=t), timeout_s)
 
     def submit_store(
-        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+        self,
+        request: KVRequest,
+        *,
+        after: DeviceEvent | None = None,
+        on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
     ) -> CallFuture[StoreResult]:
         """Start :meth:`KVPool.store`, reading no block before ``after`` (an event recorded on the
-        engine's stream after the forward) completed."""
-        return self._submit(lambda t: self._pool.store(request, after=after, timeout_s=t), timeout_s)
+        engine's stream after the forward) completed. ``on_released`` is called from the loop
+        thread (so it must be thread-safe, e.g. ``threading.Event.set``) once the blocks are no
+        longer read; the future resolves when the store ended."""
+        return self._submit(
+            lambda t: self._pool.store(request, after=after, on_released=on_released, timeout_s=t), timeout_s
+        )
 
     def submit_retrieve(
         self, request: KVRequest, *, timeout_s: float | None = None
@@ -155,13 +173,16 @@ def start_pool(
     format: KVFormat | None = None,
     parallel: ParallelConfig | None = None,
     backend: Backend | None = None,
+    device: Device | None = None,
 ) -> tuple[LoopThread, KVPool]:
     """Start a loop thread and create a :class:`KVPool` on it (arguments as :meth:`KVPool.create`)."""
     config = config or PoolConfig()
     loop = LoopThread().start()
 
     async def make() -> KVPool:
-        return KVPool.create(config, layout=layout, format=format, parallel=parallel, backend=backend)
+        return KVPool.create(
+            config, layout=layout, format=format, parallel=parallel, backend=backend, device=device
+        )
 
     try:
         pool = loop.call(make, timeout_s=config.timeout_s)

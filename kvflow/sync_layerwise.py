@@ -32,6 +32,7 @@ import attrs
 
 from kvflow.backends import Backend, GetStatus
 from kvflow.config import PoolConfig, positive_int
+from kvflow.device import Device
 from kvflow.errors import ConfigError, RequestError
 from kvflow.events import DeviceEvent, LayerEvents, make_event
 from kvflow.layerwise import LayerOutcome, LayerwiseRetriever, LayerwiseStorer
@@ -81,7 +82,7 @@ class _Step:
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _running: int = 0
     _load_ended: bool = False  # the loader's task ended (loop thread, under _cond)
-    _layers_in: list[bool] = attrs.field(factory=list)  # per layer handed out: every block arrived
+    _layers_in: list[LayerOutcome] = attrs.field(factory=list)  # per layer handed out
     _loaded: list[RetrieveResult] = attrs.field(factory=list)
     _stored: list[StoreResult] = attrs.field(factory=list)
     _error: Exception | None = None
@@ -90,7 +91,7 @@ class _Step:
 
     def layer_loaded(self, outcome: LayerOutcome) -> None:
         with self._cond:
-            self._layers_in.append(outcome.ok)
+            self._layers_in.append(outcome)
             self._cond.notify_all()
 
     def finish(
@@ -120,14 +121,15 @@ class _Step:
             self.finish()
             raise
 
-    def wait_layer(self, layer: int, timeout_s: float) -> bool | None:
-        """Whether every block of ``layer`` arrived; None if the wait timed out."""
+    def wait_layer(self, layer: int, timeout_s: float) -> LayerOutcome | bool | None:
+        """``layer``'s outcome once handed out; False if the load ended without it; None if the
+        wait timed out."""
         with self._cond:
             # Not "nothing running": a storer waits for layer events this blocked engine never records.
             ready = self._cond.wait_for(lambda: len(self._layers_in) > layer or self._load_ended, timeout_s)
             if not ready:
                 return None
-            return len(self._layers_in) > layer and self._layers_in[layer]
+            return self._layers_in[layer] if len(self._layers_in) > layer else False
 
     def wait_finished(self, timeout_s: float) -> bool:
         with self._cond:
@@ -186,6 +188,7 @@ class SyncLayerwisePool(SyncPool):
     depth: int = attrs.field(default=1, kw_only=True, validator=positive_int)
     event_factory: Callable[[], DeviceEvent] | None = attrs.field(default=None, kw_only=True)
     _step: _Step | None = attrs.field(default=None, init=False)
+    _device: Device = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -193,6 +196,7 @@ class SyncLayerwisePool(SyncPool):
             raise ConfigError(_NOT_LAYERWISE)
         if self.event_factory is None:
             self.event_factory = functools.partial(make_event, self.kv_layout.device)
+        self._device = self._pool.device or Device.of(self.kv_layout.device)
 
     @classmethod
     def open(
@@ -203,6 +207,7 @@ class SyncLayerwisePool(SyncPool):
         format: KVFormat | None = None,
         parallel: ParallelConfig | None = None,
         backend: Backend | None = None,
+        device: Device | None = None,
         depth: int = 1,
         event_factory: Callable[[], DeviceEvent] | None = None,
     ) -> Self:
@@ -212,7 +217,7 @@ class SyncLayerwisePool(SyncPool):
             raise ConfigError(_NOT_LAYERWISE)
         if layout is None or format is not None:
             raise ConfigError("the layerwise face moves KV: open it with the KV caches' layout, not a format")
-        loop, pool = start_pool(config, layout=layout, parallel=parallel, backend=backend)
+        loop, pool = start_pool(config, layout=layout, parallel=parallel, backend=backend, device=device)
         try:
             return cls._on_loop(loop, pool, depth=depth, event_factory=event_factory)
         except BaseException:
@@ -285,12 +290,16 @@ class SyncLayerwisePool(SyncPool):
             return True
         if step.load_timed_out:
             return False
-        arrived = step.wait_layer(layer, self._timeout if timeout_s is None else timeout_s)
+        timeout = self._timeout if timeout_s is None else timeout_s
+        arrived = step.wait_layer(layer, timeout)
+        if isinstance(arrived, LayerOutcome):
+            for event in arrived.ready:  # staged copies into the cache: the engine's stream waits
+                self._device.wait_current(event, timeout)
+            return arrived.ok
         if arrived is None:
             step.load_timed_out = True
             log.warning("layer %d was not loaded in time; the step's loaded blocks count as failed", layer)
-            return False
-        return arrived
+        return False
 
     def wait_for_save(self, timeout_s: float | None = None) -> StepResult:
         """End the step: block until every put of the step finished or failed (and every load ended).

@@ -90,3 +90,19 @@ def test_demo_runs_on_the_local_shared_memory_backend(tmp_path: Path) -> None:
     again = demo()  # finds the kept blocks from the earlier run, stores and removes nothing
     assert again["blocks_found"] == kept["blocks_stored"] and again["blocks_stored"] == 0
     assert again["blocks_removed"] == 0 and len(list(objects.iterdir())) == kept["blocks_stored"]
+
+
+def test_the_staged_demo_verifies_and_the_staged_bench_reports_both_paths() -> None:
+    """The device path, forced on the CPU: the demo verifies every block; the bench measures the
+    staged and the direct path in one run."""
+    demo = run("-m", "kvflow.cli", "demo", "--staged", "--json")
+    assert demo.returncode == 0, demo.stderr
+    summary = json.loads(demo.stdout)
+    assert summary["verified"] is True and summary["staged"] is True and summary["blocks_retrieved"] > 0
+    bench = run("-m", "kvflow.cli", "bench", "--staged", "--quick", "--json")
+    assert bench.returncode == 0, bench.stderr
+    result = json.loads(bench.stdout)
+    assert result["device"] == "cpu"
+    for op in ("store", "retrieve"):
+        ratio = result[f"staged_{op}_gbps"] / result[f"direct_{op}_gbps"]
+        assert result[f"{op}_staged_vs_direct"] == pytest.approx(ratio)

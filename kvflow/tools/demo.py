@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from kvflow.backends import Backend, PutStatus, open_backend
 from kvflow.config import PoolConfig
+from kvflow.events import make_event
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
@@ -35,6 +36,8 @@ __all__ = ["DemoSummary", "run_demo"]
 @attrs.define
 class DemoSummary:
     backend: str
+    staged: bool = False
+    device: str = "cpu"
     requests: int = 0
     blocks_requested: int = 0
     blocks_stored: int = 0
@@ -79,20 +82,24 @@ async def run_demo(
     progress: bool = True,
     backend: Backend | None = None,
     keep: bool = False,
+    staged: bool = False,
+    device: str = "cpu",
 ) -> DemoSummary:
     """Store the workload from engine A, then retrieve and verify it in engine B.
 
     ``backend`` (optional) replaces the one ``backend_url`` names, e.g. to inject faults. Unless
-    ``keep``, the objects engine A stored are removed at the end."""
+    ``keep``, the objects engine A stored are removed at the end. ``device``: where the KV caches
+    live (``cuda``, ``npu``); ``staged``: move blocks through host staging even for host caches
+    (how the device path runs on a CPU)."""
     g = geometry or Geometry()
     requests = chat_workload(g.block_size)
     max_blocks = max(len(r) for r in requests) // g.block_size
-    summary = DemoSummary(backend=backend_url, requests=len(requests), block_nbytes=g.block_nbytes)
-    config = PoolConfig(backend=backend_url, model="demo-llama")
+    summary = DemoSummary(backend_url, staged, device, requests=len(requests), block_nbytes=g.block_nbytes)
+    config = PoolConfig(backend=backend_url, model="demo-llama", staging="always" if staged else "auto")
     backend = backend if backend is not None else open_backend(backend_url)
 
     # Engine A: computes each request's missing blocks and stores them.
-    cache_a = make_kv_caches(g, max_blocks)
+    cache_a = make_kv_caches(g, max_blocks, device)
     pool_a = KVPool.create(config, layout=KVLayout.from_kv_caches(cache_a), backend=backend)
     summary.blocks_found = await _blocks_present(pool_a, requests, g.block_size)
     created: list[KVRequest] = []  # runs of blocks this run stored, to remove at the end
@@ -103,15 +110,18 @@ async def run_demo(
         summary.blocks_reused += hit
         for i in range(hit, len(hashes)):
             fill_block(cache_a, g, ids[i], hashes[i])
+        written = make_event(device)  # "the forward" ends: its writes are queued before this event
+        written.record()
         start = time.perf_counter()
-        result = await pool_a.store(KVRequest(block_ids=ids[hit:], block_hashes=hashes, block_offset=hit))
+        request = KVRequest(block_ids=ids[hit:], block_hashes=hashes, block_offset=hit)
+        result = await pool_a.store(request, after=written)
         summary.store_s += time.perf_counter() - start
         summary.blocks_stored += result.stored
         summary.store_bytes += result.stored * g.block_nbytes
         created.extend(_stored_runs(hashes, hit, result.statuses))
 
     # Engine B: a fresh, zeroed cache; looks up, retrieves and verifies every hit block.
-    cache_b = make_kv_caches(g, max_blocks)
+    cache_b = make_kv_caches(g, max_blocks, device)
     pool_b = KVPool.create(config, layout=KVLayout.from_kv_caches(cache_b), backend=backend)
     async with pool_b:
         for tokens in tqdm(requests, desc="retrieve", unit="req", disable=not progress):
@@ -168,11 +178,16 @@ def cache_b_zero(cache: dict[str, Any], block_id: int) -> None:
         tensor[block_id].zero_()
 
 
-def demo_main(backend_url: str, as_json: bool, keep: bool = False) -> int:
+def demo_main(
+    backend_url: str, as_json: bool, keep: bool = False, staged: bool = False, device: str = "cpu"
+) -> int:
     import functools
     import json
 
-    summary = anyio.run(functools.partial(run_demo, backend_url, progress=not as_json, keep=keep))
+    run = functools.partial(
+        run_demo, backend_url, progress=not as_json, keep=keep, staged=staged, device=device
+    )
+    summary = anyio.run(run)
     data = summary.as_dict()
     if as_json:
         print(json.dumps(data))
@@ -183,7 +198,8 @@ def demo_main(backend_url: str, as_json: bool, keep: bool = False) -> int:
                 "run; they were reused, not stored again"
             )
         print(
-            f"backend {data['backend']}: {data['requests']} requests, "
+            f"backend {data['backend']}{' (staged through host buffers)' if staged else ''} on {device}: "
+            f"{data['requests']} requests, "
             f"{data['blocks_stored']} blocks stored ({data['block_nbytes'] // 1024} KiB each), "
             f"{data['blocks_retrieved']} of {data['blocks_requested']} blocks retrieved "
             f"(hit rate {data['hit_rate']:.0%}), {data['blocks_verified']} verified bit-exact; "

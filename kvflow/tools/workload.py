@@ -32,10 +32,11 @@ class Geometry:
         return self.num_layers * self.num_kv_heads * self.block_size * 2 * self.head_dim * itemsize
 
 
-def make_kv_caches(geometry: Geometry, num_blocks: int) -> dict[str, torch.Tensor]:
+def make_kv_caches(geometry: Geometry, num_blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Zeroed KV caches, one view per layer into one allocation (as vLLM CPU allocates them)."""
     g = geometry
-    whole = torch.zeros(g.num_layers, num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_dim, dtype=g.dtype)
+    shape = (g.num_layers, num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_dim)
+    whole = torch.zeros(shape, dtype=g.dtype, device=device)
     return {f"model.layers.{i}.self_attn": whole[i] for i in range(g.num_layers)}
 
 
@@ -53,7 +54,7 @@ def fill_block(
 ) -> None:
     """ "Compute" a block: write its expected KV into every layer."""
     for layer, cache in enumerate(kv_caches.values()):
-        cache[block_id].copy_(expected_block(geometry, block_hash, layer))
+        cache[block_id].copy_(expected_block(geometry, block_hash, layer).to(cache.device))
 
 
 def block_matches(
@@ -62,7 +63,7 @@ def block_matches(
     """Bit-exact comparison (random bits include NaN patterns, so compare the raw bytes)."""
     return all(
         torch.equal(
-            cache[block_id].contiguous().view(torch.uint8),
+            cache[block_id].cpu().contiguous().view(torch.uint8),
             expected_block(geometry, block_hash, layer).contiguous().view(torch.uint8),
         )
         for layer, cache in enumerate(kv_caches.values())

@@ -10,7 +10,9 @@ provides each stage once:
 - ownership: which blocks this rank stores (:func:`kvflow.ownership.owner`);
 - the exists-skip: keys already present are not put again;
 - addresses: an engine block of a unit as a scatter-gather :class:`~kvflow.backends.ObjectRef`;
-- batched put/get within the budget, with one result per object and a deadline.
+- batched put/get within the budget, with one result per object and a deadline;
+- staging through host buffers (:mod:`kvflow.transfer.staging`) when the backend cannot reach the
+  cache's memory (a GPU or NPU cache over a TCP store), or when asked to (``staging="always"``).
 
 The faces (:class:`kvflow.KVPool`, the layerwise storer and retriever, and through them the
 synchronous faces) are thin: they build a :class:`~kvflow.transfer.jobs.StoreJob` or
@@ -29,6 +31,7 @@ import attrs
 
 from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
 from kvflow.config import PoolConfig
+from kvflow.device import Device
 from kvflow.errors import ConfigError, LayoutError, PoolClosedError, RequestError
 from kvflow.keys import KeyScope, block_keys, layer_keys
 from kvflow.layout import KVFormat, KVLayout
@@ -37,6 +40,7 @@ from kvflow.request import KVRequest
 from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.plan import BlockPlan, request_hashes
+from kvflow.transfer.staging import StagingPool, UnitShape
 
 __all__ = ["Transfer", "Unit"]
 
@@ -55,6 +59,10 @@ class Transfer:
     format: KVFormat
     parallel: ParallelConfig
     layout: KVLayout | None
+    #: host staging, when blocks move through host buffers (None: the backend reads and writes
+    #: the cache's memory itself)
+    staging: StagingPool | None = None
+    _shapes: dict[Unit, UnitShape] = attrs.field(factory=dict, init=False)
     _budget: ByteBudget = attrs.field(init=False)
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -72,27 +80,42 @@ class Transfer:
         parallel: ParallelConfig,
         layout: KVLayout | None = None,
         format: KVFormat | None = None,
+        device: Device | None = None,
     ) -> Transfer:
-        """Check the layout against the backend and register its memory (a pool that only looks
-        up passes ``format`` instead of ``layout``)."""
-        if layout is not None:
-            if format is not None and format != layout.format:
-                raise ConfigError(f"format {format} disagrees with the layout's {layout.format}; pass one")
-            format = layout.format
-            if layout.device.type != "cpu" and not backend.capabilities.device_memory:
-                raise LayoutError(
-                    f"the KV caches are on {layout.device}, but this backend copies host memory only; "
-                    "use a backend that moves device memory (mooncake with a device transport) or "
-                    "stage blocks through host memory"
+        """Check the layout against the backend, choose direct or staged transfers, and register
+        the memory the backend will read and write (the cache's, or the staging buffers).
+
+        A pool that only looks up passes ``format`` instead of ``layout``. ``device`` replaces the
+        shim of the cache's device (tests use one whose events complete late).
+        """
+        if layout is None:
+            if format is None:
+                raise ConfigError(
+                    "a pool needs the KV caches' layout (to store and retrieve) or their KVFormat "
+                    "(to look up only, as an engine's scheduler does)"
                 )
+            return cls(backend, config, format, parallel, None)
+        if format is not None and format != layout.format:
+            raise ConfigError(f"format {format} disagrees with the layout's {layout.format}; pass one")
+        unreachable = layout.device.type != "cpu" and not backend.capabilities.device_memory
+        if unreachable and config.staging == "never":
+            raise LayoutError(
+                f"the KV caches are on {layout.device}, which this backend cannot read or write, and "
+                "PoolConfig(staging='never') forbids staging them through host memory: set "
+                "staging='auto', or use a backend whose transport moves device memory (docs/device.md)"
+            )
+        staging = None
+        if config.staging == "always" or unreachable:
+            device = device or Device.of(layout.device)
+            units: list[int | None] = list(range(layout.num_layers)) if config.layerwise else [None]
+            largest = max(sum(layout.plane_views[p].size(1) for p in layout.unit_planes(u)) for u in units)
+            staging = StagingPool.create(device, config.staging_bytes, largest)
+            for chunk in staging.buffers():
+                backend.register_memory(chunk.data_ptr(), chunk.numel())
+        else:
             for addr, nbytes in layout.allocations():
                 backend.register_memory(addr, nbytes)
-        elif format is None:
-            raise ConfigError(
-                "a pool needs the KV caches' layout (to store and retrieve) or their KVFormat "
-                "(to look up only, as an engine's scheduler does)"
-            )
-        return cls(backend, config, format, parallel, layout)
+        return cls(backend, config, layout.format, parallel, layout, staging)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -197,6 +220,14 @@ class Transfer:
         sizes = regions(0, unit)[1]
         nbytes = sum(sizes)
         return [ObjectRef(k, regions(b, unit)[0], sizes, nbytes) for k, b in zip(keys, block_ids)]
+
+    def shape(self, unit: Unit) -> UnitShape:
+        """How ``unit``'s objects lie in a staging chunk (staged transfers only)."""
+        shape = self._shapes.get(unit)
+        if shape is None:
+            assert self.staging is not None
+            shape = self._shapes[unit] = UnitShape.of(self.require_layout(), unit, self.staging.chunk_bytes)
+        return shape
 
     def load_order(self, count: int) -> list[int]:
         """Indices ``0..count-1`` rotated by rank, so that the members of a replica group do not

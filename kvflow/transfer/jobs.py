@@ -7,41 +7,85 @@ to load stays failed. Both report per request at the end (:meth:`results`). The 
 each unit moves: all at once (``KVPool``), or each layer once its device event fired (the layerwise
 storer) or one layer ahead of the engine (the layerwise retriever).
 
+With staging (:mod:`kvflow.transfer.staging`) a unit moves in chunks: a store gathers a chunk of
+blocks into host memory (after the engine's event), then puts it; a load gets a chunk, then scatters
+the rows that arrived into the cache. A load's chunk is given back once its copy into the cache
+completed (:meth:`LoadJob.settle`); until then the copy's events are the unit's ``ready`` events,
+which an engine's stream may wait on instead.
+
 Jobs are used from the transfer's event loop; a unit's call never runs twice.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
+import anyio
 import attrs
 
 from kvflow.backends.base import GetStatus, PutStatus
+from kvflow.events import DeviceEvent, poll_until
 from kvflow.ownership import owner
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.plan import BlockPlan
+from kvflow.transfer.staging import Chunk, gather, scatter
 
 __all__ = ["LoadJob", "StoreJob"]
+
+log = logging.getLogger(__name__)
 
 # Folding a block's per-unit put statuses: the worst one wins.
 _SEVERITY = {PutStatus.PRESENT: 0, PutStatus.STORED: 1, PutStatus.NO_SPACE: 2, PutStatus.FAILED: 3}
 _PUT_FAILURES = (PutStatus.NO_SPACE, PutStatus.FAILED)
+#: How often a copy still running on the device past its deadline is logged while it is waited for.
+_STUCK_LOG_S = 30.0
+#: How often a load waiting for a staging chunk looks again (chunks come back from other units'
+#: copies as well as from other jobs).
+_CHUNK_POLL_S = 0.001
+
+
+async def _copied(chunk: Chunk, deadline: float) -> None:
+    """Wait until the chunk's copy completed. Shielded: a copy is never abandoned, because the
+    chunk (and the cache's blocks) stay in use until it is done."""
+    event = chunk.copied
+    if event is None:
+        return
+    timeout = max(0.0, deadline - time.monotonic())
+    with anyio.CancelScope(shield=True):
+        while True:
+            try:
+                await poll_until(event.query, timeout, "a staging copy")
+                return
+            except TimeoutError:
+                log.error("a staging copy is still running on the device; waiting for it (check the device)")
+                timeout = _STUCK_LOG_S
 
 
 @attrs.define(eq=False)
 class StoreJob:
-    """Puts the blocks of ``plan`` that this rank owns, unit by unit, skipping present keys."""
+    """Puts the blocks of ``plan`` that this rank owns, unit by unit, skipping present keys.
+
+    ``on_released`` (optional) is called once, on the loop, when the job no longer reads the cache:
+    every unit copied out (staged) or put (direct), skipped, or abandoned.
+    """
 
     transfer: Transfer
     plan: BlockPlan
+    on_released: Callable[[], None] | None = None
     owned: list[int] = attrs.field(init=False)  # flat indices of the blocks this rank puts
     _keys: dict[Unit, list[str]] = attrs.field(init=False, factory=dict)
     _present: dict[Unit, list[bool]] = attrs.field(init=False, factory=dict)
     _statuses: dict[Unit, list[PutStatus]] = attrs.field(init=False, factory=dict)
+    _reading: set[Unit] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         parallel = self.transfer.parallel
         rank = parallel.tp_rank
         self.owned = [j for j, i in enumerate(self.plan.indices) if owner(i, parallel) == rank]
+        self._reading = set(self.transfer.units)
 
     def keys(self, unit: Unit) -> list[str]:
         """The keys of this rank's owned blocks for ``unit``."""
@@ -62,27 +106,98 @@ class StoreJob:
         for i, unit in enumerate(units):
             self._present[unit] = found[i * n : (i + 1) * n] if found is not None else [False] * n
 
-    async def put(self, unit: Unit, deadline: float) -> int:
-        """Put ``unit`` of every owned block not present; return how many failed to store."""
+    async def put(self, unit: Unit, deadline: float, after: DeviceEvent | None = None) -> int:
+        """Put ``unit`` of every owned block not present; return how many failed to store.
+
+        ``after``: the engine's event after the work that writes the blocks; no block is read
+        before it completed (a device event: the copy stream waits for it on the device).
+        """
         present = self._present.get(unit) or [False] * len(self.owned)
         statuses = [PutStatus.PRESENT if p else PutStatus.FAILED for p in present]
         todo = [k for k, p in enumerate(present) if not p]
-        if todo:
-            keys, block_ids = self.keys(unit), self.plan.block_ids
-            objects = self.transfer.objects(
-                [keys[k] for k in todo], [block_ids[self.owned[k]] for k in todo], unit
-            )
-            for k, status in zip(todo, await self.transfer.put(objects, deadline)):
+        try:
+            if not todo:
+                return 0
+            if self.transfer.staging is None:
+                if after is not None:
+                    await poll_until(after.query, max(0.0, deadline - time.monotonic()), "the engine's event")
+                keys, block_ids = self.keys(unit), self.plan.block_ids
+                objects = self.transfer.objects(
+                    [keys[k] for k in todo], [block_ids[self.owned[k]] for k in todo], unit
+                )
+                results = await self.transfer.put(objects, deadline)
+            else:
+                results = await self._put_staged(unit, todo, deadline, after)
+            for k, status in zip(todo, results):
                 statuses[k] = status
-        self._statuses[unit] = statuses
-        return sum(1 for s in statuses if s in _PUT_FAILURES)
+            return sum(1 for s in statuses if s in _PUT_FAILURES)
+        except TimeoutError as exc:  # the engine's event never came: nothing was read
+            log.warning("a store gives up: %s", exc)
+            return sum(1 for s in statuses if s in _PUT_FAILURES)
+        finally:
+            self._statuses[unit] = statuses
+            self._released(unit)
+
+    async def _put_staged(
+        self, unit: Unit, todo: list[int], deadline: float, after: DeviceEvent | None
+    ) -> list[PutStatus]:
+        transfer = self.transfer
+        staging = transfer.staging
+        assert staging is not None
+        shape, layout, keys = transfer.shape(unit), transfer.require_layout(), self.keys(unit)
+        results: list[PutStatus] = []
+        copied = 0
+        for start in range(0, len(todo), shape.capacity):
+            part = todo[start : start + shape.capacity]
+            chunk = None
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                chunk = await staging.take()
+            if chunk is None:  # staging stayed full until the deadline: these objects fail
+                log.warning("no staging chunk came free in time; %d objects not stored", len(todo) - start)
+                results += [PutStatus.FAILED] * (len(todo) - start)
+                break
+            try:
+                if after is not None:
+                    await staging.device.copies_wait_for(after, max(0.0, deadline - time.monotonic()))
+                try:
+                    gather(
+                        staging.device,
+                        layout,
+                        shape,
+                        chunk,
+                        [self.plan.block_ids[self.owned[k]] for k in part],
+                    )
+                    await _copied(chunk, deadline)
+                except Exception as exc:  # a device error: these objects fail, nothing was written
+                    log.warning("copying %d blocks out of the KV cache failed: %r", len(part), exc)
+                    results += [PutStatus.FAILED] * len(part)
+                    continue
+                copied += len(part)
+                if copied == len(todo):
+                    self._released(unit)  # the cache's blocks are no longer read
+                results += await transfer.put(shape.objects(chunk.buffer, [keys[k] for k in part]), deadline)
+            finally:
+                staging.give_back(chunk)
+        return results
 
     def abandon(self, unit: Unit) -> int:
         """``unit`` will never be written (its event never fired): it fails where not present."""
         present = self._present.get(unit) or [False] * len(self.owned)
         statuses = [PutStatus.PRESENT if p else PutStatus.FAILED for p in present]
         self._statuses[unit] = statuses
+        self._released(unit)
         return sum(1 for s in statuses if s is PutStatus.FAILED)
+
+    def release_all(self) -> None:
+        """The job ended (or was cancelled): nothing of it reads the cache any more."""
+        for unit in list(self._reading):
+            self._released(unit)
+
+    def _released(self, unit: Unit) -> None:
+        if unit in self._reading:
+            self._reading.discard(unit)
+            if not self._reading and self.on_released is not None:
+                self.on_released()
 
     def results(self) -> list[StoreResult]:
         """One :class:`StoreResult` per request: a block's status is the worst over its units
@@ -108,25 +223,96 @@ class LoadJob:
     _order: list[int] = attrs.field(init=False)  # flat indices, rotated by rank
     _status: list[GetStatus] = attrs.field(init=False)  # per flat block: HIT until a unit is not
     _done: set[Unit] = attrs.field(init=False, factory=set)
+    _copying: list[tuple[Unit, Chunk]] = attrs.field(init=False, factory=list)  # oldest first
 
     def __attrs_post_init__(self) -> None:
         self._order = self.transfer.load_order(len(self.plan))
         self._status = [GetStatus.HIT] * len(self.plan)
 
     async def get(self, unit: Unit, deadline: float) -> int:
-        """Get ``unit`` of every block not failed yet; return how many blocks of it did not arrive."""
+        """Get ``unit`` of every block not failed yet; return how many blocks of it did not arrive.
+
+        Staged, the unit's copies into the cache may still run when this returns: :meth:`ready`
+        has their events, and :meth:`settle` waits for them (and must be called).
+        """
         status, plan = self._status, self.plan
         todo = [j for j in self._order if status[j] is GetStatus.HIT]  # a failed block stays failed
         keys = self.transfer.keys(self.transfer.scope(), [plan.hashes[j] for j in todo], unit)
-        objects = self.transfer.objects(keys, [plan.block_ids[j] for j in todo], unit)
+        if self.transfer.staging is None:
+            objects = self.transfer.objects(keys, [plan.block_ids[j] for j in todo], unit)
+            results = await self.transfer.get(objects, deadline)
+        else:
+            results = await self._get_staged(unit, todo, keys, deadline)
         hits = 0
-        for j, result in zip(todo, await self.transfer.get(objects, deadline)):
+        for j, result in zip(todo, results):
             if result is GetStatus.HIT:
                 hits += 1
             else:
                 status[j] = result
         self._done.add(unit)
         return len(status) - hits
+
+    async def _get_staged(
+        self, unit: Unit, todo: list[int], keys: list[str], deadline: float
+    ) -> list[GetStatus]:
+        transfer = self.transfer
+        staging = transfer.staging
+        assert staging is not None
+        shape, layout = transfer.shape(unit), transfer.require_layout()
+        results: list[GetStatus] = []
+        for start in range(0, len(todo), shape.capacity):
+            part = todo[start : start + shape.capacity]
+            chunk = staging.try_take()
+            while chunk is None and time.monotonic() < deadline:
+                if self._copying:  # every chunk in use: finish this job's oldest copy instead
+                    _, oldest = self._copying.pop(0)
+                    await _copied(oldest, deadline)
+                    staging.give_back(oldest)
+                else:  # another unit of this job, or another job, gives one back soon
+                    await anyio.sleep(_CHUNK_POLL_S)
+                chunk = staging.try_take()
+            if chunk is None:  # staging stayed full until the deadline: these blocks fail
+                log.warning("no staging chunk came free in time; %d blocks not loaded", len(todo) - start)
+                results += [GetStatus.FAILED] * (len(todo) - start)
+                break
+            try:
+                got = await transfer.get(
+                    shape.objects(chunk.buffer, keys[start : start + len(part)]), deadline
+                )
+            except BaseException:
+                staging.give_back(chunk)  # nothing was copied into the cache from it
+                raise
+            rows = [i for i, r in enumerate(got) if r is GetStatus.HIT]
+            try:
+                scatter(
+                    staging.device, layout, shape, chunk, [self.plan.block_ids[part[i]] for i in rows], rows
+                )
+            except Exception as exc:  # a device error: the blocks may be half-written; never report them
+                log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
+                got = [GetStatus.FAILED] * len(part)
+            self._copying.append((unit, chunk))
+            results += got
+        return results
+
+    def ready(self, unit: Unit) -> tuple[DeviceEvent, ...]:
+        """Events after which ``unit``'s copies into the cache are done (none when unstaged)."""
+        return tuple(c.copied for u, c in self._copying if u == unit and c.copied is not None)
+
+    async def settle(self, unit: Unit, deadline: float) -> None:
+        """Wait until ``unit``'s copies into the cache completed, and give their chunks back."""
+        staging = self.transfer.staging
+        mine = [c for u, c in self._copying if u == unit]
+        self._copying = [(u, c) for u, c in self._copying if u != unit]
+        for chunk in mine:
+            await _copied(chunk, deadline)
+            assert staging is not None
+            staging.give_back(chunk)
+
+    async def settle_all(self, deadline: float) -> None:
+        """:meth:`settle` every unit with copies left (shielded: for a face's cleanup)."""
+        with anyio.CancelScope(shield=True):
+            for unit in {u for u, _ in self._copying}:
+                await self.settle(unit, deadline)
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every unit of it was

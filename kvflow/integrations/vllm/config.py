@@ -26,11 +26,15 @@ Keys (all optional; docs/vllm.md has the same table with examples):
                         telling vLLM "ask again next step" (default 0.05); lookups keep running.
 ``max_inflight_bytes``  bytes in backend calls at once per process (size text or int; default 1GiB).
 ``save_decode_blocks``  also store blocks completed while decoding (default false: prompt blocks only).
+``staging``             move blocks through host staging buffers: ``auto`` (a GPU/NPU cache over a
+                        backend that cannot reach device memory), ``always``, ``never`` (default auto).
+``staging_bytes``       the staging buffers of each worker (size text or int; default 256MiB).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
@@ -44,8 +48,9 @@ DEFAULT_BACKEND = "local:///dev/shm/kvflow"
 
 _FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")
-_TEXTS = ("backend", "lookup_backend", "model_id")
-_KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, "max_inflight_bytes", "layerwise_depth"})
+_TEXTS = ("backend", "lookup_backend", "model_id", "staging")
+_SIZES = ("max_inflight_bytes", "staging_bytes")
+_KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, *_SIZES, "layerwise_depth"})
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -56,6 +61,16 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value <= 0:
         raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be > 0, got {value}")
+
+
+def _choice(*choices: str) -> Any:
+    def check(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+        if value not in choices:
+            allowed = ", ".join(choices)
+            key = f"kv_connector_extra_config[{attribute.name!r}]"
+            raise ConfigError(f"{key} must be one of {allowed}, got {value!r}")
+
+    return check
 
 
 def _shared_backend(_: object, attribute: attrs.Attribute[str], url: str) -> None:
@@ -86,6 +101,8 @@ class ConnectorConfig:
     lookup_wait_s: float = attrs.field(default=0.05, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=1 << 30, validator=_positive_int)
     save_decode_blocks: bool = False
+    staging: str = attrs.field(default="auto", validator=_choice("auto", "always", "never"))
+    staging_bytes: int = attrs.field(default=256 << 20, validator=_positive_int)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorConfig:
@@ -102,11 +119,14 @@ class ConnectorConfig:
         kwargs.update({key: _flag(extra, key) for key in _FLAGS if key in extra})
         if "layerwise_depth" in extra:
             kwargs["layerwise_depth"] = _integer(extra, "layerwise_depth")
-        if "max_inflight_bytes" in extra:
-            value = extra["max_inflight_bytes"]
-            if not isinstance(value, (str, int)) or isinstance(value, bool):
-                raise ConfigError(f"max_inflight_bytes must be a size like 1GiB or 4096, got {value!r}")
-            kwargs["max_inflight_bytes"] = parse_size(value)
+        for key in _SIZES:
+            if key in extra:
+                value = extra[key]
+                if not isinstance(value, (str, int)) or isinstance(value, bool):
+                    raise ConfigError(
+                        f"kv_connector_extra_config[{key!r}] must be a size like 1GiB or 4096, got {value!r}"
+                    )
+                kwargs[key] = parse_size(value)
         return cls(**kwargs)  # type: ignore[arg-type]
 
     def pool_config(self, model: str) -> PoolConfig:
@@ -117,6 +137,8 @@ class ConnectorConfig:
             max_inflight_bytes=self.max_inflight_bytes,
             timeout_s=self.timeout_s,
             layerwise=self.layerwise,
+            staging=self.staging,
+            staging_bytes=self.staging_bytes,
         )
 
     def lookup_pool_config(self, model: str) -> PoolConfig:

@@ -12,7 +12,9 @@ engine), except the blocks of an asynchronous load, which vLLM holds until every
 
 - :class:`BlockSteps`: ``load`` gets every block of the step's loads and waits for them, so the
   forward reads complete blocks; ``finish`` stores the blocks the step computed and waits until
-  the stores have read them.
+  the stores have read them: copied out to host staging (a device cache), or put (a host cache).
+  The outcome holds the stores' results as they ended by then (a staged put may still run: its
+  result is counted when the next step ends).
 - :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
   ``load`` starts a layerwise retriever that fetches layer l+1 while layer l computes;
   ``wait_for_layer`` blocks until a layer is in place; the first ``save_layer`` starts a layerwise
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TypeVar
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Loaded = tuple[KVRequest, RetrieveResult | None]
-Stored = tuple[KVRequest, StoreResult | None]
+Storing = tuple[KVRequest, "concurrent.futures.Future[StoreResult]"]
 
 #: How often a transfer still running past its deadline is logged (it may still touch its blocks,
 #: so nothing may report it ended before it has).
@@ -60,11 +63,12 @@ STILL_RUNNING_LOG_S = 30.0
 @attrs.frozen
 class StepOutcome:
     """What one step's transfers did. ``loads``: each sync load and its result (None: it failed as a
-    whole); ``stores``: each save and its result (None: it failed as a whole); ``dropped``: saves
-    not stored because a load of the step failed on this rank."""
+    whole); ``stores``: each save and its store (no longer reading the step's blocks; a staged put
+    may still be running); ``dropped``: saves not stored because a load of the step failed on
+    this rank."""
 
     loads: tuple[Loaded, ...] = ()
-    stores: tuple[Stored, ...] = ()
+    stores: tuple[Storing, ...] = ()
     dropped: tuple[KVRequest, ...] = ()
 
     @property
@@ -96,6 +100,29 @@ def wait_ended(future: CallFuture[T], what: str, log_every_s: float = STILL_RUNN
         except Exception as exc:
             log.warning("a kvflow %s failed: %r", what, exc)
             return None
+
+
+def wait_released(
+    released: threading.Event, future: CallFuture[T], log_every_s: float = STILL_RUNNING_LOG_S
+) -> None:
+    """Wait until a store no longer reads its blocks (``released``), or has ended anyway. Waits
+    however long, logging past the store's ``answer_by``: vLLM reuses the blocks once this returns."""
+    started = time.monotonic()
+    next_log = future.answer_by
+    while not released.wait(0.05) and not future.done():
+        if time.monotonic() >= next_log:
+            log.error(
+                "a kvflow store still reads its blocks after %.0f s; the engine waits for it (check the "
+                "store backend)",
+                time.monotonic() - started,
+            )
+            next_log = time.monotonic() + log_every_s
+
+
+def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
+    future: concurrent.futures.Future[StoreResult] = concurrent.futures.Future()
+    future.set_result(result)
+    return future
 
 
 def device_needs_event(device: torch.device) -> bool:
@@ -136,8 +163,18 @@ class BlockSteps:
             # The host returns from the forward before the device finishes it: order the reads.
             written = make_event(layout.device)
             written.record()
-        futures = [(span, self.pool.submit_store(span, after=written)) for span in saves]
-        return StepOutcome(stores=tuple((span, wait_ended(future, "store")) for span, future in futures))
+        stores = []
+        for span in saves:
+            released = threading.Event()
+            stores.append(
+                (span, released, self.pool.submit_store(span, after=written, on_released=released.set))
+            )
+        for _, released, future in stores:  # once copied out, vLLM may reuse the blocks
+            wait_released(released, future)
+        if self.pool.device is None:  # direct puts: released means stored, the result follows at once
+            for _, _, future in stores:
+                wait_ended(future, "store")
+        return StepOutcome(stores=tuple((span, future) for span, _, future in stores))
 
     def close(self) -> None:
         self.pool.close()
@@ -193,7 +230,9 @@ class LayerwiseSteps:
         if not storing:
             return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
         stored = result.stored
-        stores = tuple((span, stored[span.request_id]) for span in saves if span.request_id in stored)
+        stores = tuple(
+            (span, _completed(stored[span.request_id])) for span in saves if span.request_id in stored
+        )
         return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.request_id not in stored))
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -33,7 +34,7 @@ from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.layout import KVCacheEntry, KVLayout
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
-from kvflow.results import RetrieveResult
+from kvflow.results import RetrieveResult, StoreResult
 
 __all__ = ["WorkerSide"]
 
@@ -61,6 +62,9 @@ class WorkerSide:
     _async_loads: dict[str, _AsyncLoad] = attrs.field(factory=dict, init=False)
     _load_errors: set[int] = attrs.field(factory=set, init=False)
     _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
+    _puts: list[tuple[KVRequest, concurrent.futures.Future[StoreResult]]] = attrs.field(
+        factory=list, init=False
+    )
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
 
@@ -143,21 +147,32 @@ class WorkerSide:
             else:
                 self._load_errors.update(loaded.failed_block_ids)
                 counters = counters.with_load(loaded)
-        for span, stored in outcome.stores:
-            if stored is None:
-                counters = counters.with_failed_store(len(span.block_ids))
-            else:
-                counters = counters.with_store(stored)
+        self._puts.extend(outcome.stores)  # counted once they ended (a staged put may still run)
         if outcome.dropped:
             blocks = sum(len(span.block_ids) for span in outcome.dropped)
             log.warning("a kvflow load of this step failed; not storing its %d computed blocks", blocks)
             counters = counters.with_dropped_saves(blocks)
         self._counters = counters
+        self._count_puts()
+
+    def _count_puts(self) -> None:
+        """Count the stores that ended (their blocks were released inside their step already)."""
+        counters, running = self._counters, []
+        for span, future in self._puts:
+            if not future.done():
+                running.append((span, future))
+            elif future.cancelled() or future.exception() is not None:
+                log.warning("a kvflow store of request %s failed: %r", span.request_id, _error(future))
+                counters = counters.with_failed_store(len(span.block_ids))
+            else:
+                counters = counters.with_store(future.result())
+        self._counters, self._puts = counters, running
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving): never any sending (stores end inside their step);
         the asynchronous loads that ended (failed blocks are reported by :meth:`take_load_errors`
         in the same step)."""
+        self._count_puts()
         return None, self._harvest_async_loads() or None
 
     def _harvest_async_loads(self) -> set[str]:
@@ -214,15 +229,18 @@ class WorkerSide:
     # -- the end ----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Wait (bounded) for loads in flight, then close the pool."""
-        if self._async_loads:
-            latest = max(load.future.answer_by for load in self._async_loads.values())
-            futures = [load.future for load in self._async_loads.values()]
-            concurrent.futures.wait(futures, timeout=max(0.0, latest - time.monotonic()))
+        """Wait (bounded) for transfers in flight, then close the pool."""
+        futures: list[concurrent.futures.Future[Any]] = [load.future for load in self._async_loads.values()]
+        futures += [f for _, f in self._puts]
+        limit = max([load.future.answer_by for load in self._async_loads.values()], default=0.0)
+        limit = max(limit, time.monotonic() + self.config.timeout_s if self._puts else 0.0)
+        if futures:
+            concurrent.futures.wait(futures, timeout=max(0.0, limit - time.monotonic()))
+        self._count_puts()
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.close()
 
 
-def _error(future: CallFuture[RetrieveResult]) -> BaseException | str:
+def _error(future: concurrent.futures.Future[Any]) -> BaseException | str:
     return "cancelled" if future.cancelled() else future.exception() or "unknown"

@@ -185,7 +185,10 @@ def test_failed_loads_are_recomputed_with_the_recompute_policy(
 def test_layerwise_mode_stores_and_loads_layer_by_layer(
     reference: Reference, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    run, counters, store = _one_engine_run(tiny_model_dir, tmp_path, extra={"layerwise": True})
+    """Through host staging (as a GPU cache over a host store moves), forced on the CPU cache."""
+    run, counters, store = _one_engine_run(
+        tiny_model_dir, tmp_path, extra={"layerwise": True, "staging": "always", "staging_bytes": "1MiB"}
+    )
     _assert_one_engine(run, counters, reference)
     (moved,) = counters.values()
     assert moved["stored_blocks"] == ONE_ENGINE_STORED_BLOCKS
@@ -237,9 +240,14 @@ def test_tensor_parallel_replicas_store_each_block_once_and_both_load_everything
     reference_kv1: Reference, tiny_model_dir_kv1: Path, tmp_path: Path
 ) -> None:
     """TP=2 with one KV head: both ranks hold the same KV. Each block is stored by its owner only
-    (block i by rank i % 2), and each rank loads every block."""
+    (block i by rank i % 2), and each rank loads every block; whole blocks through host staging
+    (forced on the CPU caches, as for GPU caches over a host store)."""
     run, counters, store = _one_engine_run(
-        tiny_model_dir_kv1, tmp_path, multiprocessing=True, tensor_parallel_size=2
+        tiny_model_dir_kv1,
+        tmp_path,
+        multiprocessing=True,
+        tensor_parallel_size=2,
+        extra={"staging": "always", "staging_bytes": "1MiB"},
     )
     _assert_one_engine(run, counters, reference_kv1)
     assert sorted(counters) == [0, 1]

@@ -1,0 +1,305 @@
+"""The staging path (how device caches move), proven on the CPU through the same code.
+
+``PoolConfig(staging="always")`` makes a pool over host caches move every block through its host
+staging chunks, exactly as it does for a GPU or NPU cache over a backend that cannot reach device
+memory. :class:`LateDevice` stands in for a device: its copies run only when their event completes,
+at a random later moment, and its events say so only then; a test can also make it fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import pytest
+import torch
+
+from kvflow import GetStatus, KVLayout, KVPool, KVRequest, LayoutError, MemoryBackend, PoolConfig
+from kvflow.backends import ObjectRef
+from kvflow.device import Device
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
+
+TOKENS = list(range(700, 700 + BLOCK * 10))
+SRC_IDS = [3, 1, 4, 0, 5, 9, 2, 6, 11, 7]
+DST_IDS = [10, 11, 7, 8, 0, 1, 2, 3, 4, 5]
+
+
+def staged(layerwise: bool = False, staging_bytes: int = 3 * 4096, timeout_s: float = 10.0) -> PoolConfig:
+    """A pool config whose staging holds only a few objects: every request goes in chunks."""
+    return PoolConfig(staging="always", staging_bytes=staging_bytes, layerwise=layerwise, timeout_s=timeout_s)
+
+
+@attrs.define(eq=False)
+class LateEvent:
+    """Completes ``delay_s`` after it is recorded, running ``on_complete`` (the copies) first."""
+
+    delay_s: float
+    on_complete: list[object] = attrs.field(factory=list)
+    _at: float | None = None
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def record(self) -> None:
+        self._at = time.monotonic() + self.delay_s
+
+    def query(self) -> bool:
+        with self._lock:
+            if self._at is None or time.monotonic() < self._at:
+                return False
+            while self.on_complete:
+                self.on_complete.pop(0)()  # type: ignore[operator]
+            return True
+
+
+@attrs.define(eq=False)
+class LateDevice(Device):
+    """A CPU "device" whose copies happen only when the event recorded after them completes
+    (at a random delay up to ``max_delay_s``), like a copy stream the host does not wait for."""
+
+    max_delay_s: float = 0.02
+    fail_gather: bool = False
+    fail_scatter: bool = False
+    _queued: list[object] = attrs.field(factory=list)
+    rng: random.Random = attrs.field(factory=lambda: random.Random(7))
+
+    def gather_rows(self, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+        if self.fail_gather:
+            raise RuntimeError("injected device error in a copy out of the cache")
+        index = index.clone()
+        self._queued.append(lambda: torch.index_select(source, 0, index, out=out))
+
+    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.fail_scatter:
+            target.index_copy_(0, index[:1], rows[:1])  # half-written, then the device errs
+            raise RuntimeError("injected device error in a copy into the cache")
+        index, rows = index.clone(), rows.clone()
+        self._queued.append(lambda: target.index_copy_(0, index, rows))
+
+    def record(self) -> LateEvent:  # type: ignore[override]
+        event = LateEvent(self.rng.uniform(0, self.max_delay_s), on_complete=self._queued)
+        self._queued = []
+        event.record()
+        return event
+
+
+def late_device() -> LateDevice:
+    return LateDevice(torch.device("cpu"))
+
+
+def pool(
+    caches: dict[str, object], backend: object, config: PoolConfig, device: Device | None = None
+) -> KVPool:
+    return KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, device=device)  # type: ignore[arg-type]
+
+
+def same_blocks(src: dict[str, object], dst: dict[str, object], pairs: Sequence[tuple[int, int]]) -> bool:
+    return all(block_bytes(dst[n], d) == block_bytes(src[n], s) for s, d in pairs for n in src)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_every_layout_round_trips_bit_exact_through_staging(layout_name: str, layerwise: bool) -> None:
+    src = LAYOUTS[layout_name]()
+    dst = zeros_like_caches(src)
+    backend = MemoryBackend()
+    writer = pool(src, backend, staged(layerwise), late_device())
+    reader = pool(dst, backend, staged(layerwise), late_device())
+    stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    assert stored.stored == 10 and stored.ok
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert got.hit_blocks == 10  # retrieve returns once every deferred copy has run
+    assert same_blocks(src, dst, list(zip(SRC_IDS, DST_IDS)))
+
+
+async def test_staging_is_allocated_once_reused_and_bounded() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    writer = pool(src, backend, staged(staging_bytes=2 * 4096), late_device())
+    staging = writer._transfer.staging
+    assert staging is not None and staging.allocations == 1 and writer._transfer.shape(None).capacity == 2
+    for n in range(8):  # requests of up to 10 blocks through 2-object chunks
+        tokens = [n, *TOKENS[1:]]
+        await writer.store(KVRequest(block_ids=SRC_IDS[: n + 3], tokens=tokens))
+        dst = zeros_like_caches(src)
+        reader = pool(dst, backend, staged(staging_bytes=2 * 4096), late_device())
+        got = await reader.retrieve(KVRequest(block_ids=DST_IDS[: n + 3], tokens=tokens))
+        assert got.hit_blocks == n + 3
+        assert same_blocks(src, dst, list(zip(SRC_IDS[: n + 3], DST_IDS[: n + 3])))
+    assert staging.allocations == 1 and staging.peak_in_use == 1 and staging.in_use == 0
+
+
+async def test_concurrent_requests_share_the_staging_chunks_and_all_complete() -> None:
+    src = LAYOUTS["kv_tuple"]()
+    backend = MemoryBackend()
+    writer = pool(src, backend, staged(staging_bytes=4096), late_device())  # one chunk of one object
+    requests = [KVRequest(block_ids=[i, i + 6], tokens=[i, *TOKENS[1 : 2 * BLOCK]]) for i in range(6)]
+    results: list[object] = []
+    async with anyio.create_task_group() as tg:
+        for request in requests:
+            tg.start_soon(lambda r: _append(results, writer.store(r)), request)
+    assert sorted(r.stored for r in results) == [2] * 6  # type: ignore[attr-defined]
+    staging = writer._transfer.staging
+    assert staging is not None and staging.allocations == 1 and staging.in_use == 0
+
+
+async def _append(results: list[object], call: object) -> None:
+    results.append(await call)  # type: ignore[misc]
+
+
+async def test_a_store_reads_no_block_before_the_engines_event() -> None:
+    """The engine's event completes late; the "forward" writes the blocks' final bytes just before
+    it does. What is stored must be those final bytes."""
+    src = LAYOUTS["flash_attn"]()
+    backend = MemoryBackend()
+    writer = pool(src, backend, staged(), late_device())
+    final = {name: t.clone() + 1 for name, t in src.items()}  # type: ignore[attr-defined]
+
+    def forward_finishes() -> None:
+        for name, tensor in src.items():
+            tensor.copy_(final[name])  # type: ignore[attr-defined]
+
+    forward = LateEvent(0.05, on_complete=[forward_finishes])
+    forward.record()
+    released: list[float] = []
+    stored = await writer.store(
+        KVRequest(block_ids=SRC_IDS, tokens=TOKENS), after=forward, on_released=lambda: released.append(1)
+    )
+    assert stored.stored == 10 and released == [1]
+    dst = zeros_like_caches(src)
+    got = await pool(dst, backend, staged()).retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert got.hit_blocks == 10 and same_blocks(final, dst, list(zip(SRC_IDS, DST_IDS)))
+
+
+async def test_a_store_releases_its_blocks_before_its_put_ends() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    gate = anyio.Event()
+    seen_released: list[bool] = []
+    released = anyio.Event()
+
+    async def slow_put(objects: object) -> None:
+        seen_released.append(released.is_set())
+        await gate.wait()
+
+    writer = pool(src, FaultyBackend(put_hook=slow_put), staged(staging_bytes=10 * 4096))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS), on_released=released.set)
+        )
+        with anyio.fail_after(5):
+            await released.wait()  # the blocks were copied out; the put is still waiting
+        gate.set()
+    assert seen_released and all(seen_released)
+
+
+async def test_a_load_is_not_done_before_its_copies_into_the_cache() -> None:
+    """With copies that land late, every face reports a layer or a block only once it is in place."""
+    src = LAYOUTS["mla_tuple"]()
+    backend = MemoryBackend()
+    await pool(src, backend, staged(layerwise=True)).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    dst = zeros_like_caches(src)
+    device = LateDevice(torch.device("cpu"), max_delay_s=0.05)
+    reader = pool(dst, backend, staged(layerwise=True), device)
+    request = KVRequest(request_id="r", block_ids=DST_IDS, tokens=TOKENS)
+    names = list(src)
+    async with reader.layerwise_retrieve([request], depth=2) as loader:
+        async for outcome in loader:
+            for event in outcome.ready:  # what an engine's stream would wait for
+                with anyio.fail_after(5):
+                    while not event.query():
+                        await anyio.sleep(0.001)
+            layer = {names[outcome.layer]: src[names[outcome.layer]]}
+            assert same_blocks(layer, dst, list(zip(SRC_IDS, DST_IDS)))
+    assert loader.results()[0].hit_blocks == 10
+
+
+def test_the_synchronous_layerwise_face_waits_for_each_layers_copies() -> None:
+    from kvflow import SyncLayerwisePool
+
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    anyio.run(
+        lambda: pool(src, backend, staged(layerwise=True)).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    )
+    dst = zeros_like_caches(src)
+    device = LateDevice(torch.device("cpu"), max_delay_s=0.05)
+    with SyncLayerwisePool.open(
+        staged(layerwise=True), layout=KVLayout.from_kv_caches(dst), backend=backend, device=device, depth=2
+    ) as kv:
+        kv.start_load([KVRequest(request_id="r", block_ids=DST_IDS, tokens=TOKENS)])
+        for layer, name in enumerate(src):
+            assert kv.wait_for_layer_load(layer) is True
+            assert same_blocks({name: src[name]}, dst, list(zip(SRC_IDS, DST_IDS)))  # in place
+        assert kv.wait_for_save().loaded["r"].hit_blocks == 10
+
+
+@attrs.define
+class ScribblingBackend(FaultyBackend):
+    """Gets write junk into their regions, then report FAILED (the first half) or MISS."""
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        await self.inner.get(objects)
+        for obj in objects:
+            for addr, size in zip(obj.addrs, obj.sizes):
+                ctypes.memset(addr, 0x5A, size)
+        return [GetStatus.FAILED if i % 2 == 0 else GetStatus.MISS for i in range(len(objects))]
+
+
+async def test_a_failed_or_corrupt_get_never_reaches_the_cache() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    inner = MemoryBackend()
+    await pool(src, inner, staged()).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    dst = zeros_like_caches(src)
+    reader = pool(dst, ScribblingBackend(inner), staged(), late_device())
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert got.failed_block_ids == tuple(DST_IDS)
+    assert all(bool((t == 0).all()) for t in dst.values())  # type: ignore[attr-defined]
+
+
+async def test_a_device_error_fails_the_request_and_the_pool_keeps_working() -> None:
+    src = LAYOUTS["kv_tuple"]()
+    backend = MemoryBackend()
+    device = late_device()
+    writer = pool(src, backend, staged(), device)
+    device.fail_gather = True
+    failed = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    assert failed.stored == 0 and len(failed.failed_indices) == 10 and backend.stored_keys() == []
+    device.fail_gather = False
+    assert (await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))).stored == 10
+
+    dst = zeros_like_caches(src)
+    reader_device = late_device()
+    reader = pool(dst, backend, staged(), reader_device)
+    reader_device.fail_scatter = True
+    broken = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert broken.hit_blocks == 0  # blocks the copy half-wrote are reported failed: recomputed
+    reader_device.fail_scatter = False
+    fine = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert fine.hit_blocks == 10 and same_blocks(src, dst, list(zip(SRC_IDS, DST_IDS)))
+    staging = reader._transfer.staging
+    assert staging is not None and staging.in_use == 0
+
+
+async def test_a_store_waits_for_full_staging_only_until_its_deadline() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    hang = FaultyBackend(hang_on={"put"})
+    writer = pool(src, hang, staged(staging_bytes=4096, timeout_s=0.3))  # one chunk, held by a hung put
+    started = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        results: list[object] = []
+        tg.start_soon(_append, results, writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS)))
+        tg.start_soon(_append, results, writer.store(KVRequest(block_ids=[2, 3], tokens=[9, *TOKENS[1:]])))
+    assert time.monotonic() - started < 3
+    for result in results:
+        assert result.stored == 0 and result.failed_indices  # type: ignore[attr-defined]
+    staging = writer._transfer.staging
+    assert staging is not None and staging.in_use == 0 and staging.allocations == 1
+
+
+def test_a_cache_the_backend_cannot_reach_is_refused_without_staging() -> None:
+    meta = {f"l{i}": torch.empty(4, 2, BLOCK, 16, device="meta") for i in range(2)}
+    layout = KVLayout.from_kv_caches(meta)
+    with pytest.raises(LayoutError, match="staging='auto'"):
+        KVPool.create(PoolConfig(staging="never"), layout=layout, backend=MemoryBackend())
