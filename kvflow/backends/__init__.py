@@ -1,7 +1,7 @@
 """Backends: where KV objects live. ``open_backend(url)`` picks one by URL scheme.
 
 - ``memory://?capacity=4GiB``: in-process (:mod:`kvflow.backends.memory`);
-- ``local:///dev/shm/kvflow``: shared memory for every process on the host (:mod:`kvflow.backends.local`);
+- ``local://``: shared memory for every process of this user on the host (:mod:`kvflow.backends.local`);
 - ``mooncake://127.0.0.1:50051``: a Mooncake Store cluster (:mod:`kvflow.backends.mooncake`).
 
 Backends other than memory load lazily, so ``import kvflow`` needs none of their packages.

@@ -1,28 +1,42 @@
 """In-process memory backend: a byte budget and LRU eviction.
 
 Objects live in uninitialised ``torch.uint8`` buffers owned by the backend (a ``bytearray`` would
-zero its memory first, which costs as much as the copy itself). Every method runs to completion on the
-event loop without awaiting in the middle of its bookkeeping, so a reader never sees a torn object
-and an eviction never races a copy.
+zero its memory first, which costs as much as the copy itself). Copies run on the event loop in
+pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
+a millisecond (:mod:`kvflow.backends.pacing`), so no call holds the loop much longer than a millisecond.
+
+What stays true across those checkpoints:
+
+- A put copies into a buffer nobody else can see and publishes it only when the copy is complete:
+  a reader never sees a torn object. Two puts of one key may both copy; the first to publish wins,
+  the other reports ``PRESENT``.
+- A get pins the buffer it reads; eviction never picks a pinned buffer, so a buffer is never
+  recycled (or removed from the budget) while a get is still reading it. ``remove`` and ``aclose``
+  drop a pinned buffer from the store at once; the get keeps its reference and finishes reading.
+- ``used_bytes`` is the bytes of published objects plus those of puts still copying (reserved
+  before their copy starts); every other counter moves once per object, when its result is known.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import anyio.lowlevel
 import attrs
 import torch
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.pacing import PIECE, Pacer
 from kvflow.config import parse_size, parse_url_query
-from kvflow.errors import ConfigError
-from kvflow.regions import gather, scatter
+from kvflow.errors import ConfigError, PoolClosedError
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
 
 _DEFAULT_CAPACITY = 4 << 30
+_memmove = ctypes.memmove
 
 
 @attrs.frozen
@@ -33,15 +47,29 @@ class MemoryConfig:
 
     @capacity_bytes.validator
     def _check(self, _: attrs.Attribute[int], value: int) -> None:
-        if value <= 0:
-            raise ConfigError(f"memory backend capacity must be > 0 bytes, got {value}")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"memory backend capacity must be an integer > 0 bytes, got {value!r}")
 
     @classmethod
     def from_url(cls, url: str) -> MemoryConfig:
         params = parse_url_query(url, scheme="memory", allowed={"capacity"})
+        parts = urlsplit(url)
+        if parts.netloc or parts.path or parts.fragment:
+            raise ConfigError(
+                f"{url!r}: the memory backend lives in this process and takes no host, path or "
+                "fragment; write memory:// or memory://?capacity=4GiB"
+            )
         if "capacity" in params:
             return cls(parse_size(params["capacity"]))
         return cls()
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """A published object's buffer and how many gets are reading it (pinned while > 0)."""
+
+    buf: torch.Tensor
+    readers: int = 0
 
 
 @attrs.define
@@ -49,7 +77,7 @@ class MemoryBackend:
     """An in-process object store. Use it from one event loop only."""
 
     config: MemoryConfig = attrs.field(factory=MemoryConfig)
-    _objects: OrderedDict[str, torch.Tensor] = attrs.field(factory=OrderedDict, init=False)
+    _objects: OrderedDict[str, _Entry] = attrs.field(factory=OrderedDict, init=False)
     _stats: BackendStats = attrs.field(init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
@@ -80,15 +108,27 @@ class MemoryBackend:
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         self._check_open()
-        results = [self._put_one(obj) for obj in objects]
-        self._stats.count_puts(objects, results)
+        results: list[PutStatus] = []
+        pacer = Pacer()
+        for i, obj in enumerate(objects):
+            if i:
+                await pacer.tick()
+            status = await self._put_one(obj, pacer)
+            self._stats.count_puts((obj,), (status,))
+            results.append(status)
         await anyio.lowlevel.checkpoint()
         return results
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         self._check_open()
-        results = [self._get_one(obj) for obj in objects]
-        self._stats.count_gets(objects, results)
+        results: list[GetStatus] = []
+        pacer = Pacer()
+        for i, obj in enumerate(objects):
+            if i:
+                await pacer.tick()
+            status = await self._get_one(obj, pacer)
+            self._stats.count_gets((obj,), (status,))
+            results.append(status)
         await anyio.lowlevel.checkpoint()
         return results
 
@@ -101,51 +141,105 @@ class MemoryBackend:
         self._check_open()
         removed = []
         for key in keys:
-            buf = self._objects.pop(key, None)
-            if buf is not None:
-                self._stats.used_bytes -= buf.numel()
-            removed.append(buf is not None)
+            entry = self._objects.pop(key, None)
+            if entry is not None:
+                self._stats.used_bytes -= entry.buf.numel()
+            removed.append(entry is not None)
         return removed
 
     async def aclose(self) -> None:
+        """Drop every object. Calls still copying finish their copy; nothing more is published."""
         self._closed = True
         self._objects.clear()
         self._stats.used_bytes = 0
 
     def _check_open(self) -> None:
         if self._closed:
-            from kvflow.errors import PoolClosedError
-
             raise PoolClosedError("the memory backend was closed; open a new one")
 
-    def _put_one(self, obj: ObjectRef) -> PutStatus:
+    async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
         objects = self._objects
         if obj.key in objects:
             objects.move_to_end(obj.key)
             return PutStatus.PRESENT
-        if obj.nbytes > self.config.capacity_bytes:
-            return PutStatus.NO_SPACE
-        recycled: torch.Tensor | None = None
-        while self._stats.used_bytes + obj.nbytes > self.config.capacity_bytes:
-            _, evicted = objects.popitem(last=False)
-            self._stats.used_bytes -= evicted.numel()
-            self._stats.evictions += 1
-            if evicted.numel() == obj.nbytes:
-                recycled = evicted  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
-        buf = recycled if recycled is not None else torch.empty(obj.nbytes, dtype=torch.uint8)
-        if obj.nbytes:
-            gather(buf.data_ptr(), obj.addrs, obj.sizes)
-        objects[obj.key] = buf
-        self._stats.used_bytes += obj.nbytes
-        return PutStatus.STORED
-
-    def _get_one(self, obj: ObjectRef) -> GetStatus:
-        buf = self._objects.get(obj.key)
+        buf = self._reserve(obj.nbytes)
         if buf is None:
+            return PutStatus.NO_SPACE
+        published = False
+        try:
+            await _copy(buf.data_ptr(), obj, pacer, into_buffer=True)
+            if self._closed:
+                return PutStatus.FAILED
+            if obj.key in objects:  # another put published it while this one copied
+                return PutStatus.PRESENT
+            objects[obj.key] = _Entry(buf)
+            published = True
+            return PutStatus.STORED
+        finally:
+            if not published and not self._closed:
+                self._stats.used_bytes -= obj.nbytes
+
+    def _reserve(self, nbytes: int) -> torch.Tensor | None:
+        """Make room for ``nbytes`` (evicting unpinned LRU objects) and count them as used.
+
+        Returns a buffer of that size, a recycled victim's where one fits exactly, or None when
+        the bytes cannot fit (too large, or the rest of the budget is pinned or being written).
+        """
+        if nbytes > self.config.capacity_bytes:
+            return None
+        stats = self._stats
+        recycled: torch.Tensor | None = None
+        while stats.used_bytes + nbytes > self.config.capacity_bytes:
+            victim = self._unpinned_lru()
+            if victim is None:
+                return None
+            entry = self._objects.pop(victim)
+            stats.used_bytes -= entry.buf.numel()
+            stats.evictions += 1
+            if recycled is None and entry.buf.numel() == nbytes:
+                recycled = entry.buf  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
+        stats.used_bytes += nbytes
+        return recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _unpinned_lru(self) -> str | None:
+        for key, entry in self._objects.items():  # pinned entries were moved to the end when pinned
+            if entry.readers == 0:
+                return key
+        return None
+
+    async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
+        entry = self._objects.get(obj.key)
+        if entry is None:
             return GetStatus.MISS
-        if buf.numel() != obj.nbytes:
+        if entry.buf.numel() != obj.nbytes:
             return GetStatus.FAILED
         self._objects.move_to_end(obj.key)
-        if obj.nbytes:
-            scatter(buf.data_ptr(), obj.addrs, obj.sizes)
+        entry.readers += 1
+        try:
+            await _copy(entry.buf.data_ptr(), obj, pacer, into_buffer=False)
+        finally:
+            entry.readers -= 1
         return GetStatus.HIT
+
+
+async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:
+    """Copy between ``obj``'s regions and the buffer at ``buf``, in pieces of at most 1 MiB.
+
+    Checks the clock after every 1 MiB (never after the last piece: the caller does).
+    """
+    offset = 0
+    since_tick = 0
+    for addr, size in zip(obj.addrs, obj.sizes):
+        done = 0
+        while done < size:
+            if since_tick >= PIECE:
+                await pacer.tick()
+                since_tick = 0
+            n = min(size - done, PIECE - since_tick)
+            if into_buffer:
+                _memmove(buf + offset, addr + done, n)
+            else:
+                _memmove(addr + done, buf + offset, n)
+            done += n
+            offset += n
+            since_tick += n

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvflow.backends.local.backend as local
-from kvflow.backends import open_backend
+from kvflow.backends import open_backend, pacing
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.local.format import (
@@ -30,7 +30,9 @@ from kvflow.backends.local.format import (
     Header,
     TempName,
     WriterId,
+    is_object_file_name,
     object_file_name,
+    pieces,
 )
 from kvflow.errors import ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
@@ -72,7 +74,7 @@ def object_files(path: Path) -> dict[str, int]:
 
 def test_url_parameters() -> None:
     assert LocalConfig.from_url("local://") == LocalConfig()
-    assert LocalConfig().path == "/dev/shm/kvflow"
+    assert LocalConfig().path == f"/dev/shm/kvflow-{os.geteuid()}"  # private to this user
     cfg = LocalConfig.from_url("local:///mnt/nvme/kv%20cache?capacity=8GiB&lock_timeout=2.5")
     assert cfg == LocalConfig("/mnt/nvme/kv cache", 8 << 30, 2.5)
     for bad in (
@@ -133,8 +135,22 @@ def test_file_names_are_safe_and_distinct(key: str) -> None:
     name = object_file_name(key)
     assert 0 < len(name.encode()) <= 200
     assert "/" not in name and "\0" not in name and not name.startswith(".")
+    assert is_object_file_name(name)  # a scan takes it for an object
     other = key + "x"
     assert object_file_name(other) != name
+
+
+def test_names_that_no_key_maps_to_are_not_object_names() -> None:
+    for name in (".hidden", "..", ".", "", "a/b", "x" * 201, "~short", "~" + "A" * 40, "a b", "é"):
+        assert not is_object_file_name(name), name
+
+
+@given(st.lists(st.binary(max_size=50), max_size=8), st.integers(1, 64))
+def test_pieces_cut_buffers_in_order_and_never_exceed_the_limit(chunks: list[bytes], limit: int) -> None:
+    cut = list(pieces([memoryview(c) for c in chunks], limit))
+    assert b"".join(bytes(v) for piece in cut for v in piece) == b"".join(chunks)
+    assert all(0 < sum(v.nbytes for v in piece) <= limit for piece in cut)
+    assert all(sum(v.nbytes for v in piece) == limit for piece in cut[:-1])  # only the last is short
 
 
 def test_file_names_are_injective_on_tricky_keys() -> None:
@@ -360,7 +376,7 @@ async def test_a_cancelled_put_releases_what_it_did_not_write(
     size, count, stop_at = 64 * KiB, 20, 5
     sources = [payload(f"k{i}", size) for i in range(count)]
     writes = 0
-    monkeypatch.setattr(local, "_YIELD_EVERY_S", 0.0)  # checkpoint after every object
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)  # checkpoint after every object
 
     with anyio.CancelScope() as scope:
 
@@ -379,6 +395,74 @@ async def test_a_cancelled_put_releases_what_it_did_not_write(
     await backend.aclose()
 
 
+async def test_large_objects_are_copied_in_pieces_and_calls_interleave_safely(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Puts and gets of one instance run at once, each yielding between 1 MiB pieces."""
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)  # a checkpoint after every piece
+    backend = open_store(tmp_path, capacity=256 << 20)
+    size = 5 * (1 << 20) + 123
+    sources = {k: payload(k, size) for k in ("a", "b", "c", "d")}
+    assert await backend.put([ref(k, sources[k], [7, size // 2]) for k in "ab"]) == [PutStatus.STORED] * 2
+    targets = {k: bytearray(size) for k in "ab"}
+    results: dict[str, list[Any]] = {}
+    checkpoints = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal checkpoints
+        while not done:
+            checkpoints += 1
+            await anyio.lowlevel.checkpoint()
+
+    async def get(key: str) -> None:
+        results[key] = await backend.get([ref(key, targets[key], [size // 3])])
+
+    async def put(key: str) -> None:
+        results[key] = await backend.put([ref(key, sources[key], [1 << 20])])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        async with anyio.create_task_group() as calls:
+            for key in "ab":
+                calls.start_soon(get, key)
+            for key in "cd":
+                calls.start_soon(put, key)
+        done = True
+    assert results == {
+        "a": [GetStatus.HIT],
+        "b": [GetStatus.HIT],
+        "c": [PutStatus.STORED],
+        "d": [PutStatus.STORED],
+    }
+    assert targets == {k: sources[k] for k in "ab"}
+    assert checkpoints >= 8  # the calls yielded between pieces (whole-object copies: 2 or 3)
+    for key in "cd":
+        target = bytearray(size)
+        assert await backend.get([ref(key, target)]) == [GetStatus.HIT] and target == sources[key]
+    await backend.aclose()
+
+
+async def test_a_put_cancelled_inside_a_large_object_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+    backend = open_store(tmp_path, capacity=64 << 20)
+    size = 8 << 20
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(backend.put, [ref("big", payload("big", size))])
+            while not list((tmp_path / "tmp").iterdir()):  # the reservation exists: writing
+                await anyio.lowlevel.checkpoint()
+            for _ in range(3):  # a few pieces in
+                await anyio.lowlevel.checkpoint()
+            scope.cancel()
+    assert await backend.exists(["big"]) == [False]
+    assert list((tmp_path / "tmp").iterdir()) == [] and object_files(tmp_path) == {}
+    assert backend.stats().used_bytes == 0 == await backend.usage()
+    await backend.aclose()
+
+
 async def test_dead_writers_temp_files_are_removed_at_open(tmp_path: Path) -> None:
     backend = open_store(tmp_path)
     me = WriterId.current()
@@ -390,7 +474,8 @@ async def test_dead_writers_temp_files_are_removed_at_open(tmp_path: Path) -> No
     await backend.aclose()
     backend = open_store(tmp_path)
     assert [p.name for p in tmp.iterdir()] == [TempName(foreign, 7000, "bb").format()]
-    assert await backend.usage() == 7000  # the foreign writer's reservation still counts
+    # The foreign writer's file still counts, at its size on disk, not at the 7000 its name claims.
+    assert await backend.usage() == 1
     await backend.aclose()
 
 
@@ -539,7 +624,13 @@ async def test_writer_killed_mid_write_leaves_nothing_readable(tmp_path: Path) -
         proc.stdin.flush()
         temp = Path(workers.wait_for(proc, "PAUSED").split(" ", 1)[1])
         assert temp.parent == tmp_path / "tmp"
-        assert HEADER_SIZE < temp.stat().st_size < HEADER_SIZE + size  # really mid-write
+        # Really mid-write: the file is sized to its reservation up front; header and first region
+        # (the last half of the buffer, see local_worker.regions) are written, the rest is not yet.
+        data = temp.read_bytes()
+        first = size - size // 2
+        assert len(data) == HEADER_SIZE + size and Header.unpack(data) is not None
+        assert data[HEADER_SIZE : HEADER_SIZE + first] == content("k", 1, size)[:first]
+        assert data[HEADER_SIZE + first :] == bytes(size - first)
         reader = open_store(tmp_path, 1 << 20)
         assert await reader.get([ref("k", bytearray(size))]) == [GetStatus.MISS]  # while paused
         os.kill(proc.pid, signal.SIGKILL)

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import random
+
+import anyio
+import anyio.lowlevel
+import pytest
 import torch
 
+import kvflow.backends.memory as memory
 from kvflow import GetStatus, MemoryBackend, PutStatus, open_backend
-from kvflow.backends import ObjectRef
+from kvflow.backends import ObjectRef, pacing
 from kvflow.backends.memory import MemoryConfig
 
 
@@ -67,3 +73,133 @@ async def test_a_recycled_buffer_holds_only_the_new_object() -> None:
         GetStatus.HIT,
     ]
     assert torch.equal(out_b, b) and torch.equal(out_c, c)
+
+
+# --- the event loop runs during long copies; the guarantees hold across those awaits -------------
+
+MiB = 1 << 20
+
+
+def data(key: str, size: int) -> torch.Tensor:
+    """The bytes every put of ``key`` stores (distinct per key, so a mix-up shows)."""
+    return torch.frombuffer(bytearray(random.Random(key).randbytes(size)), dtype=torch.uint8)
+
+
+@pytest.fixture
+def checkpoint_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call lets other tasks run after each 1 MiB piece (instead of after ~0.5 ms)."""
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+
+
+async def test_a_get_never_sees_an_object_whose_put_is_still_copying(checkpoint_often: None) -> None:
+    backend = MemoryBackend()
+    size = 8 * MiB
+    source = data("k", size)
+    put_done = False
+    seen: list[GetStatus] = []
+
+    async def put() -> None:
+        nonlocal put_done
+        assert await backend.put([obj("k", source)]) == [PutStatus.STORED]
+        put_done = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        while not put_done:
+            target = torch.zeros(size, dtype=torch.uint8)
+            status = (await backend.get([obj("k", target)]))[0]
+            seen.append(status)
+            if status is GetStatus.HIT:
+                assert torch.equal(target, source)
+            else:
+                assert status is GetStatus.MISS
+            assert backend.stats().used_bytes in (0, size)  # reserved before the copy, then kept
+    assert seen.count(GetStatus.MISS) >= 2  # gets really ran while the put copied
+    assert backend.stats().used_bytes == size
+
+
+async def test_eviction_never_takes_a_buffer_that_a_get_is_reading(checkpoint_often: None) -> None:
+    size = 4 * MiB
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=size))  # room for one object
+    a, b = data("a", size), data("b", size)
+    assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
+    target = torch.zeros(size, dtype=torch.uint8)
+    results: list[list[GetStatus]] = []
+
+    async def read() -> None:
+        results.append(await backend.get([obj("a", target)]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        while not torch.equal(target[:MiB], a[:MiB]):  # the get has started copying
+            await anyio.lowlevel.checkpoint()
+        assert not results
+        # "a" is pinned: it is neither evicted nor recycled for "b", so "b" finds no room.
+        assert await backend.put([obj("b", b)]) == [PutStatus.NO_SPACE]
+        assert await backend.exists(["a", "b"]) == [True, False]
+    assert results == [[GetStatus.HIT]] and torch.equal(target, a)
+    assert await backend.put([obj("b", b)]) == [PutStatus.STORED]  # unpinned now: evicted
+    stats = backend.stats()
+    assert (stats.evictions, stats.used_bytes, stats.no_space, stats.puts) == (1, size, 1, 2)
+    out = torch.zeros(size, dtype=torch.uint8)
+    assert await backend.get([obj("b", out)]) == [GetStatus.HIT] and torch.equal(out, b)
+
+
+async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None) -> None:
+    size = 16 * MiB
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=size))
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(backend.put, [obj("k", data("k", size))])
+            while backend.stats().used_bytes == 0:  # reserved: the copy is under way
+                await anyio.lowlevel.checkpoint()
+            scope.cancel()
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.puts, stats.put_failures) == (0, 0, 0)
+    assert await backend.exists(["k"]) == [False]
+    assert await backend.put([obj("k", data("k", size))]) == [PutStatus.STORED]  # the room is there
+
+
+async def test_concurrent_calls_keep_objects_whole_and_stats_exact(
+    checkpoint_often: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "PIECE", 4096)  # a checkpoint every 4 KiB: many interleavings
+    keys = [f"k{i}" for i in range(10)]
+    sizes = {k: 20_000 + 3_000 * i for i, k in enumerate(keys)}
+    sources = {k: data(k, sizes[k]) for k in keys}
+    capacity = 4 * 40_000
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=capacity))
+    tally: dict[str, int] = {}
+    removed = 0
+
+    async def worker(seed: int) -> None:
+        nonlocal removed
+        rng = random.Random(seed)
+        for _ in range(40):
+            batch = rng.sample(keys, rng.randint(1, 3))
+            action = rng.random()
+            if action < 0.45:
+                for stored in await backend.put([obj(k, sources[k]) for k in batch]):
+                    tally[stored.value] = tally.get(stored.value, 0) + 1
+            elif action < 0.9:
+                targets = {k: torch.zeros(sizes[k], dtype=torch.uint8) for k in batch}
+                got = await backend.get([obj(k, targets[k]) for k in batch])
+                for k, status in zip(batch, got):
+                    tally[status.value] = tally.get(status.value, 0) + 1
+                    if status is GetStatus.HIT:
+                        assert torch.equal(targets[k], sources[k]), f"{k} came back torn or mixed"
+            else:
+                removed += sum(await backend.remove(batch))
+            assert backend.stats().used_bytes <= capacity
+
+    async with anyio.create_task_group() as tg:
+        for seed in range(6):
+            tg.start_soon(worker, seed)
+    stats = backend.stats()
+    kept = backend.stored_keys()
+    assert tally.get("stored", 0) > 0 and tally.get("hit", 0) > 0 and stats.evictions > 0
+    assert stats.used_bytes == sum(sizes[k] for k in kept)
+    assert stats.puts - removed - stats.evictions == len(kept)
+    counted = (stats.puts, stats.present, stats.no_space, stats.hits, stats.misses)
+    assert counted == tuple(tally.get(s, 0) for s in ("stored", "present", "no_space", "hit", "miss"))
+    assert stats.put_failures == stats.get_failures == 0

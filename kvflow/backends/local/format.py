@@ -13,7 +13,8 @@ An object file is a 64-byte header followed by the payload (the object's bytes):
     48      16    reserved, zero
 
 Copies go straight between the caller's regions and the file with ``preadv``/``pwritev``: one kernel
-copy, no Python-level buffer in between. Everything here is synchronous and thread-agnostic.
+copy, no Python-level buffer in between; :func:`pieces` cuts a large object into pieces so that a
+caller can let its event loop run between them. Everything here is synchronous and thread-agnostic.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import re
 import string
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -40,12 +41,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = [
     "HEADER_SIZE",
     "Header",
+    "PayloadChecksum",
     "TempName",
     "WriterId",
+    "is_object_file_name",
     "key_digest",
     "object_file_is_bad",
     "object_file_name",
     "payload_checksum",
+    "pieces",
     "read_into",
     "region_views",
     "write_from",
@@ -62,6 +66,8 @@ _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
 _MAX_NAME = 200  # bytes; file names are limited to 255 on every Linux filesystem
 _SAFE = frozenset(string.ascii_letters + string.digits + "-_.,=+@")
 _PLAIN = re.compile(r"[A-Za-z0-9\-_,=+@][A-Za-z0-9\-_.,=+@]*")  # needs no escaping
+# Every name object_file_name can return (plain, %-escaped, or ~digest), and nothing starting with "."
+_OBJECT_NAME = re.compile(r"[A-Za-z0-9\-_,=+@%][A-Za-z0-9\-_.,=+@%]{0,199}|~[0-9a-f]{40}")
 
 
 def key_digest(key: str) -> bytes:
@@ -84,6 +90,11 @@ def object_file_name(key: str) -> str:
     if 0 < len(escaped) <= _MAX_NAME:
         return escaped
     return "~" + hashlib.blake2b(raw, digest_size=20).hexdigest()
+
+
+def is_object_file_name(name: str) -> bool:
+    """Whether ``name`` can be an object file's name (see :func:`object_file_name`)."""
+    return _OBJECT_NAME.fullmatch(name) is not None
 
 
 @attrs.frozen(slots=True)
@@ -121,20 +132,44 @@ class Header:
 
 def payload_checksum(views: Sequence[memoryview], header: Header) -> int:
     """xxh3-64 over the payload regions in order, then over the header's checked part."""
-    hasher = xxhash.xxh3_64()
-    for view in views:
-        hasher.update(view)
-    hasher.update(header.checked_part())
-    return hasher.intdigest()
+    checksum = PayloadChecksum()
+    checksum.update(views)
+    return checksum.value(header)
 
 
-def object_file_is_bad(path: str, key: str) -> bool:
-    """Whether the object file at ``path`` is not a whole object of ``key`` (reads it all: rare path)."""
+@attrs.define
+class PayloadChecksum:
+    """:func:`payload_checksum` of a payload fed in pieces, in order."""
+
+    _hasher: xxhash.xxh3_64 = attrs.field(factory=xxhash.xxh3_64)
+
+    def update(self, views: Sequence[memoryview]) -> None:
+        for view in views:
+            self._hasher.update(view)
+
+    def value(self, header: Header) -> int:
+        """The checksum of what was fed, with ``header`` (whose checksum field is ignored)."""
+        hasher = self._hasher.copy()
+        hasher.update(header.checked_part())
+        return hasher.intdigest()
+
+
+def object_file_is_bad(dir_fd: int, name: str, key: str) -> bool:
+    """Whether object file ``name`` in ``dir_fd`` is not a whole object of ``key`` (reads it all).
+
+    A rare path (re-checking a failed read). A symlink or any other non-regular file is bad.
+    """
     try:
-        with open(path, "rb") as f:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return True
+    try:
+        with open(fd, "rb", closefd=False) as f:
             data = f.read()
     except OSError:
         return True
+    finally:
+        os.close(fd)
     header = Header.unpack(data)
     if header is None or header.digest != key_digest(key) or len(data) != HEADER_SIZE + header.payload_len:
         return True
@@ -144,6 +179,27 @@ def object_file_is_bad(path: str, key: str) -> bool:
 def region_views(addrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
     """Writable views of raw memory regions (skipping empty ones); valid while the memory is."""
     return [memoryview((ctypes.c_char * size).from_address(addr)) for addr, size in zip(addrs, sizes) if size]
+
+
+def pieces(bufs: Sequence[memoryview], limit: int) -> Iterator[list[memoryview]]:
+    """``bufs`` in order, as lists of at most ``limit`` bytes each (a large buffer is cut up).
+
+    Empty buffers are dropped; concatenating every piece gives back the bytes of ``bufs``.
+    """
+    batch: list[memoryview] = []
+    room = limit
+    for buf in bufs:
+        view = buf.cast("B") if buf.ndim != 1 or buf.itemsize != 1 else buf
+        while view.nbytes:
+            part = view[:room]
+            batch.append(part)
+            room -= part.nbytes
+            view = view[part.nbytes :]
+            if room == 0:
+                yield batch
+                batch, room = [], limit
+    if batch:
+        yield batch
 
 
 def _advance(bufs: list[memoryview], done: int) -> list[memoryview]:
@@ -231,7 +287,12 @@ class WriterId:
 
 @attrs.frozen(slots=True)
 class TempName:
-    """``<ns>.<pid>.<start>.<reserved>.<token>.tmp``: a write in flight and the bytes it reserved."""
+    """``<ns>.<pid>.<start>.<reserved>.<token>.tmp``: a write in flight, and who writes it.
+
+    ``reserved`` is for people reading a listing; usage is never taken from it (anyone who can
+    create a file could claim any number), but from the file's size: a writer sizes its temp
+    file to its reservation (``ftruncate``) as it makes it.
+    """
 
     writer: WriterId
     reserved: int

@@ -6,7 +6,11 @@ Directory layout::
     <root>/objects/      published objects, immutable once linked here
     <root>/tmp/          writes in flight: ``TempName`` files, each reserving its bytes
 
-Usage is "file sizes of every object + bytes reserved by every temp file". Every change of it
+Usage is "file sizes of every object + file sizes of every live writer's temp file": a writer sizes
+its temp file to its reservation (``ftruncate``, which allocates nothing yet) as it makes it, so what
+is counted is always what is on disk, never a number someone wrote into a name. Entries that are not
+kvflow's (other names, not regular files, other owners) are ignored, logged once, and not counted.
+Every change of usage
 happens inside a *section*: the exclusive flock held, no ``await`` inside. Sections are short (a
 few syscalls per object) except a *scan*, which lists the temp files and the objects, recounts usage
 from them and rebuilds this process's eviction candidate list. The counter in the lock file is only
@@ -32,7 +36,6 @@ import fcntl
 import logging
 import os
 import secrets
-import stat
 import struct
 import time
 from collections import deque
@@ -42,7 +45,8 @@ import anyio
 import attrs
 
 from kvflow.backends.base import PutStatus
-from kvflow.backends.local.format import TempName, WriterId
+from kvflow.backends.local.format import TempName, WriterId, is_object_file_name
+from kvflow.backends.local.safety import LOCK_NAME, Access, StoreDirs, unusable_message
 from kvflow.errors import BackendUnavailableError, ConfigError
 
 __all__ = ["Reservation", "SpaceLedger"]
@@ -53,22 +57,22 @@ _COUNTER = struct.Struct("<8sQ")
 _COUNTER_MAGIC = b"KVFLUSE1"
 _BACKOFF_MIN_S = 50e-6
 _BACKOFF_MAX_S = 2e-3
+_REPORT_LIMIT = 10_000  # foreign entries remembered as reported, per instance
 
 
 @attrs.define
 class Reservation:
     """Bytes reserved for one object being written, and the temp file that holds them.
 
-    The writer owns ``fd`` (open for writing) until it closes it and sets it to -1.
-    ``reused_size`` is the current size of a recycled file, or -1 for a new empty file.
-    ``settled`` turns true once the object is published or the reservation released: from then on
-    the bytes belong to the object (or to nobody) and releasing it again does nothing.
+    The temp file is already ``nbytes`` long (the reservation is its size). The writer owns ``fd``
+    (open for writing) until it closes it and sets it to -1. ``settled`` turns true once the object
+    is published or the reservation released: from then on the bytes belong to the object (or to
+    nobody) and releasing it again does nothing.
     """
 
     name: str
     nbytes: int
     fd: int
-    reused_size: int = -1
     settled: bool = False
 
 
@@ -85,11 +89,11 @@ class SpaceLedger:
     """The shared budget of one directory, seen from one backend instance.
 
     Call :meth:`locked` from the owning event loop; call the other public methods only inside it.
+    Owns the store's descriptors (:class:`StoreDirs`) and closes them in :meth:`close`.
     """
 
-    root: str
+    dirs: StoreDirs
     capacity: int
-    lock_fd: int
     writer: WriterId = attrs.field(factory=WriterId.current)
     used: int = 0
     evictions: int = 0
@@ -98,75 +102,92 @@ class SpaceLedger:
     _pending: set[str] = attrs.field(factory=set)  # temp files made in this section, not yet in used
     _token: str = attrs.field(factory=lambda: secrets.token_hex(4))
     _seq: int = 0
+    _reported: set[str] = attrs.field(factory=set)
 
-    objects_dir: str = attrs.field(init=False)
-    tmp_dir: str = attrs.field(init=False)
+    @property
+    def root(self) -> str:
+        return self.dirs.root
 
-    def __attrs_post_init__(self) -> None:
-        self.objects_dir = os.path.join(self.root, "objects")
-        self.tmp_dir = os.path.join(self.root, "tmp")
+    @property
+    def access(self) -> Access:
+        return self.dirs.access
+
+    @property
+    def objects_fd(self) -> int:
+        return self.dirs.objects_fd
+
+    @property
+    def tmp_fd(self) -> int:
+        return self.dirs.tmp_fd
 
     @classmethod
-    def open(cls, path: str, capacity: int, lock_timeout_s: float) -> SpaceLedger:
-        """Create or open the directory, prove it usable, and clean up after dead writers.
+    def open(cls, path: str, capacity: int, lock_timeout_s: float, access: Access) -> SpaceLedger:
+        """Create or open the directory, prove it safe and usable, and clean up after dead writers.
 
-        Raises ConfigError for a directory this process cannot use.
+        Raises ConfigError for a directory this process cannot use (or must not: see
+        :mod:`kvflow.backends.local.safety`), BackendUnavailableError when the lock stays taken.
         """
-        root = os.path.abspath(path)
-        try:
-            os.makedirs(os.path.join(root, "objects"), exist_ok=True)
-            os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
-            fd = os.open(os.path.join(root, "kvflow.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise ConfigError(
-                f"the local backend cannot use {root}: {exc.strerror or exc}; give a directory this "
-                "process can create and write, e.g. local:///dev/shm/kvflow"
-            ) from exc
-        ledger = cls(root, capacity, fd)
+        dirs = StoreDirs.open(path, access)
+        ledger = cls(dirs, capacity)
         try:
             ledger._check_links()
             with ledger.locked_blocking(lock_timeout_s):
                 ledger.recover()
+            vfs = os.statvfs(dirs.root_fd)
         except TimeoutError as exc:
-            os.close(fd)
+            dirs.close()
             raise BackendUnavailableError(f"cannot open the local backend: {exc}") from exc
+        except OSError as exc:
+            dirs.close()
+            raise ConfigError(unusable_message(dirs.root, exc)) from exc
         except BaseException:
-            os.close(fd)
+            dirs.close()
             raise
-        vfs = os.statvfs(root)
         if capacity > vfs.f_blocks * vfs.f_frsize:
             logger.warning(
                 "local backend capacity %d exceeds the size of the filesystem of %s (%d bytes); "
                 "puts will report NO_SPACE when it fills",
                 capacity,
-                root,
+                dirs.root,
                 vfs.f_blocks * vfs.f_frsize,
             )
-        logger.debug("local backend opened %s (capacity %d, used %d)", root, capacity, ledger.used)
+        logger.debug(
+            "local backend opened %s (%s, capacity %d, used %d)",
+            dirs.root,
+            access.describe(),
+            capacity,
+            ledger.used,
+        )
         return ledger
+
+    def close(self) -> None:
+        self.dirs.close()
 
     def _check_links(self) -> None:
         """Create, hard-link and remove a probe file: proves the directory is writable and links work."""
-        probe = f"{self.tmp_dir}/probe.{os.getpid()}.{time.monotonic_ns()}"
+        probe, link = self._new_temp_name(0), self._new_temp_name(0)
+        tmp = self.tmp_fd
         try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            os.close(os.open(probe, _NEW_FILE, self.access.file_mode, dir_fd=tmp))
             try:
-                os.link(probe, probe + ".link")
-                os.unlink(probe + ".link")
+                os.link(probe, link, src_dir_fd=tmp, dst_dir_fd=tmp, follow_symlinks=False)
+                os.unlink(link, dir_fd=tmp)
             finally:
-                os.unlink(probe)
+                os.unlink(probe, dir_fd=tmp)
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ConfigError(unusable_message(self.root, exc)) from exc
             raise ConfigError(
                 f"the local backend cannot write objects in {self.root}: {exc.strerror or exc}. It needs "
                 "a writable directory on a local filesystem with hard links (tmpfs, ext4, xfs), "
-                "e.g. local:///dev/shm/kvflow"
+                "e.g. local:// (a private directory in /dev/shm)"
             ) from exc
 
     # --- the lock -------------------------------------------------------------------------------
 
     def _try_lock(self) -> bool:
         try:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.dirs.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
         return True
@@ -174,7 +195,7 @@ class SpaceLedger:
     def _begin(self) -> None:
         """Load the counter (or recount it) once the lock is held; unlocks again if that fails."""
         try:
-            data = os.pread(self.lock_fd, _COUNTER.size, 0)
+            data = os.pread(self.dirs.lock_fd, _COUNTER.size, 0)
             self._rescanned = False
             self._pending.clear()
             if len(data) == _COUNTER.size:
@@ -184,14 +205,14 @@ class SpaceLedger:
                     return
             self.scan()
         except BaseException:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+            fcntl.flock(self.dirs.lock_fd, fcntl.LOCK_UN)
             raise
 
     def _end(self) -> None:
         try:
-            os.pwrite(self.lock_fd, _COUNTER.pack(_COUNTER_MAGIC, max(self.used, 0)), 0)
+            os.pwrite(self.dirs.lock_fd, _COUNTER.pack(_COUNTER_MAGIC, max(self.used, 0)), 0)
         finally:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+            fcntl.flock(self.dirs.lock_fd, fcntl.LOCK_UN)
 
     @contextlib.asynccontextmanager
     async def locked(self, timeout_s: float) -> AsyncIterator[None]:
@@ -205,7 +226,7 @@ class SpaceLedger:
         while not self._try_lock():
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"waited {timeout_s}s for the lock {os.path.join(self.root, 'kvflow.lock')}; "
+                    f"waited {timeout_s}s for the lock {self.root}/{LOCK_NAME}; "
                     "another process holds it: look for a stopped or stuck kvflow process"
                 )
             await anyio.sleep(delay)
@@ -222,7 +243,7 @@ class SpaceLedger:
         deadline = time.monotonic() + timeout_s
         while not self._try_lock():
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"waited {timeout_s}s for the lock in {self.root}")
+                raise TimeoutError(f"waited {timeout_s}s for the lock {self.root}/{LOCK_NAME}")
             time.sleep(_BACKOFF_MAX_S)
         self._begin()
         try:
@@ -247,8 +268,8 @@ class SpaceLedger:
                 no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
                 results.append(PutStatus.NO_SPACE if no_space else PutStatus.FAILED)
             finally:
-                for name in self._pending:  # a recycled file that did not become a reservation
-                    self._unlink(self._temp(name))
+                for name in self._pending:  # a temp file that did not become a reservation
+                    self._unlink(self.tmp_fd, name)
                 self._pending.clear()
         return results
 
@@ -263,19 +284,18 @@ class SpaceLedger:
             if recycled is None:
                 name = self._new_temp_name(nbytes)
                 try:
-                    os.rename(self._object(victim.name), self._temp(name))
+                    os.rename(victim.name, name, src_dir_fd=self.objects_fd, dst_dir_fd=self.tmp_fd)
                 except FileNotFoundError:
                     continue
                 self._pending.add(name)
                 recycled = attrs.evolve(victim, name=name)
             else:
-                self._unlink(self._object(victim.name))
+                self._unlink(self.objects_fd, victim.name)
             self.evictions += 1
             self.used -= victim.size
         if self.used + nbytes > self.capacity:
             return PutStatus.NO_SPACE  # a recycled victim is removed by the caller
         reservation = self._open_reservation(nbytes, recycled)
-        self._pending.discard(reservation.name)
         self.used += nbytes
         return reservation
 
@@ -286,21 +306,27 @@ class SpaceLedger:
                 os.close(res.fd)
                 res.fd = -1
             if not res.settled:
-                self._unlink(self._temp(res.name))
+                self._unlink(self.tmp_fd, res.name)
                 self.used -= res.nbytes
                 res.settled = True
 
-    def remove_if(self, name: str, is_bad: Callable[[str], bool]) -> bool:
-        """Remove object ``name`` if ``is_bad(path)`` still says so (checked under the lock)."""
-        path = self._object(name)
+    def remove_if(self, name: str, is_bad: Callable[[int, str], bool]) -> bool:
+        """Remove object ``name`` if ``is_bad(objects_fd, name)`` still says so (checked under the lock).
+
+        An entry that is not kvflow's is left alone (it was never counted).
+        """
         try:
-            size = os.stat(path).st_size
+            st = os.stat(name, dir_fd=self.objects_fd, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        if not is_bad(path):
+        problem = self.access.foreign(st)
+        if problem:
+            self.report_foreign("objects", name, problem)
             return False
-        self._unlink(path)
-        self.used -= size
+        if not is_bad(self.objects_fd, name):
+            return False
+        self._unlink(self.objects_fd, name)
+        self.used -= st.st_size
         return True
 
     def scan(self) -> None:
@@ -310,13 +336,17 @@ class SpaceLedger:
         # Temp files first: a write published meanwhile is then counted once or twice, never zero times.
         used = self._clean_temp_files()[0]
         candidates: list[_Candidate] = []
-        with os.scandir(self.objects_dir) as entries:
+        with os.scandir(self.objects_fd) as entries:
             for entry in entries:
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if not stat.S_ISREG(st.st_mode):
+                problem = self.access.foreign(st)
+                if not problem and not is_object_file_name(entry.name):
+                    problem = "not an object file name"
+                if problem:
+                    self.report_foreign("objects", entry.name, problem)
                     continue
                 used += st.st_size
                 candidates.append(_Candidate(st.st_mtime_ns, entry.name, st.st_ino, st.st_size))
@@ -337,29 +367,53 @@ class SpaceLedger:
             self.scan()
 
     def _clean_temp_files(self) -> tuple[int, int]:
-        """Remove temp files of dead writers; return (bytes live ones reserve, files removed).
+        """Remove temp files of dead writers; return (bytes of live writers' files, files removed).
 
-        A live writer's file counts in full even when it is already linked as an object (erring
-        high for a moment rather than low).
+        A live writer's file counts at its size (its reservation) even when it is already linked as
+        an object (erring high for a moment rather than low).
         """
         live = removed = 0
         alive: dict[WriterId, bool] = {}
-        with os.scandir(self.tmp_dir) as entries:
+        with os.scandir(self.tmp_fd) as entries:
             for entry in entries:
+                if entry.name in self._pending:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 temp = TempName.parse(entry.name)
-                if temp is None or entry.name in self._pending:
+                problem = "not a temp file name" if temp is None else self.access.foreign(st)
+                if problem or temp is None:
+                    self.report_foreign("tmp", entry.name, problem or "")
                     continue
                 if temp.writer not in alive:
                     alive[temp.writer] = temp.writer.is_alive(self.writer)
                 if alive[temp.writer]:
-                    live += temp.reserved
+                    live += st.st_size
                     continue
-                self._unlink(entry.path)
+                self._unlink(self.tmp_fd, entry.name)
                 removed += 1
-                logger.debug("removed %s, left by dead process %d", entry.path, temp.writer.pid)
+                logger.debug(
+                    "removed %s/tmp/%s, left by dead process %d", self.root, entry.name, temp.writer.pid
+                )
         return live, removed
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def report_foreign(self, where: str, name: str, problem: str) -> None:
+        """Log an entry that is not kvflow's, once per entry and instance."""
+        path = f"{self.root}/{where}/{name}"
+        if path in self._reported:
+            return
+        if len(self._reported) < _REPORT_LIMIT:
+            self._reported.add(path)
+        logger.warning(
+            "local backend: ignoring %r, which is not kvflow's (%s); it is not counted or used. Remove "
+            "it if you know where it came from; in a private store, find out who could write there",
+            path,
+            problem,
+        )
 
     def _next_victim(self) -> _Candidate | None:
         while True:
@@ -370,40 +424,54 @@ class SpaceLedger:
                 continue
             candidate = self._candidates.popleft()
             try:
-                st = os.stat(self._object(candidate.name))
+                st = os.stat(candidate.name, dir_fd=self.objects_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if st.st_ino == candidate.ino and st.st_mtime_ns == candidate.mtime_ns:
                 return attrs.evolve(candidate, size=st.st_size)
 
     def _open_reservation(self, nbytes: int, recycled: _Candidate | None) -> Reservation:
+        """Open the temp file of a reservation, sized to it: a recycled victim, else a new file."""
         if recycled is not None:
             try:
-                fd = os.open(self._temp(recycled.name), os.O_WRONLY | os.O_CLOEXEC)
-                return Reservation(recycled.name, nbytes, fd, reused_size=recycled.size)
+                fd = os.open(recycled.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.tmp_fd)
             except OSError:  # e.g. another user's file: start afresh
-                self._unlink(self._temp(recycled.name))
+                self._unlink(self.tmp_fd, recycled.name)
                 self._pending.discard(recycled.name)
+            else:
+                return self._sized(Reservation(recycled.name, nbytes, fd), recycled.size)
         name = self._new_temp_name(nbytes)
-        fd = os.open(self._temp(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        return Reservation(name, nbytes, fd)
+        fd = os.open(name, _NEW_FILE, self.access.file_mode, dir_fd=self.tmp_fd)
+        self._pending.add(name)
+        try:
+            os.fchmod(fd, self.access.file_mode)  # exactly, whatever the umask
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._sized(Reservation(name, nbytes, fd), 0)
+
+    def _sized(self, res: Reservation, size: int) -> Reservation:
+        """Make the temp file ``res.nbytes`` long; a reservation from then on (closes it on failure)."""
+        try:
+            if size != res.nbytes:
+                os.ftruncate(res.fd, res.nbytes)
+        except BaseException:
+            os.close(res.fd)
+            raise
+        self._pending.discard(res.name)
+        return res
 
     def _new_temp_name(self, nbytes: int) -> str:
         self._seq += 1
         return TempName(self.writer, nbytes, f"{self._token}{self._seq:x}").format()
 
-    def _object(self, name: str) -> str:
-        return f"{self.objects_dir}/{name}"
-
-    def _temp(self, name: str) -> str:
-        return f"{self.tmp_dir}/{name}"
-
-    @staticmethod
-    def _unlink(path: str) -> None:
+    def _unlink(self, dir_fd: int, name: str) -> None:
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                logger.warning("could not remove %s: %s", path, exc)
+            logger.warning("could not remove %s from %s: %s", name, self.root, exc)
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -19,7 +19,14 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from kvflow.config import nonnegative_int, parse_size, parse_url_query, positive_int, positive_seconds
+from kvflow.config import (
+    nonnegative_int,
+    parse_seconds,
+    parse_size,
+    parse_url_query,
+    positive_int,
+    positive_seconds,
+)
 from kvflow.errors import ConfigError
 
 __all__ = ["MooncakeConfig", "parse_mooncake_size"]
@@ -194,7 +201,9 @@ class MooncakeConfig:
     def from_url(cls, url: str) -> MooncakeConfig:
         """``mooncake://HOST:PORT?segment=1GiB&...``; ``?config=PATH`` starts from a JSON file."""
         params = parse_url_query(url, scheme="mooncake", allowed={*_URL_PARAMS, "config"})
-        netloc = urlsplit(url).netloc
+        parts = urlsplit(url)
+        _check_url_parts(url, parts.path, parts.fragment, parts.netloc, params)
+        netloc = parts.netloc
         base = cls.from_file(params.pop("config")) if "config" in params else None
         values: dict[str, object] = {}
         if netloc:
@@ -256,13 +265,31 @@ class MooncakeConfig:
         return cls.from_file(path)
 
 
+def _check_url_parts(url: str, path: str, fragment: str, netloc: str, params: Mapping[str, str]) -> None:
+    """Refuse what a mooncake:// URL does not take: a path, a fragment, a user, NUL bytes."""
+    if path not in ("", "/"):
+        raise ConfigError(
+            f"{url!r} has a path ({path!r}); a mooncake:// URL names only the master: write "
+            "mooncake://HOST:PORT?param=value"
+        )
+    if fragment:
+        raise ConfigError(f"{url!r} has a fragment (#{fragment}); mooncake:// URLs take none: remove it")
+    if "@" in netloc:
+        raise ConfigError(
+            f"{url!r} names a user before the master; Mooncake has no logins: write mooncake://HOST:PORT"
+        )
+    for param, text in params.items():
+        if "\x00" in text:
+            raise ConfigError(f"{param} in {url!r} contains a NUL byte (%00); remove it")
+
+
 def _read_url_value(param: str, text: str) -> object:
     attribute = _URL_PARAMS[param]
+    if attribute.endswith("_s"):
+        return parse_seconds(text, f"{param} in a mooncake:// URL")
     try:
         if attribute.endswith("_bytes"):
             return parse_size(text)
-        if attribute.endswith("_s"):
-            return float(text)
         if attribute in {"replicas", "setup_retries", "max_batch", "max_concurrency"}:
             return int(text)
     except ValueError as exc:

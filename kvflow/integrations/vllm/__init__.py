@@ -7,11 +7,11 @@ Use it with::
         kv_connector_module_path="kvflow.integrations.vllm",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"backend": "local:///dev/shm/kvflow"},
+        kv_connector_extra_config={"backend": "local://"},
     )
 
 docs/vllm.md lists the ``kv_connector_extra_config`` keys (default backend: the local shared-memory
-store ``local:///dev/shm/kvflow``) and how the connector works. Importing this package imports vLLM;
+store ``local://``, private to the user running vLLM) and how the connector works. Importing this package imports vLLM;
 ``import kvflow`` alone never does.
 """
 

@@ -2,11 +2,12 @@
 
 Pure: imports neither vLLM nor torch, so it can be checked before an engine starts::
 
-    ConnectorConfig.from_extra_config({"backend": "local:///dev/shm/kvflow", "model_id": "llama-3-8b"})
+    ConnectorConfig.from_extra_config({"backend": "local://", "model_id": "llama-3-8b"})
 
 Keys (all optional; docs/vllm.md has the same table with examples):
 
-``backend``             store URL; default ``local:///dev/shm/kvflow``. ``memory://`` is refused: the
+``backend``             store URL; default ``local://`` (``/dev/shm/kvflow-<uid>``, private to the
+                        user running vLLM: docs/security.md). ``memory://`` is refused: the
                         scheduler side and the workers are separate objects (and usually processes),
                         so they could never see each other's blocks.
 ``lookup_backend``      store URL the scheduler side looks up in; default ``backend``. For Mooncake,
@@ -44,7 +45,7 @@ from kvflow.errors import ConfigError
 
 __all__ = ["DEFAULT_BACKEND", "ConnectorConfig"]
 
-DEFAULT_BACKEND = "local:///dev/shm/kvflow"
+DEFAULT_BACKEND = "local://"
 
 _FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")

@@ -218,7 +218,7 @@ def test_external_tokens_leave_one_token_to_compute_and_skip_the_local_hit() -> 
 
 def test_config_defaults_to_the_local_backend_and_names_bad_keys() -> None:
     config = ConnectorConfig.from_extra_config(None)
-    assert config.backend == DEFAULT_BACKEND == "local:///dev/shm/kvflow"
+    assert config.backend == DEFAULT_BACKEND == "local://"
     assert not config.layerwise and not config.load_async
     lookup = ConnectorConfig.from_extra_config(
         {"backend": "mooncake://127.0.0.1:50051", "lookup_backend": "mooncake://127.0.0.1:50051?segment=0"}

@@ -1,0 +1,340 @@
+"""Who a local store is for, and how its directory is opened so that nobody else gets in.
+
+A store is private to the user who opens it (the default), or shared with one group that the URL
+names (``?group=kvusers``): every member of that group is then trusted like the user. See
+``docs/security.md`` for the threat model.
+
+:class:`Access` says who the store is for and which modes kvflow gives what it creates (``0700``
+directories and ``0600`` files; shared: ``2770`` and ``0660``), whatever the umask.
+:class:`StoreDirs` opens the store directory, its ``objects/`` and ``tmp/`` subdirectories and its
+lock file, creating what is missing. It refuses, with a :class:`~kvflow.errors.ConfigError` naming
+the path, owner and mode, anything that is a symlink, belongs to a user (or group) the access does
+not trust, or can be written by users it does not trust. Every later operation goes through the
+descriptors it holds (``dir_fd``), so a path swapped afterwards is never followed.
+
+Everything here is synchronous and thread-agnostic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import logging
+import os
+import pwd
+import stat
+
+import attrs
+
+from kvflow.errors import ConfigError
+
+__all__ = ["LOCK_NAME", "Access", "StoreDirs", "unusable_message", "user_name"]
+
+logger = logging.getLogger(__name__)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PATH_ONLY = getattr(os, "O_PATH", os.O_RDONLY)
+LOCK_NAME = "kvflow.lock"
+
+
+def user_name(uid: int) -> str:
+    """``alice (uid 1000)``, or ``uid 1000`` when the user has no name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def group_name(gid: int) -> str:
+    """``kvusers (gid 1234)``, or ``gid 1234`` when the group has no name."""
+    try:
+        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _describe(st: os.stat_result) -> str:
+    return f"owner {user_name(st.st_uid)}, group {group_name(st.st_gid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+@attrs.frozen
+class Access:
+    """Who a store is for: the user ``uid`` alone (``gid`` None) or every member of group ``gid``."""
+
+    uid: int
+    gid: int | None = None
+
+    @classmethod
+    def of(cls, group: str | None) -> Access:
+        """This process's user alone, or shared with ``group`` (a name or a numeric gid).
+
+        Raises ConfigError for a group that does not exist or that this user is not a member of.
+        """
+        uid = os.geteuid()
+        if group is None:
+            return cls(uid)
+        gid = _resolve_group(group)
+        if gid != os.getegid() and gid not in os.getgroups():
+            raise ConfigError(
+                f"group={group} names {group_name(gid)}, but {user_name(uid)} is not a member of it; "
+                "a store can only be shared with a group you belong to (add yourself with "
+                "usermod -aG GROUP USER and log in again), or leave group= out for a private store"
+            )
+        return cls(uid, gid)
+
+    @property
+    def dir_mode(self) -> int:
+        return 0o700 if self.gid is None else 0o2770
+
+    @property
+    def file_mode(self) -> int:
+        return 0o600 if self.gid is None else 0o660
+
+    def describe(self) -> str:
+        if self.gid is None:
+            return f"private to {user_name(self.uid)}"
+        return f"shared with group {group_name(self.gid)}"
+
+    def foreign(self, st: os.stat_result) -> str | None:
+        """Why a file found in the store is not one of its objects or temp files; None when it is."""
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if self.gid is None and st.st_uid != self.uid:
+            return f"owned by {user_name(st.st_uid)}"
+        if self.gid is not None and st.st_gid != self.gid:
+            return f"of group {group_name(st.st_gid)}"
+        if st.st_mode & (0o002 if self.gid is not None else 0o022):
+            return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+        return None
+
+    def verify(self, fd: int, path: str, *, directory: bool, created: bool, may_fix: bool) -> None:
+        """Check (and, where allowed, correct) an opened directory or file of the store.
+
+        ``created``: this process just made it; it gets exactly the access's group and mode.
+        ``may_fix``: it is a part of a store this user owns: access bits beyond the modes are
+        removed and missing group bits added. Otherwise those are refused. An owner or a group the
+        access does not trust, write access for untrusted users, or the wrong file type always are.
+        """
+        st = os.fstat(fd)
+        kind = "directory" if directory else "file"
+        if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
+            raise ConfigError(f"{path} is not a {kind} ({_describe(st)}); remove it or use another path")
+        want = self.dir_mode if directory else self.file_mode
+        if created and st.st_uid == self.uid:
+            if self.gid is not None and st.st_gid != self.gid:
+                os.fchown(fd, -1, self.gid)
+            os.fchmod(fd, want)
+            st = os.fstat(fd)
+        self._check_trust(st, path)
+        mode = stat.S_IMODE(st.st_mode)
+        # User bits are the owner's business; group/other bits and (shared) setgid are kvflow's.
+        required = want & 0o2070 if directory else want & 0o060
+        extra = mode & 0o077 & ~want
+        if not extra and mode & required == required:
+            return
+        fixed = (mode & 0o5700) | (want & 0o2077)
+        if may_fix and st.st_uid == self.uid:
+            os.fchmod(fd, fixed)
+            logger.info("local backend: changed the mode of %s from %04o to %04o", path, mode, fixed)
+            return
+        raise ConfigError(
+            f"refusing the local store {kind} {path}: its mode gives access kvflow does not expect for "
+            f"a store {self.describe()} ({_describe(st)}). If it is yours, run chmod {fixed:o} {path}; "
+            "if not, ask its owner to, or use another directory (see docs/security.md)"
+        )
+
+    def _check_trust(self, st: os.stat_result, path: str) -> None:
+        mode = stat.S_IMODE(st.st_mode)
+        if self.gid is None and st.st_uid != self.uid:
+            raise ConfigError(
+                f"refusing the local store {path}: it belongs to another user ({_describe(st)}), so that "
+                "user could read your KV objects or plant false ones. Give a path that does not exist "
+                "yet (kvflow creates it, private to you), or ask an administrator to remove this one; "
+                "to share a store on purpose, add ?group=NAME for a group you are both in "
+                "(see docs/security.md)"
+            )
+        if self.gid is not None and st.st_gid != self.gid:
+            raise ConfigError(
+                f"refusing the local store {path}: it is not of group {group_name(self.gid)} that the "
+                f"URL shares the store with ({_describe(st)}). Use a new directory, which kvflow creates "
+                f"for the group, or have its owner run chgrp {self.gid} {path} and chmod 2770 {path}"
+            )
+        if mode & 0o002:
+            raise ConfigError(
+                f"refusing the local store {path}: every user of the host can write it ({_describe(st)}), "
+                "so anyone could plant objects or swap its files. Remove it (if it is yours) and let "
+                "kvflow create it, or use a directory of your own"
+            )
+        if self.gid is None and mode & 0o020:
+            raise ConfigError(
+                f"refusing the local store {path}: its group {group_name(st.st_gid)} can write it "
+                f"({_describe(st)}), and the store is private. To share it with that group on purpose "
+                f"add ?group={st.st_gid} to the URL; otherwise run chmod g-w,o-rwx {path}"
+            )
+
+
+def _resolve_group(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        pass
+    if group.isdigit():
+        return int(group)
+    raise ConfigError(f"group={group!r}: there is no such group; give a group name or a numeric gid")
+
+
+@attrs.define
+class StoreDirs:
+    """Descriptors of a store's directory (``root_fd``), ``objects/``, ``tmp/`` and lock file.
+
+    Owned by one backend instance, which closes them with :meth:`close`.
+    """
+
+    root: str
+    access: Access
+    root_fd: int
+    objects_fd: int
+    tmp_fd: int
+    lock_fd: int
+
+    @classmethod
+    def open(cls, path: str, access: Access) -> StoreDirs:
+        """Open (creating what is missing) and verify the store at the absolute ``path``.
+
+        Raises ConfigError naming the path and what to do when it cannot be used safely.
+        """
+        root = os.path.normpath(path)
+        fds: list[int] = []
+        try:
+            fds.append(_open_root(root, access))
+            for name in ("objects", "tmp"):
+                fds.append(_open_dir(fds[0], name, f"{root}/{name}", access, may_fix=True))
+            fds.append(_open_lock(fds[0], f"{root}/{LOCK_NAME}", access))
+        except BaseException as exc:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(exc, OSError):
+                raise ConfigError(unusable_message(root, exc)) from exc
+            raise
+        return cls(root, access, *fds)
+
+    def close(self) -> None:
+        for fd in (self.lock_fd, self.tmp_fd, self.objects_fd, self.root_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def unusable_message(root: str, exc: OSError) -> str:
+    """What to tell the user when ``exc`` stops kvflow from using the store at ``root``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"the local backend cannot use {root}: the filesystem holding it is full "
+            f"({exc.strerror}); free space (or inodes) there, or give a directory on another "
+            "filesystem"
+        )
+    return (
+        f"the local backend cannot use {root}: {exc.strerror or exc}; give a directory this process "
+        "can create and write, e.g. local:// (a private directory in /dev/shm)"
+    )
+
+
+def _open_root(root: str, access: Access) -> int:
+    parent, name = os.path.split(root)
+    if not name or not parent:
+        raise ConfigError(f"the local backend needs a directory of its own, not {root!r}")
+    _make_parents(parent, access)
+    parent_fd = os.open(parent, _PATH_ONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # search access is enough
+    try:
+        return _open_dir(parent_fd, name, root, access, may_fix=None)
+    finally:
+        os.close(parent_fd)
+
+
+def _make_parents(parent: str, access: Access) -> None:
+    """Create the missing directories above a store: private, or searchable by the group."""
+    missing: list[str] = []
+    path = parent
+    while not os.path.isdir(path) and not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        fd = os.open(path, _DIR_FLAGS)
+        try:
+            if access.gid is not None:
+                os.fchown(fd, -1, access.gid)
+            os.fchmod(fd, 0o700 if access.gid is None else 0o710)
+        finally:
+            os.close(fd)
+
+
+def _open_dir(dir_fd: int, name: str, path: str, access: Access, *, may_fix: bool | None) -> int:
+    """Open (creating it if missing) directory ``name`` in ``dir_fd``, never through a symlink.
+
+    ``may_fix`` None: fix modes only when it is a kvflow store of this user (it holds our lock file).
+    """
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _refuse_if_symlink(dir_fd, name, path, directory=True)
+        raise
+    try:
+        if may_fix is None:
+            may_fix = created or _holds_own_lock(fd, access)
+        access.verify(fd, path, directory=True, created=created, may_fix=may_fix)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_lock(root_fd: int, path: str, access: Access) -> int:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(LOCK_NAME, flags | os.O_CREAT | os.O_EXCL, access.file_mode, dir_fd=root_fd)
+        created = True
+    except FileExistsError:
+        try:
+            fd = os.open(LOCK_NAME, flags, dir_fd=root_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                _refuse_if_symlink(root_fd, LOCK_NAME, path, directory=False)
+            raise
+        created = False
+    try:
+        access.verify(fd, path, directory=False, created=created, may_fix=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _refuse_if_symlink(dir_fd: int, name: str, path: str, *, directory: bool) -> None:
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(name, dir_fd=dir_fd)
+        raise ConfigError(
+            f"refusing the local store path {path}: it is a symbolic link (to {target!r}, owner "
+            f"{user_name(st.st_uid)}); kvflow opens nothing through a symlink, which could point it at "
+            "files it must not touch. Give the real directory's path, or remove the link"
+        )
+    if directory and not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path} is not a directory ({_describe(st)}); remove it or use another path")
+
+
+def _holds_own_lock(fd: int, access: Access) -> bool:
+    try:
+        st = os.stat(LOCK_NAME, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == access.uid

@@ -1,0 +1,33 @@
+"""Sharing the event loop while a backend copies in-process: a checkpoint every half millisecond.
+
+The in-process backends (memory, local) copy bytes on the pool's loop. They copy in pieces of at
+most :data:`PIECE` bytes and call :meth:`Pacer.tick` between pieces, which yields to other tasks
+once the loop has been held :data:`YIELD_EVERY_S`, so one large batch never stalls the engine's
+other transfers (or vLLM's scheduler waiting on a lookup) for more than about a millisecond.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio.lowlevel
+import attrs
+
+__all__ = ["PIECE", "YIELD_EVERY_S", "Pacer"]
+
+#: The longest a call holds the event loop between checkpoints (plus one piece).
+YIELD_EVERY_S = 0.0005
+#: The most bytes copied (or hashed) between two looks at the clock.
+PIECE = 1 << 20
+
+
+@attrs.define
+class Pacer:
+    """Checkpoints when the loop has been held longer than :data:`YIELD_EVERY_S`."""
+
+    last: float = attrs.field(factory=time.monotonic)
+
+    async def tick(self) -> None:
+        if time.monotonic() - self.last >= YIELD_EVERY_S:
+            await anyio.lowlevel.checkpoint()
+            self.last = time.monotonic()

@@ -1,0 +1,97 @@
+"""Backend URLs: what each scheme takes, and a ConfigError that says what to write for the rest."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvflow.backends import open_backend
+from kvflow.backends.local import LocalConfig
+from kvflow.backends.memory import MemoryBackend, MemoryConfig
+from kvflow.backends.mooncake.config import MooncakeConfig
+from kvflow.errors import ConfigError
+
+
+def test_the_bare_local_url_is_a_private_directory_of_this_user() -> None:
+    uid = os.geteuid()
+    assert LocalConfig.from_url("local://").path == f"/dev/shm/kvflow-{uid}"
+    assert LocalConfig.from_url("local://?capacity=1GiB") == LocalConfig(capacity_bytes=1 << 30)
+    assert LocalConfig.from_url("local:///srv/kv?group=kvusers").group == "kvusers"
+    assert LocalConfig.from_url("local:///srv/kv").group is None
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("local:///x?lock_timeout=nan", "finite"),
+        ("local:///x?lock_timeout=inf", "finite"),
+        ("local:///x?lock_timeout=-1", "> 0"),
+        ("local:relative_dir", "absolute"),
+        ("local:relative/dir?capacity=1GiB", "local:///absolute/path"),
+        ("local:///x%00y", "NUL"),
+        ("local:///x\x00y", "NUL"),
+        ("local:///x#part", "fragment"),
+        ("local://dev/shm/kvflow", "three slashes"),
+        ("local:///x?group=", "group"),
+        ("local://?group=kvusers", "every member"),
+        ("local:///x?capacity=1GiB&capacity=2GiB", "twice"),
+        ("local:///x?segment=1GiB", "allowed"),
+        ("local:///", "below /"),
+    ],
+)
+def test_bad_local_urls_say_what_to_write(url: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        LocalConfig.from_url(url)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"path": "relative"}, "absolute"),
+        ({"path": "/x\x00y"}, "NUL"),
+        ({"path": "/"}, "below /"),
+        ({"lock_timeout_s": float("nan")}, "finite"),
+        ({"lock_timeout_s": float("inf")}, "finite"),
+        ({"group": ""}, "group"),
+    ],
+)
+def test_bad_local_configs_are_refused(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        LocalConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["memory://host:1", "memory://host", "memory:///some/path", "memory://#part", "memory://?size=1GiB"],
+)
+def test_the_memory_backend_takes_only_a_capacity(url: str) -> None:
+    with pytest.raises(ConfigError, match="memory://"):
+        MemoryConfig.from_url(url)
+
+
+def test_good_memory_urls() -> None:
+    assert MemoryConfig.from_url("memory://") == MemoryConfig()
+    backend = open_backend("memory://?capacity=2MiB")
+    assert isinstance(backend, MemoryBackend) and backend.config.capacity_bytes == 2 << 20
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match="capacity"):
+            MemoryConfig(capacity_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("mooncake://127.0.0.1:1/some/path", "path"),
+        ("mooncake://127.0.0.1:1#part", "fragment"),
+        ("mooncake://user@127.0.0.1:1", "user"),
+        ("mooncake://127.0.0.1:1?timeout=nan", "timeout in"),
+        ("mooncake://127.0.0.1:1?setup_timeout=inf", "setup_timeout in"),
+        ("mooncake://127.0.0.1:1?probe_timeout=0", "probe_timeout in"),
+        ("mooncake://127.0.0.1:1?local_hostname=a%00b", "NUL"),
+        ("mooncake://127.0.0.1:1?config=/x%00y", "NUL"),
+    ],
+)
+def test_bad_mooncake_urls_say_what_to_write(url: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        MooncakeConfig.from_url(url)

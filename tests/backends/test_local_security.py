@@ -1,0 +1,454 @@
+"""The local store on a multi-user host: private by default, shared only with a named group.
+
+Tests that play another user run as root (CI does): a forked child drops to an unprivileged uid
+(:func:`as_user`) and acts in a world-writable parent directory made for the test. Elsewhere they
+are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import kvflow.backends.local.backend as local
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.backends.local import LocalBackend, LocalConfig
+from kvflow.backends.local.format import HEADER_SIZE, Header, TempName, WriterId, key_digest
+from kvflow.errors import ConfigError
+from kvflow.regions import buffer_address
+
+NOBODY = 65534  # the "other user" of these tests
+MEMBER_A, MEMBER_B, OUTSIDER = 61001, 61002, 61003
+SHARED_GID = 61000  # a numeric group without a name: no /etc/group change needed
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="playing another user needs root (CI runs the tests as root)"
+)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, groups: tuple[int, ...] = ()) -> Any:
+    """Run ``fn(*args)`` in a forked child as ``uid`` (primary group = uid, plus ``groups``).
+
+    Returns what it returns; an exception in the child is raised here as an AssertionError that
+    carries its type and message.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read_end)
+            os.setgroups(list(groups))
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                outcome: tuple[str, Any] = ("ok", fn(*args))
+            except BaseException as exc:
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+            with os.fdopen(write_end, "wb") as out:
+                pickle.dump(outcome, out)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as inp:
+        data = inp.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and data, f"the child as uid {uid} died (status {status})"
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise AssertionError(f"as uid {uid}: {value}")
+    return value
+
+
+@pytest.fixture
+def shared_parent() -> Iterator[Path]:
+    """A world-writable, sticky directory in /dev/shm (like /dev/shm itself), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="kvflow-test-", dir="/dev/shm"))
+    try:
+        path.chmod(0o1777)
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def object_file(key: str, payload: bytes) -> bytes:
+    """A valid object file of ``key`` holding ``payload`` (what a forger can write)."""
+    header = Header.sealed(len(payload), key_digest(key), [memoryview(payload)])
+    return header.pack() + payload
+
+
+_alive: list[bytearray] = []
+
+
+@pytest.fixture(autouse=True)
+def _release_buffers() -> Iterator[None]:
+    yield
+    _alive.clear()
+
+
+def ref(key: str, buf: bytearray) -> ObjectRef:
+    _alive.append(buf)
+    return ObjectRef.of(key, [buffer_address(buf)], [len(buf)])
+
+
+def open_store(path: Path | str, capacity: int = 1 << 20, group: str | None = None) -> LocalBackend:
+    return LocalBackend(LocalConfig(str(path), capacity_bytes=capacity, group=group))
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+# --- another user's directory, symlinks ----------------------------------------------------------
+
+
+def _squat(store: str, key: str, payload: bytes) -> None:
+    """The other user makes the store directory first, open to all, with a forged object in it."""
+    old = os.umask(0)
+    try:
+        for sub in ("", "/objects", "/tmp"):
+            os.mkdir(store + sub, 0o777)
+        with open(f"{store}/objects/{key}", "wb") as f:
+            f.write(object_file(key, payload))
+    finally:
+        os.umask(old)
+
+
+@needs_root
+def test_a_directory_another_user_made_first_is_refused(shared_parent: Path) -> None:
+    store = shared_parent / "kvflow"
+    forged = b"forged KV" * 100
+    as_user(_squat, str(store), "k", forged)
+    with pytest.raises(ConfigError) as info:
+        open_store(store)
+    message = str(info.value)
+    assert str(store) in message and "another user" in message
+    assert f"uid {NOBODY}" in message and "mode 0777" in message
+    assert "group=" in message  # says how to share on purpose
+    assert sorted(p.name for p in store.iterdir()) == ["objects", "tmp"]  # nothing created inside
+
+
+@needs_root
+def test_another_user_can_neither_list_nor_read_a_private_store(shared_parent: Path) -> None:
+    store = shared_parent / "mine"
+
+    async def put() -> None:
+        backend = open_store(store)
+        assert await backend.put([ref("secret", bytearray(b"s" * 4096))]) == [PutStatus.STORED]
+        await backend.aclose()
+
+    anyio.run(put)
+
+    def snoop(path: str) -> list[str]:
+        found = []
+        for attempt in (
+            lambda: os.listdir(path),
+            lambda: os.listdir(f"{path}/objects"),
+            lambda: os.close(os.open(f"{path}/objects/secret", os.O_RDONLY)),
+            lambda: os.close(os.open(f"{path}/kvflow.lock", os.O_RDWR)),
+            lambda: os.close(os.open(f"{path}/objects/planted", os.O_WRONLY | os.O_CREAT, 0o644)),
+        ):
+            try:
+                attempt()
+                found.append("allowed")
+            except PermissionError:
+                found.append("denied")
+        return found
+
+    assert as_user(snoop, str(store)) == ["denied"] * 5
+
+
+def test_a_store_writable_by_everyone_is_refused_even_when_mine(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    open_store(store)
+    store.chmod(0o777)
+    with pytest.raises(ConfigError, match="every user of the host can write it") as info:
+        open_store(store)
+    assert str(store) in str(info.value) and "mode 0777" in str(info.value)
+    store.chmod(0o770)  # group-writable: refused while the store is private
+    with pytest.raises(ConfigError, match=r"its group .* can write it.*\?group="):
+        open_store(store)
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"my own data, not a lock file")
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / "kvflow.lock").symlink_to(precious)
+    with pytest.raises(ConfigError, match="symbolic link") as info:
+        open_store(store)
+    assert str(store / "kvflow.lock") in str(info.value) and str(precious) in str(info.value)
+    assert precious.read_bytes() == b"my own data, not a lock file"
+
+
+@pytest.mark.parametrize("link", ["objects", "tmp", "."])
+def test_symlinked_store_directories_are_refused_and_nothing_is_deleted(tmp_path: Path, link: str) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    for name in ("a", "b", "c"):
+        (precious / name).write_bytes(object_file(name, b"x" * 1000))  # even valid-looking files
+    before = {p.name: p.read_bytes() for p in precious.iterdir()}
+    store = tmp_path / "store"
+    if link == ".":
+        store.symlink_to(precious)  # the store path itself
+    else:
+        store.mkdir(mode=0o700)
+        (store / link).symlink_to(precious)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        open_store(store, capacity=3000)  # a full budget would evict through the link
+    assert {p.name: p.read_bytes() for p in precious.iterdir()} == before
+
+
+async def test_a_symlink_planted_as_an_object_is_never_a_hit_nor_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(object_file("k", b"not from this store" * 10))
+    backend = open_store(tmp_path / "store", capacity=2 * (HEADER_SIZE + 1000))
+    (tmp_path / "store" / "objects" / "k").symlink_to(elsewhere)
+    target = bytearray(190)
+    assert await backend.get([ref("k", target)]) == [GetStatus.MISS]
+    assert await backend.exists(["k"]) == [False]
+    assert await backend.usage() == 0  # not counted
+    for i in range(3):  # overfill the budget: eviction must not touch the link or its target
+        assert await backend.put([ref(f"o{i}", bytearray(1000))]) == [PutStatus.STORED]
+    assert backend.stats().evictions == 1 and (tmp_path / "store" / "objects" / "k").is_symlink()
+    assert elsewhere.read_bytes() == object_file("k", b"not from this store" * 10)
+    await backend.aclose()
+
+
+# --- modes -----------------------------------------------------------------------------------------
+
+
+async def test_everything_is_private_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "a" / "store"
+    temp_modes: list[int] = []
+    monkeypatch.setattr(local, "_mid_write_hook", lambda temp: temp_modes.append(mode(Path(temp))))
+    old = os.umask(0)
+    try:
+        backend = open_store(store)
+        assert await backend.put([ObjectRef.of("k", *_two_regions(bytearray(5000)))]) == [PutStatus.STORED]
+    finally:
+        os.umask(old)
+    dirs = [store.parent, store, store / "objects", store / "tmp"]
+    assert [mode(p) for p in dirs] == [0o700] * 4
+    assert mode(store / "kvflow.lock") == 0o600 and mode(store / "objects" / "k") == 0o600
+    assert temp_modes == [0o600]
+    await backend.aclose()
+
+
+def _two_regions(buf: bytearray) -> tuple[list[int], list[int]]:
+    _alive.append(buf)
+    addr, half = buffer_address(buf), len(buf) // 2
+    return [addr, addr + half], [half, len(buf) - half]
+
+
+async def test_an_old_store_of_mine_open_to_reading_is_made_private(tmp_path: Path) -> None:
+    """A store an older kvflow made (0755 directories, 0644 files) is tightened, not refused."""
+    store = tmp_path / "store"
+    backend = open_store(store)
+    await backend.aclose()
+    for path in (store, store / "objects", store / "tmp"):
+        path.chmod(0o755)
+    (store / "kvflow.lock").chmod(0o644)
+    backend = open_store(store)
+    assert [mode(p) for p in (store, store / "objects", store / "tmp", store / "kvflow.lock")] == [
+        0o700,
+        0o700,
+        0o700,
+        0o600,
+    ]
+    await backend.aclose()
+
+
+def test_a_readable_directory_that_is_not_a_store_is_refused_not_changed(tmp_path: Path) -> None:
+    somewhere = tmp_path / "somewhere"
+    somewhere.mkdir()
+    somewhere.chmod(0o755)
+    with pytest.raises(ConfigError, match="chmod 700") as info:
+        open_store(somewhere)
+    assert str(somewhere) in str(info.value) and "mode 0755" in str(info.value)
+    assert mode(somewhere) == 0o755 and list(somewhere.iterdir()) == []
+
+
+# --- sharing with a group ------------------------------------------------------------------------
+
+
+def _share(path: str, key: str, fill: int, read: list[str]) -> dict[str, str]:
+    """As a group member: open the shared store, put ``key``, get every key of ``read``."""
+
+    async def run() -> dict[str, str]:
+        backend = LocalBackend.from_url(f"local://{path}?group={SHARED_GID}&capacity=1MiB")
+        report = {key: (await backend.put([ref(key, bytearray([fill]) * 3000)]))[0].value}
+        for other in read:
+            target = bytearray(3000)
+            status = (await backend.get([ref(other, target)]))[0]
+            report[other] = status.value if status is not GetStatus.HIT else f"hit:{target[0]}:{target[-1]}"
+        await backend.aclose()
+        return report
+
+    return anyio.run(run)
+
+
+def _open_fails(url: str) -> str:
+    try:
+        LocalBackend.from_url(url)
+    except ConfigError as exc:
+        return str(exc)
+    return "opened"
+
+
+def _read_raw(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.read()
+    except PermissionError:
+        return "denied"
+    return "read"
+
+
+@needs_root
+def test_a_store_shared_with_a_group_serves_its_members_and_nobody_else(shared_parent: Path) -> None:
+    store = shared_parent / "shared-kv"
+    group = (SHARED_GID,)
+    assert as_user(_share, str(store), "from-a", 1, [], uid=MEMBER_A, groups=group) == {"from-a": "stored"}
+    st = store.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (MEMBER_A, SHARED_GID, 0o2770)
+    for path in (store / "objects", store / "tmp"):
+        assert (path.stat().st_gid, mode(path)) == (SHARED_GID, 0o2770)
+    for path in (store / "kvflow.lock", store / "objects" / "from-a"):
+        assert (path.stat().st_gid, mode(path)) == (SHARED_GID, 0o660)
+    # Another member reads A's object and adds one; A then reads it.
+    assert as_user(_share, str(store), "from-b", 2, ["from-a"], uid=MEMBER_B, groups=group) == {
+        "from-b": "stored",
+        "from-a": "hit:1:1",
+    }
+    assert as_user(_share, str(store), "from-a", 1, ["from-b"], uid=MEMBER_A, groups=group) == {
+        "from-a": "present",
+        "from-b": "hit:2:2",
+    }
+    # Someone outside the group can neither open it (either way) nor read a file.
+    url = f"local://{store}?group={SHARED_GID}"
+    assert "not a member" in as_user(_open_fails, url, uid=OUTSIDER)
+    assert "cannot use" in as_user(_open_fails, f"local://{store}", uid=OUTSIDER)
+    assert as_user(_read_raw, str(store / "objects" / "from-a"), uid=OUTSIDER) == "denied"
+
+
+def test_a_group_i_am_not_in_is_refused(tmp_path: Path) -> None:
+    not_mine = next(g for g in range(60000, 61000) if g != os.getegid() and g not in os.getgroups())
+    with pytest.raises(ConfigError, match="not a member"):
+        open_store(tmp_path / "store", group=str(not_mine))
+    with pytest.raises(ConfigError, match="no such group"):
+        open_store(tmp_path / "store", group="no-such-group-kvflow")
+    assert not (tmp_path / "store").exists()
+
+
+@needs_root
+def test_a_private_store_refuses_a_directory_of_another_group_member(shared_parent: Path) -> None:
+    store = shared_parent / "shared-kv"
+    as_user(_share, str(store), "k", 1, [], uid=MEMBER_A, groups=(SHARED_GID,))
+    with pytest.raises(ConfigError, match="another user"):
+        open_store(store)  # private: even root does not take another user's store as its own
+
+
+# --- what is counted: never a name, never what is not kvflow's ----------------------------------
+
+
+async def test_temp_file_names_cannot_claim_space(tmp_path: Path) -> None:
+    """Zero-byte files whose names claim huge reservations are counted at their real size."""
+    size = 1000
+    capacity = 4 * (HEADER_SIZE + size)
+    backend = open_store(tmp_path, capacity=capacity)
+    keys = ["a", "b", "c"]
+    assert await backend.put([ref(k, bytearray(size)) for k in keys]) == [PutStatus.STORED] * 3
+    me = WriterId.current()
+    for writer in (me, WriterId(me.namespace + 1, 1, 1)):  # alive: this process; another namespace
+        (tmp_path / "tmp" / TempName(writer, 10**15, f"fake{writer.pid}").format()).touch()
+    assert await backend.usage() == 3 * (HEADER_SIZE + size)
+    assert await backend.put([ref("d", bytearray(size))]) == [PutStatus.STORED]
+    assert await backend.exists([*keys, "d"]) == [True] * 4
+    assert backend.stats().evictions == 0
+    await backend.aclose()
+
+
+async def test_entries_that_are_not_kvflows_are_ignored_and_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = open_store(tmp_path, capacity=1 << 20)
+    objects, tmp = tmp_path / "objects", tmp_path / "tmp"
+    (objects / ".hidden").write_bytes(b"x" * 5000)  # not an object file name
+    (objects / "subdir").mkdir()
+    os.mkfifo(objects / "fifo")
+    (objects / "link").symlink_to(tmp_path / "kvflow.lock")
+    (tmp / "junk.txt").write_bytes(b"y" * 7000)  # not a temp file name
+    with caplog.at_level(logging.WARNING, logger="kvflow.backends.local.space"):
+        assert await backend.usage() == 0
+        assert await backend.usage() == 0
+    reported = [r.getMessage() for r in caplog.records if "not kvflow's" in r.getMessage()]
+    assert len(reported) == 5, reported  # each once, though scanned twice
+    assert all(str(tmp_path) in line for line in reported)
+    assert {p.name for p in objects.iterdir()} == {".hidden", "subdir", "fifo", "link"}  # left alone
+    assert (tmp / "junk.txt").exists()
+    await backend.aclose()
+
+
+@needs_root
+async def test_an_object_owned_by_another_user_is_a_miss_and_not_counted(tmp_path: Path) -> None:
+    backend = open_store(tmp_path)
+    planted = tmp_path / "objects" / "k"
+    planted.write_bytes(object_file("k", b"p" * 2000))
+    os.chown(planted, NOBODY, NOBODY)
+    assert await backend.get([ref("k", bytearray(2000))]) == [GetStatus.MISS]
+    assert await backend.exists(["k"]) == [False]
+    assert await backend.usage() == 0
+    assert planted.exists()  # not ours to delete
+    await backend.aclose()
+
+
+# --- a full filesystem ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs filled to the last byte (needs root; skipped elsewhere)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, bytes(4096))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_opening_a_store_on_a_full_filesystem_says_so(full_tmpfs: Path) -> None:
+    store = full_tmpfs / "store"
+    with pytest.raises(ConfigError, match="full") as info:
+        open_store(store)
+    assert str(store) in str(info.value) and "free space" in str(info.value)
