@@ -36,6 +36,17 @@ def _parser() -> argparse.ArgumentParser:
         help="the host staging path against the direct path (or copy_ on a GPU)",
     )
     bench.add_argument(
+        "--scale", action="store_true", help="cost per block as the store grows, and many concurrent requests"
+    )
+    bench.add_argument(
+        "--plot", metavar="FILE", help="also draw throughput against object size (PNG; needs matplotlib)"
+    )
+    bench.add_argument(
+        "--topology",
+        action="store_true",
+        help="loading KV an engine split differently stored (TP, layout) beside the matched load",
+    )
+    bench.add_argument(
         "--device", default="cpu", help="with --staged: where the caches live (cpu, cuda, npu)"
     )
 
@@ -58,13 +69,25 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(args.backend, args.json, keep=args.keep, staged=args.staged, device=args.device)
     if args.command == "bench":
+        if args.scale:
+            from kvflow.tools.bench_scale import scale_main
+
+            return scale_main(args.backend, as_json=args.json, quick=args.quick)
+        if args.topology:
+            from kvflow.tools.bench_topology import topology_main
+
+            return topology_main(as_json=args.json, quick=args.quick)
         if args.staged:
             from kvflow.tools.bench_staged import staged_main
 
             return staged_main(as_json=args.json, quick=args.quick, device=args.device)
         from kvflow.tools.bench import bench_main
 
-        return int(bench_main(args.backend, as_json=args.json, quick=args.quick, layerwise=args.layerwise))
+        return int(
+            bench_main(
+                args.backend, as_json=args.json, quick=args.quick, layerwise=args.layerwise, plot=args.plot
+            )
+        )
     return 2
 
 

@@ -141,6 +141,10 @@ class PoolConfig:
     device the backend cannot read or write), ``"always"`` (also host caches: how the device path is
     tested on a CPU), ``"never"`` (a device cache the backend cannot reach is then refused).
     ``staging_bytes``: the staging buffers, allocated once per pool (pinned when on a device).
+    ``hash_tokens``: tokens per hash of a prompt's hash chain (default: the block size). A block's
+    key uses the chain's hash at its last token, so pools with different block sizes and the same
+    ``hash_tokens`` find each other's blocks (docs/topology.md); ``KVRequest.block_hashes`` then
+    holds one hash per ``hash_tokens`` tokens.
     """
 
     backend: str = attrs.field(default="memory://", validator=_text)
@@ -150,3 +154,4 @@ class PoolConfig:
     layerwise: bool = attrs.field(default=False, validator=_flag)
     staging: str = attrs.field(default="auto", validator=_one_of("auto", "always", "never"))
     staging_bytes: int = attrs.field(default=256 << 20, validator=positive_int)
+    hash_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))

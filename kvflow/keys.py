@@ -1,15 +1,25 @@
-"""Block hashes, key scopes and the one key codec.
+"""Block hashes, content scopes and the one key codec.
 
 A request's tokens become prefix-chained block hashes ``h_i = sha256(h_{i-1} || tokens of block i)``;
 only full blocks are hashed. Engine-provided hashes (vLLM's 32-byte ``request.block_hashes``) are used
-as they are. A :class:`KeyScope` says which cache a hash belongs to (model, rank coordinates that make
-KV differ, layout fingerprint); :func:`block_keys` and :func:`layer_keys` turn hashes into backend
-keys with one precomputed prefix per scope, and :func:`decode_key` turns a key back into its parts.
+as they are.
+
+A key names what an object *holds*, never who wrote it. A :class:`KeyScope` gives the content's
+coordinates besides the block hash: the model, what the bytes mean (dtype, KV heads and head size),
+how they lie (the layout's byte order), the tokens per object, the model layers ``[first, end)``,
+the KV heads ``[first, end)`` and the decode- and prefill-context shards. Two engines that split a
+model differently (tensor or pipeline parallel sizes, layouts, block sizes) name the same content
+the same way where their objects coincide, and can find each other's objects where they do not
+(:mod:`kvflow.profiles`). :func:`block_keys` turns hashes into keys with one precomputed prefix per
+scope and :func:`decode_key` turns a key back into its parts::
+
+    kvf2@<model>@<meaning>@<order>@b<tokens>@l<first>-<end>@h<first>-<end>@d<rank>.<size>@p<rank>.<size>@<hash>
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from collections.abc import Sequence
 from functools import cached_property
@@ -27,11 +37,10 @@ __all__ = [
     "decode_key",
     "encode_key",
     "hash_blocks",
-    "layer_keys",
 ]
 
 ROOT_HASH = hashlib.sha256(b"kvflow block hash chain v1").digest()
-_VERSION = "kvf1"
+VERSION = "kvf2"
 
 
 def hash_blocks(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
@@ -55,86 +64,108 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HAS
     return hashes
 
 
-def _nonnegative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 0:
-        raise RequestError(f"{attribute.name} must be >= 0, got {value}")
+_TOKEN = re.compile(r"^[A-Za-z0-9_.+\-]+$")
 
 
-def _fingerprint(_: object, __: attrs.Attribute[str], value: str) -> None:
-    if not value or "@" in value:
-        raise RequestError(f"a layout fingerprint must be non-empty and free of '@', got {value!r}")
+def _token(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise RequestError(f"{attribute.name} must be non-empty text of [A-Za-z0-9_.+-], got {value!r}")
+
+
+def _span(_: object, attribute: attrs.Attribute[tuple[int, int]], value: tuple[int, int]) -> None:
+    ok = isinstance(value, tuple) and len(value) == 2 and all(type(v) is int for v in value)
+    if not ok or not 0 <= value[0] < value[1]:
+        raise RequestError(
+            f"{attribute.name} must be a range (first, end) with 0 <= first < end, got {value!r}"
+        )
+
+
+def _shard(_: object, attribute: attrs.Attribute[tuple[int, int]], value: tuple[int, int]) -> None:
+    ok = isinstance(value, tuple) and len(value) == 2 and all(type(v) is int for v in value)
+    if not ok or not 0 <= value[0] < value[1]:
+        raise RequestError(f"{attribute.name} must be (rank, size) with 0 <= rank < size, got {value!r}")
+
+
+def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value < 1:
+        raise RequestError(f"{attribute.name} must be an integer > 0, got {value!r}")
 
 
 @attrs.frozen
 class KeyScope:
-    """Everything besides the block hash that makes two caches' KV differ."""
+    """What one object holds, besides the block hash.
+
+    ``meaning``: what the bytes mean (dtype, the model's KV heads and head size, or MLA's latent
+    widths); ``order``: how they lie (the writer's layout kind and each plane's dimension order);
+    ``block_size``: tokens per object; ``layers`` and ``heads``: ``(first, end)`` of the model's
+    layers and KV heads (MLA: ``(0, 1)``); ``dcp``/``pcp``: ``(rank, size)`` of the context shard.
+    """
 
     model: str
-    fingerprint: str = attrs.field(validator=_fingerprint)
-    kv_head_group: int = attrs.field(default=0, validator=_nonnegative)
-    pp_rank: int = attrs.field(default=0, validator=_nonnegative)
-    pcp_rank: int = attrs.field(default=0, validator=_nonnegative)
-    dcp_rank: int = attrs.field(default=0, validator=_nonnegative)
+    meaning: str = attrs.field(validator=_token)
+    order: str = attrs.field(validator=_token)
+    block_size: int = attrs.field(validator=_positive)
+    layers: tuple[int, int] = attrs.field(validator=_span)
+    heads: tuple[int, int] = attrs.field(validator=_span)
+    dcp: tuple[int, int] = attrs.field(default=(0, 1), validator=_shard)
+    pcp: tuple[int, int] = attrs.field(default=(0, 1), validator=_shard)
 
     @cached_property
     def prefix(self) -> str:
         """The key text shared by every block of this scope; keys append the hash in hex."""
         return (
-            f"{_VERSION}@{quote(self.model, safe='')}@{self.fingerprint}"
-            f"@pcp{self.pcp_rank}@dcp{self.dcp_rank}@h{self.kv_head_group}@pp{self.pp_rank}@"
+            f"{VERSION}@{quote(self.model, safe='')}@{self.meaning}@{self.order}@b{self.block_size}"
+            f"@l{self.layers[0]}-{self.layers[1]}@h{self.heads[0]}-{self.heads[1]}"
+            f"@d{self.dcp[0]}.{self.dcp[1]}@p{self.pcp[0]}.{self.pcp[1]}@"
         )
 
 
 @attrs.frozen
 class BlockKey:
-    """A decoded key: its scope, the block hash and, for per-layer objects, the layer index."""
+    """A decoded key: its scope and the block hash."""
 
     scope: KeyScope
     block_hash: bytes
-    layer: int | None = None
 
 
 def block_keys(scope: KeyScope, hashes: Sequence[bytes]) -> list[str]:
-    """The whole-block key of each hash, in order."""
+    """The key of each hash's object in ``scope``, in order."""
     prefix = scope.prefix
     return [prefix + h.hex() for h in hashes]
 
 
-def layer_keys(scope: KeyScope, hashes: Sequence[bytes], layer: int) -> list[str]:
-    """The per-layer key of each hash for ``layer``, in order."""
-    prefix = scope.prefix
-    suffix = f"@L{layer}"
-    return [prefix + h.hex() + suffix for h in hashes]
-
-
 def encode_key(key: BlockKey) -> str:
-    if key.layer is None:
-        return block_keys(key.scope, [key.block_hash])[0]
-    return layer_keys(key.scope, [key.block_hash], key.layer)[0]
+    return key.scope.prefix + key.block_hash.hex()
 
 
-def _rank(field: str, tag: str) -> int:
-    if not field.startswith(tag) or not field[len(tag) :].isdigit():
-        raise RequestError(f"malformed key field {field!r}, expected {tag}<n>")
-    return int(field[len(tag) :])
+def _pair(field: str, tag: str, sep: str, text: str) -> tuple[int, int]:
+    body = field[len(tag) :] if field.startswith(tag) else ""
+    first, _, second = body.partition(sep)
+    if not (first.isdigit() and second.isdigit()):
+        raise RequestError(f"malformed field {field!r} in key {text!r}, expected {tag}<n>{sep}<n>")
+    return int(first), int(second)
 
 
 def decode_key(text: str) -> BlockKey:
     """The inverse of :func:`encode_key`. Raises RequestError for text that is not a kvflow key."""
     fields = text.split("@")
-    if len(fields) not in (8, 9) or fields[0] != _VERSION:
+    if len(fields) != 10 or fields[0] != VERSION:
         raise RequestError(f"{text!r} is not a kvflow key")
+    block_size = fields[4][1:]
+    if not fields[4].startswith("b") or not block_size.isdigit():
+        raise RequestError(f"malformed tokens-per-object field {fields[4]!r} in key {text!r}")
     scope = KeyScope(
         model=unquote(fields[1]),
-        fingerprint=fields[2],
-        pcp_rank=_rank(fields[3], "pcp"),
-        dcp_rank=_rank(fields[4], "dcp"),
-        kv_head_group=_rank(fields[5], "h"),
-        pp_rank=_rank(fields[6], "pp"),
+        meaning=fields[2],
+        order=fields[3],
+        block_size=int(block_size),
+        layers=_pair(fields[5], "l", "-", text),
+        heads=_pair(fields[6], "h", "-", text),
+        dcp=_pair(fields[7], "d", ".", text),
+        pcp=_pair(fields[8], "p", ".", text),
     )
     try:
-        block_hash = bytes.fromhex(fields[7])
+        block_hash = bytes.fromhex(fields[9])
     except ValueError as exc:
         raise RequestError(f"malformed block hash in key {text!r}") from exc
-    layer = _rank(fields[8], "L") if len(fields) == 9 else None
-    return BlockKey(scope, block_hash, layer)
+    return BlockKey(scope, block_hash)

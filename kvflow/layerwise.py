@@ -188,7 +188,9 @@ class LayerwiseStorer(_LayerTasks):
             for layer in range(self.num_layers):
                 self._finish(layer, await job.put(layer, self._deadline()))  # nothing to put
             return
-        # Asking what is present reads no KV, so it runs while the engine computes layer 0.
+        # Asking what is present reads no KV, so it runs while the engine computes layer 0; the
+        # profile's announcement runs beside the whole store (engines split otherwise find it).
+        tg.start_soon(self.transfer.book.announce, self._deadline())
         await job.skip_present(self._deadline())
         for layer in range(self.num_layers):
             try:

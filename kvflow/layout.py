@@ -1,4 +1,4 @@
-"""Planes, regions and the layout fingerprint of registered KV caches.
+"""Planes, regions, meaning and byte order of registered KV caches.
 
 An engine registers one entry per layer: a tensor or a tuple of tensors. kvflow derives, from shapes
 and strides, each layer's *planes* (K and V, a fused [K|V] block, MLA nope and rope): views whose
@@ -23,10 +23,11 @@ mla_tuple      tuple ``(nope, rope)``, ``[N, B, (1,) D_x]``  nope, rope
 from __future__ import annotations
 
 import enum
-import hashlib
+import re
 from collections.abc import Mapping, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from kvflow.errors import LayoutError
@@ -56,24 +57,30 @@ def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> Non
         raise LayoutError(f"{attribute.name} must be a positive integer, got {value!r}")
 
 
-def _fingerprint_text(_: object, __: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not value or "@" in value:
-        raise LayoutError(f"a layout fingerprint must be non-empty text free of '@', got {value!r}")
+_KEY_TEXT = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+
+
+def _key_text(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not _KEY_TEXT.match(value):
+        raise LayoutError(f"{attribute.name} must be non-empty text of [A-Za-z0-9_.+-], got {value!r}")
 
 
 @attrs.frozen
 class KVFormat:
     """The facts about a KV cache that every pool over it must agree on, as one value.
 
-    ``block_size`` tokens per block, ``num_layers`` layers (of this pipeline stage), and the
-    ``fingerprint`` that changes whenever two caches' blocks are not interchangeable bytes. A
-    worker's pool takes them from its :class:`KVLayout` (``layout.format``); a pool that only looks
-    up (an engine's scheduler) is given them, e.g. in vLLM's handshake.
+    ``block_size`` tokens per block, ``num_layers`` layers (of this pipeline stage), ``meaning``:
+    what the bytes mean (dtype, the model's KV heads and head size, or MLA's latent widths) and
+    ``order``: how a block's bytes lie (layout kind, each plane's dimension order). Both are part
+    of every key. A worker's pool derives them from its :class:`KVLayout` and parallel layout
+    (:meth:`KVLayout.format`, ``pool.format``); a pool that only looks up (an engine's scheduler)
+    is given them, e.g. in vLLM's handshake.
     """
 
     block_size: int = attrs.field(validator=_positive_int)
     num_layers: int = attrs.field(validator=_positive_int)
-    fingerprint: str = attrs.field(validator=_fingerprint_text)
+    meaning: str = attrs.field(validator=_key_text)
+    order: str = attrs.field(validator=_key_text)
 
 
 @attrs.frozen
@@ -83,7 +90,7 @@ class Plane:
     base: int
     block_stride: int
     block_nbytes: int
-    order: str  # the per-block dimension order in memory, part of the fingerprint
+    order: str  # the per-block dimension order in memory (part of every key: KVLayout.order)
 
 
 @attrs.frozen
@@ -165,11 +172,30 @@ def _classify(name: str, entry: KVCacheEntry) -> tuple[LayoutKind, list[torch.Te
     raise LayoutError(f"layer {name!r}: unsupported KV cache {_describe(entry)}; supported: {SUPPORTED}")
 
 
+def _geometry(kind: LayoutKind, view: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """The KV heads a plane holds and its part widths (head size, or MLA's latent widths)."""
+    shape = tuple(view.shape)
+    if kind is LayoutKind.VLLM_CPU:  # [N, H, B, 2*D]
+        return shape[1], (shape[3] // 2,)
+    if kind is LayoutKind.FLASHINFER:  # [N, 2, B, H, D]
+        return shape[3], (shape[4],)
+    if kind in (LayoutKind.FLASH_ATTN, LayoutKind.KV_TUPLE):  # [N, B, H, D]
+        return shape[2], (shape[3],)
+    return 1, (shape[-1],)  # MLA: [N, B, (1,) D]
+
+
+def _meaning_text(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @attrs.frozen(eq=False)
 class KVLayout:
     """Where every block of every layer lives. Built once with :meth:`from_kv_caches`.
 
     Keeps a reference to the registered tensors so that the addresses stay valid while it lives.
+    ``heads`` is the KV heads each layer holds here (1 for MLA) and ``widths`` the last dimension
+    of each part: ``(head_size,)`` for K and V, ``(latent,)`` for MLA, ``(nope, rope)`` for MLA
+    tuples.
     """
 
     kind: LayoutKind
@@ -177,11 +203,15 @@ class KVLayout:
     num_blocks: int
     dtype: torch.dtype
     device: torch.device
+    heads: int
+    widths: tuple[int, ...]
     layers: tuple[LayerLayout, ...]
     tensors: tuple[torch.Tensor, ...] = attrs.field(repr=False)
     #: every plane as a ``uint8`` tensor ``[num_blocks, block_nbytes]`` over the cache's memory, in
     #: the order of :meth:`block_addrs` (layer by layer): the staging path copies these
     plane_views: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    #: each layer's planes as registered (typed, ``[num_blocks, ...]``): transforms read these
+    typed_views: tuple[tuple[torch.Tensor, ...], ...] = attrs.field(repr=False)
     _bases: list[int] = attrs.field(repr=False)
     _strides: list[int] = attrs.field(repr=False)
     _sizes: list[int] = attrs.field(repr=False)
@@ -190,7 +220,8 @@ class KVLayout:
     def from_kv_caches(cls, kv_caches: Mapping[str, KVCacheEntry], block_size: int | None = None) -> KVLayout:
         """Describe registered KV caches: ``{layer name: tensor or tuple of tensors}``, in layer order.
 
-        ``block_size`` (tokens per block), when given, is checked against the shapes.
+        ``block_size`` (tokens per block), when given, is checked against the shapes. Every layer
+        must share one kind, block size, block count, dtype, device and per-block geometry.
         """
         if not kv_caches:
             raise LayoutError("no KV caches given; register at least one layer")
@@ -198,12 +229,16 @@ class KVLayout:
         layers: list[LayerLayout] = []
         tensors: list[torch.Tensor] = []
         views_u8: list[torch.Tensor] = []
+        typed: list[tuple[torch.Tensor, ...]] = []
         sizes: set[int] = set()
         num_blocks: set[int] = set()
         dtypes: set[torch.dtype] = set()
         devices: set[torch.device] = set()
+        geometry: set[tuple[int, tuple[int, ...], tuple[tuple[int, str], ...]]] = set()
         for name, entry in kv_caches.items():
             kind, views, layer_block_size = _classify(name, entry)
+            if any(v.size(0) == 0 for v in views):
+                raise LayoutError(f"layer {name!r} has a KV cache of 0 blocks; allocate at least one block")
             kinds.add(kind)
             sizes.add(layer_block_size)
             for view in views:
@@ -214,12 +249,18 @@ class KVLayout:
             planes_of_layer = tuple(_plane(v, name) for v in views)
             layers.append(LayerLayout(name, planes_of_layer))
             views_u8.extend(_bytes_view(v, p) for v, p in zip(views, planes_of_layer))
+            typed.append(tuple(views))
+            heads, widths = _geometry(kind, views[0])
+            if kind is LayoutKind.MLA_TUPLE:
+                widths = (views[0].size(-1), views[1].size(-1))
+            geometry.add((heads, widths, tuple((p.block_nbytes, p.order) for p in planes_of_layer)))
         for what, values in (
             ("layout kinds", kinds),
             ("block sizes", sizes),
             ("block counts", num_blocks),
             ("dtypes", dtypes),
             ("devices", devices),
+            ("per-block shapes", geometry),
         ):
             if len(values) != 1:
                 raise LayoutError(f"every layer must share one layout; got {what} {sorted(map(str, values))}")
@@ -227,15 +268,19 @@ class KVLayout:
         if block_size is not None and block_size != size:
             raise LayoutError(f"block_size={block_size} given, but the KV cache shapes say {size}")
         planes = [p for layer in layers for p in layer.planes]
+        ((heads, widths, _),) = geometry
         return cls(
             kind=kinds.pop(),
             block_size=size,
             num_blocks=num_blocks.pop(),
             dtype=dtypes.pop(),
             device=devices.pop(),
+            heads=heads,
+            widths=widths,
             layers=tuple(layers),
             tensors=tuple(tensors),
             plane_views=tuple(views_u8),
+            typed_views=tuple(typed),
             bases=[p.base for p in planes],
             strides=[p.block_stride for p in planes],
             sizes=[p.block_nbytes for p in planes],
@@ -244,6 +289,10 @@ class KVLayout:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def mla(self) -> bool:
+        return self.kind in (LayoutKind.MLA, LayoutKind.MLA_TUPLE)
 
     @property
     def block_nbytes(self) -> int:
@@ -256,18 +305,43 @@ class KVLayout:
         return self._sizes
 
     @property
-    def fingerprint(self) -> str:
-        """Short text that differs whenever two caches' blocks are not interchangeable bytes."""
-        text = "|".join(
-            [self.kind.value, str(self.dtype), str(self.block_size), str(self.num_layers)]
-            + [f"{p.block_nbytes}:{p.order}" for layer in self.layers for p in layer.planes]
-        )
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def order(self) -> str:
+        """How a block's bytes lie: the layout kind and each plane's dimension order, e.g.
+        ``flash_attn.123.213`` (part of every key: objects are kept in the writer's order)."""
+        return ".".join([self.kind.value] + [p.order or "0" for p in self.layers[0].planes])
 
-    @property
-    def format(self) -> KVFormat:
-        """The facts a pool over this layout shares with pools that only look up."""
-        return KVFormat(self.block_size, self.num_layers, self.fingerprint)
+    def meaning(self, total_kv_heads: int) -> str:
+        """What the bytes mean, given the model's KV heads (ignored for MLA): dtype and head shape,
+        e.g. ``bfloat16.kv8x128``, ``bfloat16.mla576`` or ``bfloat16.mla512+64``."""
+        dtype = _meaning_text(self.dtype)
+        if self.kind is LayoutKind.MLA:
+            return f"{dtype}.mla{self.widths[0]}"
+        if self.kind is LayoutKind.MLA_TUPLE:
+            return f"{dtype}.mla{self.widths[0]}+{self.widths[1]}"
+        return f"{dtype}.kv{total_kv_heads}x{self.widths[0]}"
+
+    def format(self, total_kv_heads: int | None = None) -> KVFormat:
+        """The facts a pool over this layout shares with pools that only look up. ``total_kv_heads``:
+        the model's KV heads (default: the heads held here, right for one rank or MLA)."""
+        return KVFormat(
+            self.block_size, self.num_layers, self.meaning(total_kv_heads or self.heads), self.order
+        )
+
+    def addrs_of(self, block_ids: Sequence[int], layer: int | None = None) -> list[list[int]]:
+        """The region addresses of each block in ``block_ids``, over every layer or one ``layer``:
+        :meth:`block_addrs` (or :meth:`layer_regions`) for many blocks in one vectorised step."""
+        planes = self.unit_planes(layer)
+        bases = np.asarray([self._bases[p] for p in planes], dtype=np.int64)
+        strides = np.asarray([self._strides[p] for p in planes], dtype=np.int64)
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, 1)
+        rows: list[list[int]] = (ids * strides + bases).tolist()
+        return rows
+
+    def unit_sizes(self, layer: int | None) -> list[int]:
+        """The region sizes of one block over every layer or one ``layer`` (shared: do not mutate)."""
+        if layer is None:
+            return self._sizes
+        return [self._sizes[p] for p in self.unit_planes(layer)]
 
     def block_addrs(self, block_id: int) -> list[int]:
         """The region addresses of block ``block_id`` over every layer (sizes: :attr:`block_sizes`)."""

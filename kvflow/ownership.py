@@ -14,31 +14,47 @@ same choice. Every member still loads every block, from the group's shared keys.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from kvflow.config import nonnegative_int, positive_int
 from kvflow.errors import ConfigError
 
-__all__ = ["ParallelConfig", "owner"]
+__all__ = ["ParallelConfig", "owned", "owner"]
+
+
+def _layers(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"pp_layers must be a sequence of layer counts, one per stage, got {value!r}")
+    counts = tuple(value)
+    if not counts or any(type(c) is not int or c < 1 for c in counts):
+        raise ConfigError(f"pp_layers must be layer counts > 0, one per stage, got {value!r}")
+    return counts
 
 
 @attrs.frozen
 class ParallelConfig:
     """How a model is split across ranks, as the engine configured it.
 
-    ``num_kv_heads`` is the model's total number of KV heads (ignored for MLA). Ranks are 0-based.
-    ``dcp_rank`` is ``tp_rank % dcp_size``, as in vLLM.
+    ``num_kv_heads`` is the model's total number of KV heads (ignored for MLA; needed when
+    ``tp_size > 1``, otherwise the KV cache's own heads). Ranks are 0-based. ``dcp_rank`` is
+    ``tp_rank % dcp_size``, as in vLLM. ``pp_layers``: the layers of each pipeline stage, in stage
+    order, when they differ between stages (default: every stage has as many layers as this one).
     """
 
     tp_rank: int = attrs.field(default=0, validator=nonnegative_int)
     tp_size: int = attrs.field(default=1, validator=positive_int)
-    num_kv_heads: int = attrs.field(default=1, validator=positive_int)
+    num_kv_heads: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     use_mla: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     dcp_size: int = attrs.field(default=1, validator=positive_int)
     pp_rank: int = attrs.field(default=0, validator=nonnegative_int)
     pp_size: int = attrs.field(default=1, validator=positive_int)
     pcp_rank: int = attrs.field(default=0, validator=nonnegative_int)
     pcp_size: int = attrs.field(default=1, validator=positive_int)
+    pp_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
 
     def __attrs_post_init__(self) -> None:
         for rank, size, what in (
@@ -53,9 +69,23 @@ class ParallelConfig:
                 f"dcp_size={self.dcp_size} must divide tp_size={self.tp_size} "
                 "(decode context parallelism splits the TP group)"
             )
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp_size:
+            raise ConfigError(
+                f"pp_layers={self.pp_layers} must list the layers of each of the "
+                f"pp_size={self.pp_size} stages"
+            )
         if self.use_mla:
             return
         heads, tp = self.num_kv_heads, self.tp_size
+        if heads is None:
+            if tp > 1:
+                raise ConfigError(
+                    f"tp_size={tp}: give num_kv_heads (the model's total KV heads), or use_mla=True "
+                    "for an MLA model, so that kvflow knows which ranks hold the same KV"
+                )
+            if self.dcp_size != 1:
+                raise ConfigError(f"dcp_size={self.dcp_size} needs num_kv_heads (the model's total KV heads)")
+            return
         if heads >= tp:
             if heads % tp:
                 raise ConfigError(
@@ -88,6 +118,8 @@ class ParallelConfig:
         """How many consecutive TP ranks share one KV-head slice (all of them for MLA)."""
         if self.use_mla:
             return self.tp_size
+        if self.num_kv_heads is None:
+            return 1
         return max(1, self.tp_size // self.num_kv_heads)
 
     @property
@@ -111,6 +143,14 @@ class ParallelConfig:
         """The lowest TP rank of this rank's replica group."""
         return self.kv_head_group * self.replication + self.dcp_rank
 
+    def stage_layers(self, pp_rank: int, num_layers: int) -> tuple[int, int]:
+        """The model layers ``(first, end)`` of pipeline stage ``pp_rank``: from ``pp_layers``, or
+        ``num_layers`` (this stage's count) per stage when stages are not listed."""
+        if self.pp_layers is None:
+            return pp_rank * num_layers, (pp_rank + 1) * num_layers
+        first = sum(self.pp_layers[:pp_rank])
+        return first, first + self.pp_layers[pp_rank]
+
     def replica_group(self) -> tuple[int, ...]:
         """The TP ranks holding the same KV as this one, lowest first (includes this rank)."""
         return tuple(self.group_base + j * self.dcp_size for j in range(self.replica_group_size))
@@ -125,3 +165,13 @@ def owner(block_index: int, parallel: ParallelConfig) -> int:
     if block_index < 0:
         raise ConfigError(f"block_index must be >= 0, got {block_index}")
     return parallel.group_base + (block_index % parallel.replica_group_size) * parallel.dcp_size
+
+
+def owned(block_indices: Sequence[int], parallel: ParallelConfig) -> list[int]:
+    """Positions ``j`` of ``block_indices`` whose block ``parallel.tp_rank`` stores: the same answer
+    as ``owner(block_indices[j], parallel) == parallel.tp_rank``, for a whole request at once."""
+    size = parallel.replica_group_size
+    if size == 1:
+        return list(range(len(block_indices)))
+    mine = (parallel.tp_rank - parallel.group_base) // parallel.dcp_size
+    return [j for j, i in enumerate(block_indices) if i % size == mine]

@@ -27,6 +27,7 @@ from kvflow.events import DeviceEvent, LayerEvents
 from kvflow.layerwise import LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
+from kvflow.profiles import Profile
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer import LoadJob, StoreJob, Transfer
@@ -98,7 +99,7 @@ class KVPool:
 
     @property
     def format(self) -> KVFormat:
-        """Block size, layer count and fingerprint of the KV caches this pool serves."""
+        """Block size, layer count, meaning and byte order of the KV caches this pool serves."""
         return self._transfer.format
 
     @property
@@ -175,8 +176,10 @@ class KVPool:
         deadline = transfer.deadline(timeout_s)
         transfer.begin()
         try:
-            await job.skip_present(deadline)  # reads no KV: may run before the event
             async with anyio.create_task_group() as tg:
+                # beside the store: engines split otherwise find this one's objects through it
+                tg.start_soon(transfer.book.announce, deadline)
+                await job.skip_present(deadline)  # reads no KV: may run before the event
                 for unit in transfer.units:
                     tg.start_soon(job.put, unit, deadline, after)
             return job.results()[0]
@@ -213,6 +216,19 @@ class KVPool:
         transfer.begin()
         try:
             return await transfer.remove(request, transfer.deadline(timeout_s))
+        finally:
+            transfer.end()
+
+    async def profiles(self, *, timeout_s: float | None = None) -> tuple[Profile, ...]:
+        """How the other engines that store this model (same meaning) in this store split it,
+        read from the store now (docs/topology.md). Empty when the store cannot be read; an engine
+        reads them at start so that its first lookups need not, and says at once when one of them
+        hashes prompts at another granularity (its KV cannot be shared)."""
+        check_timeout(timeout_s)
+        transfer = self._transfer
+        transfer.begin()
+        try:
+            return await transfer.book.others(transfer.deadline(timeout_s), max_age_s=0.0)
         finally:
             transfer.end()
 

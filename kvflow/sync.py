@@ -24,6 +24,7 @@ from kvflow.layout import KVFormat, KVLayout
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
 from kvflow.ownership import ParallelConfig
 from kvflow.pool import KVPool, check_timeout
+from kvflow.profiles import Profile
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 
@@ -140,6 +141,10 @@ class SyncPool:
     def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Blocking :meth:`KVPool.remove`: delete this rank's objects of the prompt's blocks."""
         return wait_answer(self._submit(lambda t: self._pool.remove(request, timeout_s=t), timeout_s))
+
+    def profiles(self, *, timeout_s: float | None = None) -> tuple[Profile, ...]:
+        """Blocking :meth:`KVPool.profiles`: the other engines' splits of this model in the store."""
+        return wait_answer(self._submit(lambda t: self._pool.profiles(timeout_s=t), timeout_s))
 
     # -- the end ---------------------------------------------------------------------------------
 

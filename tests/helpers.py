@@ -10,6 +10,7 @@ import torch
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.memory import MemoryBackend
+from kvflow.profiles import is_book_key
 
 NUM_BLOCKS = 12
 BLOCK = 16
@@ -56,9 +57,24 @@ def zeros_like_caches(caches: dict[str, object]) -> dict[str, object]:
     return out
 
 
+def kv_keys(backend: MemoryBackend) -> list[str]:
+    """The keys of the KV objects in ``backend`` (not the profile book's announcements)."""
+    return [k for k in backend.stored_keys() if not is_book_key(k)]
+
+
+def kv_puts(backend: MemoryBackend) -> int:
+    """Objects of KV ``backend`` stored (its puts, less the profile book's announcements)."""
+    return backend.stats().puts - sum(1 for k in backend.stored_keys() if is_book_key(k))
+
+
+def _book(objects: Sequence[ObjectRef]) -> bool:
+    return bool(objects) and all(is_book_key(o.key) for o in objects)
+
+
 @attrs.define
 class FaultyBackend:
-    """A memory backend that can be told to raise or hang in put, get or exists."""
+    """A memory backend that can be told to raise or hang in put, get or exists. Faults and the
+    put hook apply to calls about KV objects; the profile book's small calls pass through."""
 
     inner: MemoryBackend = attrs.field(factory=MemoryBackend)
     raise_on: set[str] = attrs.field(factory=set)
@@ -82,16 +98,22 @@ class FaultyBackend:
             await anyio.sleep_forever()
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        if _book(objects):
+            return await self.inner.put(objects)
         await self._fault("put")
         if self.put_hook is not None:
             await self.put_hook(objects)
         return await self.inner.put(objects)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if _book(objects):
+            return await self.inner.get(objects)
         await self._fault("get")
         return await self.inner.get(objects)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if keys and all(is_book_key(k) for k in keys):
+            return await self.inner.exists(keys)
         await self._fault("exists")
         return await self.inner.exists(keys)
 

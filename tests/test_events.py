@@ -4,9 +4,11 @@ awaiting them on the loop without blocking it."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 
 import anyio
+import anyio.lowlevel
 import attrs
 import pytest
 import torch
@@ -20,8 +22,10 @@ from kvflow import (
     MissingDependencyError,
     PoolConfig,
     RequestError,
+    events,
 )
 from kvflow.events import MAX_POLL_S, CpuEvent, CudaEvent, DeviceEvent, LayerEvents, make_event, wait_event
+from tests.helpers import kv_keys
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -63,34 +67,62 @@ def test_npu_events_without_torch_npu_say_what_to_install() -> None:
         make_event("npu")
 
 
-async def test_wait_event_polls_without_blocking_the_loop() -> None:
-    event = TimedEvent(delay_s=0.05)
-    ticks = 0
+@attrs.define
+class CountedEvent:
+    """Completes at its ``done_at``-th query; records what the loop did between queries."""
+
+    done_at: int
+    log: list[str] = attrs.field(factory=list)
+    queries: int = 0
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.queries += 1
+        self.log.append("query")
+        return self.queries >= self.done_at
+
+
+async def test_wait_event_polls_with_a_capped_back_off_without_blocking_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The order of events, not the clock: between two queries the waiter sleeps (50 us doubling to
+    ``MAX_POLL_S``, so a completed event is noticed within one such step) and other tasks run; the
+    waiter returns at the first query that answers complete."""
+    event = CountedEvent(done_at=30)
+    sleeps: list[float] = []
+    sleep = anyio.sleep
+
+    async def recorded(delay: float) -> None:
+        sleeps.append(delay)
+        await sleep(delay)
 
     async def ticker() -> None:
-        nonlocal ticks
         while True:
-            ticks += 1
-            await anyio.sleep(0.001)
+            event.log.append("tick")
+            await anyio.lowlevel.checkpoint()
 
+    monkeypatch.setattr(events.anyio, "sleep", recorded)
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        event.record()
-        start = time.monotonic()
+        await anyio.lowlevel.checkpoint()
         await wait_event(event, timeout_s=5)
-        waited = time.monotonic() - start
         tg.cancel_scope.cancel()
-    assert 0.05 <= waited < 0.05 + 0.05  # noticed within a few back-off steps
-    assert ticks >= 10  # the loop kept running other tasks meanwhile
-    # back-off: about one query per ms at most, not a busy loop
-    assert event.queries <= 0.05 / MAX_POLL_S * 2 + 20
+    assert event.queries == 30  # returned at the query that said "complete", no query more
+    assert sleeps and all(delay <= MAX_POLL_S for delay in sleeps)  # never longer than the cap
+    assert sleeps == sorted(sleeps) and sleeps[-1] == MAX_POLL_S and sleeps[0] < MAX_POLL_S / 10
+    assert all(b == min(2 * a, MAX_POLL_S) for a, b in itertools.pairwise(sleeps))  # doubling
+    queries = [n for n, what in enumerate(event.log) if what == "query"]
+    gaps = [event.log[a + 1 : b] for a, b in itertools.pairwise(queries)]
+    assert sum(1 for gap in gaps if "tick" in gap) >= len(sleeps)  # the loop ran between sleeping queries
 
 
 async def test_wait_event_times_out_with_a_clear_error() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"did not complete within 0\.1 s"):
         await wait_event(TimedEvent(delay_s=0), timeout_s=0.1)  # never recorded
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5  # its 0.1 s (with room for a busy machine), not forever
 
 
 async def test_layer_events_wait_for_their_layer_and_stop_when_sealed() -> None:
@@ -135,10 +167,10 @@ async def test_a_layer_is_not_read_before_its_event_fires() -> None:
     ) as storer:
         events.record(0)
         await anyio.sleep(0.05)
-        assert backend.stored_keys() == []  # recorded, but the device has not finished
+        assert kv_keys(backend) == []  # recorded, but the device has not finished
         outcome = await storer.__anext__()
         assert outcome.layer == 0 and outcome.ok
-        assert len(backend.stored_keys()) == 2
+        assert len(kv_keys(backend)) == 2
         events.seal()  # layer 1 never written
     assert storer.results()[0].failed_indices == (0, 1)
     assert await pool.lookup(KVRequest(tokens=tokens)) == 0

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.profiles import is_book_key
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def kv_files(store: Path) -> list[Path]:
+    """The store's KV objects (the profile book's announcements are the store's, not a run's)."""
+    return [p for p in (store / "objects").iterdir() if not is_book_key(p.name)]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -27,17 +34,17 @@ def test_example_runs_and_verifies(script: str, tmp_path: Path) -> None:
     proc = run(script, f"local://{tmp_path}/store")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "True" in proc.stdout
-    assert list((tmp_path / "store" / "objects").iterdir()) == []
+    assert kv_files(tmp_path / "store") == []
 
 
 def test_two_processes_share_kv_through_the_local_backend(tmp_path: Path) -> None:
     proc = run("examples/multiprocess_local.py", f"local://{tmp_path}/store")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "stored 8 blocks" in proc.stdout and "identical: True" in proc.stdout
-    assert list((tmp_path / "store" / "objects").iterdir()) == []  # it removed what it stored
+    assert kv_files(tmp_path / "store") == []  # it removed what it stored
     kept = run("examples/multiprocess_local.py", f"local://{tmp_path}/store", "--keep")
     assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert len(list((tmp_path / "store" / "objects").iterdir())) == 8
+    assert len(kv_files(tmp_path / "store")) == 8
 
 
 def test_the_multiprocess_example_cleans_up_its_own_store() -> None:
@@ -73,7 +80,7 @@ def test_bench_reports_ratios_against_memcpy() -> None:
 
 def test_demo_runs_on_the_local_shared_memory_backend(tmp_path: Path) -> None:
     url = f"local://{tmp_path}/store"
-    objects = tmp_path / "store" / "objects"
+    store = tmp_path / "store"
 
     def demo(*extra: str) -> dict[str, int]:
         proc = run("-m", "kvflow.cli", "demo", "--backend", url, "--json", *extra)
@@ -84,12 +91,12 @@ def test_demo_runs_on_the_local_shared_memory_backend(tmp_path: Path) -> None:
 
     first = demo()
     assert first["blocks_found"] == 0 and first["blocks_removed"] == first["blocks_stored"] > 0
-    assert list(objects.iterdir()) == []  # it removed what it stored
+    assert kv_files(store) == []  # it removed what it stored
     kept = demo("--keep")
-    assert kept["blocks_removed"] == 0 and len(list(objects.iterdir())) == kept["blocks_stored"]
+    assert kept["blocks_removed"] == 0 and len(kv_files(store)) == kept["blocks_stored"]
     again = demo()  # finds the kept blocks from the earlier run, stores and removes nothing
     assert again["blocks_found"] == kept["blocks_stored"] and again["blocks_stored"] == 0
-    assert again["blocks_removed"] == 0 and len(list(objects.iterdir())) == kept["blocks_stored"]
+    assert again["blocks_removed"] == 0 and len(kv_files(store)) == kept["blocks_stored"]
 
 
 def test_the_staged_demo_verifies_and_the_staged_bench_reports_both_paths() -> None:

@@ -3,12 +3,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.errors import RequestError
-from kvflow.keys import BlockKey, KeyScope, block_keys, decode_key, encode_key, hash_blocks, layer_keys
+from kvflow.keys import BlockKey, KeyScope, block_keys, decode_key, encode_key, hash_blocks
 
 tokens_st = st.lists(st.integers(0, 2**31), max_size=200)
 
@@ -57,20 +58,37 @@ def test_bad_tokens_are_rejected() -> None:
         hash_blocks([1, 2], 0)
 
 
+token_st = st.text("abcdefghijklmnopqrstuvwxyz0123456789_.+-", min_size=1, max_size=16)
+
+
+@st.composite
+def ranges(draw: st.DrawFn, top: int) -> tuple[int, int]:
+    first = draw(st.integers(0, top - 1))
+    return first, draw(st.integers(first + 1, top))
+
+
+@st.composite
+def shards(draw: st.DrawFn) -> tuple[int, int]:
+    size = draw(st.integers(1, 8))
+    return draw(st.integers(0, size - 1)), size
+
+
 scopes = st.builds(
     KeyScope,
     model=st.text(min_size=1, max_size=20),
-    fingerprint=st.text("0123456789abcdef", min_size=1, max_size=16),
-    kv_head_group=st.integers(0, 64),
-    pp_rank=st.integers(0, 8),
-    pcp_rank=st.integers(0, 8),
-    dcp_rank=st.integers(0, 8),
+    meaning=token_st,
+    order=token_st,
+    block_size=st.integers(1, 256),
+    layers=ranges(200),
+    heads=ranges(64),
+    dcp=shards(),
+    pcp=shards(),
 )
 
 
-@given(scopes, st.binary(min_size=1, max_size=32), st.one_of(st.none(), st.integers(0, 200)))
-def test_codec_round_trip(scope: KeyScope, block_hash: bytes, layer: int | None) -> None:
-    key = BlockKey(scope, block_hash, layer)
+@given(scopes, st.binary(min_size=1, max_size=32))
+def test_codec_round_trip(scope: KeyScope, block_hash: bytes) -> None:
+    key = BlockKey(scope, block_hash)
     text = encode_key(key)
     assert decode_key(text) == key
 
@@ -79,17 +97,62 @@ def test_codec_round_trip(scope: KeyScope, block_hash: bytes, layer: int | None)
 def test_distinct_scopes_never_share_keys(a: KeyScope, b: KeyScope, block_hash: bytes) -> None:
     if a != b:
         assert block_keys(a, [block_hash]) != block_keys(b, [block_hash])
-        assert layer_keys(a, [block_hash], 0) != layer_keys(b, [block_hash], 0)
-
-
-def test_layer_keys_differ_per_layer_and_from_block_keys() -> None:
-    scope = KeyScope("m", "ab")
-    h = [b"\x01" * 32]
-    assert len({block_keys(scope, h)[0], layer_keys(scope, h, 0)[0], layer_keys(scope, h, 1)[0]}) == 3
 
 
 @pytest.mark.parametrize(
-    "text", ["", "nokey", "kvf1@m@fp@pcp0@dcp0@hX@pp0@00", "kvf1@m@fp@pcp0@dcp0@h0@pp0@zz"]
+    "changes",
+    [
+        {"layers": (0, 2)},
+        {"heads": (1, 2)},
+        {"block_size": 32},
+        {"order": "flash_attn.213.213"},
+        {"meaning": "float16.kv2x64"},
+        {"dcp": (1, 2)},
+    ],
+)
+def test_every_coordinate_of_the_content_is_in_the_key(changes: dict[str, object]) -> None:
+    """Anything that changes what the bytes hold or how they lie gives another key."""
+    scope = KeyScope("m", "bfloat16.kv2x64", "flash_attn.123.123", 16, (0, 1), (0, 1))
+    other = attrs.evolve(scope, **changes)
+    h = [b"\x01" * 32]
+    assert block_keys(scope, h) != block_keys(other, h)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"layers": (2, 2)},
+        {"heads": (-1, 1)},
+        {"dcp": (2, 2)},
+        {"meaning": "has@at"},
+        {"order": ""},
+        {"block_size": 0},
+    ],
+)
+def test_bad_scopes_are_refused(kwargs: dict[str, object]) -> None:
+    base: dict[str, object] = {
+        "model": "m",
+        "meaning": "bfloat16.kv2x64",
+        "order": "flash_attn.123.123",
+        "block_size": 16,
+        "layers": (0, 1),
+        "heads": (0, 1),
+    }
+    with pytest.raises(RequestError):
+        KeyScope(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "nokey",
+        "kvf1@m@fp@pcp0@dcp0@h0@pp0@00",
+        "kvf2@m@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@zz",
+        "kvf2@m@bf16@o@bX@l0-1@h0-1@d0.1@p0.1@00",
+        "kvf2@m@bf16@o@b16@l0_1@h0-1@d0.1@p0.1@00",
+        "kvf2@m@bf16@o@b16@l1-1@h0-1@d0.1@p0.1@00",
+    ],
 )
 def test_decode_rejects_foreign_text(text: str) -> None:
     with pytest.raises(RequestError):

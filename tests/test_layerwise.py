@@ -33,8 +33,10 @@ from kvflow import (
 from kvflow.backends import ObjectRef
 from kvflow.events import CpuEvent, LayerEvents
 from kvflow.keys import decode_key
-from kvflow.layerwise import LayerwiseRetriever
-from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
+from kvflow.layerwise import LayerOutcome, LayerwiseRetriever
+from kvflow.profiles import is_book_key
+from kvflow.sync_layerwise import _Step
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, kv_puts, zeros_like_caches
 
 TOKENS = list(range(500, 500 + BLOCK * 8))
 ALL = list(range(8))
@@ -42,13 +44,10 @@ ALL = list(range(8))
 
 @attrs.define
 class ScriptedBackend(FaultyBackend):
-    """A memory backend whose gets can be slowed and whose calls can fail or hang, per layer."""
+    """A memory backend whose gets can be slowed and fail, per layer."""
 
     get_delay_s: float = 0.0
     fail_get: set[int] = attrs.field(factory=set)
-    fail_put: set[int] = attrs.field(factory=set)
-    hang_put: set[int] = attrs.field(factory=set)
-    put_log: list[tuple[float, int | None]] = attrs.field(factory=list)
 
     @property
     def max_batch(self) -> int:
@@ -56,16 +55,7 @@ class ScriptedBackend(FaultyBackend):
 
     @staticmethod
     def _layers(objects: Sequence[ObjectRef]) -> set[int | None]:
-        return {decode_key(o.key).layer for o in objects}
-
-    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        layers = self._layers(objects)
-        self.put_log.extend((time.monotonic(), layer) for layer in layers)
-        if layers & self.hang_put:
-            await anyio.sleep_forever()
-        if layers & self.fail_put:
-            raise ConnectionError("injected put failure")
-        return await self.inner.put(objects)
+        return {decode_key(o.key).scope.layers[0] for o in objects if not is_book_key(o.key)}
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         await anyio.sleep(self.get_delay_s)
@@ -130,8 +120,8 @@ def test_round_trip_of_every_layout_through_the_sync_face_is_bit_exact(layout_na
     forward(writer)
     stored = writer.wait_for_save(timeout_s=5).stored["r"]
     assert stored.stored == 8 and stored.ok
-    keys = backend.stored_keys()
-    assert len(keys) == 8 * 3 and {decode_key(k).layer for k in keys} == {0, 1, 2}
+    keys = kv_keys(backend)
+    assert len(keys) == 8 * 3 and {decode_key(k).scope.layers[0] for k in keys} == {0, 1, 2}
     reader.start_load(request(dst_ids))
     assert forward(reader) == [True] * 3
     loaded = reader.wait_for_save(timeout_s=5).loaded["r"]
@@ -150,8 +140,8 @@ async def test_lookup_counts_a_block_only_when_every_layer_is_present() -> None:
     assert (await pool.store(KVRequest(block_ids=ALL[:6], tokens=TOKENS))).stored == 6
     assert (await pool.store(KVRequest(block_ids=ALL[:6], tokens=TOKENS))).present == 6  # skipped, per key
     assert await pool.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK
-    victim = next(k for k in backend.stored_keys() if decode_key(k).layer == 2)
-    block = [decode_key(k).block_hash for k in backend.stored_keys() if decode_key(k).layer == 0].index(
+    victim = next(k for k in kv_keys(backend) if decode_key(k).scope.layers[0] == 2)
+    block = [decode_key(k).block_hash for k in kv_keys(backend) if decode_key(k).scope.layers[0] == 0].index(
         decode_key(victim).block_hash
     )
     backend._objects.pop(victim)  # one layer of one block is gone (evicted)
@@ -160,7 +150,7 @@ async def test_lookup_counts_a_block_only_when_every_layer_is_present() -> None:
     got = await make_pool(dst, backend).retrieve(KVRequest(block_ids=ALL[:6], tokens=TOKENS))
     assert got.statuses[block] is GetStatus.MISS and got.hit_blocks == block
     # the scheduler's pool has no layout: the format it is given carries the layer count
-    assert pool.format == KVFormat(BLOCK, 3, pool.format.fingerprint)
+    assert pool.format == KVFormat(BLOCK, 3, pool.format.meaning, pool.format.order)
     sched = KVPool.create(PoolConfig(layerwise=True), backend=backend, format=pool.format)
     assert await sched.lookup(KVRequest(tokens=TOKENS)) == block * BLOCK
     whole_blocks = KVPool.create(PoolConfig(), backend=backend, format=pool.format)
@@ -175,7 +165,7 @@ async def test_replicas_store_each_layer_of_each_block_once_and_all_load_everyth
     for rank, result in enumerate(results):
         assert [s is PutStatus.STORED for s in result.statuses] == [i % 2 == rank for i in ALL]
         assert result.not_owned == 4
-    assert backend.stats().puts == 8 * 3 and len(backend.stored_keys()) == 8 * 3
+    assert kv_puts(backend) == 8 * 3 and len(kv_keys(backend)) == 8 * 3
     for rank in range(2):
         dst = zeros_like_caches(src)
         got = await make_pool(dst, backend, tp_rank=rank, tp_size=2, use_mla=True).retrieve(
@@ -308,49 +298,91 @@ def test_sync_face_waits_for_each_layers_event_before_reading_it() -> None:
 
 # -- overlap ---------------------------------------------------------------------------------------
 
-LAYERS, STEP_S = 10, 0.03
-OVERLAPPED_S = (LAYERS + 1) * STEP_S  # max(sum compute, sum load) + one layer: 0.33 s
-SERIAL_S = 2 * LAYERS * STEP_S  # load everything, then compute: 0.60 s
-MARGIN_S = 0.12  # generous, for a busy machine; still far below SERIAL_S
+LAYERS = 10
+WAIT_S = 10.0  # how long a layer's compute waits for the next layer's get to start: only a broken
+# overlap ever waits that long (the get starts as soon as the layer is handed out)
+
+
+@attrs.define
+class GetLog(ScriptedBackend):
+    """Records when each layer's get starts (the loop thread), so that the engine (any thread) can
+    wait for it and the test can check the order of events."""
+
+    started: dict[int, threading.Event] = attrs.field(
+        factory=lambda: {n: threading.Event() for n in range(LAYERS)}
+    )
+    log: list[tuple[str, int]] = attrs.field(factory=list)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def note(self, what: str, layer: int) -> None:
+        with self.lock:
+            self.log.append((what, layer))
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        (layer,) = self._layers(objects)
+        assert layer is not None
+        self.note("get", layer)
+        self.started[layer].set()
+        return await super().get(objects)
 
 
 def overlap_caches() -> dict[str, object]:
-    return {f"l{i}": torch.randn(8, 2, BLOCK, 8) for i in range(LAYERS)}  # the copies take no time
+    return {f"l{i}": torch.randn(8, 2, BLOCK, 8) for i in range(LAYERS)}
+
+
+def check_overlap(log: list[tuple[str, int]], depth: int | None) -> None:
+    """Layer l+1's get started before the engine finished computing layer l (it waited for it), and
+    no get ran more than ``depth`` layers ahead of the last layer handed out (None: unbounded)."""
+    at = {event: n for n, event in enumerate(log)}
+    for layer in range(LAYERS - 1):
+        assert at["get", layer + 1] < at["computed", layer], layer
+    for layer in range(LAYERS if depth is not None else 0):
+        handed = at["handed out", layer]
+        assert all(at["get", later] > handed for later in range(layer + (depth or 0) + 1, LAYERS)), layer
 
 
 def test_sync_face_loads_layer_l_plus_1_while_the_engine_computes_layer_l() -> None:
     src = overlap_caches()
-    backend = ScriptedBackend()
+    backend = GetLog()
     anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
-    backend.get_delay_s = STEP_S  # every layer's get takes 30 ms
     dst = zeros_like_caches(src)
     with make_engine(dst, backend) as kv:
-        start = time.monotonic()
         kv.start_load(request(ALL))
-        arrived = forward(kv, compute_s=STEP_S)  # every layer's compute takes 30 ms
+        arrived = []
+        for layer in range(LAYERS):
+            arrived.append(kv.wait_for_layer_load(layer))
+            backend.note("handed out", layer)
+            if layer + 1 < LAYERS:  # compute layer l: it ends only once layer l+1 is on its way
+                assert backend.started[layer + 1].wait(WAIT_S), f"layer {layer + 1} did not start"
+            backend.note("computed", layer)
+            kv.save_layer(layer)
         result = kv.wait_for_save(timeout_s=5)
-        elapsed = time.monotonic() - start
     assert arrived == [True] * LAYERS and result.failed_block_ids == frozenset()
     assert all(torch.equal(dst[n], src[n]) for n in src)  # type: ignore[arg-type]
-    assert LAYERS * STEP_S <= elapsed < OVERLAPPED_S + MARGIN_S < SERIAL_S, elapsed
+    # the loop thread hands layers out as they arrive, ahead of the engine: no bound on the lead
+    check_overlap(backend.log, depth=None)
 
 
-async def test_retriever_fetches_ahead_while_the_consumer_computes() -> None:
+@pytest.mark.parametrize("depth", [1, 3])
+async def test_retriever_fetches_ahead_while_the_consumer_computes(depth: int) -> None:
     src = overlap_caches()
-    backend = ScriptedBackend()
+    backend = GetLog()
     await make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS))
-    backend.get_delay_s = STEP_S
     dst = zeros_like_caches(src)
     pool = make_pool(dst, backend)
-    start = time.monotonic()
-    async with pool.layerwise_retrieve(request(ALL), depth=1) as loader:
+    async with pool.layerwise_retrieve(request(ALL), depth=depth) as loader:
         async for outcome in loader:
             assert outcome.ok
-            await anyio.sleep(STEP_S)  # compute the layer that just arrived
-    elapsed = time.monotonic() - start
+            layer = outcome.layer
+            backend.note("handed out", layer)
+            if layer + 1 < LAYERS:  # compute the layer that just arrived, until the next one is on its way
+                with anyio.fail_after(WAIT_S):
+                    while not backend.started[layer + 1].is_set():
+                        await anyio.sleep(0)
+            backend.note("computed", layer)
     assert loader.results()[0].hit_blocks == 8
     assert all(torch.equal(dst[n], src[n]) for n in src)  # type: ignore[arg-type]
-    assert LAYERS * STEP_S <= elapsed < OVERLAPPED_S + MARGIN_S < SERIAL_S, elapsed
+    check_overlap(backend.log, depth)
 
 
 # -- threads ---------------------------------------------------------------------------------------
@@ -390,30 +422,56 @@ def test_a_layer_whose_get_fails_fails_every_block_of_the_request() -> None:
     backend = ScriptedBackend()
     anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
     backend.fail_get = {1}
-    with make_engine(zeros_like_caches(src), backend) as kv:
+    with make_engine(zeros_like_caches(src), backend, timeout_s=30) as kv:
         kv.start_load(request([7, 6, 5, 4, 3, 2, 1, 0]))
         start = time.monotonic()
         assert forward(kv) == [True, False, False]  # later layers are still handed out
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 10  # not after the 30 s timeout: the failure ends the wait
         result = kv.wait_for_save(timeout_s=5)
     assert result.loaded["r"].statuses == (GetStatus.FAILED,) * 8
     assert result.failed_block_ids == frozenset(ALL)
 
 
+@attrs.define
+class SlowFailingLayer(ScriptedBackend):
+    """Layer 1's put fails (or hangs) only after layer 2's put started, if it ever does (a store that
+    puts one layer after another runs it to its deadline first); every put's start and end is logged."""
+
+    fault: str = "fail"
+    log: list[tuple[str, int | None]] = attrs.field(factory=list)
+    layer2: anyio.Event | None = None
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        layers = self._layers(objects)
+        if self.layer2 is None:
+            self.layer2 = anyio.Event()
+        self.log += [("start", layer) for layer in layers]
+        try:
+            if 1 in layers:
+                with anyio.move_on_after(WAIT_S):
+                    await self.layer2.wait()
+                if self.fault == "hang":
+                    await anyio.sleep_forever()
+                raise ConnectionError("injected put failure")
+            if 2 in layers:
+                self.layer2.set()
+            return await self.inner.put(objects)
+        finally:
+            self.log += [("end", layer) for layer in layers]
+
+
 @pytest.mark.parametrize("fault", ["fail", "hang"])
 async def test_a_failing_put_does_not_hold_back_later_layers(fault: str) -> None:
     src = LAYOUTS["vllm_cpu"]()
-    backend = ScriptedBackend()
-    setattr(backend, f"{fault}_put", {1})
+    backend = SlowFailingLayer(fault=fault)
     pool = make_pool(src, backend, timeout_s=0.5)
-    start = time.monotonic()
     async with pool.layerwise_store(request(ALL), LayerEvents.completed(3)) as storer:
         outcomes = {o.layer: o for o in [o async for o in storer]}
     assert outcomes[0].ok and outcomes[2].ok and outcomes[1].failed == 8
-    layer2_put = min(t for t, layer in backend.put_log if layer == 2)
-    assert layer2_put - start < 0.2  # did not wait for layer 1's put to fail or time out
+    # layer 2's put started while layer 1's was still running: it did not wait for it to fail or time out
+    assert backend.log.index(("start", 2)) < backend.log.index(("end", 1))
     assert storer.results()[0].failed_indices == tuple(ALL)  # a block with a missing layer is not stored
-    assert {decode_key(k).layer for k in backend.inner.stored_keys()} == {0, 2}
+    assert {decode_key(k).scope.layers[0] for k in kv_keys(backend.inner)} == {0, 2}
     assert await pool.lookup(KVRequest(tokens=TOKENS)) == 0  # the partly stored blocks are invisible
 
 
@@ -455,7 +513,7 @@ def test_wait_for_save_skips_layers_that_were_never_saved() -> None:
         kv.save_layer(0)  # the forward raised after layer 0; vLLM still calls wait_for_save
         start = time.monotonic()
         result = kv.wait_for_save()
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 10  # it did not wait out the 30 s timeout for layers 1, 2
         assert result.stored["r"].failed_indices == tuple(ALL)
         assert kv.lookup(KVRequest(tokens=TOKENS), timeout_s=5) == 0
         kv.start_store(request(ALL))  # the next step works as usual
@@ -463,20 +521,28 @@ def test_wait_for_save_skips_layers_that_were_never_saved() -> None:
         assert kv.wait_for_save().stored["r"].stored == 8
 
 
-def test_a_layer_that_does_not_arrive_in_time_fails_the_steps_loads() -> None:
+def test_a_layer_that_does_not_arrive_in_time_fails_the_steps_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     src = LAYOUTS["vllm_cpu"]()
     backend = ScriptedBackend()
     anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
-    backend.get_delay_s = 10  # the store hangs; the pool gives up after 0.5 s
+    backend.get_delay_s = 60  # the store hangs; the pool gives up after 0.5 s
+    waits: list[tuple[int, float]] = []
+    wait_layer = _Step.wait_layer
+
+    def recorded(step: _Step, layer: int, timeout_s: float) -> LayerOutcome | bool | None:
+        waits.append((layer, timeout_s))
+        return wait_layer(step, layer, timeout_s)
+
+    monkeypatch.setattr(_Step, "wait_layer", recorded)
     with make_engine(zeros_like_caches(src), backend, timeout_s=0.5) as kv:
         kv.start_load(request(ALL))
         start = time.monotonic()
         assert kv.wait_for_layer_load(0, timeout_s=0.1) is False
-        assert kv.wait_for_layer_load(1) is False  # no second wait once the step gave up
-        assert time.monotonic() - start < 0.3
+        assert kv.wait_for_layer_load(1) is False
+        assert waits == [(0, 0.1)]  # no second wait once the step gave up
         result = kv.wait_for_save()
         assert result.failed_block_ids == frozenset(ALL)
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 10  # the pool's 0.5 s, not the backend's 60 s
 
 
 def test_a_loader_that_ends_early_does_not_stall_the_layer_wait_behind_the_storer(
@@ -487,12 +553,12 @@ def test_a_loader_that_ends_early_does_not_stall_the_layer_wait_behind_the_store
 
     monkeypatch.setattr(LayerwiseRetriever, "__aenter__", broken)
     src = LAYOUTS["vllm_cpu"]()
-    with make_engine(zeros_like_caches(src), MemoryBackend(), timeout_s=5) as kv:
+    with make_engine(zeros_like_caches(src), MemoryBackend(), timeout_s=30) as kv:
         kv.start_store(request([8, 9], "s", tokens=list(range(2 * BLOCK))))  # waits for layer events
         kv.start_load(request(ALL))
         start = time.monotonic()
         assert kv.wait_for_layer_load(0) is False
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 10  # not after the 30 s timeout the storer may wait
         with pytest.raises(RuntimeError, match="a bug in the retriever"):
             kv.wait_for_save()
 
@@ -521,7 +587,7 @@ def test_close_mid_step_cancels_the_transfers_and_stops_the_thread() -> None:
     src = LAYOUTS["vllm_cpu"]()
     backend = ScriptedBackend()
     anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
-    backend.get_delay_s = 10
+    backend.get_delay_s = 60
     before = set(threading.enumerate())
     kv = make_engine(zeros_like_caches(src), backend, timeout_s=30)
     kv.start_load(request(ALL))
@@ -529,7 +595,7 @@ def test_close_mid_step_cancels_the_transfers_and_stops_the_thread() -> None:
     kv.save_layer(0)
     start = time.monotonic()
     kv.close()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10  # cancelled: neither the 60 s get nor the 30 s timeout ran out
     assert set(threading.enumerate()) == before
 
 

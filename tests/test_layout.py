@@ -28,26 +28,27 @@ def test_regions_are_exactly_each_blocks_bytes(layout_name: str) -> None:
             )
 
 
-def test_permuted_but_dense_blocks_are_one_region_and_change_the_fingerprint() -> None:
+def test_permuted_but_dense_blocks_are_one_region_of_another_order() -> None:
     """An HND cache viewed as NHD: each block is still one dense span, in another order."""
     hnd = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8).half()  # [2, N, H, B, D] in memory
     nhd_view = hnd.permute(0, 1, 3, 2, 4)  # logical [2, N, B, H, D]
     layout = KVLayout.from_kv_caches({"l0": nhd_view})
     assert layout.block_sizes == [2 * BLOCK * 8 * 2, 2 * BLOCK * 8 * 2]
     plain = KVLayout.from_kv_caches({"l0": torch.randn(2, NUM_BLOCKS, BLOCK, 2, 8).half()})
-    assert layout.fingerprint != plain.fingerprint
+    assert layout.order == "flash_attn.213.213" and plain.order == "flash_attn.123.123"
+    assert layout.format().meaning == plain.format().meaning == "float16.kv2x8"  # the same content
 
 
-def test_fingerprint_separates_dtype_block_size_and_kind() -> None:
-    base = KVLayout.from_kv_caches({"l": torch.zeros(4, 2, 16, 16, dtype=torch.float16)}).fingerprint
-    assert base == KVLayout.from_kv_caches({"l": torch.ones(4, 2, 16, 16, dtype=torch.float16)}).fingerprint
+def test_format_separates_dtype_block_size_head_size_and_kind() -> None:
+    base = KVLayout.from_kv_caches({"l": torch.zeros(4, 2, 16, 16, dtype=torch.float16)}).format()
+    assert base == KVLayout.from_kv_caches({"l": torch.ones(4, 2, 16, 16, dtype=torch.float16)}).format()
     others = [
         {"l": torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)},
         {"l": torch.zeros(4, 2, 32, 8, dtype=torch.float16)},
         {"l": torch.zeros(4, 2, 16, 32, dtype=torch.float16)},
         {"l": (torch.zeros(4, 16, 2, 8, dtype=torch.float16), torch.zeros(4, 16, 2, 8, dtype=torch.float16))},
     ]
-    assert all(KVLayout.from_kv_caches(o).fingerprint != base for o in others)  # type: ignore[arg-type]
+    assert all(KVLayout.from_kv_caches(o).format() != base for o in others)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -85,3 +86,8 @@ def test_allocations_cover_shared_storage_once() -> None:
     whole = torch.zeros(3, 4, 2, 16, 8)
     layout = KVLayout.from_kv_caches({f"l{i}": whole[i] for i in range(3)})
     assert layout.allocations() == [(whole.data_ptr(), whole.numel() * 4)]
+
+
+def test_a_cache_of_no_blocks_is_refused_with_a_layout_error() -> None:
+    with pytest.raises(LayoutError, match="0 blocks"):
+        KVLayout.from_kv_caches({"l0": torch.zeros(0, 2, 16, 16)})

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError
-from kvflow.ownership import ParallelConfig, owner
+from kvflow.ownership import ParallelConfig, owned, owner
 
 
 @st.composite
@@ -52,6 +52,12 @@ def test_each_block_has_exactly_one_owner_per_replica_group(ranks: list[Parallel
             assert all(owner(i, ranks[g]) == who for g in group)
         window = [owner(i, p) for i in range(start, start + p.replica_group_size)]
         assert sorted(window) == group
+
+
+@given(parallel_groups(), st.lists(st.integers(0, 10_000), max_size=40))
+def test_owned_is_owner_for_a_whole_request(ranks: list[ParallelConfig], indices: list[int]) -> None:
+    for p in ranks:
+        assert owned(indices, p) == [j for j, i in enumerate(indices) if owner(i, p) == p.tp_rank]
 
 
 @given(parallel_groups())

@@ -23,7 +23,16 @@ from kvflow import (
 from kvflow.backends import ObjectRef
 from kvflow.keys import decode_key
 from kvflow.ownership import owner
-from tests.helpers import BLOCK, LAYOUTS, NUM_BLOCKS, FaultyBackend, block_bytes, zeros_like_caches
+from tests.helpers import (
+    BLOCK,
+    LAYOUTS,
+    NUM_BLOCKS,
+    FaultyBackend,
+    block_bytes,
+    kv_keys,
+    kv_puts,
+    zeros_like_caches,
+)
 
 TOKENS = list(range(1000, 1000 + BLOCK * 8 + 5))  # 8 full blocks and a partial one
 
@@ -93,9 +102,9 @@ async def test_mla_ranks_store_only_owned_blocks_and_load_everything() -> None:
             expect_mine = owner(i, pools[rank].parallel) == rank
             assert (status is PutStatus.STORED) == expect_mine
             assert (status is None) == (not expect_mine)
-    assert backend.stats().puts == 8
-    assert len(backend.stored_keys()) == 8
-    assert {decode_key(k).scope.kv_head_group for k in backend.stored_keys()} == {0}
+    assert kv_puts(backend) == 8
+    assert len(kv_keys(backend)) == 8
+    assert {decode_key(k).scope.heads for k in kv_keys(backend)} == {(0, 1)}
     for rank in range(2):
         dst = zeros_like_caches(srcs[0])
         got = await make_pool(dst, backend, tp_rank=rank, tp_size=2, use_mla=True).retrieve(
@@ -107,10 +116,10 @@ async def test_mla_ranks_store_only_owned_blocks_and_load_everything() -> None:
 
 async def test_lookup_is_the_minimum_over_head_ranks_and_pp_ranks() -> None:
     backend = MemoryBackend()
-    # GQA: 2 KV heads over tp=2 (no replication), pp=2: four namespaces
+    # GQA: 4 KV heads over tp=2 (no replication), pp=2: four namespaces
     pools = {
         (tp, pp): make_pool(
-            LAYOUTS["kv_tuple"](), backend, tp_rank=tp, tp_size=2, num_kv_heads=2, pp_rank=pp, pp_size=2
+            LAYOUTS["kv_tuple"](), backend, tp_rank=tp, tp_size=2, num_kv_heads=4, pp_rank=pp, pp_size=2
         )
         for tp in range(2)
         for pp in range(2)
@@ -122,7 +131,7 @@ async def test_lookup_is_the_minimum_over_head_ranks_and_pp_ranks() -> None:
     for pool in pools.values():
         assert await pool.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
     sched = KVPool.create(
-        PoolConfig(), backend=backend, format=pools[0, 0].format, parallel=ParallelConfig(0, 2, 2, pp_size=2)
+        PoolConfig(), backend=backend, format=pools[0, 0].format, parallel=ParallelConfig(0, 2, 4, pp_size=2)
     )
     assert await sched.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
     with pytest.raises(Exception, match="no registered KV caches"):
@@ -161,7 +170,7 @@ async def test_bad_requests_fail_before_anything_is_written(kwargs: dict[str, ob
         await pool.store(KVRequest(**kwargs))  # type: ignore[arg-type]
     with pytest.raises(RequestError, match=message):
         await pool.retrieve(KVRequest(**kwargs))  # type: ignore[arg-type]
-    assert backend.stored_keys() == []
+    assert kv_keys(backend) == []
 
 
 async def test_numpy_integer_block_ids_are_accepted() -> None:
@@ -181,7 +190,7 @@ async def test_engine_hashes_are_used_as_given() -> None:
     pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
     engine_hashes = [bytes([i]) * 32 for i in range(4)]
     await pool.store(KVRequest(block_ids=[0, 1, 2, 3], block_hashes=engine_hashes))
-    assert {decode_key(k).block_hash for k in backend.stored_keys()} == set(engine_hashes)
+    assert {decode_key(k).block_hash for k in kv_keys(backend)} == set(engine_hashes)
     assert await pool.lookup(KVRequest(block_hashes=engine_hashes)) == 4 * BLOCK
     assert await pool.lookup(KVRequest(tokens=list(range(4 * BLOCK)))) == 0
 
@@ -202,7 +211,7 @@ async def test_backend_faults_become_results_within_the_timeout(fault: str) -> N
     got = await pool.retrieve(KVRequest(block_ids=[0, 1, 2], tokens=TOKENS))
     assert got.failed_block_ids == (0, 1, 2)
     assert time.monotonic() - start < 3.0  # three bounded calls of 0.3 s (+ exists inside store)
-    assert inner.stats().puts == 4  # nothing was written by the faulty pool
+    assert kv_puts(inner) == 4  # nothing was written by the faulty pool
 
 
 async def test_aclose_waits_for_inflight_stores_and_then_refuses() -> None:
@@ -298,4 +307,4 @@ async def test_remove_deletes_this_ranks_objects_from_the_offset_on() -> None:
     assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=5)) == 3
     assert await pool.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
     assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=5)) == 0  # nothing left there
-    assert await pool.remove(KVRequest(tokens=TOKENS)) == 5 and backend.stored_keys() == []
+    assert await pool.remove(KVRequest(tokens=TOKENS)) == 5 and kv_keys(backend) == []

@@ -8,20 +8,28 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow import KVFormat, KVLayout, KVRequest, RequestError
+from kvflow import KVLayout, KVRequest, RequestError
 from kvflow.keys import hash_blocks
-from kvflow.transfer import BlockPlan
+from kvflow.transfer import BlockPlan, Hashing
 
-FORMAT = KVFormat(block_size=16, num_layers=1, fingerprint="f")
+FORMAT = Hashing(block_size=16, hash_tokens=16)
 TOKENS = list(range(16 * 5))
 
 
 def test_block_ids_are_checked_against_the_cache_and_for_type() -> None:
     layout = KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8)})
-    plan = BlockPlan.build([KVRequest(block_ids=[0, 3], tokens=TOKENS)], layout.format, layout.num_blocks)
+    plan = BlockPlan.build(
+        [KVRequest(block_ids=[0, 3], tokens=TOKENS)],
+        Hashing(layout.block_size, layout.block_size),
+        layout.num_blocks,
+    )
     assert plan.block_ids == [0, 3] and plan.indices == [0, 1]
     with pytest.raises(RequestError, match="out of range"):
-        BlockPlan.build([KVRequest(block_ids=[4], tokens=TOKENS)], layout.format, layout.num_blocks)
+        BlockPlan.build(
+            [KVRequest(block_ids=[4], tokens=TOKENS)],
+            Hashing(layout.block_size, layout.block_size),
+            layout.num_blocks,
+        )
     for bad, message in (([-1], ">= 0"), ([True], "integer"), ([1.0], "integer"), (["2"], "integer")):
         with pytest.raises(RequestError, match=message):
             KVRequest(block_ids=bad, tokens=TOKENS)

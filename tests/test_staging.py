@@ -22,7 +22,7 @@ import torch
 from kvflow import GetStatus, KVLayout, KVPool, KVRequest, LayoutError, MemoryBackend, PoolConfig
 from kvflow.backends import ObjectRef
 from kvflow.device import Device
-from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
 
 TOKENS = list(range(700, 700 + BLOCK * 10))
 SRC_IDS = [3, 1, 4, 0, 5, 9, 2, 6, 11, 7]
@@ -265,7 +265,7 @@ async def test_a_device_error_fails_the_request_and_the_pool_keeps_working() -> 
     writer = pool(src, backend, staged(), device)
     device.fail_gather = True
     failed = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
-    assert failed.stored == 0 and len(failed.failed_indices) == 10 and backend.stored_keys() == []
+    assert failed.stored == 0 and len(failed.failed_indices) == 10 and kv_keys(backend) == []
     device.fail_gather = False
     assert (await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))).stored == 10
 

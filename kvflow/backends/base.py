@@ -45,28 +45,28 @@ class GetStatus(enum.Enum):
     FAILED = "failed"  # an error; the regions may hold partial data and must not be used
 
 
-def _sizes_nonnegative(_: object, __: attrs.Attribute[Sequence[int]], sizes: Sequence[int]) -> None:
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"region sizes must be >= 0, got {list(sizes)}")
-
-
 @attrs.frozen(slots=True)
 class ObjectRef:
     """One object: a key and the memory regions whose concatenation is its value.
 
-    ``addrs[i]`` and ``sizes[i]`` describe region ``i``. The memory belongs to the caller and must
-    stay valid until the backend call that received this reference returns.
+    ``addrs[i]`` and ``sizes[i]`` describe region ``i``; ``nbytes`` is their sum. The memory
+    belongs to the caller and must stay valid until the backend call that received this reference
+    returns. Build one with :meth:`of`, which checks it; the transfer layer builds many per call
+    from a layout it checked once, and uses the plain constructor.
     """
 
     key: str
     addrs: Sequence[int]
-    sizes: Sequence[int] = attrs.field(validator=_sizes_nonnegative)
+    sizes: Sequence[int]
     nbytes: int
 
     @classmethod
     def of(cls, key: str, addrs: Sequence[int], sizes: Sequence[int]) -> ObjectRef:
+        """A checked reference: as many addresses as sizes, no size below 0."""
         if len(addrs) != len(sizes):
             raise ValueError(f"{len(addrs)} addresses but {len(sizes)} sizes for key {key!r}")
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"region sizes must be >= 0, got {list(sizes)} for key {key!r}")
         return cls(key, addrs, sizes, sum(sizes))
 
 
@@ -77,10 +77,14 @@ class BackendCapabilities:
     ``device_memory``: puts and gets read and write accelerator (CUDA/NPU) memory directly; without
     it, KV caches on a device go through pinned host staging buffers.
     ``ranged_reads``: a get may read part of an object (a byte range) instead of all of it.
+    ``registers_memory``: :meth:`Backend.register_memory` really registers (pins, maps) the memory,
+    so it must stay allocated until the backend closes; the pool keeps its own buffers (staging
+    chunks) alive for as long as such a backend lives.
     """
 
     device_memory: bool = False
     ranged_reads: bool = False
+    registers_memory: bool = False
 
 
 @attrs.define

@@ -153,7 +153,7 @@ async def _pipeline_us(blocks: int) -> dict[str, float]:
         start = time.perf_counter()
         await op(request)
         out[f"{name}_us_per_block"] = (time.perf_counter() - start) / blocks * 1e6
-    scope = KeyScope("bench-model", "0123456789abcdef")
+    scope = KeyScope("bench-model", "bfloat16.kv8x128", "flash_attn.123.123", 16, (0, 32), (0, 8))
     start = time.perf_counter()
     block_keys(scope, hashes)
     out["keys_ms_per_100k"] = (time.perf_counter() - start) / blocks * 1e5 * 1e3
@@ -175,12 +175,20 @@ async def run_bench(url: str, *, quick: bool, progress: bool) -> dict[str, Any]:
     }
 
 
-def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool) -> int:
+def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool, plot: str | None = None) -> int:
     if layerwise:
         from kvflow.tools.bench_layerwise import layerwise_main
 
         return int(layerwise_main(as_json=as_json, quick=quick))
+    if plot is not None:
+        from kvflow.tools.bench_plot import check_plotting
+
+        check_plotting()  # before the run: say at once when matplotlib is missing
     result = anyio.run(functools.partial(run_bench, url, quick=quick, progress=not as_json))
+    if plot is not None:
+        from kvflow.tools.bench_plot import plot_throughput
+
+        plot_throughput(result, plot)
     if as_json:
         print(json.dumps(result))
         return 0

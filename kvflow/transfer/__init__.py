@@ -5,11 +5,12 @@ from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.jobs import LoadJob, StoreJob
-from kvflow.transfer.plan import BlockPlan, request_hashes
+from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
 
 __all__ = [
     "BlockPlan",
     "ByteBudget",
+    "Hashing",
     "LoadJob",
     "StoreJob",
     "Transfer",

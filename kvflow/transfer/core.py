@@ -4,9 +4,11 @@ A :class:`Transfer` owns a backend, the pool's byte budget, the registered layou
 that only looks up, its :class:`~kvflow.layout.KVFormat`) and the count of calls in flight. It
 provides each stage once:
 
-- keys: a request's block hashes in a :class:`~kvflow.keys.KeyScope` (this rank's namespace, or
-  every namespace a lookup needs), one object per block (whole-block pools) or per block and layer
-  (layerwise pools: a *unit* is a layer index; ``None`` is the whole block);
+- keys: a request's block hashes in a :class:`~kvflow.keys.KeyScope`: what this rank holds (its
+  stage's layers, its KV heads, its context shard), or every object a lookup needs; one object per
+  block (whole-block pools) or per block and layer (layerwise pools: a *unit* is a layer index of
+  this stage; ``None`` is the whole block). The pool's :class:`~kvflow.profiles.Profile` lists
+  them all and is announced in the store, so that engines split differently find them;
 - ownership: which blocks this rank stores (:func:`kvflow.ownership.owner`);
 - the exists-skip: keys already present are not put again;
 - addresses: an engine block of a unit as a scatter-gather :class:`~kvflow.backends.ObjectRef`;
@@ -24,22 +26,26 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 
 import anyio
 import attrs
+import torch
 
 from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
 from kvflow.config import PoolConfig
 from kvflow.device import Device
 from kvflow.errors import ConfigError, LayoutError, PoolClosedError, RequestError
-from kvflow.keys import KeyScope, block_keys, layer_keys
+from kvflow.keys import KeyScope, block_keys
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
+from kvflow.profiles import Profile, ProfileBook
 from kvflow.request import KVRequest
 from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
-from kvflow.transfer.plan import BlockPlan, request_hashes
+from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
+from kvflow.transfer.reshape import sources
 from kvflow.transfer.staging import StagingPool, UnitShape
 
 __all__ = ["Transfer", "Unit"]
@@ -59,9 +65,14 @@ class Transfer:
     format: KVFormat
     parallel: ParallelConfig
     layout: KVLayout | None
+    #: how this engine splits the model into objects (announced in the store through ``book``)
+    profile: Profile
+    book: ProfileBook
     #: host staging, when blocks move through host buffers (None: the backend reads and writes
     #: the cache's memory itself)
     staging: StagingPool | None = None
+    _scratch: StagingPool | None = attrs.field(default=None, init=False)
+    _scopes: dict[Unit, KeyScope] = attrs.field(factory=dict, init=False)
     _shapes: dict[Unit, UnitShape] = attrs.field(factory=dict, init=False)
     _budget: ByteBudget = attrs.field(init=False)
     _inflight: int = attrs.field(default=0, init=False)
@@ -94,9 +105,15 @@ class Transfer:
                     "a pool needs the KV caches' layout (to store and retrieve) or their KVFormat "
                     "(to look up only, as an engine's scheduler does)"
                 )
-            return cls(backend, config, format, parallel, None)
-        if format is not None and format != layout.format:
-            raise ConfigError(f"format {format} disagrees with the layout's {layout.format}; pass one")
+            return cls._make(config, backend, format, parallel, None, None)
+        mine = layout.format(_total_kv_heads(layout, parallel))
+        if format is not None and format != mine:
+            raise ConfigError(f"format {format} disagrees with the layout's {mine}; pass one")
+        if parallel.pp_layers is not None and parallel.pp_layers[parallel.pp_rank] != layout.num_layers:
+            raise ConfigError(
+                f"pp_layers={parallel.pp_layers} gives stage {parallel.pp_rank} "
+                f"{parallel.pp_layers[parallel.pp_rank]} layers, but its KV caches have {layout.num_layers}"
+            )
         unreachable = layout.device.type != "cpu" and not backend.capabilities.device_memory
         if unreachable and config.staging == "never":
             raise LayoutError(
@@ -110,12 +127,48 @@ class Transfer:
             units: list[int | None] = list(range(layout.num_layers)) if config.layerwise else [None]
             largest = max(sum(layout.plane_views[p].size(1) for p in layout.unit_planes(u)) for u in units)
             staging = StagingPool.create(device, config.staging_bytes, largest)
-            for chunk in staging.buffers():
-                backend.register_memory(chunk.data_ptr(), chunk.numel())
+            _register(backend, staging.buffers())
         else:
             for addr, nbytes in layout.allocations():
                 backend.register_memory(addr, nbytes)
-        return cls(backend, config, layout.format, parallel, layout, staging)
+        return cls._make(config, backend, mine, parallel, layout, staging)
+
+    @classmethod
+    def _make(
+        cls,
+        config: PoolConfig,
+        backend: Backend,
+        format: KVFormat,
+        parallel: ParallelConfig,
+        layout: KVLayout | None,
+        staging: StagingPool | None,
+    ) -> Transfer:
+        hash_tokens = config.hash_tokens or format.block_size
+        if format.block_size % hash_tokens:
+            raise ConfigError(
+                f"hash_tokens={hash_tokens} must divide the block size {format.block_size} "
+                "(a block's key is the prompt's hash at the block's last token)"
+            )
+        stages = [parallel.stage_layers(s, format.num_layers) for s in range(parallel.pp_size)]
+        ranges = [(n, n + 1) for a, b in stages for n in range(a, b)] if config.layerwise else stages
+        profile = Profile(
+            model=config.model,
+            meaning=format.meaning,
+            order=format.order,
+            block_size=format.block_size,
+            hash_tokens=hash_tokens,
+            layer_ranges=tuple(ranges),
+            head_groups=parallel.num_kv_head_groups,
+            dcp_size=parallel.dcp_size,
+            pcp_size=parallel.pcp_size,
+        )
+        if profile.num_kv_heads % parallel.num_kv_head_groups:
+            raise ConfigError(
+                f"the KV format says {profile.num_kv_heads} KV heads, which do not split over "
+                f"{parallel.num_kv_head_groups} KV-head groups of {parallel}"
+            )
+        book = ProfileBook(backend, profile)
+        return cls(backend, config, format, parallel, layout, profile, book, staging)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -163,40 +216,45 @@ class Transfer:
         """The units of one block: every layer (layerwise pools), or the whole block."""
         return tuple(range(self.format.num_layers)) if self.config.layerwise else (None,)
 
-    def scope(
-        self,
-        kv_head_group: int | None = None,
-        pp_rank: int | None = None,
-        dcp_rank: int | None = None,
-        pcp_rank: int | None = None,
-    ) -> KeyScope:
-        """This rank's key scope, or that of another namespace of the same model."""
-        p = self.parallel
-        return KeyScope(
-            model=self.config.model,
-            fingerprint=self.format.fingerprint,
-            kv_head_group=p.kv_head_group if kv_head_group is None else kv_head_group,
-            pp_rank=p.pp_rank if pp_rank is None else pp_rank,
-            pcp_rank=p.pcp_rank if pcp_rank is None else pcp_rank,
-            dcp_rank=p.dcp_rank if dcp_rank is None else dcp_rank,
-        )
+    @property
+    def hashing(self) -> Hashing:
+        return Hashing(self.format.block_size, self.profile.hash_tokens)
 
-    def lookup_scopes(self) -> list[KeyScope]:
-        """Every namespace the engine's ranks load from: every KV-head group, pipeline stage, and
-        decode- and prefill-context shard. A block is usable only when all of them hold it."""
-        p = self.parallel
-        return [
-            self.scope(h, pp, dcp, pcp)
-            for h in range(p.num_kv_head_groups)
-            for pp in range(p.pp_size)
-            for dcp in range(p.dcp_size)
-            for pcp in range(p.pcp_size)
-        ]
+    @property
+    def stage_layers(self) -> tuple[int, int]:
+        """The model layers ``(first, end)`` this rank's stage holds."""
+        return self.parallel.stage_layers(self.parallel.pp_rank, self.format.num_layers)
 
-    @staticmethod
-    def keys(scope: KeyScope, hashes: Sequence[bytes], unit: Unit) -> list[str]:
-        """The key of each hash's object of ``unit`` in ``scope``."""
-        return block_keys(scope, hashes) if unit is None else layer_keys(scope, hashes, unit)
+    def unit_layers(self, unit: Unit) -> tuple[int, int]:
+        """The model layers ``(first, end)`` one object of ``unit`` holds."""
+        first, end = self.stage_layers
+        return (first, end) if unit is None else (first + unit, first + unit + 1)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """The model's KV heads ``(first, end)`` this rank holds (``(0, 1)`` for MLA)."""
+        return self.profile.heads_of(self.parallel.kv_head_group)
+
+    def scope(self, unit: Unit) -> KeyScope:
+        """What this rank's object of ``unit`` holds."""
+        scope = self._scopes.get(unit)
+        if scope is None:
+            p, profile = self.parallel, self.profile
+            scope = self._scopes[unit] = KeyScope(
+                profile.model,
+                profile.meaning,
+                profile.order,
+                profile.block_size,
+                self.unit_layers(unit),
+                self.heads,
+                (p.dcp_rank, p.dcp_size),
+                (p.pcp_rank, p.pcp_size),
+            )
+        return scope
+
+    def keys(self, hashes: Sequence[bytes], unit: Unit) -> list[str]:
+        """This rank's key of each hash's object of ``unit``."""
+        return block_keys(self.scope(unit), hashes)
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -208,18 +266,16 @@ class Transfer:
 
     def plan(self, requests: Sequence[KVRequest]) -> BlockPlan:
         """Validate requests against the cache; RequestError before anything moves."""
-        return BlockPlan.build(requests, self.format, self.require_layout().num_blocks)
+        return BlockPlan.build(requests, self.hashing, self.require_layout().num_blocks)
 
     def objects(self, keys: Sequence[str], block_ids: Sequence[int], unit: Unit) -> list[ObjectRef]:
         """``keys[i]`` holds ``unit`` of engine block ``block_ids[i]``."""
         layout = self.require_layout()
-        if unit is None:
-            sizes, nbytes, addrs = layout.block_sizes, layout.block_nbytes, layout.block_addrs
-            return [ObjectRef(k, addrs(b), sizes, nbytes) for k, b in zip(keys, block_ids)]
-        regions = layout.layer_regions
-        sizes = regions(0, unit)[1]
+        sizes = layout.unit_sizes(unit)
         nbytes = sum(sizes)
-        return [ObjectRef(k, regions(b, unit)[0], sizes, nbytes) for k, b in zip(keys, block_ids)]
+        return [
+            ObjectRef(k, addrs, sizes, nbytes) for k, addrs in zip(keys, layout.addrs_of(block_ids, unit))
+        ]
 
     def shape(self, unit: Unit) -> UnitShape:
         """How ``unit``'s objects lie in a staging chunk (staged transfers only)."""
@@ -279,8 +335,8 @@ class Transfer:
     async def remove(self, request: KVRequest, deadline: float) -> int:
         """Delete this rank's objects of the prompt's blocks from ``block_offset`` on (every unit);
         return how many existed. Raises BackendError when the store cannot be reached."""
-        hashes = request_hashes(request, self.format.block_size)[request.block_offset :]
-        keys = [k for u in self.units for k in self.keys(self.scope(), hashes, u)]
+        hashes = request_hashes(request, self.hashing)[request.block_offset :]
+        keys = [k for u in self.units for k in self.keys(hashes, u)]
         if not keys:
             return 0
         with anyio.fail_after(max(0.0, deadline - time.monotonic())):
@@ -289,22 +345,120 @@ class Transfer:
     # -- lookup ---------------------------------------------------------------------------------
 
     async def lookup(self, request: KVRequest, deadline: float) -> int:
-        """Leading tokens of the prompt that every namespace holds (blocks before the request's
-        ``block_offset`` count as held); stops at the offset when the backend fails."""
-        hashes = request_hashes(request, self.format.block_size)
+        """Leading tokens of the prompt that the store holds for every rank of the engine (blocks
+        before the request's ``block_offset`` count as held); stops at the offset when the backend
+        fails.
+
+        First under this engine's own keys (one ``exists`` call); only if a block is missing there,
+        under the profiles of engines split differently (a second call), block by block: a block
+        counts when one profile holds all of it."""
+        hashing = self.hashing
+        fine = hashing.fine(request)
+        hashes = hashing.blocks(fine)
         offset = request.block_offset
         if offset > len(hashes):
             raise RequestError(f"block_offset={offset} is past the prompt's {len(hashes)} full blocks")
-        held = offset * self.format.block_size
+        block = self.format.block_size
         rest = hashes[offset:]
         if not rest:
-            return held
-        namespaces = [self.keys(s, rest, u) for s in self.lookup_scopes() for u in self.units]
+            return offset * block
+        namespaces = [block_keys(s, rest) for s in self.profile.scopes()]
         found = await self.exists([k for keys in namespaces for k in keys], deadline)
         if found is None:
-            return held  # the engine recomputes the rest; the failure was logged
-        n = hits = len(rest)
-        for i in range(len(namespaces)):
-            part = found[i * n : (i + 1) * n]
-            hits = min(hits, part.index(False) if False in part else n)
-        return held + hits * self.format.block_size
+            return offset * block  # the engine recomputes the rest; the failure was logged
+        n = len(rest)
+        held = [all(found[k * n + i] for k in range(len(namespaces))) for i in range(n)]
+        if not all(held):
+            first = held.index(False)
+            more = await self._held_elsewhere(
+                fine, [offset + i for i in range(first, n) if not held[i]], deadline
+            )
+            held = [h or (offset + i) in more for i, h in enumerate(held)]
+        hits = held.index(False) if False in held else n
+        return (offset + hits) * block
+
+    async def _held_elsewhere(self, fine: list[bytes], indices: list[int], deadline: float) -> set[int]:
+        """Which of the prompt's blocks ``indices`` another profile in the store holds whole."""
+        others = await self.book.others(deadline)
+        if not others:
+            return set()
+        block = self.format.block_size
+        wanted: dict[int, list[list[str]]] = {}  # per block, per profile: its keys (empty: unusable)
+        flat: list[str] = []
+        for index in indices:
+            per_profile = []
+            for profile in others:
+                found = sources(profile, fine, (index * block, (index + 1) * block), layers=self.model_layers)
+                keys = [s.key for s in found] if found else []
+                per_profile.append(keys)
+                flat.extend(keys)
+            wanted[index] = per_profile
+        if not flat:
+            return set()
+        answer = await self.exists(flat, deadline)
+        if answer is None:
+            return set()
+        present = dict(zip(flat, answer))
+        return {
+            index
+            for index, per_profile in wanted.items()
+            if any(keys and all(present[k] for k in keys) for keys in per_profile)
+        }
+
+    @property
+    def model_layers(self) -> tuple[int, int]:
+        """Every model layer the engine's stages hold, ``(0, end)``."""
+        p = self.parallel
+        return 0, p.stage_layers(p.pp_size - 1, self.format.num_layers)[1]
+
+    async def scratch(self, nbytes: int) -> StagingPool | None:
+        """Host chunks for objects of other profiles (the staging chunks when the pool stages),
+        made and registered with the backend on first use; None when one object of ``nbytes``
+        does not fit a chunk."""
+        pool = self.staging or self._scratch
+        if pool is None:
+            layout = self.require_layout()
+            device = Device.of(layout.device)
+            total = max(nbytes, min(self.config.staging_bytes, _SCRATCH_BYTES))
+            pool = self._scratch = StagingPool.create(device, total, nbytes)
+            _register(self.backend, pool.buffers())
+        return pool if nbytes <= pool.chunk_bytes else None
+
+
+#: Buffers registered with a backend that pins them (``registers_memory``), kept allocated for as
+#: long as the backend lives: pools sharing one backend come and go before it closes.
+_REGISTERED: weakref.WeakKeyDictionary[Backend, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _register(backend: Backend, buffers: list[torch.Tensor]) -> None:
+    for buffer in buffers:
+        backend.register_memory(buffer.data_ptr(), buffer.numel())
+    if backend.capabilities.registers_memory:
+        _REGISTERED.setdefault(backend, []).extend(buffers)
+
+
+#: Host memory a pool that does not stage sets aside, on first use, for objects of other profiles.
+_SCRATCH_BYTES = 64 << 20
+
+
+def _total_kv_heads(layout: KVLayout, parallel: ParallelConfig) -> int:
+    """The model's KV heads, checked against the heads the cache holds on this rank."""
+    if layout.mla:
+        if not parallel.use_mla and parallel.tp_size > 1:
+            raise ConfigError(
+                f"the KV caches are {layout.kind.value} (MLA) but ParallelConfig(use_mla=False): "
+                "set use_mla=True so that every TP rank shares one copy"
+            )
+        return 1
+    if parallel.use_mla:
+        raise ConfigError(f"ParallelConfig(use_mla=True) but the KV caches are {layout.kind.value}, not MLA")
+    total = parallel.num_kv_heads
+    if total is None:
+        return layout.heads
+    expected = max(1, total // parallel.tp_size)
+    if layout.heads != expected:
+        raise ConfigError(
+            f"num_kv_heads={total} over tp_size={parallel.tp_size} puts {expected} KV heads on each "
+            f"rank, but the KV caches hold {layout.heads}; give the model's total KV heads"
+        )
+    return total

@@ -25,13 +25,15 @@ from collections.abc import Callable
 import anyio
 import attrs
 
-from kvflow.backends.base import GetStatus, PutStatus
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.events import DeviceEvent, poll_until
-from kvflow.ownership import owner
+from kvflow.ownership import owned
+from kvflow.profiles import LOAD_READ_EVERY_S, Profile
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.plan import BlockPlan
-from kvflow.transfer.staging import Chunk, gather, scatter
+from kvflow.transfer.reshape import Source, copy_into, copy_rows, sources
+from kvflow.transfer.staging import Chunk, StagingPool, gather, scatter
 
 __all__ = ["LoadJob", "StoreJob"]
 
@@ -82,9 +84,7 @@ class StoreJob:
     _reading: set[Unit] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        parallel = self.transfer.parallel
-        rank = parallel.tp_rank
-        self.owned = [j for j, i in enumerate(self.plan.indices) if owner(i, parallel) == rank]
+        self.owned = owned(self.plan.indices, self.transfer.parallel)
         self._reading = set(self.transfer.units)
 
     def keys(self, unit: Unit) -> list[str]:
@@ -92,7 +92,7 @@ class StoreJob:
         keys = self._keys.get(unit)
         if keys is None:
             hashes = [self.plan.hashes[j] for j in self.owned]
-            keys = self._keys[unit] = self.transfer.keys(self.transfer.scope(), hashes, unit)
+            keys = self._keys[unit] = self.transfer.keys(hashes, unit)
         return keys
 
     async def skip_present(self, deadline: float) -> None:
@@ -216,14 +216,16 @@ class StoreJob:
 @attrs.define(eq=False)
 class LoadJob:
     """Gets every block of ``plan`` into the cache, unit by unit; every rank loads every block of its
-    namespace, starting at a rank-dependent block."""
+    namespace, starting at a rank-dependent block. A block missing under this engine's keys is
+    looked for under the other profiles in the store (:mod:`kvflow.transfer.reshape`)."""
 
     transfer: Transfer
     plan: BlockPlan
     _order: list[int] = attrs.field(init=False)  # flat indices, rotated by rank
     _status: list[GetStatus] = attrs.field(init=False)  # per flat block: HIT until a unit is not
     _done: set[Unit] = attrs.field(init=False, factory=set)
-    _copying: list[tuple[Unit, Chunk]] = attrs.field(init=False, factory=list)  # oldest first
+    # chunks whose copies into the cache may still run, oldest first, with the pool they go back to
+    _copying: list[tuple[Unit, Chunk, StagingPool]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         self._order = self.transfer.load_order(len(self.plan))
@@ -237,20 +239,35 @@ class LoadJob:
         """
         status, plan = self._status, self.plan
         todo = [j for j in self._order if status[j] is GetStatus.HIT]  # a failed block stays failed
-        keys = self.transfer.keys(self.transfer.scope(), [plan.hashes[j] for j in todo], unit)
+        keys = self.transfer.keys([plan.hashes[j] for j in todo], unit)
         if self.transfer.staging is None:
             objects = self.transfer.objects(keys, [plan.block_ids[j] for j in todo], unit)
             results = await self.transfer.get(objects, deadline)
         else:
             results = await self._get_staged(unit, todo, keys, deadline)
-        hits = 0
+        missed = [j for j, result in zip(todo, results) if result is not GetStatus.HIT]
         for j, result in zip(todo, results):
-            if result is GetStatus.HIT:
-                hits += 1
-            else:
+            if result is not GetStatus.HIT:
                 status[j] = result
+        if missed:
+            for j in await self._get_reshaped(unit, missed, deadline):
+                status[j] = GetStatus.HIT
         self._done.add(unit)
-        return len(status) - hits
+        return sum(1 for s in status if s is not GetStatus.HIT)
+
+    async def _take(self, pool: StagingPool, deadline: float) -> Chunk | None:
+        """A free chunk of ``pool``, finishing this job's oldest copies while every chunk is in use;
+        None at the deadline."""
+        chunk = pool.try_take()
+        while chunk is None and time.monotonic() < deadline:
+            if self._copying:  # every chunk in use: finish this job's oldest copy instead
+                _, oldest, home = self._copying.pop(0)
+                await _copied(oldest, deadline)
+                home.give_back(oldest)
+            else:  # another unit of this job, or another job, gives one back soon
+                await anyio.sleep(_CHUNK_POLL_S)
+            chunk = pool.try_take()
+        return chunk
 
     async def _get_staged(
         self, unit: Unit, todo: list[int], keys: list[str], deadline: float
@@ -262,15 +279,7 @@ class LoadJob:
         results: list[GetStatus] = []
         for start in range(0, len(todo), shape.capacity):
             part = todo[start : start + shape.capacity]
-            chunk = staging.try_take()
-            while chunk is None and time.monotonic() < deadline:
-                if self._copying:  # every chunk in use: finish this job's oldest copy instead
-                    _, oldest = self._copying.pop(0)
-                    await _copied(oldest, deadline)
-                    staging.give_back(oldest)
-                else:  # another unit of this job, or another job, gives one back soon
-                    await anyio.sleep(_CHUNK_POLL_S)
-                chunk = staging.try_take()
+            chunk = await self._take(staging, deadline)
             if chunk is None:  # staging stayed full until the deadline: these blocks fail
                 log.warning("no staging chunk came free in time; %d blocks not loaded", len(todo) - start)
                 results += [GetStatus.FAILED] * (len(todo) - start)
@@ -290,28 +299,207 @@ class LoadJob:
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
                 got = [GetStatus.FAILED] * len(part)
-            self._copying.append((unit, chunk))
+            self._copying.append((unit, chunk, staging))
             results += got
         return results
 
+    async def _get_reshaped(self, unit: Unit, blocks: list[int], deadline: float) -> set[int]:
+        """Fill ``unit`` of the flat ``blocks`` from objects of other profiles in the store; return
+        the blocks filled whole."""
+        transfer = self.transfer
+        others = await transfer.book.others(deadline, LOAD_READ_EVERY_S)
+        if not others:
+            return set()
+        layers = transfer.unit_layers(unit)
+        p = transfer.parallel
+        filled: set[int] = set()
+        for profile in others:
+            left = [j for j in blocks if j not in filled]
+            if not left:
+                break
+            block = transfer.format.block_size
+            wanted: dict[int, list[Source]] = {}
+            for j in left:
+                index = self.plan.indices[j]
+                found = sources(
+                    profile,
+                    self.plan.fine[self.plan.origins[j]],
+                    (index * block, (index + 1) * block),
+                    layers=layers,
+                    heads=transfer.heads,
+                    dcp_rank=p.dcp_rank,
+                    pcp_rank=p.pcp_rank,
+                )
+                if found:
+                    wanted[j] = found
+            if not wanted:
+                continue
+            largest = max(s.nbytes for found in wanted.values() for s in found)
+            pool = await transfer.scratch(largest)
+            if pool is None:
+                log.warning("objects of %d bytes do not fit a staging chunk; raise staging_bytes", largest)
+                continue
+            filled |= await self._fetch_and_copy(unit, profile, pool, wanted, layers, deadline)
+        return filled
+
+    async def _fetch_and_copy(
+        self,
+        unit: Unit,
+        profile: Profile,
+        pool: StagingPool,
+        wanted: dict[int, list[Source]],
+        layers: tuple[int, int],
+        deadline: float,
+    ) -> set[int]:
+        """Fetch the objects ``wanted`` per block a chunk at a time, and copy the blocks whose
+        objects all arrived."""
+        if profile.block_size == self.transfer.format.block_size:
+            return await self._fetch_rows(unit, profile, pool, wanted, layers, deadline)
+        filled: set[int] = set()
+        batches: list[list[int]] = [[]]
+        used, placed = 0, set[str]()
+        for j, found in wanted.items():
+            need = sum(s.nbytes for s in found if s.key not in placed)
+            if used + need > pool.chunk_bytes and batches[-1]:
+                batches.append([])
+                used, placed = 0, set()
+            batches[-1].append(j)
+            used += need
+            placed |= {s.key for s in found}
+        for batch in batches:
+            chunk = await self._take(pool, deadline)
+            if chunk is None:
+                log.warning("no staging chunk came free in time; %d blocks not loaded", len(batch))
+                break
+            offsets: dict[str, int] = {}
+            refs: list[ObjectRef] = []
+            base = chunk.buffer.data_ptr()
+            for j in batch:
+                for s in wanted[j]:
+                    if s.key not in offsets:
+                        offsets[s.key] = at = sum(r.nbytes for r in refs)
+                        refs.append(ObjectRef(s.key, [base + at], [s.nbytes], s.nbytes))
+            try:
+                got = dict(zip(offsets, await self.transfer.get(refs, deadline)))
+            except BaseException:
+                pool.give_back(chunk)
+                raise
+            complete = [j for j in batch if all(got[s.key] is GetStatus.HIT for s in wanted[j])]
+            try:
+                self._copy(profile, pool, chunk, complete, wanted, offsets, layers)
+                filled.update(complete)
+            except Exception as exc:  # a device error: the blocks may be half-written; never report them
+                log.warning("copying %d blocks into the KV cache failed: %r", len(complete), exc)
+            self._copying.append((unit, chunk, pool))
+        return filled
+
+    async def _fetch_rows(
+        self,
+        unit: Unit,
+        profile: Profile,
+        pool: StagingPool,
+        wanted: dict[int, list[Source]],
+        layers: tuple[int, int],
+        deadline: float,
+    ) -> set[int]:
+        """:meth:`_fetch_and_copy` when each block is one object per scope of the profile: a chunk
+        holds rows of objects per scope, moved with one copy per scope, layer and part."""
+        transfer, plan = self.transfer, self.plan
+        blocks = list(wanted)
+        scopes = [s.scope for s in wanted[blocks[0]]]
+        sizes = [s.nbytes for s in wanted[blocks[0]]]
+        capacity = max(1, pool.chunk_bytes // sum(sizes))
+        filled: set[int] = set()
+        for start in range(0, len(blocks), capacity):
+            batch = blocks[start : start + capacity]
+            chunk = await self._take(pool, deadline)
+            if chunk is None:
+                log.warning("no staging chunk came free in time; %d blocks not loaded", len(blocks) - start)
+                break
+            base, offsets, refs = chunk.buffer.data_ptr(), [], []
+            at = 0
+            for nbytes in sizes:
+                offsets.append(at)
+                at += len(batch) * nbytes
+            for k, nbytes in enumerate(sizes):
+                for r, j in enumerate(batch):
+                    key = wanted[j][k].key
+                    refs.append(ObjectRef(key, [base + offsets[k] + r * nbytes], [nbytes], nbytes))
+            try:
+                got = await transfer.get(refs, deadline)
+            except BaseException:
+                pool.give_back(chunk)
+                raise
+            rows = [
+                r
+                for r in range(len(batch))
+                if all(got[k * len(batch) + r] is GetStatus.HIT for k in range(len(sizes)))
+            ]
+            try:
+                with pool.device.on_copy_stream():
+                    if rows:
+                        copy_rows(
+                            transfer.require_layout(),
+                            [plan.block_ids[batch[r]] for r in rows],
+                            rows,
+                            first_layer=transfer.stage_layers[0],
+                            layers=layers,
+                            heads=transfer.heads,
+                            profile=profile,
+                            buffer=chunk.buffer,
+                            regions=list(zip(offsets, scopes, sizes)),
+                        )
+                    chunk.copied = pool.device.record()
+                filled.update(batch[r] for r in rows)
+            except Exception as exc:  # a device error: the blocks may be half-written; never report them
+                log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
+            self._copying.append((unit, chunk, pool))
+        return filled
+
+    def _copy(
+        self,
+        profile: Profile,
+        pool: StagingPool,
+        chunk: Chunk,
+        blocks: list[int],
+        wanted: dict[int, list[Source]],
+        offsets: dict[str, int],
+        layers: tuple[int, int],
+    ) -> None:
+        transfer = self.transfer
+        layout = transfer.require_layout()
+        block = transfer.format.block_size
+        with pool.device.on_copy_stream():
+            for j in blocks:
+                copy_into(
+                    layout,
+                    self.plan.block_ids[j],
+                    first_token=self.plan.indices[j] * block,
+                    first_layer=transfer.stage_layers[0],
+                    layers=layers,
+                    heads=transfer.heads,
+                    profile=profile,
+                    buffer=chunk.buffer,
+                    placed=[(offsets[s.key], s) for s in wanted[j]],
+                )
+            chunk.copied = pool.device.record()
+
     def ready(self, unit: Unit) -> tuple[DeviceEvent, ...]:
         """Events after which ``unit``'s copies into the cache are done (none when unstaged)."""
-        return tuple(c.copied for u, c in self._copying if u == unit and c.copied is not None)
+        return tuple(c.copied for u, c, _ in self._copying if u == unit and c.copied is not None)
 
     async def settle(self, unit: Unit, deadline: float) -> None:
         """Wait until ``unit``'s copies into the cache completed, and give their chunks back."""
-        staging = self.transfer.staging
-        mine = [c for u, c in self._copying if u == unit]
-        self._copying = [(u, c) for u, c in self._copying if u != unit]
-        for chunk in mine:
+        mine = [(c, home) for u, c, home in self._copying if u == unit]
+        self._copying = [entry for entry in self._copying if entry[0] != unit]
+        for chunk, home in mine:
             await _copied(chunk, deadline)
-            assert staging is not None
-            staging.give_back(chunk)
+            home.give_back(chunk)
 
     async def settle_all(self, deadline: float) -> None:
         """:meth:`settle` every unit with copies left (shielded: for a face's cleanup)."""
         with anyio.CancelScope(shield=True):
-            for unit in {u for u, _ in self._copying}:
+            for unit in {u for u, _, _ in self._copying}:
                 await self.settle(unit, deadline)
 
     def results(self) -> list[RetrieveResult]:

@@ -8,42 +8,65 @@ import attrs
 
 from kvflow.errors import RequestError
 from kvflow.keys import hash_blocks
-from kvflow.layout import KVFormat
 from kvflow.request import KVRequest
 
-__all__ = ["BlockPlan", "request_hashes"]
+__all__ = ["BlockPlan", "Hashing", "request_hashes"]
 
 
-def request_hashes(request: KVRequest, block_size: int) -> list[bytes]:
-    """The prompt's block hashes: the given ones as they are, or computed from its tokens.
+@attrs.frozen
+class Hashing:
+    """How a pool names a prompt's blocks: ``block_size`` tokens per block, a hash every
+    ``hash_tokens`` tokens (a divisor of ``block_size``; a block's hash is the chain's hash at its
+    last token, so engines with different block sizes but the same ``hash_tokens`` agree)."""
 
-    When both are given they must agree in count (one hash per full block of tokens).
-    """
-    tokens, hashes = request.tokens, request.block_hashes
-    if hashes is None:
-        assert tokens is not None  # KVRequest requires one of them
-        return hash_blocks(tokens, block_size)
-    if tokens is not None and len(tokens) // block_size != len(hashes):
-        raise RequestError(
-            f"{len(hashes)} block hashes but {len(tokens)} tokens make "
-            f"{len(tokens) // block_size} full blocks of {block_size}"
-        )
-    return list(hashes)
+    block_size: int
+    hash_tokens: int
+
+    @property
+    def per_block(self) -> int:
+        return self.block_size // self.hash_tokens
+
+    def fine(self, request: KVRequest) -> list[bytes]:
+        """The prompt's hashes, one per ``hash_tokens`` tokens: the given ones as they are, or
+        computed from its tokens. When both are given they must agree in count."""
+        tokens, hashes = request.tokens, request.block_hashes
+        if hashes is None:
+            assert tokens is not None  # KVRequest requires one of them
+            return hash_blocks(tokens, self.hash_tokens)
+        if tokens is not None and len(tokens) // self.hash_tokens != len(hashes):
+            raise RequestError(
+                f"{len(hashes)} block hashes but {len(tokens)} tokens make "
+                f"{len(tokens) // self.hash_tokens} full blocks of {self.hash_tokens}"
+            )
+        return list(hashes)
+
+    def blocks(self, fine: Sequence[bytes]) -> list[bytes]:
+        """The hash of each full block, from the prompt's fine hashes."""
+        k = self.per_block
+        return list(fine) if k == 1 else list(fine[k - 1 :: k])
+
+
+def request_hashes(request: KVRequest, hashing: Hashing) -> list[bytes]:
+    """The hash of each full block of the prompt."""
+    return hashing.blocks(hashing.fine(request))
 
 
 @attrs.frozen(eq=False)
 class BlockPlan:
-    """Requests flattened into blocks: flat block ``j`` is block ``indices[j]`` of its request, has
-    hash ``hashes[j]`` and lives in engine block ``block_ids[j]``; request ``r`` spans ``spans[r]``."""
+    """Requests flattened into blocks: flat block ``j`` is block ``indices[j]`` of request
+    ``origins[j]``, has hash ``hashes[j]`` and lives in engine block ``block_ids[j]``; request ``r``
+    spans ``spans[r]`` and its prompt's fine hashes are ``fine[r]``."""
 
     requests: tuple[KVRequest, ...]
     spans: tuple[tuple[int, int], ...]
     hashes: list[bytes]
     block_ids: list[int]
     indices: list[int]
+    origins: list[int]
+    fine: tuple[list[bytes], ...]
 
     @classmethod
-    def build(cls, requests: Sequence[KVRequest], fmt: KVFormat, num_blocks: int) -> BlockPlan:
+    def build(cls, requests: Sequence[KVRequest], hashing: Hashing, num_blocks: int) -> BlockPlan:
         """Check every request against the cache (``num_blocks``) and the pool's block size.
 
         Raises RequestError before anything moves. Pure; safe from any thread.
@@ -52,8 +75,10 @@ class BlockPlan:
         hashes: list[bytes] = []
         block_ids: list[int] = []
         indices: list[int] = []
+        origins: list[int] = []
+        fine: list[list[bytes]] = []
         seen: set[str] = set()
-        for request in requests:
+        for r, request in enumerate(requests):
             if not isinstance(request, KVRequest):
                 raise RequestError(f"expected a kvflow.KVRequest, got {type(request).__name__}")
             if request.request_id:
@@ -62,12 +87,13 @@ class BlockPlan:
                         f"request {request.request_id!r} appears twice in one batch; pass it once"
                     )
                 seen.add(request.request_id)
-            got = request_hashes(request, fmt.block_size)
+            prompt = hashing.fine(request)
+            got = hashing.blocks(prompt)
             first, end = request.block_offset, request.end_block
             if end > len(got):
                 raise RequestError(
                     f"blocks {first}..{end - 1} of the prompt requested, but it has {len(got)} full "
-                    f"blocks of {fmt.block_size} tokens"
+                    f"blocks of {hashing.block_size} tokens"
                 )
             for block_id in request.block_ids:
                 if block_id >= num_blocks:
@@ -79,8 +105,10 @@ class BlockPlan:
             hashes.extend(got[first:end])
             block_ids.extend(request.block_ids)
             indices.extend(range(first, end))
+            origins.extend([r] * (end - first))
+            fine.append(prompt)
             spans.append((start, len(hashes)))
-        return cls(tuple(requests), tuple(spans), hashes, block_ids, indices)
+        return cls(tuple(requests), tuple(spans), hashes, block_ids, indices, origins, tuple(fine))
 
     def __len__(self) -> int:
         return len(self.hashes)

@@ -95,3 +95,23 @@ def test_good_memory_urls() -> None:
 def test_bad_mooncake_urls_say_what_to_write(url: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         MooncakeConfig.from_url(url)
+
+
+@pytest.mark.parametrize(
+    ("query", "reaches"),
+    [
+        ("", False),  # tcp: host memory only, device caches are staged
+        ("?protocol=rdma", False),  # RDMA without a build known to reach GPU memory
+        ("?protocol=ascend", True),  # Ascend's transport moves NPU memory itself
+        ("?device_memory=true", True),
+        ("?protocol=ascend&device_memory=false", False),
+    ],
+)
+def test_mooncake_says_whether_it_reaches_device_memory(query: str, reaches: bool) -> None:
+    """What the pool reads to decide between zero copy and host staging for a device cache."""
+    from kvflow.backends.mooncake import MooncakeBackend
+
+    backend = MooncakeBackend.from_url(f"mooncake://127.0.0.1:50051{query}")
+    assert backend.capabilities.device_memory is reaches
+    with pytest.raises(ConfigError, match="auto, true or false"):
+        MooncakeConfig.from_url("mooncake://127.0.0.1:50051?device_memory=yes")

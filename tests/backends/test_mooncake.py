@@ -221,6 +221,23 @@ def test_health_gate_fails_fast_and_probes_once_per_interval() -> None:
     assert gate.healthy
 
 
+def test_health_gate_state_is_a_snapshot_replaced_on_each_change() -> None:
+    now = [5.0]
+    gate = HealthGate(1.0, clock=lambda: now[0])
+    first = gate.state
+    assert first.reachable and first.reason is None
+    gate.mark_down("get got RPC_FAIL (-900)")
+    down = gate.state
+    assert (down.reachable, down.since, down.reason) == (False, 5.0, "get got RPC_FAIL (-900)")
+    assert first.reachable  # readers holding the old snapshot see it unchanged
+    gate.mark_down("another failure")
+    assert gate.state is down  # still down: the same snapshot (the first reason kept)
+    now[0] = 7.0
+    assert gate.claim_probe()
+    gate.end_probe(True)
+    assert gate.state.reachable and gate.state.since == 7.0
+
+
 @given(st.lists(st.tuples(st.integers(1, 10_000), st.integers(1, 5_000)), min_size=1, max_size=20), st.data())
 def test_registered_memory_contains_exactly_the_regions_inside_one_range(
     ranges: list[tuple[int, int]], data: st.DataObject
@@ -416,6 +433,7 @@ async def test_master_loss_fails_fast_and_recovery_needs_no_restart(
     dst = Slab(1 << 20).register(backend)
     before = [contiguous(f"{keys}old{i}", src, i * 1000, 1000) for i in range(4)]
     assert await backend.put(before) == [PutStatus.STORED] * 4
+    assert backend.health().reachable
 
     master.kill()
     started = time.monotonic()
@@ -423,6 +441,8 @@ async def test_master_loss_fails_fast_and_recovery_needs_no_restart(
     assert await backend.put(after) == [PutStatus.FAILED] * 4
     assert await backend.get([contiguous(o.key, dst, 0, 1000) for o in before]) == [GetStatus.FAILED] * 4
     assert time.monotonic() - started < 12  # Mooncake's own wait is about 4.5 s per call
+    down = backend.health()
+    assert not down.reachable and down.reason  # what the vLLM connector reports and logs
     for _ in range(6):  # fast answers while down: no 4.5 s wait per call
         t = time.monotonic()
         with pytest.raises(BackendUnavailableError, match="unreachable"):
@@ -439,6 +459,7 @@ async def test_master_loss_fails_fast_and_recovery_needs_no_restart(
     while (await backend.put(after[:1]))[0] is not PutStatus.STORED:
         assert time.monotonic() < deadline, "the backend did not recover within 30 s"
         await anyio.sleep(0.25)
+    assert backend.health().reachable and backend.health().since > down.since
     assert await backend.exists([after[0].key, before[0].key]) == [True, False]  # a new master knows nothing
     got = await backend.get([contiguous(after[0].key, dst, 0, 1000), contiguous(before[1].key, dst, 0, 1000)])
     assert got == [GetStatus.HIT, GetStatus.MISS]
@@ -595,9 +616,9 @@ async def test_two_processes_as_tp_ranks_of_an_mla_model_store_only_owned_blocks
     ranks = [_spawn("rank", url, model, str(r)) for r in range(2)]
     try:
         reports = [await _receive(p, timeout_s=120) for p in ranks]
-        fingerprints = {words[1] for words in reports}
-        assert len(fingerprints) == 1 and all(words[0] == "STORED" for words in reports)
-        statuses = [words[2].split(",") for words in reports]
+        formats = {(words[1], words[2]) for words in reports}
+        assert len(formats) == 1 and all(words[0] == "STORED" for words in reports)
+        statuses = [words[3].split(",") for words in reports]
         for rank, per_block in enumerate(statuses):
             parallel = ParallelConfig(tp_rank=rank, tp_size=2, use_mla=True)
             expected = ["stored" if owner(i, parallel) == rank else "none" for i in range(len(per_block))]
@@ -607,7 +628,7 @@ async def test_two_processes_as_tp_ranks_of_an_mla_model_store_only_owned_blocks
             PoolConfig(model=model),
             backend=mooncake_backends(mooncake_master.url(segment="0")),
             parallel=ParallelConfig(tp_rank=0, tp_size=2, use_mla=True),
-            format=KVFormat(block_size=BLOCK, num_layers=3, fingerprint=fingerprints.pop()),
+            format=KVFormat(BLOCK, 3, *formats.pop()),
         )
         assert await scheduler.lookup(KVRequest(tokens=RANK_TOKENS)) == len(statuses[0]) * BLOCK
         for p in ranks:
@@ -638,7 +659,7 @@ async def _rank(url: str, model: str, rank: int) -> None:
         pool = KVPool.create(config, layout=layout, backend=backend, parallel=parallel)
         result = await pool.store(KVRequest(block_ids=list(range(8)), tokens=RANK_TOKENS))
         words = ",".join("none" if s is None else s.value for s in result.statuses)
-        print("KV STORED", layout.fingerprint, words, flush=True)
+        print("KV STORED", pool.format.meaning, pool.format.order, words, flush=True)
         while (line := (await anyio.to_thread.run_sync(sys.stdin.readline)).split()) != ["EXIT"]:
             if line == ["RETRIEVE"]:
                 reader = KVPool.create(

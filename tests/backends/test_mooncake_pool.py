@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import anyio
 import pytest
+import torch
 
 from kvflow import KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.tools.mooncake_master import MasterProcess
@@ -35,7 +36,7 @@ async def test_lookup_is_the_minimum_over_kv_head_and_pp_namespaces(
         for pp in range(2):
             caches = LAYOUTS["kv_tuple"]()
             kept.append(caches)
-            parallel = ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=2, pp_rank=pp, pp_size=2)
+            parallel = ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=4, pp_rank=pp, pp_size=2)
             pools[tp, pp] = KVPool.create(
                 PoolConfig(model=model), layout=layout_of(caches), backend=backend, parallel=parallel
             )
@@ -46,12 +47,46 @@ async def test_lookup_is_the_minimum_over_kv_head_and_pp_namespaces(
     scheduler = KVPool.create(
         PoolConfig(model=model),
         backend=mooncake_backends(mooncake_master.url(segment="0")),
-        parallel=ParallelConfig(tp_rank=0, tp_size=2, num_kv_heads=2, pp_size=2),
+        parallel=ParallelConfig(tp_rank=0, tp_size=2, num_kv_heads=4, pp_size=2),
         format=pools[0, 0].format,
     )
     assert await scheduler.lookup(KVRequest(tokens=TOKENS)) == 4 * BLOCK
     await pools[0, 1].store(KVRequest(block_ids=list(range(8)), tokens=TOKENS))
     assert await scheduler.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK
+
+
+async def test_a_reader_at_another_tensor_parallel_size_assembles_its_heads(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    """Two TP ranks store (k, v) tuples of 2 heads each; one TP=1 engine with a flash-attn cache of
+    all 4 heads loads them: through the profile book and host chunks registered with Mooncake."""
+    model = prefix()
+    writers = []
+    for tp in range(2):
+        caches = LAYOUTS["kv_tuple"]()
+        pool = KVPool.create(
+            PoolConfig(model=model),
+            layout=layout_of(caches),
+            backend=mooncake_backends(mooncake_master.url(segment="32MiB")),
+            parallel=ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=4),
+        )
+        assert (await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))).stored == 8
+        writers.append(caches)
+    reader_caches = {name: torch.zeros(2, 12, BLOCK, 4, 8, dtype=torch.float16) for name in writers[0]}
+    reader = KVPool.create(
+        PoolConfig(model=model),
+        layout=layout_of(reader_caches),
+        backend=mooncake_backends(mooncake_master.url(segment="0")),
+    )
+    assert await reader.lookup(KVRequest(tokens=TOKENS)) == 8 * BLOCK
+    got = await reader.retrieve(KVRequest(block_ids=[11, 10, 9, 8, 7, 6, 5, 4], tokens=TOKENS))
+    assert got.hit_blocks == 8
+    for name, cache in reader_caches.items():
+        for i, n in enumerate([11, 10, 9, 8, 7, 6, 5, 4]):
+            for part in (0, 1):  # K, V
+                for tp in range(2):
+                    mine = writers[tp][name][part][i]  # type: ignore[index]
+                    assert torch.equal(cache[part, n, :, 2 * tp : 2 * tp + 2], mine), (name, i, part, tp)
 
 
 async def test_pool_survives_a_lost_master_with_bounded_failures(

@@ -161,7 +161,8 @@ class MooncakeBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities()
+        """Device memory as the config says (``device_memory``); no ranged reads."""
+        return BackendCapabilities(device_memory=self.config.reaches_device_memory, registers_memory=True)
 
     @property
     def native_store(self) -> NativeStore | None:

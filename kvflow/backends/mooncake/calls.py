@@ -156,7 +156,7 @@ def get_results(
             raise BackendError(
                 f"the object {obj.key!r} in Mooncake {size}, but the get gave regions of {obj.nbytes} "
                 f"bytes (sizes {list(obj.sizes)}): it was stored with another layout; keys must "
-                "include the layout fingerprint"
+                "name the KV's meaning and byte order"
             )
         else:
             out[i] = GetStatus.FAILED

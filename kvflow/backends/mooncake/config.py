@@ -34,6 +34,7 @@ __all__ = ["MooncakeConfig", "parse_mooncake_size"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9003  # mooncake_master's --metrics_port default
 MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments (INVALID_PARAMS at setup)
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 
@@ -58,7 +59,9 @@ _URL_PARAMS = {
     "max_batch": "max_batch",
     "concurrency": "max_concurrency",
     "staging": "staging_bytes",
+    "device_memory": "device_memory",
     "check_present": "check_present",
+    "metrics_port": "metrics_port",
 }
 
 # Keys of Mooncake's own JSON config that kvflow uses, and the attribute each sets.
@@ -130,6 +133,16 @@ def _check_master(_: object, __: attrs.Attribute[str], value: str) -> None:
         raise ConfigError(f"master address {value!r} must be HOST:PORT, e.g. 127.0.0.1:{DEFAULT_PORT}")
 
 
+def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 < value < 65536:
+        raise ConfigError(f"{attribute.name} must be a TCP port (1-65535), got {value}")
+
+
+def _device_memory(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if value not in ("auto", "true", "false"):
+        raise ConfigError(f"device_memory must be auto, true or false, got {value!r}")
+
+
 @attrs.frozen
 class MooncakeConfig:
     """How to reach a Mooncake master and what this client brings to the cluster.
@@ -149,6 +162,12 @@ class MooncakeConfig:
     - ``check_present``: before a put, ask which keys exist, to report them ``PRESENT`` and skip
       their copy. Off, a put reports ``STORED`` for a key that existed (Mooncake still keeps the
       old value and copies nothing): one RPC less, for callers that have just checked themselves.
+    - ``metrics_port``: the master's HTTP port (its ``--metrics_port``), where ``kvflow store``
+      reads the cluster's keys and usage (``/get_all_keys``, ``/metrics``). Puts and gets never use it.
+    - ``device_memory``: whether puts and gets may name GPU/NPU memory directly (zero copy):
+      ``auto`` (yes for the ``ascend`` protocol, which moves NPU memory), ``true`` (a build whose
+      transport reaches device memory, e.g. RDMA with GPUDirect), ``false`` (device caches go
+      through kvflow's pinned host staging; docs/device.md).
     """
 
     master: str = attrs.field(default=f"127.0.0.1:{DEFAULT_PORT}", validator=_check_master)
@@ -172,6 +191,15 @@ class MooncakeConfig:
     max_concurrency: int = attrs.field(default=4, validator=positive_int)
     staging_bytes: int = attrs.field(default=64 << 20, validator=nonnegative_int)
     check_present: bool = True
+    device_memory: str = attrs.field(default="auto", validator=_device_memory)
+    metrics_port: int = attrs.field(default=DEFAULT_METRICS_PORT, validator=_port)
+
+    @property
+    def reaches_device_memory(self) -> bool:
+        """Whether KV caches on a device are handed to Mooncake as they are (no staging)."""
+        if self.device_memory == "auto":
+            return self.protocol == "ascend"
+        return self.device_memory == "true"
 
     def __attrs_post_init__(self) -> None:
         if 0 < self.segment_bytes < MIN_SEGMENT:
@@ -290,7 +318,7 @@ def _read_url_value(param: str, text: str) -> object:
     try:
         if attribute.endswith("_bytes"):
             return parse_size(text)
-        if attribute in {"replicas", "setup_retries", "max_batch", "max_concurrency"}:
+        if attribute in {"replicas", "setup_retries", "max_batch", "max_concurrency", "metrics_port"}:
             return int(text)
     except ValueError as exc:
         raise ConfigError(f"{param}={text!r} in a mooncake:// URL is not a number") from exc

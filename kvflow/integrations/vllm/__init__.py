@@ -11,8 +11,8 @@ Use it with::
     )
 
 docs/vllm.md lists the ``kv_connector_extra_config`` keys (default backend: the local shared-memory
-store ``local://``, private to the user running vLLM) and how the connector works. Importing this package imports vLLM;
-``import kvflow`` alone never does.
+store ``local://``, private to the user running vLLM) and how the connector works. Importing this
+package imports vLLM; ``import kvflow`` alone never does.
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ class KVFlowWorkerMeta(KVConnectorWorkerMetadata):
 class KVFlowHandshake(KVConnectorHandshakeMetadata):
     """What each worker tells the scheduler side once, after registering its KV caches.
 
-    The scheduler side has no KV tensors; it takes the layout's :class:`kvflow.KVFormat` (the
-    fingerprint is part of every key, a layerwise lookup asks for every layer) from here, so that
-    its lookups name exactly the keys the workers store.
+    The scheduler side has no KV tensors; it takes the layout's :class:`kvflow.KVFormat` (its
+    meaning and byte order are part of every key, a layerwise lookup asks for every layer) from
+    here, so that its lookups name exactly the keys the workers store.
     """
 
     format: KVFormat

@@ -7,8 +7,10 @@ Every method runs on vLLM's engine-core (scheduler) thread, in the order vLLM ca
 once per request. Only lookups do I/O (see :mod:`.lookups`); the rest is plain dict work.
 
 Lookups go straight to the store: the scheduler computes every rank's keys itself from
-``request.block_hashes``, the parallel layout and the layout fingerprint the workers sent in their
-handshake, and takes the minimum hit over KV-head ranks and pipeline stages. No RPC to a worker.
+``request.block_hashes``, the parallel layout (vLLM's layer partition included) and the KV format
+the workers sent in their handshake, and counts a block when every KV-head range and pipeline
+stage holds it, under this engine's keys or under another engine's split (:mod:`kvflow.profiles`).
+No RPC to a worker.
 
 Store policy: the full blocks of a request are stored once, by the step that computes them (prompt
 blocks only unless ``save_decode_blocks``). Blocks vLLM found in its own prefix cache are taken as
@@ -90,17 +92,19 @@ class SchedulerSide:
         if not handshakes:
             log.warning("no worker reported its KV layout; kvflow lookups stay off (no hits)")
             return
-        layouts = {h.format for h in handshakes.values()}
+        # Stages may hold different numbers of layers (vLLM's partition, in the engine shape); the
+        # rest of the format (block size, meaning, byte order) must agree, since a lookup names
+        # every stage's objects with it.
+        layouts = {attrs.evolve(h.format, num_layers=1) for h in handshakes.values()}
         if len(layouts) != 1 or next(iter(layouts)).block_size != self.shape.block_size:
-            # Pipeline stages with different layer counts have different fingerprints; the core's
-            # lookup uses one fingerprint for every namespace, so they are refused for now.
             raise ConfigError(
-                f"workers report KV formats {sorted(map(str, layouts))}; "
-                f"KVFlowConnector needs one layout with block size {self.shape.block_size} on every rank"
+                f"workers report KV formats {sorted(map(str, layouts))}; KVFlowConnector needs one "
+                f"layout kind and dtype with block size {self.shape.block_size} on every rank"
             )
-        handshake = next(iter(handshakes.values()))
-        pool = open_lookup_pool(self.config, self.shape, handshake)
+        first = min(handshakes.values(), key=lambda h: (h.pp_rank, h.tp_rank))
+        pool = open_lookup_pool(self.config, self.shape, first)
         self._pool = pool
+        _read_profiles(pool, self.config.lookup_timeout_s)
         self._lookups = Lookups(
             functools.partial(_start_lookup, pool),
             block_size=self.shape.block_size,
@@ -317,3 +321,15 @@ class SchedulerSide:
 
 def _start_lookup(pool: SyncPool, block_hashes: tuple[bytes, ...], block_offset: int) -> CallFuture[int]:
     return pool.submit_lookup(KVRequest(block_hashes=block_hashes, block_offset=block_offset))
+
+
+def _read_profiles(pool: SyncPool, timeout_s: float) -> None:
+    """Read how other engines split this model in the store, at start: the first lookups then
+    need not, and an engine whose KV this one cannot share is named now (docs/topology.md)."""
+    try:
+        others = pool.profiles(timeout_s=timeout_s)
+    except Exception as exc:  # the store may be down at start; lookups read it later
+        log.warning("kvflow could not read the store's profiles at start: %r", exc)
+        return
+    if others:
+        log.info("kvflow: the store holds this model's KV of %d other split(s) as well", len(others))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["EngineShape", "describe_engine", "worker_ranks"]
+__all__ = ["EngineShape", "check_layer_names", "describe_engine", "worker_ranks"]
 
 
 @attrs.frozen
@@ -31,6 +31,7 @@ class EngineShape:
     pp_size: int
     total_num_kv_heads: int
     use_mla: bool
+    pp_layers: tuple[int, ...] | None = None  # each stage's layers (vLLM's partition)
 
     def parallel(self, tp_rank: int = 0, pp_rank: int = 0) -> ParallelConfig:
         """kvflow's view of one rank (the scheduler side uses rank 0: it only looks up)."""
@@ -41,6 +42,7 @@ class EngineShape:
             use_mla=self.use_mla,
             pp_rank=pp_rank,
             pp_size=self.pp_size,
+            pp_layers=self.pp_layers,
         )
 
 
@@ -66,13 +68,23 @@ def describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             f"vLLM hashes blocks of {hash_block_size} tokens but the KV cache block is {block_size}; "
             "KVFlowConnector needs them equal"
         )
+    pp_size = parallel.pipeline_parallel_size
+    pp_layers = None
+    if pp_size > 1:
+        from vllm.distributed.utils import get_pp_indices
+
+        total = model_config.get_total_num_hidden_layers()
+        pp_layers = tuple(
+            end - first for first, end in (get_pp_indices(total, r, pp_size) for r in range(pp_size))
+        )
     return EngineShape(
         model=str(model_config.served_model_name or model_config.model),
         block_size=block_size,
         tp_size=parallel.tensor_parallel_size,
-        pp_size=parallel.pipeline_parallel_size,
+        pp_size=pp_size,
         total_num_kv_heads=model_config.get_total_num_kv_heads(),
         use_mla=bool(model_config.use_mla),
+        pp_layers=pp_layers,
     )
 
 
@@ -81,3 +93,19 @@ def worker_ranks() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+
+
+def check_layer_names(names: list[str], stage: tuple[int, int]) -> None:
+    """Check that the registered layers are the model layers ``stage`` ``(first, end)`` in order,
+    where their names carry one layer number each (``model.layers.12.self_attn.attn``): keys name
+    model layers, so a stage must know which ones it holds."""
+    numbers = [[int(part) for part in name.split(".") if part.isdigit()] for name in names]
+    if any(len(n) != 1 for n in numbers):
+        return  # names without one layer number: trust vLLM's partition
+    found = [n[0] for n in numbers]
+    if found != list(range(*stage)):
+        raise ConfigError(
+            f"this pipeline stage registered KV caches of layers {found[:3]}..{found[-3:]}, but vLLM's "
+            f"layer partition gives it layers {stage[0]}..{stage[1] - 1}; KVFlowConnector keys KV by "
+            "model layer and needs them to agree"
+        )

@@ -30,7 +30,7 @@ from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.stats import TransferCounters
 from kvflow.integrations.vllm.steps import STILL_RUNNING_LOG_S, BlockSteps, LayerwiseSteps, StepOutcome
-from kvflow.integrations.vllm.topology import EngineShape
+from kvflow.integrations.vllm.topology import EngineShape, check_layer_names
 from kvflow.layout import KVCacheEntry, KVLayout
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
@@ -73,6 +73,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry]) -> None:
         """Describe the KV caches and open the pool over them."""
         layout = KVLayout.from_kv_caches(kv_caches, block_size=self.shape.block_size)
+        parallel = self.shape.parallel(self.tp_rank, self.pp_rank)
+        check_layer_names(list(kv_caches), parallel.stage_layers(self.pp_rank, layout.num_layers))
         self._layout = layout
         self._layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
         if self.config.layerwise:
@@ -95,9 +97,9 @@ class WorkerSide:
         )
 
     def handshake(self) -> KVFlowHandshake | None:
-        if self._layout is None:
+        if self._steps is None:
             return None
-        return KVFlowHandshake(format=self._layout.format, tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+        return KVFlowHandshake(format=self._steps.pool.format, tp_rank=self.tp_rank, pp_rank=self.pp_rank)
 
     # -- per step ---------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.backends.local.format import HEADER_SIZE, Header
+from kvflow.profiles import is_book_key
 
 __all__ = [
     "COUNTERS_ENV",
@@ -59,8 +60,8 @@ def read_counters(folder: Path) -> dict[int, Mapping[str, int]]:
 
 
 def local_objects(store: Path) -> list[Path]:
-    """The object files of a local store directory."""
-    return sorted((store / "objects").iterdir())
+    """The KV object files of a local store directory (not the profile book's announcements)."""
+    return sorted(p for p in (store / "objects").iterdir() if not is_book_key(p.name))
 
 
 def corrupt_local_store(store: Path) -> int:

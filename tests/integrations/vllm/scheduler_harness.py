@@ -16,7 +16,8 @@ input anywhere it writes poisoned KV (``POISON``) and samples a wrong token, so 
 computed from wrong KV stays recognisable wherever it goes: into vLLM's outputs or into the store.
 
 Faults come from :class:`Faults` (a backend wrapper, ``harness-local://``): gets that scribble over
-their blocks and then fail, and delayed puts and gets. The wrapper also records the memory every
+their blocks and then fail, and delayed puts and gets (of KV objects: the profile book's small
+announcements pass through untouched). The wrapper also records the memory every
 transfer touches while it runs, and the forward fails a test that writes KV into a block a
 transfer is still reading or writing.
 """
@@ -60,7 +61,10 @@ import kvflow.integrations.vllm.connector as connector_module
 from kvflow.backends import SCHEMES
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend
+from kvflow.backends.local.format import object_file_name
 from kvflow.integrations.vllm import KVFlowConnector
+from kvflow.keys import decode_key
+from kvflow.profiles import is_book_key
 
 __all__ = ["POISON", "Faults", "Harness", "kv_value"]
 
@@ -126,12 +130,14 @@ class Faults:
     """What the ``harness-local://`` backends do wrong. Change it from the test at any time."""
 
     fail_gets: bool = False  # every get scribbles over its regions, then reports FAILED
-    fail_gets_matching: str = ""  # only gets of keys containing this (e.g. "@h0@": rank 0's namespace)
+    fail_gets_matching: str = ""  # only gets of keys containing this (e.g. "@h0-1@": KV head 0)
     fail_gets_left: int = -1  # fail only this many more get calls (-1: no limit)
     evict_gets_left: int = 0  # this many get calls first remove their objects (evicted meanwhile)
     get_delay_s: float = 0.0
     put_delay_s: float = 0.0
     in_flight: InFlight = attrs.field(factory=InFlight)
+    #: the key of every object put, by its file name (long keys are stored under a digest name)
+    keys: dict[str, str] = attrs.field(factory=dict)
 
 
 FAULTS = Faults()
@@ -156,6 +162,9 @@ class FaultyLocalBackend:
         return self.inner.capabilities
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        FAULTS.keys.update((object_file_name(o.key), o.key) for o in objects)
+        if _book(objects):
+            return await self.inner.put(objects)
         token = FAULTS.in_flight.enter(objects)
         try:
             await anyio.sleep(FAULTS.put_delay_s)
@@ -164,6 +173,8 @@ class FaultyLocalBackend:
             FAULTS.in_flight.leave(token)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if _book(objects):
+            return await self.inner.get(objects)
         token = FAULTS.in_flight.enter(objects)
         try:
             await anyio.sleep(FAULTS.get_delay_s)
@@ -508,12 +519,17 @@ class Harness:
                 by_hash[bytes(block_hash)] = (list(tokens), i)
         checked = 0
         for path in sorted((self.store / "objects").iterdir()):
+            key = FAULTS.keys.get(path.name)
+            assert key is not None, f"{path.name}: no put of this test wrote it"
+            if is_book_key(key):
+                continue  # a profile announcement, not KV
             data = path.read_bytes()
             assert Header.unpack(data) is not None, path.name
-            fields = path.name.split("@")
-            tokens, index = by_hash[bytes.fromhex(fields[7])]
-            group = int(fields[5][1:])
-            layers = [int(fields[8][1:])] if len(fields) == 9 else list(range(len(LAYERS)))
+            decoded = decode_key(key)
+            tokens, index = by_hash[decoded.block_hash]
+            first, end = decoded.scope.heads
+            group = first // (end - first)  # the KV-head group of the ranks holding these heads
+            layers = list(range(*decoded.scope.layers))
             digests = prefix_digests(tokens[: (index + 1) * BLOCK])
             payload = torch.frombuffer(bytearray(data[HEADER_SIZE:]), dtype=torch.float32)
             payload = payload.view(len(layers), -1, BLOCK, 2 * HEAD_DIM)
@@ -523,6 +539,11 @@ class Harness:
                     assert bool((payload[i, :, slot] == value).all()), f"object {path.name} holds wrong KV"
             checked += 1
         return checked
+
+
+def _book(objects: Sequence[ObjectRef]) -> bool:
+    """A call about the profile book's announcements only: faults are for KV objects."""
+    return bool(objects) and all(is_book_key(o.key) for o in objects)
 
 
 def _worker_connector(config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int) -> KVFlowConnector:

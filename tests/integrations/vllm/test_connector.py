@@ -28,6 +28,7 @@ from tests.integrations.vllm.connector_helpers import (
 from tests.integrations.vllm.engine_harness import EngineRun, EngineSpec, run_engine
 from tests.integrations.vllm.prompts import (
     BLOCK,
+    E_HEAD,
     FIRST_ENGINE,
     FIRST_ENGINE_STORED_BLOCKS,
     MAX_TOKENS,
@@ -40,6 +41,7 @@ from tests.integrations.vllm.prompts import (
     SECOND_ENGINE_LOADED_BLOCKS,
     SECOND_ENGINE_STORED_BLOCKS,
     A,
+    B,
     Batches,
     D,
     owned_by,
@@ -256,3 +258,41 @@ def test_tensor_parallel_replicas_store_each_block_once_and_both_load_everything
         assert counters[rank]["not_owned_blocks"] == ONE_ENGINE_STORED_BLOCKS - owned_by(rank, 2), rank
         assert counters[rank]["present_blocks"] == 0, rank
     assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
+
+
+@pytest.mark.slow
+def test_engines_of_other_tensor_parallel_sizes_load_each_others_kv(
+    first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two KV heads: at TP=1 one object per block holds both, at TP=2 each rank stores its own head.
+
+    A TP=2 engine loads what the TP=1 engine stored (each rank takes its head out of the TP=1
+    objects) and stores its new blocks as per-head objects; then a TP=1 engine loads prompts whose
+    first blocks the TP=1 engine stored and whose last ones only the TP=2 engine did (assembling
+    its two heads from two objects). Tokens are the reference's throughout."""
+    store = _copy_store(first_store[1], tmp_path)
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB")
+    counters = _folder(tmp_path, "counters-tp2")
+    run = run_engine(
+        _spec(tiny_model_dir, SECOND_ENGINE, transfer, counters, multiprocessing=True, tensor_parallel_size=2)
+    )
+    assert run.outputs == reference.expected(SECOND_ENGINE)
+    assert run.cached_tokens == SECOND_ENGINE_CACHED
+    moved = read_counters(counters)
+    assert sorted(moved) == [0, 1]
+    for rank, counts in moved.items():
+        assert counts["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS and counts["load_failed_blocks"] == 0, (
+            rank
+        )
+        assert counts["stored_blocks"] == SECOND_ENGINE_STORED_BLOCKS, rank  # its own head's objects
+    assert len(local_objects(store)) == FIRST_ENGINE_STORED_BLOCKS + 2 * SECOND_ENGINE_STORED_BLOCKS
+
+    # B's blocks 10-11 and E_HEAD's block 4 exist only as the TP=2 engine's per-head objects.
+    batches = ((B, E_HEAD),)
+    counters = _folder(tmp_path, "counters-tp1")
+    run = run_engine(_spec(tiny_model_dir, batches, transfer, counters))
+    assert run.outputs == reference.expected(batches)
+    assert run.cached_tokens == (12 * BLOCK, 5 * BLOCK)
+    (counts,) = read_counters(counters).values()
+    assert counts["loaded_blocks"] == 12 + 5 and counts["load_failed_blocks"] == 0
+    assert counts["stored_blocks"] == 0  # everything was there, in one split or the other

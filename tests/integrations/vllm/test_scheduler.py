@@ -140,7 +140,7 @@ def test_a_load_failing_on_one_rank_stores_nothing_computed_from_it_even_for_a_p
     first = engines(tp=2)
     engines.serve(first, A[:12])  # 3 blocks stored
     faults = scheduler_harness.FAULTS
-    faults.fail_gets, faults.fail_gets_matching = True, "@h0@"  # rank 0's namespace only
+    faults.fail_gets, faults.fail_gets_matching = True, "@h0-1@"  # rank 0's head only
     second = engines(tp=2)
     engines.serve(second, A_LONG, B_SHARED)
     assert loaded(second)[1] == 3 and second.workers[0].counters().load_failed_blocks == 3  # type: ignore[union-attr]

@@ -1,0 +1,375 @@
+"""Writer profiles: how an engine splits a model into objects, and the store's book of them.
+
+An engine writes each block as objects that each hold some layers, some KV heads and one context
+shard of ``block_size`` tokens, in its own byte order (:mod:`kvflow.keys`). Its :class:`Profile`
+lists that split: the objects' layer ranges (its pipeline stages, or one per layer), its KV-head
+groups (its tensor-parallel split), its shards, tokens per object and byte order. From a profile
+and a prompt's hashes anyone can name every object that engine wrote for the prompt, and decode
+each object's bytes (:mod:`kvflow.parts`).
+
+Every pool that stores announces its profile in the store (:class:`ProfileBook`): a few small
+objects per model and meaning, ``SLOTS`` of them, written once each (a put never overwrites) and
+announced again now and then, since a store may evict them. A pool that finds a block missing
+under its own keys reads the book and looks for the block under the other profiles there
+(:mod:`kvflow.transfer.reshape`); when writer and reader split the model the same way nothing of
+this runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+import attrs
+import torch
+
+from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
+from kvflow.errors import ConfigError, LayoutError
+from kvflow.keys import VERSION, KeyScope
+from kvflow.layout import LayoutKind
+from kvflow.parts import plane_shapes
+
+__all__ = ["SLOTS", "Profile", "ProfileBook", "is_book_key"]
+
+log = logging.getLogger(__name__)
+
+#: Profiles one model and meaning can have in a store at once.
+SLOTS = 16
+#: Bytes of one announcement (the profile's JSON, padded with spaces).
+SLOT_BYTES = 1024
+#: How long a pool's lookups trust what it read of the book before reading it again.
+READ_EVERY_S = 5.0
+#: The same for a load that found blocks missing under its own keys.
+LOAD_READ_EVERY_S = 0.5
+#: How often a storing pool checks that its announcement is still in the store.
+ANNOUNCE_EVERY_S = 60.0
+
+_MEANING = re.compile(
+    r"^(?P<dtype>[a-z0-9_]+)\.(?:kv(?P<heads>\d+)x(?P<size>\d+)|mla(?P<latent>\d+)(?:\+(?P<rope>\d+))?)$"
+)
+
+
+def _ranges(value: object) -> tuple[tuple[int, int], ...]:
+    ranges = tuple(tuple(r) for r in value)  # type: ignore[attr-defined]
+    if not ranges or any(len(r) != 2 or not 0 <= r[0] < r[1] for r in ranges):
+        raise ConfigError(f"layer ranges must be (first, end) pairs, got {value!r}")
+    return ranges
+
+
+@attrs.frozen
+class Profile:
+    """How one engine splits a model's KV into objects. Plain values: it travels as JSON."""
+
+    model: str
+    meaning: str
+    order: str
+    block_size: int  # tokens per object
+    hash_tokens: int  # tokens per hash of the prompt's hash chain
+    layer_ranges: tuple[tuple[int, int], ...] = attrs.field(converter=_ranges)
+    head_groups: int = 1
+    dcp_size: int = 1
+    pcp_size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if _MEANING.match(self.meaning) is None:
+            raise ConfigError(f"cannot read the meaning {self.meaning!r} of a profile")
+        if self.block_size % self.hash_tokens:
+            raise ConfigError(
+                f"block_size={self.block_size} is not a multiple of hash_tokens={self.hash_tokens}"
+            )
+        if self.num_kv_heads % self.head_groups:
+            raise ConfigError(f"{self.num_kv_heads} KV heads do not split into {self.head_groups} groups")
+        self.kind  # noqa: B018 - the order must name a known layout kind
+        plane_shapes(self.kind, self.block_size, self.group_heads, self.widths)
+
+    # -- what the bytes are ---------------------------------------------------------------------
+
+    @cached_property
+    def _parsed(self) -> dict[str, str | None]:
+        match = _MEANING.match(self.meaning)
+        assert match is not None
+        return match.groupdict()
+
+    @property
+    def mla(self) -> bool:
+        return self._parsed["latent"] is not None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The model's KV heads (1 for MLA)."""
+        heads = self._parsed["heads"]
+        return 1 if heads is None else int(heads)
+
+    @property
+    def group_heads(self) -> int:
+        """KV heads per object."""
+        return self.num_kv_heads // self.head_groups
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        p = self._parsed
+        if p["latent"] is None:
+            return (int(p["size"] or 0),)
+        if p["rope"] is None:
+            return (int(p["latent"]),)
+        return int(p["latent"]), int(p["rope"])
+
+    @cached_property
+    def dtype(self) -> torch.dtype:
+        name = self._parsed["dtype"] or ""
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise LayoutError(f"unknown dtype {name!r} in the profile of {self.model!r}")
+        return dtype
+
+    @cached_property
+    def kind(self) -> LayoutKind:
+        try:
+            return LayoutKind(self.order.split(".")[0])
+        except ValueError:
+            raise ConfigError(f"unknown layout kind in the order {self.order!r}") from None
+
+    @property
+    def plane_orders(self) -> tuple[str, ...]:
+        return tuple(self.order.split(".")[1:])
+
+    @cached_property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each plane's per-block shape, for one layer."""
+        return plane_shapes(self.kind, self.block_size, self.group_heads, self.widths)
+
+    @cached_property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer of one object."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for shape in self.shapes:
+            n = itemsize
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def object_nbytes(self, layers: tuple[int, int]) -> int:
+        return (layers[1] - layers[0]) * self.layer_nbytes
+
+    # -- which objects --------------------------------------------------------------------------
+
+    def heads_of(self, group: int) -> tuple[int, int]:
+        n = self.group_heads
+        return group * n, (group + 1) * n
+
+    def covers(self, layers: tuple[int, int]) -> bool:
+        """Whether the objects' layer ranges tile ``layers`` (and nothing overlaps)."""
+        inside = sorted(r for r in self.layer_ranges if r[0] < layers[1] and layers[0] < r[1])
+        at = layers[0]
+        for first, end in inside:
+            if first > at:
+                return False
+            at = max(at, end)
+        return at >= layers[1] and all(a[1] <= b[0] for a, b in itertools.pairwise(inside))
+
+    def scopes(
+        self,
+        *,
+        layers: tuple[int, int] | None = None,
+        heads: tuple[int, int] | None = None,
+        dcp_rank: int | None = None,
+        pcp_rank: int | None = None,
+    ) -> Iterator[KeyScope]:
+        """The scopes of the objects that hold any of ``layers`` and ``heads`` (default: all) of
+        the given shards (default: every shard)."""
+        for first, end in self.layer_ranges:
+            if layers is not None and not (first < layers[1] and layers[0] < end):
+                continue
+            for group in range(self.head_groups):
+                h = self.heads_of(group)
+                if heads is not None and not (h[0] < heads[1] and heads[0] < h[1]):
+                    continue
+                for d in range(self.dcp_size) if dcp_rank is None else (dcp_rank,):
+                    for p in range(self.pcp_size) if pcp_rank is None else (pcp_rank,):
+                        yield KeyScope(
+                            self.model,
+                            self.meaning,
+                            self.order,
+                            self.block_size,
+                            (first, end),
+                            h,
+                            (d, self.dcp_size),
+                            (p, self.pcp_size),
+                        )
+
+    # -- as text --------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self, recurse=True), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        """Parse an announcement; ConfigError (or ValueError/TypeError) for anything malformed."""
+        data: dict[str, Any] = json.loads(text)
+        if not isinstance(data, dict):
+            raise ConfigError("a profile is a JSON object")
+        return cls(**data)
+
+
+def _slot_key(model: str, meaning: str, slot: int) -> str:
+    return f"{VERSION}@{quote(model, safe='')}@{meaning}@profiles@{slot}"
+
+
+def is_book_key(key: str) -> bool:
+    """Whether ``key`` is an announcement of the profile book (not KV)."""
+    fields = key.split("@")
+    return len(fields) == 5 and fields[0] == VERSION and fields[3] == "profiles"
+
+
+@attrs.define(eq=False)
+class ProfileBook:
+    """The profiles announced in a store for one model and meaning, read and written from a pool's
+    loop. ``own`` is the pool's profile; :meth:`others` the rest."""
+
+    backend: Backend
+    own: Profile
+    _buffer: torch.Tensor = attrs.field(init=False)
+    _lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    _seen: tuple[Profile, ...] = attrs.field(default=(), init=False)
+    _slots: dict[int, Profile | None] = attrs.field(factory=dict, init=False)  # what was read, by slot
+    _read_at: float = attrs.field(default=float("-inf"), init=False)
+    _announced_at: float = attrs.field(default=float("-inf"), init=False)
+    _warned: set[str] = attrs.field(factory=set, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        # Not registered with the backend: 16 KiB read a few times a minute go through a backend's
+        # own copy path, and a registration would have to outlive every pool sharing the backend.
+        self._buffer = torch.zeros(SLOTS * SLOT_BYTES, dtype=torch.uint8)
+
+    def _objects(self) -> list[ObjectRef]:
+        base = self._buffer.data_ptr()
+        return [
+            ObjectRef(
+                _slot_key(self.own.model, self.own.meaning, i),
+                [base + i * SLOT_BYTES],
+                [SLOT_BYTES],
+                SLOT_BYTES,
+            )
+            for i in range(SLOTS)
+        ]
+
+    async def _read(self, deadline: float) -> list[Profile | bool | None] | None:
+        """Every slot's profile (``False``: empty; ``None``: taken by something unreadable), or
+        None when the store failed. Asks which slots exist, and reads only those it has not read
+        before (a slot is written once: what it held is what it holds until it disappears)."""
+        objects = self._objects()
+        try:
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                present = await self.backend.exists([o.key for o in objects])
+                for i, here in enumerate(present):
+                    if not here:
+                        self._slots.pop(i, None)
+                new = [i for i, here in enumerate(present) if here and i not in self._slots]
+                got = await self.backend.get([objects[i] for i in new]) if new else []
+        except Exception as exc:
+            log.debug("reading the profile book failed: %r", exc)
+            return None
+        raw = self._buffer.numpy().tobytes()
+        for i, status in zip(new, got):
+            if status is not GetStatus.HIT:
+                continue  # unreadable now (evicted meanwhile, or a fault): look again next time
+            text = raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES].decode(errors="replace").strip()
+            try:
+                self._slots[i] = Profile.from_json(text)
+            except (ValueError, TypeError, ConfigError, LayoutError) as exc:
+                log.debug("slot %d of the profile book holds no profile kvflow reads: %r", i, exc)
+                self._slots[i] = None
+        return [self._slots.get(i, None) if here else False for i, here in enumerate(present)]
+
+    async def announce(self, deadline: float) -> None:
+        """Make sure the own profile is in the book (at most every ``ANNOUNCE_EVERY_S``)."""
+        if time.monotonic() - self._announced_at < ANNOUNCE_EVERY_S:
+            return
+        async with self._lock:
+            if time.monotonic() - self._announced_at < ANNOUNCE_EVERY_S:
+                return
+            slots = await self._read(deadline)
+            if slots is None:
+                return
+            self._remember(slots)
+            if self.own in slots:
+                self._announced_at = time.monotonic()
+                return
+            free = [i for i, p in enumerate(slots) if p is False]
+            if not free:
+                log.warning(
+                    "the store's book of profiles for %s is full (%d); engines with other layouts will "
+                    "not find this engine's KV until old ones are evicted",
+                    self.own.model,
+                    SLOTS,
+                )
+                self._announced_at = time.monotonic()
+                return
+            slot = free[0]
+            payload = self.own.to_json().encode().ljust(SLOT_BYTES)
+            if len(payload) > SLOT_BYTES:
+                log.warning("this engine's profile does not fit an announcement; others will not find its KV")
+                self._announced_at = time.monotonic()
+                return
+            view = self._buffer[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
+            view.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            try:
+                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                    (status,) = await self.backend.put([self._objects()[slot]])
+            except Exception as exc:
+                log.debug("announcing the profile failed: %r", exc)
+                return
+            if status is PutStatus.STORED:
+                self._announced_at = time.monotonic()
+            # PRESENT: another pool took the slot first; the next store looks again
+
+    async def others(self, deadline: float, max_age_s: float = READ_EVERY_S) -> tuple[Profile, ...]:
+        """The other profiles in the book, read again when what was read is older than
+        ``max_age_s`` (loads that found a block missing pass a shorter age than lookups: the
+        engine's scheduler may have just seen a profile this pool has not)."""
+        if time.monotonic() - self._read_at >= max_age_s:
+            async with self._lock:
+                if time.monotonic() - self._read_at >= max_age_s:
+                    slots = await self._read(deadline)
+                    if slots is not None:
+                        self._remember(slots)
+        return self._seen
+
+    def _remember(self, slots: Sequence[Profile | bool | None]) -> None:
+        seen: list[Profile] = []
+        for profile in slots:
+            if not isinstance(profile, Profile) or profile == self.own or profile in seen:
+                continue
+            if profile.model != self.own.model or profile.meaning != self.own.meaning:
+                continue
+            if profile.hash_tokens != self.own.hash_tokens:
+                if profile.order not in self._warned:
+                    self._warned.add(profile.order)
+                    log.warning(
+                        "the store holds KV of %s hashed every %d tokens, this engine hashes every %d: "
+                        "they cannot share it (give both the same hash_tokens / block size)",
+                        self.own.model,
+                        profile.hash_tokens,
+                        self.own.hash_tokens,
+                    )
+                continue
+            if (profile.dcp_size, profile.pcp_size) != (self.own.dcp_size, self.own.pcp_size):
+                continue  # context shards split tokens differently: not transformed
+            seen.append(profile)
+        self._seen = tuple(seen)
+        self._read_at = time.monotonic()
+
+    def forget(self) -> None:
+        """Read the book again on the next use (tests, and after a store was cleared)."""
+        self._read_at = float("-inf")
+        self._announced_at = float("-inf")

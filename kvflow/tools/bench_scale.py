@@ -1,0 +1,120 @@
+"""``kvflow bench --scale``: how cost grows with the work.
+
+- **store size**: the store already holds 1k, 10k and 100k blocks (quick: 1k and 10k); then one
+  request of 1000 new blocks is stored, retrieved and looked up. Time per block should stay flat
+  as the store grows.
+- **many requests**: 256 requests of 8 blocks each stored, then retrieved, all at once (one task
+  each, as a serving engine's concurrent requests), reported as requests and blocks per second.
+
+Small objects (16 KiB: 4 layers of 4 KiB) so that the per-block work, not the copy, dominates.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from kvflow.backends import open_backend
+from kvflow.config import PoolConfig
+from kvflow.layout import KVLayout
+from kvflow.pool import KVPool
+from kvflow.request import KVRequest
+
+__all__ = ["run_scale_bench", "scale_main"]
+
+_BLOCK = 16
+_WORK = 1000  # blocks of the request timed at each store size
+
+
+def _pool(url: str, blocks: int, model: str) -> tuple[KVPool, Any]:
+    caches = {f"l{i}": torch.zeros(blocks, 1, _BLOCK, 64, dtype=torch.float16) for i in range(4)}
+    backend = open_backend(url)
+    pool = KVPool.create(PoolConfig(model=model), layout=KVLayout.from_kv_caches(caches), backend=backend)
+    return pool, backend
+
+
+def _request(salt: int, blocks: int) -> KVRequest:
+    return KVRequest(block_ids=range(blocks), tokens=[salt, *range(1, blocks * _BLOCK)])
+
+
+async def _fill(pool: KVPool, blocks: int) -> None:
+    """Put ``blocks`` objects in the store, in requests of ``_WORK`` blocks."""
+    for salt in range(1_000_000, 1_000_000 + blocks // _WORK):
+        await pool.store(_request(salt, _WORK))
+
+
+async def _per_block_us(url: str, held: int) -> dict[str, float]:
+    pool, backend = _pool(url, _WORK, f"bench-scale-{time.time_ns()}")
+    await _fill(pool, held)
+    out: dict[str, float] = {"held_blocks": held}
+    start = time.perf_counter()
+    if (await pool.store(_request(7, _WORK))).stored != _WORK:
+        raise RuntimeError("bench: a store did not store every block")
+    out["store_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+    start = time.perf_counter()
+    if (await pool.retrieve(_request(7, _WORK))).hit_blocks != _WORK:
+        raise RuntimeError("bench: a retrieve did not load every block")
+    out["retrieve_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+    start = time.perf_counter()
+    if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
+        raise RuntimeError("bench: a lookup missed blocks it had stored")
+    out["lookup_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+    await backend.aclose()
+    return out
+
+
+async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, float]:
+    pool, backend = _pool(url, requests * blocks, f"bench-many-{time.time_ns()}")
+
+    def request(r: int) -> KVRequest:
+        ids = range(r * blocks, (r + 1) * blocks)
+        return KVRequest(block_ids=ids, tokens=[r, *range(1, blocks * _BLOCK)])
+
+    out: dict[str, float] = {"requests": requests, "blocks_per_request": blocks}
+    for op in ("store", "retrieve"):
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for r in range(requests):
+                tg.start_soon(pool.store if op == "store" else pool.retrieve, request(r))
+        seconds = time.perf_counter() - start
+        out[f"{op}_requests_per_s"] = requests / seconds
+        out[f"{op}_blocks_per_s"] = requests * blocks / seconds
+    await backend.aclose()
+    return out
+
+
+async def run_scale_bench(url: str, *, quick: bool) -> dict[str, Any]:
+    sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    capacity_url = url
+    if url == "memory://":  # room for the largest store: 16 KiB objects
+        capacity_url = f"memory://?capacity={(max(sizes) + 2 * _WORK) * 16 << 10}"
+    return {
+        "backend": url,
+        "store_size": [await _per_block_us(capacity_url, n) for n in sizes],
+        "many_requests": await _many_requests(capacity_url, 64 if quick else 256, 8),
+    }
+
+
+def scale_main(url: str, *, as_json: bool, quick: bool) -> int:
+    result = anyio.run(lambda: run_scale_bench(url, quick=quick))
+    if as_json:
+        print(json.dumps(result))
+        return 0
+    print(f"backend {url}; per block of a {_WORK}-block request, 16 KiB objects")
+    print(f"{'blocks held':>11} {'store us':>9} {'retrieve us':>11} {'lookup us':>9}")
+    for row in result["store_size"]:
+        print(
+            f"{row['held_blocks']:>11,.0f} {row['store_us_per_block']:>9.1f} "
+            f"{row['retrieve_us_per_block']:>11.1f} {row['lookup_us_per_block']:>9.1f}"
+        )
+    many = result["many_requests"]
+    stores, loads = many["store_requests_per_s"], many["retrieve_requests_per_s"]
+    print(
+        f"{many['requests']:.0f} concurrent requests of {many['blocks_per_request']:.0f} blocks: "
+        f"store {stores:,.0f} req/s, retrieve {loads:,.0f} req/s"
+    )
+    return 0

@@ -1,0 +1,185 @@
+"""Blocks another engine wrote with another split or layout: which objects, and the copy out of them.
+
+When a block is missing under a reader's own keys, it may be in the store under another engine's
+:class:`~kvflow.profiles.Profile`: another tensor-parallel split of the KV heads, another
+pipeline split of the layers, another layout kind or dimension order, or objects of another
+number of tokens. :func:`sources` names the objects of that profile that hold what the reader
+needs of one block (the layers and heads it serves, the block's tokens, its context shard);
+:func:`copy_into` copies their overlap into the reader's cache block, one slice per layer, part
+and object, through :mod:`kvflow.parts`. The objects are fetched whole into a host staging
+chunk first (:meth:`kvflow.transfer.jobs.LoadJob.get` drives it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from kvflow.keys import KeyScope
+from kvflow.layout import KVLayout
+from kvflow.parts import object_planes, part_views
+from kvflow.profiles import Profile
+
+__all__ = ["Source", "copy_into", "copy_rows", "sources"]
+
+
+@attrs.frozen
+class Source:
+    """One object of another profile: its key, scope, first token in the prompt and size."""
+
+    key: str
+    scope: KeyScope
+    first_token: int
+    nbytes: int
+
+
+def sources(
+    profile: Profile,
+    fine: Sequence[bytes],
+    tokens: tuple[int, int],
+    *,
+    layers: tuple[int, int] | None = None,
+    heads: tuple[int, int] | None = None,
+    dcp_rank: int | None = None,
+    pcp_rank: int | None = None,
+) -> list[Source] | None:
+    """The objects of ``profile`` that hold ``tokens`` ``(first, end)`` of the prompt whose hashes
+    (one per ``profile.hash_tokens`` tokens) are ``fine``, for ``layers`` and ``heads`` (default:
+    all) of the given shards (default: all). None when one of them cannot be named: it would reach
+    past the prompt's hashed tokens, or the profile does not cover the layers."""
+    size, per_hash = profile.block_size, profile.hash_tokens
+    if layers is not None and not profile.covers(layers):
+        return None
+    scopes = list(profile.scopes(layers=layers, heads=heads, dcp_rank=dcp_rank, pcp_rank=pcp_rank))
+    out: list[Source] = []
+    for block in range(tokens[0] // size, (tokens[1] - 1) // size + 1):
+        last = (block + 1) * size // per_hash - 1
+        if last >= len(fine):
+            return None
+        digest = fine[last].hex()
+        out.extend(
+            Source(s.prefix + digest, s, block * size, profile.object_nbytes(s.layers)) for s in scopes
+        )
+    return out
+
+
+def _overlap(a: int, a_len: int, b: int, b_len: int) -> tuple[int, int] | None:
+    first, end = max(a, b), min(a + a_len, b + b_len)
+    return (first, end) if first < end else None
+
+
+def copy_into(
+    layout: KVLayout,
+    block_id: int,
+    *,
+    first_token: int,
+    first_layer: int,
+    layers: tuple[int, int],
+    heads: tuple[int, int],
+    profile: Profile,
+    buffer: torch.Tensor,
+    placed: Sequence[tuple[int, Source]],
+) -> None:
+    """Copy into cache block ``block_id`` (which holds the prompt's tokens from ``first_token``,
+    heads ``heads`` and the stage whose first layer is ``first_layer``) the overlap of each object
+    ``placed`` at its byte offset in ``buffer``, for the model layers ``layers``. Issues the copies
+    on the current stream; the caller records an event after them."""
+    for offset, source in placed:
+        scope = source.scope
+        span = _overlap(scope.layers[0], scope.layers[1] - scope.layers[0], layers[0], layers[1] - layers[0])
+        if span is None:
+            continue
+        for layer in range(*span):
+            planes = object_planes(
+                buffer,
+                offset=offset + (layer - scope.layers[0]) * profile.layer_nbytes,
+                rows=1,
+                row_nbytes=source.nbytes,
+                dtype=profile.dtype,
+                shapes=profile.shapes,
+                orders=profile.plane_orders,
+            )
+            src_parts = part_views(profile.kind, planes)
+            mine = [v[block_id : block_id + 1] for v in layout.typed_views[layer - first_layer]]
+            for dst in part_views(layout.kind, mine):
+                for src in src_parts:
+                    if src.name != dst.name:
+                        continue
+                    t = _overlap(source.first_token, src.view.size(1), first_token, dst.view.size(1))
+                    h = _overlap(scope.heads[0], src.view.size(2), heads[0], dst.view.size(2))
+                    c = _overlap(src.column, src.view.size(3), dst.column, dst.view.size(3))
+                    if t is None or h is None or c is None:
+                        continue
+                    into = dst.view[
+                        0,
+                        t[0] - first_token : t[1] - first_token,
+                        h[0] - heads[0] : h[1] - heads[0],
+                        c[0] - dst.column : c[1] - dst.column,
+                    ]
+                    into.copy_(
+                        src.view[
+                            0,
+                            t[0] - source.first_token : t[1] - source.first_token,
+                            h[0] - scope.heads[0] : h[1] - scope.heads[0],
+                            c[0] - src.column : c[1] - src.column,
+                        ],
+                        non_blocking=True,
+                    )
+
+
+def copy_rows(
+    layout: KVLayout,
+    block_ids: Sequence[int],
+    rows: Sequence[int],
+    *,
+    first_layer: int,
+    layers: tuple[int, int],
+    heads: tuple[int, int],
+    profile: Profile,
+    buffer: torch.Tensor,
+    regions: Sequence[tuple[int, KeyScope, int]],
+) -> None:
+    """The batched form of :func:`copy_into` when the writer's objects hold exactly the reader's
+    blocks' tokens (same block size): ``regions`` lists, per scope of the profile, ``(offset,
+    scope, nbytes)`` of rows of objects laid out one after another in ``buffer``; row ``rows[i]``
+    of every region goes into cache block ``block_ids[i]``. One copy per region, layer and part,
+    whatever the number of blocks."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=layout.device)
+    count = max(rows) + 1 if rows else 0
+    picked = None if list(rows) == list(range(len(rows))) else torch.tensor(list(rows), dtype=torch.long)
+    for offset, scope, nbytes in regions:
+        span = _overlap(scope.layers[0], scope.layers[1] - scope.layers[0], layers[0], layers[1] - layers[0])
+        if span is None:
+            continue
+        for layer in range(*span):
+            planes = object_planes(
+                buffer,
+                offset=offset + (layer - scope.layers[0]) * profile.layer_nbytes,
+                rows=count,
+                row_nbytes=nbytes,
+                dtype=profile.dtype,
+                shapes=profile.shapes,
+                orders=profile.plane_orders,
+            )
+            src_parts = part_views(profile.kind, planes)
+            for dst in part_views(layout.kind, layout.typed_views[layer - first_layer]):
+                for src in src_parts:
+                    if src.name != dst.name:
+                        continue
+                    h = _overlap(scope.heads[0], src.view.size(2), heads[0], dst.view.size(2))
+                    c = _overlap(src.column, src.view.size(3), dst.column, dst.view.size(3))
+                    if h is None or c is None:
+                        continue
+                    value = src.view[
+                        :,
+                        :,
+                        h[0] - scope.heads[0] : h[1] - scope.heads[0],
+                        c[0] - src.column : c[1] - src.column,
+                    ]
+                    value = value[:count] if picked is None else value.index_select(0, picked)
+                    target = dst.view[
+                        :, :, h[0] - heads[0] : h[1] - heads[0], c[0] - dst.column : c[1] - dst.column
+                    ]
+                    target.index_copy_(0, index, value.to(layout.device, non_blocking=True))

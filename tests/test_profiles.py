@@ -1,0 +1,173 @@
+"""Writer profiles and the store's book of them: what a reader split differently relies on."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import pytest
+import torch
+
+from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
+from kvflow.backends.base import ObjectRef
+from kvflow.backends.memory import MemoryBackend
+from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, is_book_key
+from tests.helpers import kv_keys
+
+PROFILE = Profile(
+    model="m",
+    meaning="float32.kv8x4",
+    order="flash_attn.123.123",
+    block_size=16,
+    hash_tokens=16,
+    layer_ranges=((0, 2), (2, 4)),
+    head_groups=2,
+)
+
+
+def test_a_profile_travels_as_json_and_names_its_objects() -> None:
+    assert Profile.from_json(PROFILE.to_json()) == PROFILE
+    scopes = list(PROFILE.scopes())
+    assert [(s.layers, s.heads) for s in scopes] == [
+        ((0, 2), (0, 4)),
+        ((0, 2), (4, 8)),
+        ((2, 4), (0, 4)),
+        ((2, 4), (4, 8)),
+    ]
+    assert [s.heads for s in PROFILE.scopes(layers=(1, 2), heads=(3, 5))] == [(0, 4), (4, 8)]
+    assert PROFILE.object_nbytes((0, 2)) == 2 * 2 * 16 * 4 * 4 * 4  # layers, K+V, tokens, heads, D, f32
+    assert PROFILE.covers((0, 4)) and PROFILE.covers((1, 3)) and not PROFILE.covers((0, 5))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        "not json",
+        '{"model": "m"}',
+        PROFILE.to_json().replace("kv8x4", "kv8y4"),  # a meaning kvflow cannot read
+        PROFILE.to_json().replace('"head_groups":2', '"head_groups":3'),  # 8 heads in 3 groups
+        PROFILE.to_json().replace("flash_attn", "paged_magic"),  # an unknown layout kind
+        PROFILE.to_json().replace('"hash_tokens":16', '"hash_tokens":5'),  # not a divisor
+    ],
+)
+def test_a_malformed_announcement_is_refused(text: str) -> None:
+    with pytest.raises((ConfigError, ValueError, TypeError)):
+        Profile.from_json(text)
+
+
+async def test_the_book_holds_each_profile_once_and_skips_what_it_cannot_read() -> None:
+    backend = MemoryBackend()
+    first = ProfileBook(backend, PROFILE)
+    await first.announce(float("inf"))
+    again = ProfileBook(backend, PROFILE)  # the same split in another process: no second slot
+    await again.announce(float("inf"))
+    assert sum(is_book_key(k) for k in backend.stored_keys()) == 1
+    # Garbage in a slot (another program, or a torn write) is skipped, never parsed as a profile.
+    junk = torch.full((SLOT_BYTES,), ord("{"), dtype=torch.uint8)
+    key = next(k for k in backend.stored_keys() if is_book_key(k))[:-1] + "1"  # slot 0 taken: 1
+    await backend.put([ObjectRef(key, [junk.data_ptr()], [SLOT_BYTES], SLOT_BYTES)])
+    other = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=4))
+    await other.announce(float("inf"))  # takes the next free slot, after the junk
+    assert sum(is_book_key(k) for k in backend.stored_keys()) == 3
+    assert await first.others(float("inf")) == ()  # what it read when announcing, for 5 s
+    first.forget()
+    assert await first.others(float("inf")) == (other.own,)
+    assert await other.others(float("inf")) == (PROFILE,)
+
+
+async def test_a_full_book_is_reported_and_the_pool_keeps_working(caplog: pytest.LogCaptureFixture) -> None:
+    backend = MemoryBackend()
+    for groups in (1, 2, 4, 8):
+        for first in range(4):
+            ranges = ((0, first + 1), (first + 1, 8)) if first < 3 else ((0, 8),)
+            profile = attrs.evolve(PROFILE, head_groups=groups, layer_ranges=ranges)
+            await ProfileBook(backend, profile).announce(float("inf"))
+    assert sum(is_book_key(k) for k in backend.stored_keys()) == SLOTS
+    late = ProfileBook(backend, attrs.evolve(PROFILE, block_size=32))
+    with caplog.at_level(logging.WARNING, logger="kvflow.profiles"):
+        await late.announce(float("inf"))
+    assert "full" in caplog.text
+    assert len(await late.others(float("inf"))) == SLOTS
+
+
+async def test_an_evicted_announcement_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvflow.profiles as profiles
+
+    backend = MemoryBackend()
+    book = ProfileBook(backend, PROFILE)
+    await book.announce(float("inf"))
+    (key,) = [k for k in backend.stored_keys() if is_book_key(k)]
+    assert await backend.remove([key]) == [True]  # the store evicted it
+    await book.announce(float("inf"))  # within the minute: not looked at again
+    assert not any(is_book_key(k) for k in backend.stored_keys())
+    monkeypatch.setattr(profiles, "ANNOUNCE_EVERY_S", 0.0)
+    await book.announce(float("inf"))
+    assert [k for k in backend.stored_keys() if is_book_key(k)] == [key]
+
+
+def caches(heads: int, layers: int = 2) -> dict[str, torch.Tensor]:
+    return {f"l{i}": torch.randn(2, 8, 16, heads, 4) for i in range(layers)}
+
+
+async def test_a_prompt_loads_partly_from_its_own_keys_and_partly_from_another_split() -> None:
+    """Blocks 0-3 under the reader's own keys, 4-7 only as another TP size's objects."""
+    backend = MemoryBackend()
+    tokens = list(range(8 * 16))
+    mine = caches(4)
+    own = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(mine), backend=backend)
+    assert (await own.store(KVRequest(tokens=tokens, block_ids=range(4)))).stored == 4
+    halves = [caches(2) for _ in range(2)]
+    for rank, half in enumerate(halves):
+        pool = KVPool.create(
+            PoolConfig(),
+            layout=KVLayout.from_kv_caches(half),
+            backend=backend,
+            parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
+        )
+        request = KVRequest(tokens=tokens, block_ids=range(4), block_offset=4)
+        assert (await pool.store(request)).stored == 4
+    assert len(kv_keys(backend)) == 4 + 2 * 4
+    reader_caches = {name: torch.zeros_like(c) for name, c in mine.items()}
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
+    assert await reader.lookup(KVRequest(tokens=tokens)) == 8 * 16
+    got = await reader.retrieve(KVRequest(tokens=tokens, block_ids=[7, 6, 5, 4, 3, 2, 1, 0]))
+    assert got.hit_blocks == 8
+    for name, cache in reader_caches.items():
+        for i in range(4):  # own keys: block i of the prompt is cache block 7 - i
+            assert torch.equal(cache[:, 7 - i], mine[name][:, i])
+        for i in range(4, 8):  # the TP=2 objects: heads 0-1 from rank 0, 2-3 from rank 1
+            for rank in range(2):
+                assert torch.equal(cache[:, 7 - i, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, i - 4])
+
+
+async def test_engines_hashing_at_another_granularity_are_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = MemoryBackend()
+    tokens = list(range(4 * 16))
+    writer = KVPool.create(
+        PoolConfig(hash_tokens=8), layout=KVLayout.from_kv_caches(caches(4)), backend=backend
+    )
+    await writer.store(KVRequest(tokens=tokens, block_ids=range(4)))
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches(4)), backend=backend)
+    with caplog.at_level(logging.WARNING, logger="kvflow.profiles"):
+        assert await reader.lookup(KVRequest(tokens=tokens)) == 0
+        assert await reader.lookup(KVRequest(tokens=tokens)) == 0
+    assert caplog.text.count("cannot share") == 1
+
+
+def test_a_cache_that_disagrees_with_the_parallel_layout_is_refused() -> None:
+    layout = KVLayout.from_kv_caches(caches(4))
+    with pytest.raises(ConfigError, match="KV caches hold 4"):
+        KVPool.create(
+            PoolConfig(), layout=layout, parallel=ParallelConfig(tp_rank=0, tp_size=2, num_kv_heads=4)
+        )
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        ParallelConfig(tp_rank=0, tp_size=2)
+    with pytest.raises(ConfigError, match="use_mla=True"):
+        KVPool.create(PoolConfig(), layout=layout, parallel=ParallelConfig(use_mla=True))
+    with pytest.raises(ConfigError, match="pp_layers"):
+        KVPool.create(PoolConfig(), layout=layout, parallel=ParallelConfig(pp_size=2, pp_layers=(3, 1)))
+    with pytest.raises(ConfigError, match="hash_tokens"):
+        KVPool.create(PoolConfig(hash_tokens=5), layout=layout)

@@ -1,0 +1,331 @@
+"""Engines split differently share one store: what a reader loads is the writer's KV, bit for bit.
+
+A model's KV is drawn once (``Model``): K and V per layer, token and KV head, or MLA's latent per
+layer and token. A writer engine (any TP size, pipeline split of the layers, layout kind, block
+size, whole-block or layerwise objects) fills each rank's cache from it, written here by hand for
+each layout (not through kvflow), and stores. A reader engine split some other way looks up (as a
+scheduler: no caches) and loads every rank; each rank's cache must then hold exactly the model's
+KV of its layers and heads, and the store must hold each piece of KV once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import anyio
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
+from kvflow.backends.memory import MemoryBackend
+from kvflow.keys import decode_key
+from tests.helpers import kv_keys, kv_puts
+
+LAYERS = 4
+HEAD_SIZE = 4
+TOKENS = 16  # a multiple of every block size below
+GQA_KINDS = ("vllm_cpu", "flash_attn", "flash_attn_hnd", "flashinfer_hnd", "kv_tuple")
+HEADS = {"mla": 0, "gqa1": 1, "gqa2": 2, "gqa8": 8, "mha16": 16}  # 0: MLA
+NOPE, ROPE = 6, 2  # MLA latent widths (the mla kind holds NOPE + ROPE columns in one tensor)
+
+
+@attrs.frozen
+class Engine:
+    tp: int
+    pp_layers: tuple[int, ...]
+    kind: str
+    block_size: int
+    layerwise: bool
+
+    @property
+    def pp(self) -> int:
+        return len(self.pp_layers)
+
+    def stage(self, pp_rank: int) -> tuple[int, int]:
+        first = sum(self.pp_layers[:pp_rank])
+        return first, first + self.pp_layers[pp_rank]
+
+
+@attrs.frozen(eq=False)
+class Model:
+    heads: int  # 0: MLA
+    k: torch.Tensor  # [layers, tokens, heads, head_size] (MLA: the latent [layers, tokens, 1, width])
+    v: torch.Tensor
+
+    @classmethod
+    def draw(cls, heads: int, seed: int) -> Model:
+        gen = torch.Generator().manual_seed(seed)
+        if heads == 0:
+            latent = torch.randn(LAYERS, TOKENS, 1, NOPE + ROPE, generator=gen)
+            return cls(0, latent, latent)
+        return cls(
+            heads,
+            torch.randn(LAYERS, TOKENS, heads, HEAD_SIZE, generator=gen),
+            torch.randn(LAYERS, TOKENS, heads, HEAD_SIZE, generator=gen),
+        )
+
+    def rank_heads(self, tp: int, tp_rank: int) -> tuple[int, int]:
+        """The KV heads a TP rank holds: its slice, or the one head its replica group shares."""
+        if self.heads == 0:
+            return 0, 1
+        per_rank = max(1, self.heads // tp)
+        group = tp_rank // max(1, tp // self.heads)
+        return group * per_rank, (group + 1) * per_rank
+
+
+def empty_cache(kind: str, blocks: int, block: int, heads: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """One layer's cache of ``kind``, filled with NaN (so an unwritten element can never match)."""
+    d = HEAD_SIZE
+
+    def nan(*shape: int) -> torch.Tensor:
+        return torch.full(shape, float("nan"))
+
+    if kind == "vllm_cpu":
+        return nan(blocks, heads, block, 2 * d)
+    if kind == "flash_attn":
+        return nan(2, blocks, block, heads, d)
+    if kind == "flash_attn_hnd":  # HND in memory, NHD shape
+        return nan(2, blocks, heads, block, d).permute(0, 1, 3, 2, 4)
+    if kind == "flashinfer_hnd":
+        return nan(blocks, 2, heads, block, d).permute(0, 1, 3, 2, 4)
+    if kind == "kv_tuple":
+        return nan(blocks, block, heads, d), nan(blocks, block, heads, d)
+    if kind == "mla":
+        return nan(blocks, block, NOPE + ROPE)
+    return nan(blocks, block, 1, NOPE), nan(blocks, block, 1, ROPE)  # mla_tuple
+
+
+def block_kv(
+    kind: str, cache: torch.Tensor | tuple[torch.Tensor, ...], n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of cache block ``n`` as ``[tokens, heads, columns]`` views (MLA: the latent twice)."""
+    d = HEAD_SIZE
+    if kind == "vllm_cpu":
+        assert isinstance(cache, torch.Tensor)
+        return cache[n, :, :, :d].transpose(0, 1), cache[n, :, :, d:].transpose(0, 1)
+    if kind in ("flash_attn", "flash_attn_hnd"):
+        assert isinstance(cache, torch.Tensor)
+        return cache[0, n], cache[1, n]
+    if kind == "flashinfer_hnd":
+        assert isinstance(cache, torch.Tensor)
+        return cache[n, 0], cache[n, 1]
+    if kind == "kv_tuple":
+        return cache[0][n], cache[1][n]
+    if kind == "mla":
+        assert isinstance(cache, torch.Tensor)
+        latent = cache[n].unsqueeze(1)
+        return latent, latent
+    raise AssertionError("mla_tuple is read with mla_latent")
+
+
+def mla_tuple_latent(cache: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+    return torch.cat([cache[0][n], cache[1][n]], dim=-1)  # [tokens, 1, NOPE + ROPE]
+
+
+def fill(
+    model: Model, kind: str, cache: object, n: int, layer: int, tokens: int, heads: tuple[int, int]
+) -> None:
+    size = _block_size(kind, cache)
+    k = model.k[layer, tokens : tokens + size, heads[0] : heads[1]]
+    v = model.v[layer, tokens : tokens + size, heads[0] : heads[1]]
+    if kind == "mla_tuple":
+        nope, rope = cache  # type: ignore[misc]
+        nope[n].copy_(k[..., :NOPE])
+        rope[n].copy_(k[..., NOPE:])
+        return
+    dst_k, dst_v = block_kv(kind, cache, n)  # type: ignore[arg-type]
+    dst_k.copy_(k)
+    dst_v.copy_(v)
+
+
+def read(model: Model, kind: str, cache: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "mla_tuple":
+        latent = mla_tuple_latent(cache, n)  # type: ignore[arg-type]
+        return latent, latent
+    k, v = block_kv(kind, cache, n)  # type: ignore[arg-type]
+    return k.clone(), v.clone()
+
+
+def _block_size(kind: str, cache: object) -> int:
+    first = cache[0] if isinstance(cache, tuple) else cache
+    assert isinstance(first, torch.Tensor)
+    return (
+        first.shape[2]
+        if kind in ("vllm_cpu", "flash_attn", "flash_attn_hnd", "flashinfer_hnd")
+        else first.shape[1]
+    )
+
+
+@attrs.define(eq=False)
+class Rank:
+    engine: Engine
+    tp_rank: int
+    pp_rank: int
+    caches: dict[str, object]
+    block_ids: list[int]
+    pool: KVPool
+
+
+def open_rank(
+    model: Model,
+    engine: Engine,
+    backend: MemoryBackend,
+    tp_rank: int,
+    pp_rank: int,
+    *,
+    filled: bool,
+    seed: int,
+) -> Rank:
+    first, end = engine.stage(pp_rank)
+    blocks = TOKENS // engine.block_size
+    heads = model.rank_heads(engine.tp, tp_rank)
+    ids = random.Random(seed).sample(range(blocks + 3), blocks)
+    caches: dict[str, object] = {}
+    for layer in range(first, end):
+        caches[f"model.layers.{layer}.attn"] = empty_cache(
+            engine.kind, blocks + 3, engine.block_size, heads[1] - heads[0]
+        )
+        if filled:
+            for i, n in enumerate(ids):
+                fill(
+                    model,
+                    engine.kind,
+                    caches[f"model.layers.{layer}.attn"],
+                    n,
+                    layer,
+                    i * engine.block_size,
+                    heads,
+                )
+    parallel = ParallelConfig(
+        tp_rank=tp_rank,
+        tp_size=engine.tp,
+        num_kv_heads=model.heads or None,
+        use_mla=model.heads == 0,
+        pp_rank=pp_rank,
+        pp_size=engine.pp,
+        pp_layers=engine.pp_layers,
+    )
+    config = PoolConfig(model="m", layerwise=engine.layerwise, hash_tokens=4)
+    layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
+    return Rank(
+        engine,
+        tp_rank,
+        pp_rank,
+        caches,
+        ids,
+        KVPool.create(config, layout=layout, parallel=parallel, backend=backend),
+    )
+
+
+def ranks(model: Model, engine: Engine, backend: MemoryBackend, *, filled: bool, seed: int) -> list[Rank]:
+    return [
+        open_rank(model, engine, backend, tp, pp, filled=filled, seed=seed + 31 * tp + 7 * pp)
+        for tp in range(engine.tp)
+        for pp in range(engine.pp)
+    ]
+
+
+def request(rank: Rank) -> KVRequest:
+    return KVRequest(tokens=list(range(TOKENS)), block_ids=rank.block_ids)
+
+
+def expected_objects(model: Model, engine: Engine) -> int:
+    """Objects a whole engine stores: one per block, per KV-head slice, per layer range."""
+    head_groups = 1 if model.heads == 0 else min(model.heads, engine.tp)
+    ranges = LAYERS if engine.layerwise else engine.pp
+    return (TOKENS // engine.block_size) * head_groups * ranges
+
+
+async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None:
+    backend = MemoryBackend()
+    for rank in ranks(model, writer, backend, filled=True, seed=seed):
+        result = await rank.pool.store(request(rank))
+        assert not result.failed_indices
+    keys = kv_keys(backend)
+    assert len(keys) == expected_objects(model, writer) == kv_puts(backend)  # each piece once
+    assert {decode_key(k).scope.order.split(".")[0] for k in keys} == {_kind_name(writer.kind)}
+
+    readers = ranks(model, reader, backend, filled=False, seed=seed + 1)
+    scheduler = KVPool.create(
+        PoolConfig(model="m", layerwise=reader.layerwise, hash_tokens=4),
+        format=readers[0].pool.format,
+        parallel=attrs.evolve(readers[0].pool.parallel, tp_rank=0, pp_rank=0),
+        backend=backend,
+    )
+    assert await scheduler.lookup(KVRequest(tokens=list(range(TOKENS)))) == TOKENS
+    for rank in readers:
+        got = await rank.pool.retrieve(request(rank))
+        assert got.failed_block_ids == (), (rank.tp_rank, rank.pp_rank)
+        heads = model.rank_heads(reader.tp, rank.tp_rank)
+        first, _ = reader.stage(rank.pp_rank)
+        for offset, cache in enumerate(rank.caches.values()):
+            layer = first + offset
+            for i, n in enumerate(rank.block_ids):
+                tokens = slice(i * reader.block_size, (i + 1) * reader.block_size)
+                k, v = read(model, reader.kind, cache, n)
+                assert torch.equal(k, model.k[layer, tokens, heads[0] : heads[1]]), (layer, i)
+                assert torch.equal(v, model.v[layer, tokens, heads[0] : heads[1]]), (layer, i)
+    assert kv_puts(backend) == expected_objects(model, writer)  # loading stored nothing
+
+
+def _kind_name(kind: str) -> str:
+    return {"flash_attn_hnd": "flash_attn", "flashinfer_hnd": "flashinfer"}.get(kind, kind)
+
+
+def splits(layers: int) -> list[tuple[int, ...]]:
+    """Every pipeline split of ``layers`` layers into up to 4 stages."""
+    out = []
+    for cuts in itertools.product([False, True], repeat=layers - 1):
+        sizes, run = [], 1
+        for cut in cuts:
+            if cut:
+                sizes.append(run)
+                run = 1
+            else:
+                run += 1
+        sizes.append(run)
+        if len(sizes) <= 4:
+            out.append(tuple(sizes))
+    return out
+
+
+def engines(model_heads: int, tp: int) -> st.SearchStrategy[Engine]:
+    kinds = ("mla", "mla_tuple") if model_heads == 0 else GQA_KINDS
+    return st.builds(
+        Engine,
+        tp=st.just(tp),
+        pp_layers=st.sampled_from(splits(LAYERS)),
+        kind=st.sampled_from(kinds),
+        block_size=st.sampled_from((4, 8)),
+        layerwise=st.booleans(),
+    )
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), list(itertools.product((1, 2, 4, 8), repeat=2)))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_a_reader_split_any_way_loads_exactly_the_writers_kv(
+    heads: str, writer_tp: int, reader_tp: int, data: st.DataObject, seed: int
+) -> None:
+    model_heads = HEADS[heads]
+    writer = data.draw(engines(model_heads, writer_tp), label="writer")
+    reader = data.draw(engines(model_heads, reader_tp), label="reader")
+    if model_heads == 0 and (writer.kind == "mla_tuple") != (reader.kind == "mla_tuple"):
+        reader = attrs.evolve(reader, kind=writer.kind)  # MLA as one latent or as (nope, rope): not mixed
+    anyio.run(share, Model.draw(model_heads, seed), writer, reader, seed)
+
+
+@pytest.mark.parametrize("writer_split", splits(LAYERS))
+@pytest.mark.parametrize("reader_split", splits(LAYERS))
+def test_every_pipeline_split_reads_every_other(
+    writer_split: tuple[int, ...], reader_split: tuple[int, ...]
+) -> None:
+    model = Model.draw(8, 5)
+    writer = Engine(2, writer_split, "flash_attn", 8, False)
+    reader = Engine(4, reader_split, "vllm_cpu", 8, False)
+    anyio.run(share, model, writer, reader, 11)
