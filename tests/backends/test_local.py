@@ -652,3 +652,93 @@ async def test_writer_killed_mid_write_leaves_nothing_readable(tmp_path: Path) -
     assert await backend.get([ref("k", target)]) == [GetStatus.HIT]
     assert target == source
     await backend.aclose()
+
+
+# --- races with other writers, made deterministic with the backend's test hooks --------------------
+
+
+async def test_an_object_republished_before_its_corrupt_copy_is_removed_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get finds a corrupt copy; before it removes it, another writer replaces it with a good one.
+    The removal checks again under the lock and leaves the good object alone."""
+    reader, writer = open_store(tmp_path), open_store(tmp_path)
+    good = payload("k", 3000)
+    assert await writer.put([ref("k", good)]) == [PutStatus.STORED]
+    path = tmp_path / "objects" / "k"
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + 10] ^= 0xFF
+    path.write_bytes(data)
+    seen: list[list[str]] = []
+
+    async def republish(names: list[str]) -> None:
+        seen.append(names)
+        assert await writer.remove(["k"]) == [True]  # another process evicted the corrupt copy ...
+        assert await writer.put([ref("k", good)]) == [PutStatus.STORED]  # ... and stored it anew
+
+    monkeypatch.setattr(local, "_before_remove_corrupt_hook", republish)
+    assert await reader.get([ref("k", bytearray(3000))]) == [GetStatus.MISS]
+    assert seen == [["k"]]
+    assert path.exists()  # the good object survived the removal
+    monkeypatch.setattr(local, "_before_remove_corrupt_hook", None)
+    target = bytearray(3000)
+    assert await reader.get([ref("k", target)]) == [GetStatus.HIT] and target == good
+    assert reader.stats().used_bytes == HEADER_SIZE + 3000 == await reader.usage()
+    await reader.aclose()
+    await writer.aclose()
+
+
+@pytest.mark.parametrize("how", ["read", "republished"])
+async def test_eviction_skips_an_object_used_since_the_scan_that_listed_it(tmp_path: Path, how: str) -> None:
+    """The evictor's candidates come from a scan; the oldest one is then read by another process
+    (or evicted and stored again). It is no longer the least recently used: the next one goes."""
+    size = 10 * KiB
+    capacity = 3 * (HEADER_SIZE + size)
+    evictor, other = open_store(tmp_path, capacity), open_store(tmp_path, capacity)
+    data = {k: payload(k, size) for k in "abcd"}
+    for key in "abc":  # one by one: a is the oldest
+        assert await evictor.put([ref(key, data[key])]) == [PutStatus.STORED]
+    assert await evictor.usage() == capacity  # a scan: the candidates are a, b, c, oldest first
+    if how == "read":
+        assert await other.get([ref("a", bytearray(size))]) == [GetStatus.HIT]  # a is the newest now
+    else:
+        assert await other.remove(["a"]) == [True]
+        assert await other.put([ref("a", data["a"])]) == [PutStatus.STORED]  # a new file, a new time
+    assert await evictor.put([ref("d", data["d"])]) == [PutStatus.STORED]
+    assert await evictor.exists(list("abcd")) == [True, False, True, True]
+    assert evictor.stats().evictions == 1
+    target = bytearray(size)
+    assert await evictor.get([ref("a", target)]) == [GetStatus.HIT] and target == data["a"]
+    assert await evictor.usage() == capacity
+    await evictor.aclose()
+    await other.aclose()
+
+
+async def test_an_object_evicted_while_a_get_reads_it_is_a_miss_and_its_successor_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get has read the first piece of x when another writer evicts x, recycling its file for y
+    (the bytes under the reader change). The reader reports a miss, never a hit of mixed bytes,
+    and does not remove y."""
+    size = 2 * (1 << 20) + 123  # three pieces
+    reader = open_store(tmp_path)
+    evictor = open_store(tmp_path, capacity=HEADER_SIZE + size)  # room for one object
+    x, y = payload("x", size), payload("y", size)
+    assert await reader.put([ref("x", x)]) == [PutStatus.STORED]
+    evicted: list[str] = []
+
+    async def evict(name: str) -> None:
+        evicted.append(name)
+        assert await evictor.put([ref("y", y)]) == [PutStatus.STORED]
+
+    monkeypatch.setattr(local, "_mid_read_hook", evict)
+    target = bytearray(size)
+    assert await reader.get([ref("x", target)]) == [GetStatus.MISS]
+    monkeypatch.setattr(local, "_mid_read_hook", None)
+    assert evicted == ["x"] and evictor.stats().evictions == 1
+    assert await reader.exists(["x", "y"]) == [False, True]
+    got = bytearray(size)
+    assert await reader.get([ref("y", got)]) == [GetStatus.HIT] and got == y
+    assert await reader.usage() == HEADER_SIZE + size
+    await reader.aclose()
+    await evictor.aclose()

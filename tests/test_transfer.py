@@ -1,0 +1,269 @@
+"""The transfer layer's bookkeeping: results land on the right blocks, whatever the order or faults.
+
+- A retrieve on any TP rank reads its blocks in a rotated order (``Transfer.load_order``); misses
+  and failures must still be reported for the blocks they belong to, and only those.
+- A request larger than the backend's batch runs several batches: one that fails or runs past the
+  deadline fails its own objects, never the others'.
+- A store asks which keys exist and does not put them: the pool skips them itself, even over a
+  backend that would overwrite an object (never answering PRESENT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+import anyio.lowlevel
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow import (
+    GetStatus,
+    KVLayout,
+    KVPool,
+    KVRequest,
+    MemoryBackend,
+    ParallelConfig,
+    PoolConfig,
+    PutStatus,
+)
+from kvflow.backends.base import ObjectRef
+from kvflow.keys import decode_key, hash_blocks
+from kvflow.profiles import is_book_key
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
+
+R = TypeVar("R")
+BLOCKS = 12
+TOKENS = list(range(3000, 3000 + BLOCKS * BLOCK))
+
+
+def pool(
+    caches: dict[str, object],
+    backend: object,
+    *,
+    staging: str = "never",
+    layerwise: bool = False,
+    timeout_s: float = 5.0,
+    **parallel: object,
+) -> KVPool:
+    return KVPool.create(
+        PoolConfig(model="m", staging=staging, layerwise=layerwise, timeout_s=timeout_s),  # type: ignore[arg-type]
+        layout=KVLayout.from_kv_caches(caches),  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
+        parallel=ParallelConfig(**parallel),  # type: ignore[arg-type]
+    )
+
+
+def mla_caches(blocks: int = BLOCKS) -> dict[str, object]:
+    return {f"l{i}": torch.randn(blocks, BLOCK, 12) for i in range(2)}
+
+
+def gqa_caches(heads: int, blocks: int = BLOCKS) -> dict[str, object]:
+    """vLLM's CPU layout: [blocks, heads, tokens, K|V of 4 columns each]."""
+    return {f"l{i}": torch.randn(blocks, heads, BLOCK, 8) for i in range(2)}
+
+
+def hash_of(key: str) -> bytes:
+    return decode_key(key).block_hash
+
+
+HASHES = hash_blocks(TOKENS, BLOCK)
+
+
+def block_index(key: str) -> int:
+    """Which block of TOKENS a key holds."""
+    return HASHES.index(hash_of(key))
+
+
+# -- misses on a rank other than 0 -------------------------------------------------------------------
+
+
+async def _retrieve_with_holes(tp_rank: int, missing: set[int], staging: str, reshaped: bool) -> None:
+    backend = MemoryBackend()
+    if reshaped:  # a TP=1 writer of both KV heads; the reader's rank takes its head out of them
+        src = gqa_caches(2)
+        writer = pool(src, backend)
+        reader_caches = {k: torch.zeros(BLOCKS, 1, BLOCK, 8) for k in src}
+        reader_parallel: dict[str, object] = {"tp_rank": tp_rank, "tp_size": 2, "num_kv_heads": 2}
+    else:  # MLA: every TP size uses the same keys; the reader is one rank of a TP=4 group
+        src = mla_caches()
+        writer = pool(src, backend)
+        reader_caches = zeros_like_caches(src)
+        reader_parallel = {"tp_rank": tp_rank, "tp_size": 4, "use_mla": True}
+    src_ids = list(range(BLOCKS))
+    assert (await writer.store(KVRequest(tokens=TOKENS, block_ids=src_ids))).stored == BLOCKS
+    await backend.remove([k for k in kv_keys(backend) if block_index(k) in missing])
+    dst_ids = [(5 * i + 3) % BLOCKS for i in range(BLOCKS)]  # a permutation: every block elsewhere
+    reader = pool(reader_caches, backend, staging=staging, **reader_parallel)
+    got = await reader.retrieve(KVRequest(tokens=TOKENS, block_ids=dst_ids))
+    assert got.block_ids == tuple(dst_ids)
+    assert [s is GetStatus.HIT for s in got.statuses] == [i not in missing for i in range(BLOCKS)]
+    assert set(got.failed_block_ids) == {dst_ids[i] for i in missing}
+    for i in range(BLOCKS):
+        for name, entry in reader_caches.items():
+            data = entry[dst_ids[i]]  # type: ignore[index]
+            if i in missing:
+                assert not data.any(), (i, name)  # never written
+            elif reshaped:  # the rank's one head of the writer's two
+                assert torch.equal(data[0], src[name][src_ids[i]][tp_rank]), (i, name)  # type: ignore[index]
+            else:
+                assert block_bytes(entry, dst_ids[i]) == block_bytes(src[name], src_ids[i]), (i, name)
+
+
+@pytest.mark.parametrize("staging", ["never", "always"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tp_rank=st.integers(0, 3), missing=st.sets(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS - 1)
+)
+def test_misses_on_any_rank_are_reported_for_their_own_blocks(
+    staging: str, tp_rank: int, missing: set[int]
+) -> None:
+    anyio.run(_retrieve_with_holes, tp_rank, missing, staging, False)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tp_rank=st.integers(0, 1), missing=st.sets(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS - 1)
+)
+def test_misses_of_blocks_read_from_another_split_are_reported_for_their_own_blocks(
+    tp_rank: int, missing: set[int]
+) -> None:
+    anyio.run(_retrieve_with_holes, tp_rank, missing, "never", True)
+
+
+def test_rank_1_with_misses_reports_exactly_the_missing_blocks() -> None:
+    """The plain case the rotation could break: rank 1 of 4 starts reading at block 1."""
+    anyio.run(_retrieve_with_holes, 1, {0, 5}, "never", False)
+
+
+# -- one batch among several fails ------------------------------------------------------------------
+
+
+@attrs.define
+class OneBadBatch(FaultyBackend):
+    """A backend (batches of 4) whose calls fail, or hang, when a batch holds a poisoned key. The
+    poisoned batch fails last, once ``good`` other batches of the request answered, so that its
+    failure could not be overwritten by answers that come later."""
+
+    poisoned: set[bytes] = attrs.field(factory=set)  # block hashes
+    fault: str = "raise"
+    good: int = 2
+    batches: list[list[int]] = attrs.field(factory=list)  # the block indices of each KV call
+    answered: int = 0
+
+    async def _call(
+        self, objects: Sequence[ObjectRef], call: Callable[[Sequence[ObjectRef]], Awaitable[R]]
+    ) -> R:
+        keys = [o.key for o in objects if not is_book_key(o.key)]
+        if not keys:
+            return await call(objects)
+        self.batches.append([block_index(k) for k in keys])
+        if any(hash_of(k) in self.poisoned for k in keys):
+            while self.answered < self.good:
+                await anyio.lowlevel.checkpoint()
+            if self.fault == "hang":
+                await anyio.sleep_forever()
+            raise ConnectionError("injected failure of one batch")
+        answer = await call(objects)
+        self.answered += 1
+        return answer
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        return await self._call(objects, self.inner.put)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        return await self._call(objects, self.inner.get)
+
+
+def _bad_batch(backend: OneBadBatch, poisoned: int) -> list[int]:
+    (batch,) = [b for b in backend.batches if poisoned in b]
+    return batch
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+@pytest.mark.parametrize("tp_rank", [0, 1])
+async def test_a_failing_batch_fails_only_its_own_objects(fault: str, tp_rank: int) -> None:
+    src = mla_caches()
+    poisoned = 5
+    backend = OneBadBatch(poisoned={HASHES[poisoned]}, fault=fault)
+    writer = pool(src, backend, timeout_s=0.5)
+    stored = await writer.store(KVRequest(tokens=TOKENS, block_ids=list(range(BLOCKS))))
+    bad = _bad_batch(backend, poisoned)
+    assert len(bad) == 4 and len(backend.batches) == 3  # 12 objects in batches of 4
+    assert [s is PutStatus.FAILED for s in stored.statuses] == [i in bad for i in range(BLOCKS)]
+    assert all(s is PutStatus.STORED for i, s in enumerate(stored.statuses) if i not in bad)
+    assert sorted(block_index(k) for k in kv_keys(backend.inner)) == [
+        i for i in range(BLOCKS) if i not in bad
+    ]
+
+    # load: every block is in the store now, but the batch holding block 5 fails again
+    await pool(src, backend.inner).store(KVRequest(tokens=TOKENS, block_ids=list(range(BLOCKS))))
+    backend.batches.clear()
+    backend.answered = 0
+    dst = zeros_like_caches(src)
+    dst_ids = list(reversed(range(BLOCKS)))
+    reader = pool(dst, backend, timeout_s=0.5, tp_rank=tp_rank, tp_size=2, use_mla=True)
+    got = await reader.retrieve(KVRequest(tokens=TOKENS, block_ids=dst_ids))
+    bad = _bad_batch(backend, poisoned)
+    assert len(bad) == 4
+    assert [s is GetStatus.FAILED for s in got.statuses] == [i in bad for i in range(BLOCKS)]
+    assert set(got.failed_block_ids) == {dst_ids[i] for i in bad}
+    for i in range(BLOCKS):
+        if i not in bad:
+            assert all(block_bytes(dst[n], dst_ids[i]) == block_bytes(src[n], i) for n in src), i
+
+
+# -- the pool's own exists-skip ---------------------------------------------------------------------
+
+
+@attrs.define
+class Overwriting(FaultyBackend):
+    """A backend whose put replaces what a key held (it never answers PRESENT); it counts the KV
+    objects put."""
+
+    put_keys: list[str] = attrs.field(factory=list)
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        keys = [o.key for o in objects]
+        self.put_keys += [k for k in keys if not is_book_key(k)]
+        await self.inner.remove(keys)
+        return await self.inner.put(objects)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("staging", ["never", "always"])
+async def test_the_pool_skips_keys_that_exist_itself(layerwise: bool, staging: str) -> None:
+    src = {k: v.clone() for k, v in LAYOUTS["vllm_cpu"]().items()}  # type: ignore[attr-defined]
+    first = {(name, b): block_bytes(entry, b) for name, entry in src.items() for b in range(3)}
+    backend = Overwriting()
+    writer = pool(src, backend, staging=staging, layerwise=layerwise)
+    units = len(src) if layerwise else 1
+    assert (await writer.store(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[0, 1, 2]))).stored == 3
+    assert len(backend.put_keys) == 3 * units
+    for entry in src.values():
+        entry.add_(1.0)  # type: ignore[attr-defined]  # the blocks change: a second put would overwrite
+    again = await writer.store(KVRequest(tokens=TOKENS[: 8 * BLOCK], block_ids=list(range(8))))
+    assert again.statuses == (PutStatus.PRESENT,) * 3 + (PutStatus.STORED,) * 5
+    assert len(backend.put_keys) == 8 * units  # only the 5 new blocks were put
+    assert sorted({block_index(k) for k in backend.put_keys[3 * units :]}) == list(range(3, 8))
+    dst = zeros_like_caches(src)
+    got = await pool(dst, backend.inner).retrieve(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[5, 6, 7]))
+    assert got.hit_blocks == 3
+    for name, entry in dst.items():
+        for b in range(3):
+            assert block_bytes(entry, 5 + b) == first[name, b]  # the first store's bytes, kept
+
+
+async def test_a_store_that_cannot_ask_what_exists_puts_everything() -> None:
+    """The documented fallback: no answer from exists() means "none present"."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = Overwriting()
+    writer = pool(src, backend)
+    await writer.store(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[0, 1, 2]))
+    backend.raise_on = {"exists"}
+    again = await writer.store(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[0, 1, 2]))
+    assert again.statuses == (PutStatus.STORED,) * 3 and len(backend.put_keys) == 6
