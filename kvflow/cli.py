@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: ``demo``, ``bench`` and ``mooncake-master``."""
+"""The ``kvflow`` command: ``demo``, ``bench``, ``store`` and ``mooncake-master``."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default="cpu", help="with --staged: where the caches live (cpu, cuda, npu)"
     )
 
+    from kvflow.tools.store_admin import add_store_parser  # no torch: `kvflow --help` stays fast
+
+    add_store_parser(sub)
+
     sub.add_parser(
         "mooncake-master", help="run a local Mooncake master (private network namespace only)", add_help=False
     )
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.backend, as_json=args.json, quick=args.quick, layerwise=args.layerwise, plot=args.plot
             )
         )
+    if args.command == "store":
+        from kvflow.tools.store_admin import store_main
+
+        return store_main(args)
     return 2
 
 

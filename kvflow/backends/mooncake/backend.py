@@ -35,6 +35,7 @@ import anyio.to_thread
 import attrs
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.mooncake.admin import ClusterUsage, fetch, parse_keys, parse_usage
 from kvflow.backends.mooncake.calls import (
     check_objects,
     dedupe,
@@ -44,7 +45,7 @@ from kvflow.backends.mooncake.calls import (
     put_results,
 )
 from kvflow.backends.mooncake.config import MooncakeConfig
-from kvflow.backends.mooncake.health import HealthGate
+from kvflow.backends.mooncake.health import HealthGate, StoreHealth
 from kvflow.backends.mooncake.native import (
     RPC_FAIL,
     NativeStore,
@@ -174,6 +175,11 @@ class MooncakeBackend:
         """Counters of this client; ``capacity_bytes`` is the segment it contributes."""
         return self._stats
 
+    def health(self) -> StoreHealth:
+        """Whether this client believes the master reachable (as its last call or probe found).
+        Safe from any thread: it returns an immutable snapshot and never calls Mooncake."""
+        return self._health.state
+
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Register memory for zero-copy puts and gets (now, or when the client connects).
 
@@ -198,6 +204,38 @@ class MooncakeBackend:
         still holds it (Mooncake leases an object to every get for a few seconds): try again later."""
         codes = await self._key_call("remove", keys, lambda store, batch: store.batch_remove(batch))
         return [c == 0 for c in codes]
+
+    # -- listing, for tools (kvflow store) ------------------------------------------------------
+
+    async def list_keys(self) -> list[str]:
+        """Every key the cluster holds (kvflow's and anyone else's), from the master's HTTP port
+        (``metrics_port``). Raises BackendUnavailableError when it does not answer."""
+        self._check_open()
+        return parse_keys(await self._fetch("/get_all_keys"))
+
+    async def cluster_usage(self) -> ClusterUsage:
+        """The cluster's capacity, bytes in use and key count, from the master's HTTP port."""
+        self._check_open()
+        return parse_usage(await self._fetch("/metrics"))
+
+    async def object_sizes(self, keys: Sequence[str]) -> list[int]:
+        """Each key's object size in bytes (-1 where there is none), asking the master in batches."""
+
+        def sizes(store: NativeStore, batch: list[str]) -> list[int]:
+            found = store.batch_get_replica_desc(batch)
+            return [_replica_size(found.get(key)) for key in batch]
+
+        result: list[int] = []
+        for start in range(0, len(keys), self.config.max_batch):
+            result += await self._key_call("size", keys[start : start + self.config.max_batch], sizes)
+        return result
+
+    async def _fetch(self, path: str) -> str:
+        host, port, timeout_s = self.config.master_host, self.config.metrics_port, self.config.timeout_s
+        with anyio.fail_after(timeout_s + 1.0):  # urllib's own timeout ends the thread
+            return await anyio.to_thread.run_sync(
+                lambda: fetch(host, port, path, timeout_s), abandon_on_cancel=True
+            )
 
     async def _key_call(
         self, op: str, keys: Sequence[str], call: Callable[[NativeStore, list[str]], list[int]]
@@ -402,6 +440,14 @@ class MooncakeBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError("the Mooncake backend was closed; open a new one")
+
+
+def _replica_size(replicas: object) -> int:
+    """The size of the first memory replica in Mooncake's replica descriptors, or -1."""
+    for replica in replicas if isinstance(replicas, list) else ():
+        if replica.is_memory_replica():
+            return int(replica.get_memory_descriptor().buffer_descriptor.size)
+    return -1
 
 
 def _explain(exc: BaseException, timeout_s: float) -> str:

@@ -6,7 +6,8 @@ When the master dies, Mooncake fails the first calls at once and then makes ever
 allowed to probe the master (a bounded, cheap check). A successful probe opens the gate again.
 No thread and no background task: probes happen lazily, inside the calls that need an answer.
 
-Use a gate from one event loop; its methods never await.
+Use a gate from one event loop; its methods never await. Its :attr:`HealthGate.state`, an
+immutable :class:`StoreHealth` replaced on every change, may be read from any thread.
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ from collections.abc import Callable
 
 import attrs
 
-__all__ = ["HealthGate"]
+__all__ = ["HealthGate", "StoreHealth"]
+
+
+@attrs.frozen
+class StoreHealth:
+    """Whether a backend believes its store reachable: since when (``time.monotonic()`` seconds,
+    0.0 when it never changed) and, while it is not, why."""
+
+    reachable: bool = True
+    since: float = 0.0
+    reason: str | None = None
 
 
 @attrs.define
@@ -30,6 +41,8 @@ class HealthGate:
     _next_probe: float = attrs.field(default=0.0, init=False)
     _probing: bool = attrs.field(default=False, init=False)
     failures: int = attrs.field(default=0, init=False)
+    #: The current state, for readers on any thread (a new object on every change).
+    state: StoreHealth = attrs.field(factory=StoreHealth, init=False)
 
     @property
     def healthy(self) -> bool:
@@ -43,8 +56,11 @@ class HealthGate:
             self._reason = reason
             self._down_since = now
             self._next_probe = now + self.interval_s
+            self.state = StoreHealth(False, now, reason)
 
     def mark_up(self) -> None:
+        if self._reason is not None:
+            self.state = StoreHealth(True, self.clock())
         self._reason = None
 
     def claim_probe(self) -> bool:
@@ -64,6 +80,7 @@ class HealthGate:
             self.mark_up()
         elif reason:
             self._reason = reason
+            self.state = StoreHealth(False, self._down_since, reason)
 
     def describe(self) -> str:
         """Why the gate is down and when the next probe may run, for error messages."""

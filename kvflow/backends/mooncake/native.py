@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from kvflow.backends.mooncake.config import MooncakeConfig
 from kvflow.backends.mooncake.threads import NativeCalls, SlotsBusy
@@ -88,6 +88,8 @@ class NativeStore(Protocol):
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
 
     def get_size(self, key: str) -> int: ...
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
 
     def get_hostname(self) -> str: ...
 

@@ -30,10 +30,16 @@ Keys (all optional; docs/vllm.md has the same table with examples):
 ``staging``             move blocks through host staging buffers: ``auto`` (a GPU/NPU cache over a
                         backend that cannot reach device memory), ``always``, ``never`` (default auto).
 ``staging_bytes``       the staging buffers of each worker (size text or int; default 256MiB).
+
+Two settings come from vLLM's own configuration, not from the extra config: ``role``
+(``kv_transfer_config.kv_role``: a ``kv_producer`` stores and never looks up or loads, a
+``kv_consumer`` looks up and loads and never stores, ``kv_both`` does both) and ``kv_events``
+(``kv_events_config.enable_kv_cache_events``: report the blocks it stores to KV-aware routers).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,7 +49,7 @@ import attrs
 from kvflow.config import PoolConfig, parse_size
 from kvflow.errors import ConfigError
 
-__all__ = ["DEFAULT_BACKEND", "ConnectorConfig"]
+__all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole"]
 
 DEFAULT_BACKEND = "local://"
 
@@ -85,6 +91,35 @@ def _shared_backend(_: object, attribute: attrs.Attribute[str], url: str) -> Non
         raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be a URL, got {url!r}")
 
 
+class KVRole(enum.Enum):
+    """vLLM's ``kv_role``: what this engine does with the store."""
+
+    BOTH = "kv_both"
+    PRODUCER = "kv_producer"  # a prefill engine: stores, never looks up or loads
+    CONSUMER = "kv_consumer"  # a decode engine: looks up and loads, never stores
+
+    @property
+    def stores(self) -> bool:
+        return self is not KVRole.CONSUMER
+
+    @property
+    def loads(self) -> bool:
+        return self is not KVRole.PRODUCER
+
+    @classmethod
+    def of(cls, kv_role: str | None) -> KVRole:
+        """vLLM's ``kv_role`` (None, as vLLM allows without a connector, means ``kv_both``)."""
+        if kv_role is None:
+            return cls.BOTH
+        try:
+            return cls(kv_role)
+        except ValueError:
+            allowed = ", ".join(repr(r.value) for r in cls)
+            raise ConfigError(
+                f"kv_role must be one of {allowed} for KVFlowConnector, got {kv_role!r}"
+            ) from None
+
+
 @attrs.frozen
 class ConnectorConfig:
     """What the vLLM connector was told to do. Build it with :meth:`from_extra_config`."""
@@ -104,10 +139,15 @@ class ConnectorConfig:
     save_decode_blocks: bool = False
     staging: str = attrs.field(default="auto", validator=_choice("auto", "always", "never"))
     staging_bytes: int = attrs.field(default=256 << 20, validator=_positive_int)
+    role: KVRole = KVRole.BOTH
+    kv_events: bool = False
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorConfig:
-        """Parse vLLM's ``kv_connector_extra_config``; raise ConfigError naming any bad key."""
+    def from_extra_config(
+        cls, extra: Mapping[str, object] | None, *, role: KVRole = KVRole.BOTH, kv_events: bool = False
+    ) -> ConnectorConfig:
+        """Parse vLLM's ``kv_connector_extra_config``; raise ConfigError naming any bad key.
+        ``role`` and ``kv_events`` come from vLLM's ``kv_role`` and KV events settings."""
         extra = extra or {}
         unknown = set(extra) - _KEYS
         if unknown:
@@ -128,7 +168,7 @@ class ConnectorConfig:
                         f"kv_connector_extra_config[{key!r}] must be a size like 1GiB or 4096, got {value!r}"
                     )
                 kwargs[key] = parse_size(value)
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs, role=role, kv_events=kv_events)  # type: ignore[arg-type]
 
     def pool_config(self, model: str) -> PoolConfig:
         """The :class:`kvflow.PoolConfig` of a worker's pool serving ``model``."""

@@ -1,7 +1,10 @@
 """``KVFlowConnector``: the class vLLM instantiates, twice (scheduler role and worker role).
 
 It only translates vLLM's calls to the side its role owns (:mod:`.scheduler` or :mod:`.worker`) and
-fills in vLLM's return types. Which thread calls what is documented on each side.
+fills in vLLM's return types. Which thread calls what is documented on each side. Besides the
+steps it gives vLLM: stats every step (:mod:`.stats`; Prometheus through
+:meth:`KVFlowConnector.build_prom_metrics`) and, with KV events on, the blocks it stored
+(:mod:`.events`).
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.scheduler import SchedulerSide
-from kvflow.integrations.vllm.stats import KVFlowConnectorStats, TransferCounters
+from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, TransferCounters
 from kvflow.integrations.vllm.topology import describe_engine, worker_ranks
 from kvflow.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,7 +60,13 @@ class KVFlowConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        transfer = self._kv_transfer_config
+        events = vllm_config.kv_events_config
+        config = ConnectorConfig.from_extra_config(
+            transfer.kv_connector_extra_config,
+            role=KVRole.of(transfer.kv_role),
+            kv_events=bool(events is not None and events.enable_kv_cache_events),
+        )
         shape = describe_engine(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -63,7 +75,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._cache_hit_source = CacheHitSource.HOST if local else CacheHitSource.EXTERNAL_UNSPECIFIED
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(config, shape)
-            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            if config.role.loads and self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kv_load_failure_policy=%r: a block evicted between lookup and load fails the "
                     "request; set kv_load_failure_policy='recompute' to recompute it instead",
@@ -138,14 +150,30 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self._worker_side().worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
-            return None
-        interval = self._worker.take_interval()
+        """This side's interval (a worker's transfers, or the scheduler's lookups), every step."""
+        side = self._worker if self._worker is not None else self._scheduler
+        interval = side.take_interval() if side is not None else None
         return None if interval is None else KVFlowConnectorStats.of(interval)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVFlowConnectorStats.from_data(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """kvflow's ``vllm:kvflow_*`` metrics (docs/operations.md), labelled like vLLM's own."""
+        return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """The blocks this worker stored since the previous step (KV events on), for vLLM to merge
+        across workers and hand to the scheduler side."""
+        return self._worker.take_events() if self._worker is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -188,7 +216,12 @@ class KVFlowConnector(KVConnectorBase_V1):
             connector_output.invalid_block_ids,
             connector_output.failed_recving,
             meta.steps if isinstance(meta, KVFlowWorkerMeta) else (),
+            connector_output.kv_cache_events,
         )
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """``BlockStored`` events of blocks every worker stored, for vLLM's KV event publisher."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request), None

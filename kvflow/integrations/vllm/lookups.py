@@ -16,7 +16,8 @@ thread:
   bound plus the loop's grace) counts as "nothing cached".
 
 So a slow or dead store delays admissions by at most the lookup timeout (and the grace) and each
-step by at most ``wait_s``. Used from the scheduler thread only.
+step by at most ``wait_s``. Each answered lookup leaves its seconds (start to answer) for the
+stats (:meth:`Lookups.take_seconds`). Used from the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable
 
 import attrs
 
+from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.loop import CallFuture
 
 __all__ = ["LookupStart", "Lookups"]
@@ -44,6 +46,7 @@ class _Pending:
     future: CallFuture[int]
     num_blocks: int
     block_offset: int
+    watch: Stopwatch
 
     def serves(self, num_blocks: int, block_offset: int, block_size: int) -> bool:
         """Whether this lookup answers for a request of ``num_blocks`` whose first ``block_offset``
@@ -67,6 +70,7 @@ class Lookups:
     wait_s: float
     _pending: dict[str, _Pending] = attrs.field(factory=dict, init=False)
     _budget_s: float = attrs.field(default=0.0, init=False)
+    _seconds: list[float] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._budget_s = self.wait_s
@@ -102,7 +106,13 @@ class Lookups:
         else:
             self._budget_s -= time.monotonic() - started
         del self._pending[req_id]
+        self._seconds.append(pending.watch.seconds)
         return max(hit, block_offset * self.block_size)
+
+    def take_seconds(self) -> list[float]:
+        """The seconds of each lookup answered since the previous call."""
+        seconds, self._seconds = self._seconds, []
+        return seconds
 
     def forget(self, req_id: str) -> None:
         """Drop a request's lookup (it finished while waiting)."""
@@ -115,4 +125,6 @@ class Lookups:
         return len(self._pending)
 
     def _begin(self, block_hashes: tuple[bytes, ...], block_offset: int) -> _Pending:
-        return _Pending(self.start(block_hashes, block_offset), len(block_hashes), block_offset)
+        watch = Stopwatch()
+        future = self.start(block_hashes, block_offset)
+        return _Pending(future, len(block_hashes), block_offset, watch.watch(future))

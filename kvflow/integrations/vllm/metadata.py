@@ -32,12 +32,27 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     ``async_loads`` start now and are reported done through ``get_finished`` (their requests are
     not in this step). ``saves`` are read once the forward wrote them, and within the step: when
     the step ends no kvflow transfer reads its blocks any more.
+    ``save_tokens``: with KV events on, the tokens of each save's blocks (one entry per save, in
+    order), which the workers put in the events of the blocks they stored; else empty.
     """
 
     step: int = 0
     loads: tuple[KVRequest, ...] = ()
     async_loads: tuple[KVRequest, ...] = ()
     saves: tuple[KVRequest, ...] = ()
+    save_tokens: tuple[tuple[int, ...], ...] = attrs.field(default=())
+
+    @save_tokens.validator
+    def _one_per_save(self, _: object, value: tuple[tuple[int, ...], ...]) -> None:
+        if value and len(value) != len(self.saves):
+            raise ValueError(f"{len(value)} token lists for {len(self.saves)} saves")
+
+    def tokens_of(self, span: KVRequest) -> tuple[int, ...] | None:
+        """The tokens of a save's blocks (None without KV events)."""
+        for save, tokens in zip(self.saves, self.save_tokens):
+            if save is span or save == span:
+                return tokens
+        return None
 
 
 @attrs.frozen

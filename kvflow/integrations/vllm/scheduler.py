@@ -25,6 +25,11 @@ vLLM's prefix cache, is held back: ``saved_upto`` stays, and a later step stores
 failed block stays untrusted until a step recomputes it; every request reading it has ``saved_upto``
 lowered to it, so the step that recomputes stores again. A request that finishes first leaves held
 blocks unstored: a lost caching chance, never wrong data.
+
+Roles (vLLM's ``kv_role``): a ``kv_producer`` opens no lookup pool and plans no load; a
+``kv_consumer`` plans no save. The scheduler side also counts its lookups (hit and missed tokens,
+seconds: :meth:`SchedulerSide.take_interval`) and, with KV events on, turns the workers' reports of
+stored blocks into events once every worker reported a block (:mod:`.events`).
 """
 
 from __future__ import annotations
@@ -38,18 +43,22 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.clients import open_lookup_pool
+from kvflow.integrations.vllm.clients import open_lookup_pool, open_store
 from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.events import EventTally
+from kvflow.integrations.vllm.health import StoreWatch
 from kvflow.integrations.vllm.lookups import Lookups
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.integrations.vllm.trust import BlockTrust, StepWork
 from kvflow.loop import CallFuture
+from kvflow.metrics import Observations, TransferCounters
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -84,11 +93,21 @@ class SchedulerSide:
     _trust: BlockTrust = attrs.field(factory=BlockTrust, init=False)
     _reports: Counter[int] = attrs.field(factory=Counter, init=False)  # step -> workers that settled it
     _step: int = attrs.field(default=0, init=False)
+    _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)  # lookups
+    _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
+    _watch: StoreWatch | None = attrs.field(default=None, init=False)
+    _tally: EventTally = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._tally = EventTally(self.shape.tp_size * self.shape.pp_size)
 
     # -- start-up ---------------------------------------------------------------------------------
 
     def on_handshake(self, handshakes: Mapping[tuple[int, int], KVFlowHandshake]) -> None:
-        """Open the lookup pool with the layout every worker reported."""
+        """Open the lookup pool with the layout every worker reported (not for a producer)."""
+        if not self.config.role.loads:
+            log.info("kvflow: kv_role=%s: this engine stores and never looks up", self.config.role.value)
+            return
         if not handshakes:
             log.warning("no worker reported its KV layout; kvflow lookups stay off (no hits)")
             return
@@ -102,9 +121,12 @@ class SchedulerSide:
                 f"layout kind and dtype with block size {self.shape.block_size} on every rank"
             )
         first = min(handshakes.values(), key=lambda h: (h.pp_rank, h.tp_rank))
-        pool = open_lookup_pool(self.config, self.shape, first)
+        url = self.config.lookup_backend or self.config.backend
+        store = open_store(url)  # the pool owns it; the watch only reads its health
+        pool = open_lookup_pool(self.config, self.shape, first, store)
         self._pool = pool
         _read_profiles(pool, self.config.lookup_timeout_s)
+        self._watch = StoreWatch(store, "scheduler", url)
         self._lookups = Lookups(
             functools.partial(_start_lookup, pool),
             block_size=self.shape.block_size,
@@ -136,6 +158,8 @@ class SchedulerSide:
         hit = self._lookups.poll(req_id, hashes, local_blocks)
         if hit is None:
             return None, False
+        asked = len(hashes) * block - num_computed_tokens
+        self._counters = self._counters.with_lookup(hit - num_computed_tokens, asked)
         tokens = external_tokens(hit, num_computed_tokens, request.num_tokens)
         return tokens, tokens > 0 and self.config.load_async
 
@@ -215,17 +239,26 @@ class SchedulerSide:
             ]
         )
         saves: list[KVRequest] = []
-        for tracked, _, after in work:  # only now: a save may read blocks another request loads
-            self._plan_save(tracked, after, saves)
+        if self.config.role.stores:
+            for tracked, _, after in work:  # only now: a save may read blocks another request loads
+                self._plan_save(tracked, after, saves)
         if self._pending_loads:
             log.warning("dropping kvflow loads of unscheduled requests %s", sorted(self._pending_loads))
             self._pending_loads.clear()
         async_loads = tuple(self._pending_async.values())
         self._async_loads.update(self._pending_async)
         self._pending_async.clear()
+        tokens: tuple[tuple[int, ...], ...] = ()
+        if self.config.kv_events and saves:
+            tokens = tuple(self._save_tokens(span) for span in saves)
         return KVFlowConnectorMetadata(
-            step=step, loads=tuple(loads), async_loads=async_loads, saves=tuple(saves)
+            step=step, loads=tuple(loads), async_loads=async_loads, saves=tuple(saves), save_tokens=tokens
         )
+
+    def _save_tokens(self, span: KVRequest) -> tuple[int, ...]:
+        block = self.shape.block_size
+        request = self._requests[span.request_id].request
+        return tuple(request.all_token_ids[span.block_offset * block : span.end_block * block])
 
     def _take_load(self, req_id: str, step: int, loads: list[KVRequest]) -> None:
         span = self._pending_loads.pop(req_id, None)
@@ -258,10 +291,13 @@ class SchedulerSide:
         invalid_block_ids: set[int] | None = None,
         failed_recving: set[str] | None = None,
         settled_steps: Sequence[int] = (),
+        kv_cache_events: KVConnectorKVEvents | None = None,
     ) -> None:
         """Every worker's output of a step: the steps whose loads ended on some workers (each worker
-        lists a step once), asynchronous loads that every worker reported done, and the blocks (or
-        requests) whose load failed on some worker."""
+        lists a step once), asynchronous loads that every worker reported done, the blocks (or
+        requests) whose load failed on some worker, and (KV events on) the blocks workers stored."""
+        if self.config.kv_events:
+            self._tally.add(kv_cache_events)
         bad = set(invalid_block_ids or ())
         failed = failed_recving or set()
         self._reports.update(settled_steps)
@@ -312,6 +348,25 @@ class SchedulerSide:
         )
         return True
 
+    # -- what it tells vLLM besides the steps ------------------------------------------------------
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """``BlockStored`` events of blocks every worker reported stored, since the previous call."""
+        return self._tally.take()
+
+    def take_interval(self) -> Observations | None:
+        """Lookups answered since the previous call (counts and seconds) and, the first time and
+        after a change, whether the lookup store is reachable; None when there is nothing to say."""
+        seconds = self._lookups.take_seconds() if self._lookups is not None else []
+        reachability: tuple[tuple[str, bool], ...] = ()
+        if self._watch is not None:
+            self._watch.poll()
+            reachability = self._watch.report()
+        now = self._counters
+        observed = Observations(now.minus(self._reported), lookup_s=seconds, reachability=reachability)
+        self._reported = now
+        return None if observed.empty else observed
+
     def shutdown(self) -> None:
         pool, self._pool = self._pool, None
         self._lookups = None
@@ -328,7 +383,7 @@ def _read_profiles(pool: SyncPool, timeout_s: float) -> None:
     need not, and an engine whose KV this one cannot share is named now (docs/topology.md)."""
     try:
         others = pool.profiles(timeout_s=timeout_s)
-    except Exception as exc:  # the store may be down at start; lookups read it later
+    except Exception as exc:
         log.warning("kvflow could not read the store's profiles at start: %r", exc)
         return
     if others:

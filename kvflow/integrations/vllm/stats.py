@@ -1,115 +1,116 @@
-"""What a worker's connector moved: counters per block, and their form for vLLM's stats pipeline.
+"""What the connector moved, in the two forms vLLM's stats pipeline takes.
 
-:class:`TransferCounters` is one worker's running total (read it with
-``KVFlowConnector.counters()``). :class:`KVFlowConnectorStats` carries the counts of one interval
-from each worker to vLLM's stats logger, which sums them over workers (``KV Transfer metrics: ...``
-in vLLM's log when stats logging is on).
+Each worker (and the scheduler side, for its lookups) hands vLLM one interval's
+:class:`kvflow.metrics.Observations` as a :class:`KVFlowConnectorStats` every engine step in which
+something happened. vLLM sums them over workers and the scheduler (:meth:`~KVFlowConnectorStats.aggregate`),
+then gives them to its two stats loggers: the interval log line (``KV Transfer metrics: ...``,
+:meth:`~KVFlowConnectorStats.reduce`) and Prometheus (:class:`KVFlowPromMetrics`, which records the
+metrics of :data:`kvflow.metrics.CATALOGUE` as ``vllm:kvflow_*`` with vLLM's ``model_name`` and
+``engine`` labels). ``KVFlowConnector.counters()`` gives a worker's running totals.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import attrs
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvflow.results import RetrieveResult, StoreResult
+from kvflow.metrics import (
+    LabelledMetrics,
+    MetricKind,
+    MetricSpec,
+    Observations,
+    TransferCounters,
+    create_parents,
+    record,
+)
 
-__all__ = ["KVFlowConnectorStats", "TransferCounters"]
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
+__all__ = ["PROM_PREFIX", "KVFlowConnectorStats", "KVFlowPromMetrics", "TransferCounters"]
 
-@attrs.frozen
-class TransferCounters:
-    """Blocks one worker moved, since it started.
-
-    ``loaded_blocks`` arrived whole; ``load_failed_blocks`` missed or failed (vLLM recomputed them);
-    ``stored_blocks`` were written by this rank, ``present_blocks`` were already in the store,
-    ``not_owned_blocks`` belong to another rank of this rank's replica group (it stores them),
-    ``store_failed_blocks`` could not be written (no space, store fault), ``dropped_save_blocks``
-    were not stored because a load of the same step failed (their KV may rest on the failed blocks).
-    """
-
-    load_requests: int = 0
-    loaded_blocks: int = 0
-    load_failed_blocks: int = 0
-    store_requests: int = 0
-    stored_blocks: int = 0
-    present_blocks: int = 0
-    not_owned_blocks: int = 0
-    store_failed_blocks: int = 0
-    dropped_save_blocks: int = 0
-
-    def with_load(self, result: RetrieveResult) -> TransferCounters:
-        failed = len(result.failed_block_ids)
-        return attrs.evolve(
-            self,
-            load_requests=self.load_requests + 1,
-            loaded_blocks=self.loaded_blocks + len(result.block_ids) - failed,
-            load_failed_blocks=self.load_failed_blocks + failed,
-        )
-
-    def with_failed_load(self, num_blocks: int) -> TransferCounters:
-        return attrs.evolve(
-            self,
-            load_requests=self.load_requests + 1,
-            load_failed_blocks=self.load_failed_blocks + num_blocks,
-        )
-
-    def with_store(self, result: StoreResult) -> TransferCounters:
-        return attrs.evolve(
-            self,
-            store_requests=self.store_requests + 1,
-            stored_blocks=self.stored_blocks + result.stored,
-            present_blocks=self.present_blocks + result.present,
-            not_owned_blocks=self.not_owned_blocks + result.not_owned,
-            store_failed_blocks=self.store_failed_blocks + len(result.failed_indices),
-        )
-
-    def with_failed_store(self, num_blocks: int) -> TransferCounters:
-        return attrs.evolve(
-            self,
-            store_requests=self.store_requests + 1,
-            store_failed_blocks=self.store_failed_blocks + num_blocks,
-        )
-
-    def with_dropped_saves(self, num_blocks: int) -> TransferCounters:
-        return attrs.evolve(self, dropped_save_blocks=self.dropped_save_blocks + num_blocks)
-
-    def as_dict(self) -> dict[str, int]:
-        return attrs.asdict(self)
-
-    def minus(self, earlier: TransferCounters) -> TransferCounters:
-        """The counts since ``earlier`` (a snapshot of the same worker)."""
-        now, then = self.as_dict(), earlier.as_dict()
-        return TransferCounters(**{key: now[key] - then[key] for key in now})
-
-    @property
-    def empty(self) -> bool:
-        return not any(self.as_dict().values())
+#: vLLM names its metrics ``vllm:<name>``; kvflow's are ``vllm:kvflow_<name>``.
+PROM_PREFIX = "vllm:kvflow_"
 
 
 class KVFlowConnectorStats(KVConnectorStats):
-    """One interval's :class:`TransferCounters`, summed over the workers that sent them."""
+    """One interval's :class:`~kvflow.metrics.Observations` of one or more workers (``data`` holds
+    its :meth:`~kvflow.metrics.Observations.to_data` form: vLLM moves it between processes)."""
 
     @classmethod
-    def of(cls, counters: TransferCounters) -> KVFlowConnectorStats:
-        return cls(data=counters.as_dict())
+    def of(cls, observations: Observations | TransferCounters) -> KVFlowConnectorStats:
+        if isinstance(observations, TransferCounters):
+            observations = Observations(observations)
+        return cls(data=observations.to_data())
+
+    @property
+    def observations(self) -> Observations:
+        return Observations.from_data(self.data)
 
     def reset(self) -> None:
-        self.data = TransferCounters().as_dict()
+        self.data = Observations().to_data()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            if isinstance(value, int):
-                self.data[key] = int(self.data.get(key, 0)) + value
+        self.data = self.observations.plus(Observations.from_data(other.data)).to_data()
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: int(value) for key, value in self.data.items() if isinstance(value, int)}
+        """The interval log line: counts, latencies (milliseconds, mean and max) and, when a pool
+        reported it, whether the store was reachable."""
+        observed = self.observations
+        summary: dict[str, int | float] = dict(observed.counters.as_dict())
+        for name in ("lookup", "load", "store"):
+            samples = getattr(observed, f"{name}_s")
+            if samples:
+                summary[f"{name}_ms_mean"] = round(1000 * sum(samples) / len(samples), 3)
+                summary[f"{name}_ms_max"] = round(1000 * max(samples), 3)
+        if observed.store_reachable is not None:
+            summary["store_reachable"] = int(observed.store_reachable)
+        return summary
 
     def is_empty(self) -> bool:
-        return not any(isinstance(v, int) and v for v in self.data.values())
+        return self.observations.empty
 
     @classmethod
     def from_data(cls, data: dict[str, Any] | None) -> KVFlowConnectorStats:
         return cls(data=dict(data or {}))
+
+
+class KVFlowPromMetrics(KVConnectorPromMetrics):
+    """kvflow's metrics registered through vLLM's per-connector Prometheus hook.
+
+    vLLM creates one in its front-end process (``KVFlowConnector.build_prom_metrics``) and calls
+    :meth:`observe` with every step's aggregated stats and the engine's index.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter: Any = self._counter_cls  # vLLM's classes (prometheus_client's, or Ray's wrappers)
+        gauge: Any = self._gauge_cls
+        histogram: Any = self._histogram_cls
+
+        def make(spec: MetricSpec, name: str, names: list[str]) -> Any:
+            if spec.kind is MetricKind.COUNTER:
+                return counter(name=name, documentation=spec.help, labelnames=names)
+            if spec.kind is MetricKind.GAUGE:
+                return gauge(
+                    name=name, documentation=spec.help, labelnames=names, multiprocess_mode="mostrecent"
+                )
+            return histogram(name=name, documentation=spec.help, labelnames=names, buckets=list(spec.buckets))
+
+        parents = create_parents(make, PROM_PREFIX, labelnames)
+        self._engines = {
+            index: LabelledMetrics.create(parents, values) for index, values in per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        writer = self._engines.get(engine_idx)
+        if writer is not None:
+            record(Observations.from_data(transfer_stats_data), writer)

@@ -14,7 +14,9 @@ engine), except the blocks of an asynchronous load, which vLLM holds until every
   forward reads complete blocks; ``finish`` stores the blocks the step computed and waits until
   the stores have read them: copied out to host staging (a device cache), or put (a host cache).
   The outcome holds the stores' results as they ended by then (a staged put may still run: its
-  result is counted when the next step ends).
+  result is counted when the next step ends). With ``wait_stored`` (a ``kv_producer``: a decode
+  engine looks the blocks up as soon as the request's output is out) ``finish`` also waits for
+  staged puts, so every store has ended when the step does.
 - :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
   ``load`` starts a layerwise retriever that fetches layer l+1 while layer l computes;
   ``wait_for_layer`` blocks until a layer is in place; the first ``save_layer`` starts a layerwise
@@ -40,6 +42,7 @@ import torch
 
 from kvflow.errors import BackendError
 from kvflow.events import make_event
+from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
@@ -52,8 +55,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-Loaded = tuple[KVRequest, RetrieveResult | None]
-Storing = tuple[KVRequest, "concurrent.futures.Future[StoreResult]"]
+
+#: A sync load, its result (None: it failed as a whole) and the seconds it took.
+Loaded = tuple[KVRequest, RetrieveResult | None, float]
+#: A save, its store (possibly still running) and when that started and ended.
+Storing = tuple[KVRequest, "concurrent.futures.Future[StoreResult]", Stopwatch]
 
 #: How often a transfer still running past its deadline is logged (it may still touch its blocks,
 #: so nothing may report it ended before it has).
@@ -62,10 +68,10 @@ STILL_RUNNING_LOG_S = 30.0
 
 @attrs.frozen
 class StepOutcome:
-    """What one step's transfers did. ``loads``: each sync load and its result (None: it failed as a
-    whole); ``stores``: each save and its store (no longer reading the step's blocks; a staged put
-    may still be running); ``dropped``: saves not stored because a load of the step failed on
-    this rank."""
+    """What one step's transfers did. ``loads``: each sync load, its result (None: it failed as a
+    whole) and its seconds; ``stores``: each save and its store (no longer reading the step's
+    blocks; a staged put may still be running) with its stopwatch; ``dropped``: saves not stored
+    because a load of the step failed on this rank."""
 
     loads: tuple[Loaded, ...] = ()
     stores: tuple[Storing, ...] = ()
@@ -73,7 +79,7 @@ class StepOutcome:
 
     @property
     def load_failed(self) -> bool:
-        return any(result is None or result.failed_block_ids for _, result in self.loads)
+        return any(result is None or result.failed_block_ids for _, result, _ in self.loads)
 
 
 def wait_ended(future: CallFuture[T], what: str, log_every_s: float = STILL_RUNNING_LOG_S) -> T | None:
@@ -135,12 +141,17 @@ class BlockSteps:
     """Whole-block loads before the forward, whole-block stores after it, both within the step."""
 
     pool: SyncPool
+    wait_stored: bool = False
     _load_failed: bool = attrs.field(default=False, init=False)
 
     def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
         """Load every block now; the results (the caller records them at once)."""
-        futures = [(span, self.pool.submit_retrieve(span)) for span in spans]
-        loaded = tuple((span, wait_ended(future, "load")) for span, future in futures)
+        futures = []
+        for span in spans:
+            watch = Stopwatch()
+            future = self.pool.submit_retrieve(span)
+            futures.append((span, future, watch.watch(future)))
+        loaded = tuple((span, wait_ended(future, "load"), watch.seconds) for span, future, watch in futures)
         self._load_failed = self._load_failed or StepOutcome(loaded).load_failed
         return loaded
 
@@ -165,16 +176,17 @@ class BlockSteps:
             written.record()
         stores = []
         for span in saves:
-            released = threading.Event()
-            stores.append(
-                (span, released, self.pool.submit_store(span, after=written, on_released=released.set))
-            )
-        for _, released, future in stores:  # once copied out, vLLM may reuse the blocks
+            released, watch = threading.Event(), Stopwatch()
+            future = self.pool.submit_store(span, after=written, on_released=released.set)
+            stores.append((span, released, future, watch.watch(future)))
+        for _, released, future, _ in stores:  # once copied out, vLLM may reuse the blocks
             wait_released(released, future)
-        if self.pool.device is None:  # direct puts: released means stored, the result follows at once
-            for _, _, future in stores:
+        if self.pool.device is None or self.wait_stored:
+            # Direct puts: released means stored, the result follows at once. A producer waits
+            # for staged puts too: its request's output must not leave before its blocks are in.
+            for _, _, future, _ in stores:
                 wait_ended(future, "store")
-        return StepOutcome(stores=tuple((span, future) for span, _, future in stores))
+        return StepOutcome(stores=tuple((span, future, watch) for span, _, future, watch in stores))
 
     def close(self) -> None:
         self.pool.close()
@@ -188,6 +200,8 @@ class LayerwiseSteps:
     _loads: tuple[KVRequest, ...] = attrs.field(default=(), init=False)
     _storing: bool = attrs.field(default=False, init=False)
     _load_failed: bool = attrs.field(default=False, init=False)
+    _load_watch: Stopwatch | None = attrs.field(default=None, init=False)  # start -> last layer in
+    _store_started: float = attrs.field(default=0.0, init=False)
 
     @property
     def pool(self) -> SyncPool:
@@ -197,6 +211,7 @@ class LayerwiseSteps:
     def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
         """Start the layerwise load; its results come with :meth:`finish`."""
         self._loads = tuple(spans)
+        self._load_watch = Stopwatch()
         self.engine.start_load(spans)
         return ()
 
@@ -204,6 +219,8 @@ class LayerwiseSteps:
         arrived = self.engine.wait_for_layer_load(layer)
         if not arrived:
             self._load_failed = True
+        if self._load_watch is not None:
+            self._load_watch.ended = time.monotonic()
         return arrived
 
     def save_layer(self, layer: int, saves: Sequence[KVRequest]) -> None:
@@ -214,24 +231,27 @@ class LayerwiseSteps:
         if not self._storing:
             self.engine.start_store(saves)
             self._storing = True
+            self._store_started = time.monotonic()
         self.engine.save_layer(layer)
 
     def finish(self, saves: Sequence[KVRequest]) -> StepOutcome:
         loads, storing, failed = self._loads, self._storing, self._load_failed
-        self._loads, self._storing, self._load_failed = (), False, False
+        watch, store_started = self._load_watch or Stopwatch(), self._store_started
+        self._loads, self._storing, self._load_failed, self._load_watch = (), False, False, None
         try:
             result = self.engine.wait_for_save()
         except BackendError as exc:  # a backend fault: count everything of the step as failed
             # A TimeoutError (a transfer that would not stop) or a programming error propagates:
             # the step's blocks may still be written, so going on as if it failed would be wrong.
             log.error("kvflow's layerwise transfers of this step failed: %r; recomputing its loads", exc)
-            return StepOutcome(tuple((span, None) for span in loads), dropped=tuple(saves))
-        loaded = tuple((span, result.loaded.get(span.request_id)) for span in loads)
+            return StepOutcome(tuple((span, None, watch.seconds) for span in loads), dropped=tuple(saves))
+        loaded = tuple((span, result.loaded.get(span.request_id), watch.seconds) for span in loads)
         if not storing:
             return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
         stored = result.stored
+        ended = Stopwatch(store_started, time.monotonic())
         stores = tuple(
-            (span, _completed(stored[span.request_id])) for span in saves if span.request_id in stored
+            (span, _completed(stored[span.request_id]), ended) for span in saves if span.request_id in stored
         )
         return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.request_id not in stored))
 

@@ -11,8 +11,13 @@ kvflow. The one exception is an asynchronous load: it writes blocks of a request
 (and does not free, even when it is aborted) until every worker lists it as finished receiving.
 
 What each step reports: asynchronous loads that ended (``get_finished``), the blocks any load of
-this worker failed to fill (``take_load_errors``), and the steps whose loads have ended
-(:meth:`worker_meta`), which the scheduler side needs before it stores anything computed from them.
+this worker failed to fill (``take_load_errors``), the steps whose loads have ended
+(:meth:`worker_meta`), which the scheduler side needs before it stores anything computed from them,
+what moved and how long it took (:meth:`take_interval`, with whether the store is reachable:
+:mod:`.health`), and, with KV events on, the blocks it stored (:meth:`take_events`, :mod:`.events`).
+
+A ``kv_producer`` waits for its staged puts too before a step ends (``BlockSteps.wait_stored``),
+so its request's output leaves the engine only once the request's blocks are in the store.
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ from typing import Any
 
 import attrs
 
-from kvflow.integrations.vllm.clients import open_layerwise_pool, open_worker_pool
-from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.clients import open_layerwise_pool, open_store, open_worker_pool
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
+from kvflow.integrations.vllm.events import KVFlowKVEvents, stored_events
+from kvflow.integrations.vllm.health import StoreWatch
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
-from kvflow.integrations.vllm.stats import TransferCounters
 from kvflow.integrations.vllm.steps import STILL_RUNNING_LOG_S, BlockSteps, LayerwiseSteps, StepOutcome
+from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.integrations.vllm.topology import EngineShape, check_layer_names
 from kvflow.layout import KVCacheEntry, KVLayout
 from kvflow.loop import CallFuture
+from kvflow.metrics import Observations, TransferCounters
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 
@@ -46,6 +54,17 @@ class _AsyncLoad:
     span: KVRequest
     future: CallFuture[RetrieveResult]
     deadline: float  # after it, a load still running is logged (and keeps its blocks until it ends)
+    watch: Stopwatch
+
+
+@attrs.define(eq=False)
+class _Put:
+    """A store whose result is counted once it ended (a staged put may outlive its step)."""
+
+    span: KVRequest
+    future: concurrent.futures.Future[StoreResult]
+    watch: Stopwatch
+    tokens: tuple[int, ...] | None  # the blocks' tokens, for KV events (None: events off)
 
 
 @attrs.define(eq=False)
@@ -62,11 +81,13 @@ class WorkerSide:
     _async_loads: dict[str, _AsyncLoad] = attrs.field(factory=dict, init=False)
     _load_errors: set[int] = attrs.field(factory=set, init=False)
     _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
-    _puts: list[tuple[KVRequest, concurrent.futures.Future[StoreResult]]] = attrs.field(
-        factory=list, init=False
-    )
+    _puts: list[_Put] = attrs.field(factory=list, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
+    _samples: dict[str, list[float]] = attrs.field(factory=lambda: {"load": [], "store": []}, init=False)
+    _events: list[Any] = attrs.field(factory=list, init=False)
+    _watch: StoreWatch | None = attrs.field(default=None, init=False)
+    _block_nbytes: int = attrs.field(default=0, init=False)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -76,16 +97,18 @@ class WorkerSide:
         parallel = self.shape.parallel(self.tp_rank, self.pp_rank)
         check_layer_names(list(kv_caches), parallel.stage_layers(self.pp_rank, layout.num_layers))
         self._layout = layout
+        self._block_nbytes = layout.block_nbytes
         self._layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
+        store = open_store(self.config.backend)  # the pool owns it; the watch only reads its health
+        ranks = (self.tp_rank, self.pp_rank)
         if self.config.layerwise:
-            engine = open_layerwise_pool(self.config, self.shape, layout, self.tp_rank, self.pp_rank)
-            self._steps = LayerwiseSteps(engine)
+            self._steps = LayerwiseSteps(open_layerwise_pool(self.config, self.shape, layout, *ranks, store))
         else:
-            self._steps = BlockSteps(
-                open_worker_pool(self.config, self.shape, layout, self.tp_rank, self.pp_rank)
-            )
+            pool = open_worker_pool(self.config, self.shape, layout, *ranks, store)
+            self._steps = BlockSteps(pool, wait_stored=self.config.role is KVRole.PRODUCER)
+        self._watch = StoreWatch(store, f"worker-tp{self.tp_rank}-pp{self.pp_rank}", self.config.backend)
         log.info(
-            "kvflow worker tp=%d pp=%d: %d layers of %s, %d blocks of %d tokens, %s, backend %s",
+            "kvflow worker tp=%d pp=%d: %d layers of %s, %d blocks of %d tokens, %s, backend %s, role %s",
             self.tp_rank,
             self.pp_rank,
             layout.num_layers,
@@ -94,6 +117,7 @@ class WorkerSide:
             layout.block_size,
             "layerwise" if self.config.layerwise else "whole blocks",
             self.config.backend,
+            self.config.role.value,
         )
 
     def handshake(self) -> KVFlowHandshake | None:
@@ -113,7 +137,8 @@ class WorkerSide:
                 future.set_exception(RuntimeError("no KV caches registered"))
             else:
                 future = steps.pool.submit_retrieve(span)
-            self._async_loads[span.request_id] = _AsyncLoad(span, future, future.answer_by)
+            watch = Stopwatch().watch(future)
+            self._async_loads[span.request_id] = _AsyncLoad(span, future, future.answer_by, watch)
         if meta.loads:
             if steps is None:
                 self._load_errors.update(b for span in meta.loads for b in span.block_ids)
@@ -137,19 +162,23 @@ class WorkerSide:
     def wait_for_save(self, meta: KVFlowConnectorMetadata) -> None:
         """End the step: its stores (and, layerwise, its loads) have ended when this returns."""
         if self._steps is not None:
-            self._record(self._steps.finish(meta.saves))
+            saves = meta.saves if self.config.role.stores else ()  # the scheduler plans none either
+            self._record(self._steps.finish(saves), meta)
         self._settled_steps.add(meta.step)  # a layerwise step's loads end here
 
-    def _record(self, outcome: StepOutcome) -> None:
+    def _record(self, outcome: StepOutcome, meta: KVFlowConnectorMetadata | None = None) -> None:
         counters = self._counters
-        for span, loaded in outcome.loads:
+        for span, loaded, seconds in outcome.loads:
+            self._samples["load"].append(seconds)
             if loaded is None:
                 self._load_errors.update(span.block_ids)
                 counters = counters.with_failed_load(len(span.block_ids))
             else:
                 self._load_errors.update(loaded.failed_block_ids)
-                counters = counters.with_load(loaded)
-        self._puts.extend(outcome.stores)  # counted once they ended (a staged put may still run)
+                counters = counters.with_load(loaded, self._block_nbytes)
+        for span, future, watch in outcome.stores:  # counted once they ended (a staged put may still run)
+            tokens = meta.tokens_of(span) if meta is not None and self.config.kv_events else None
+            self._puts.append(_Put(span, future, watch, tokens))
         if outcome.dropped:
             blocks = sum(len(span.block_ids) for span in outcome.dropped)
             log.warning("a kvflow load of this step failed; not storing its %d computed blocks", blocks)
@@ -160,14 +189,20 @@ class WorkerSide:
     def _count_puts(self) -> None:
         """Count the stores that ended (their blocks were released inside their step already)."""
         counters, running = self._counters, []
-        for span, future in self._puts:
+        for put in self._puts:
+            future = put.future
             if not future.done():
-                running.append((span, future))
-            elif future.cancelled() or future.exception() is not None:
-                log.warning("a kvflow store of request %s failed: %r", span.request_id, _error(future))
-                counters = counters.with_failed_store(len(span.block_ids))
-            else:
-                counters = counters.with_store(future.result())
+                running.append(put)
+                continue
+            self._samples["store"].append(put.watch.seconds)
+            if future.cancelled() or future.exception() is not None:
+                log.warning("a kvflow store of request %s failed: %r", put.span.request_id, _error(future))
+                counters = counters.with_failed_store(len(put.span.block_ids))
+                continue
+            result = future.result()
+            counters = counters.with_store(result, self._block_nbytes)
+            if put.tokens is not None:
+                self._events += stored_events(put.span, put.tokens, result, self.shape.block_size)
         self._counters, self._puts = counters, running
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -175,6 +210,8 @@ class WorkerSide:
         the asynchronous loads that ended (failed blocks are reported by :meth:`take_load_errors`
         in the same step)."""
         self._count_puts()
+        if self._watch is not None:
+            self._watch.poll()
         return None, self._harvest_async_loads() or None
 
     def _harvest_async_loads(self) -> set[str]:
@@ -191,10 +228,11 @@ class WorkerSide:
                     )
                     load.deadline = now + STILL_RUNNING_LOG_S
                 continue
+            self._samples["load"].append(load.watch.seconds)
             if not load.future.cancelled() and load.future.exception() is None:
                 result = load.future.result()
                 self._load_errors.update(result.failed_block_ids)
-                self._counters = self._counters.with_load(result)
+                self._counters = self._counters.with_load(result, self._block_nbytes)
             else:
                 log.warning("a kvflow load of request %s failed: %r", req_id, _error(load.future))
                 self._load_errors.update(load.span.block_ids)
@@ -222,18 +260,38 @@ class WorkerSide:
         """Everything this worker moved since it started."""
         return self._counters
 
-    def take_interval(self) -> TransferCounters | None:
-        """The counts since the previous call, or None when nothing moved."""
+    def take_interval(self) -> Observations | None:
+        """What moved since the previous call, how long each transfer took, and whether the store
+        is reachable (the first time and after a change); None when there is nothing to say."""
         now = self._counters
-        interval, self._reported = now.minus(self._reported), now
-        return None if interval.empty else interval
+        observed = Observations(
+            now.minus(self._reported),
+            load_s=self._samples["load"],
+            store_s=self._samples["store"],
+            reachability=self._watch.report() if self._watch is not None else (),
+        )
+        self._reported = now
+        self._samples = {"load": [], "store": []}
+        return None if observed.empty else observed
+
+    def take_events(self) -> KVFlowKVEvents | None:
+        """The ``BlockStored`` events of the stores that ended since the previous call."""
+        if not self._events:
+            return None
+        events, self._events = self._events, []
+        return KVFlowKVEvents(events)
+
+    @property
+    def store_reachable(self) -> bool:
+        """Whether this worker's store answered at the last step (True before the first)."""
+        return self._watch is None or self._watch.reachable
 
     # -- the end ----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Wait (bounded) for transfers in flight, then close the pool."""
         futures: list[concurrent.futures.Future[Any]] = [load.future for load in self._async_loads.values()]
-        futures += [f for _, f in self._puts]
+        futures += [put.future for put in self._puts]
         limit = max([load.future.answer_by for load in self._async_loads.values()], default=0.0)
         limit = max(limit, time.monotonic() + self.config.timeout_s if self._puts else 0.0)
         if futures:

@@ -61,7 +61,9 @@ class EngineSpec:
     ``kv_transfer_config`` is the keyword dict of vLLM's ``KVTransferConfig`` (None: no connector).
     ``multiprocessing`` turns on ``VLLM_ENABLE_V1_MULTIPROCESSING`` (engine core and, with
     ``tensor_parallel_size > 1``, each worker in its own process). ``env`` is added to the child's
-    environment last, so it can override anything.
+    environment last, so it can override anything. ``kv_events`` subscribes to vLLM's KV cache
+    events (in-process mode) and ``prometheus`` returns the child's Prometheus registry at the end
+    (``EngineRun.kv_events`` / ``EngineRun.prometheus``).
     """
 
     model: Path = attrs.field(converter=Path)
@@ -79,6 +81,8 @@ class EngineSpec:
     seed: int = 0
     env: Mapping[str, str] = attrs.field(factory=dict, converter=_env)
     between_batches: tuple[str, ...] = ()
+    kv_events: bool = False
+    prometheus: bool = False
 
     @classmethod
     def of_prompts(cls, model: Path, prompts: Sequence[Sequence[int]], **kwargs: Any) -> EngineSpec:
@@ -105,6 +109,8 @@ class EngineSpec:
                 "seed": self.seed,
                 "between_batches": list(self.between_batches),
                 "env": dict(self.env),
+                "kv_events": self.kv_events,
+                "prometheus": self.prometheus,
             }
         )
 
@@ -127,6 +133,8 @@ class EngineRun:
     batches: tuple[tuple[RequestResult, ...], ...]
     timings: Mapping[str, Any]
     stderr: str = attrs.field(repr=False)
+    kv_events: tuple[tuple[Mapping[str, Any], ...], ...] = ()  # per batch, in publishing order
+    prometheus: str = attrs.field(default="", repr=False)
 
     @property
     def outputs(self) -> tuple[tuple[int, ...], ...]:
@@ -194,7 +202,8 @@ def run_engine(spec: EngineSpec, *, timeout_s: float = 300.0) -> EngineRun:
         tuple(RequestResult(tuple(r["token_ids"]), int(r["num_cached_tokens"] or 0)) for r in batch)
         for batch in payload["batches"]
     )
-    return EngineRun(batches, payload["timings"], proc.stderr)
+    events = tuple(tuple(batch) for batch in payload.get("kv_events", ()))
+    return EngineRun(batches, payload["timings"], proc.stderr, events, payload.get("prometheus", ""))
 
 
 def make_prompt(seed: int, length: int, *, vocab_size: int = 512) -> tuple[int, ...]:

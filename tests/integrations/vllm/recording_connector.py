@@ -11,9 +11,13 @@ backend whose gets fail.
   the engine blocks it was given, then reports ``FAILED``. Lookups and puts work. A connector that
   ignored the failure would compute with the junk; vLLM with ``kv_load_failure_policy="recompute"``
   must recompute those blocks instead.
+- ``slow-local:///path`` is the local backend at ``path`` whose every put first waits
+  ``$KVFLOW_TEST_PUT_DELAY_S`` seconds (default 1): a store that outlives the step unless the
+  connector waits for it.
 
-Importing this module registers the ``failing-local`` scheme with :func:`kvflow.backends.open_backend`
-in the importing process (vLLM imports it in every process that creates a connector).
+Importing this module registers the ``failing-local`` and ``slow-local`` schemes with
+:func:`kvflow.backends.open_backend` in the importing process (vLLM imports it in every process
+that creates a connector).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 
 from kvflow.backends import SCHEMES
@@ -33,11 +38,13 @@ from kvflow.backends.local import LocalBackend
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.stats import TransferCounters
 
-__all__ = ["FailingGetsBackend", "RecordingKVFlowConnector"]
+__all__ = ["FailingGetsBackend", "RecordingKVFlowConnector", "SlowPutsBackend"]
 
 COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"  # the same name as connector_helpers.COUNTERS_ENV
+PUT_DELAY_ENV = "KVFLOW_TEST_PUT_DELAY_S"
 
 SCHEMES.setdefault("failing-local", f"{__name__}:FailingGetsBackend")
+SCHEMES.setdefault("slow-local", f"{__name__}:SlowPutsBackend")
 
 
 @attrs.define(eq=False)
@@ -81,6 +88,22 @@ class FailingGetsBackend:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+@attrs.define(eq=False)
+class SlowPutsBackend(FailingGetsBackend):
+    """The local backend with puts that wait first (gets work)."""
+
+    @classmethod
+    def from_url(cls, url: str) -> SlowPutsBackend:
+        return cls(LocalBackend.from_url("local" + url[len("slow-local") :]))
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        await anyio.sleep(float(os.environ.get(PUT_DELAY_ENV, "1")))
+        return await self.inner.put(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        return await self.inner.get(objects)
 
 
 class RecordingKVFlowConnector(KVFlowConnector):

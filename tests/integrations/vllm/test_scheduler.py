@@ -17,7 +17,7 @@ import attrs
 import pytest
 
 from tests.integrations.vllm import scheduler_harness
-from tests.integrations.vllm.scheduler_harness import Faults, Harness
+from tests.integrations.vllm.scheduler_harness import Faults, Harness, block_hashes
 
 A = list(range(10, 30))  # 5 full blocks of 4
 A_LONG = [*A, *range(300, 309)]  # A's 5 blocks, 2 more, and a token
@@ -52,6 +52,7 @@ class Engines:
     def check(self, harness: Harness) -> None:
         """What must hold after every scenario of every engine."""
         assert harness.writes_under_transfer == []
+        assert harness.puts_after_step == []  # stores end inside their step: vLLM may reuse blocks
         assert harness.free_blocks() == harness.free_blocks_at_start
         assert not harness.scheduler.requests
         assert harness.scheduler.reset_prefix_cache() is True  # an idle engine holds no block
@@ -197,6 +198,92 @@ def test_an_async_load_that_misses_blocks_stores_them_again_after_the_recompute(
     third = engines(extra={"load_async": True})
     engines.serve(third, A_LONG)
     assert loaded(third) == [7]
+
+
+def test_a_rank_whose_load_failed_stores_nothing_of_its_step_even_saves_the_scheduler_planned(
+    engines: Engines,
+) -> None:
+    """TP=2: in one step R loads (rank 0's load fails) and C computes a fresh prompt, whose save the
+    scheduler plans (C reads no loaded block). Rank 0 drops every save of that step; rank 1 stores."""
+    first = engines(tp=2)
+    engines.serve(first, A[:12])
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_matching = True, "@h0-1@"  # rank 0's KV head only
+    second = engines(tp=2)
+    fresh = [*range(900, 912)]  # 3 blocks nobody stored
+    r, c = second.add(A_LONG, max_tokens=3), second.add(fresh, max_tokens=3)
+    second.step()
+    (load,) = second.loads
+    assert load[1] == r
+    assert (load[0], c, 0, 3) in second.saves  # the scheduler did plan C's save in the failing step
+    zero, one = (w.counters() for w in second.workers)  # type: ignore[union-attr]
+    assert zero.load_failed_blocks == 3 and zero.dropped_save_blocks == 3 and zero.stored_blocks == 0
+    assert one.loaded_blocks == 3 and one.dropped_save_blocks == 0 and one.stored_blocks == 3
+    second.run()
+    assert second.requests[r].finished and second.requests[c].finished
+    engines.prompts += [A_LONG, fresh]
+
+
+@pytest.mark.parametrize("failed", [0, 2, 4])
+def test_a_load_failing_in_some_blocks_is_recomputed_from_the_first_failed_block(
+    engines: Engines, failed: int
+) -> None:
+    """One of five loaded blocks fails: vLLM keeps the blocks before it, recomputes from it on,
+    and the step that recomputes stores from it on again."""
+    first = engines()
+    engines.serve(first, A)
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_matching = True, block_hashes(A)[failed].hex()
+    second = engines()
+    (r,) = engines.serve(second, A_LONG)
+    counters = second.workers[0].counters()  # type: ignore[union-attr]
+    assert counters.loaded_blocks == 4 and counters.load_failed_blocks == 1
+    mine = [(start, end) for req, start, end in second.computed if req == r]
+    assert mine[0][0] == 5 * 4  # computed after the 5 loaded blocks: the failure is not known yet
+    assert mine[1][0] == failed * 4  # then recomputed from the failed block, not from the start
+    assert all(start >= failed * 4 for start, _ in mine)  # the blocks before it are kept
+    assert second.wrong_inputs == [(r, 20)]  # only the step that read the failed block went wrong
+    resaved = [(first_block, n) for _, req, first_block, n in second.saves if req == r]
+    assert resaved[-1] == (failed, 7 - failed)  # stored again from the failed block on
+
+
+def test_a_preempted_request_reloads_its_blocks_when_it_resumes(engines: Engines) -> None:
+    """A cache of 13 blocks: R loads A's 5 blocks, decodes, and is preempted when X grows; X reuses
+    R's freed blocks, so when R resumes it loads the blocks vLLM lost from the store again."""
+    first = engines()
+    engines.serve(first, A)
+    small = engines(num_blocks=14)
+    x_prompt, r_prompt = [*range(600, 624)], A_LONG[:21]
+    x = small.add(x_prompt, max_tokens=16)
+    small.step()
+    r = small.add(r_prompt, max_tokens=10)
+    small.run()
+    assert r in small.preempted
+    loads = [(step, offset, n) for step, req, offset, n, _ in small.loads if req == r]
+    assert len(loads) == 2 and loads[0][1:] == (0, 5)  # admitted: A's 5 blocks
+    _, offset, n = loads[1]
+    assert offset > 0 and offset + n == 5  # resumed: what vLLM's own cache lost, from the store
+    assert small.wrong_inputs == []
+    for req, prompt, tokens in ((x, x_prompt, 16), (r, r_prompt, 10)):
+        assert small.requests[req].outputs == small.expected_outputs(prompt, tokens)
+    engines.prompts += [x_prompt, r_prompt]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_save_decode_blocks_stores_blocks_the_decode_completes(engines: Engines, tp: int) -> None:
+    """A's 20 tokens fill 5 blocks; 5 decoded tokens complete a sixth, which only
+    ``save_decode_blocks`` stores; a later engine then loads all six."""
+    plain = engines(tp=tp)
+    (p,) = engines.serve(plain, A, max_tokens=5)
+    assert stored(plain) == [5] * tp  # prompt blocks only
+    decoding = engines(tp=tp, extra={"save_decode_blocks": True})
+    (d,) = engines.serve(decoding, A, max_tokens=5)
+    assert stored(decoding) == [1] * tp  # the decode block (the prompt's five were present)
+    decoded = [*A, *decoding.requests[d].outputs[:4]]  # 24 tokens: 6 full blocks
+    assert decoding.requests[d].outputs == plain.requests[p].outputs
+    reader = engines(tp=tp)
+    engines.serve(reader, decoded)
+    assert loaded(reader) == [6] * tp and reader.wrong_inputs == []
 
 
 # -- blocks and transfers ----------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""kvflow.metrics: the figures a pool's user records, read back from a Prometheus registry after
+real stores, loads and lookups through a local store; and nothing at all without prometheus_client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+import kvflow.metrics as metrics_module
+from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
+from kvflow.metrics import (
+    CATALOGUE,
+    MeteredPool,
+    Observations,
+    PoolMetrics,
+    TransferCounters,
+)
+
+BLOCK = 4
+PROMPT = list(range(100, 100 + 5 * BLOCK + 2))  # 5 full blocks
+
+
+def _caches() -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(8, 2, BLOCK, 16) for i in range(2)}
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"model_name": "m", **labels})
+    assert value is not None, f"no sample {name} {labels}"
+    return value
+
+
+async def test_a_metered_pool_records_what_it_moved(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    assert metrics.enabled
+    caches = _caches()
+    layout = KVLayout.from_kv_caches(caches)
+    config = PoolConfig(backend=f"local://{tmp_path}/store?capacity=64MiB", model="m")
+    async with KVPool.create(config, layout=layout) as raw:
+        pool = MeteredPool(raw, metrics)
+        first = KVRequest(tokens=PROMPT[: 3 * BLOCK], block_ids=[1, 2, 3])
+        await pool.store(first)
+        await pool.store(first)  # present now
+        assert await pool.lookup(KVRequest(tokens=PROMPT)) == 3 * BLOCK
+        loaded = await pool.retrieve(KVRequest(tokens=PROMPT, block_ids=[4, 5, 6, 7, 0]))
+        assert loaded.hit_blocks == 3
+    block = layout.block_nbytes
+    assert _value(registry, "kvflow_stored_blocks_total") == 3
+    assert _value(registry, "kvflow_stored_bytes_total") == 3 * block
+    assert _value(registry, "kvflow_present_blocks_total") == 3
+    assert _value(registry, "kvflow_lookups_total") == 1
+    assert _value(registry, "kvflow_lookup_hit_tokens_total") == 3 * BLOCK
+    assert _value(registry, "kvflow_lookup_missed_tokens_total") == 2 * BLOCK
+    assert _value(registry, "kvflow_loaded_blocks_total") == 3
+    assert _value(registry, "kvflow_loaded_bytes_total") == 3 * block
+    assert _value(registry, "kvflow_load_failed_blocks_total", cause="miss") == 2
+    assert _value(registry, "kvflow_load_failed_blocks_total", cause="error") == 0
+    assert _value(registry, "kvflow_store_failed_blocks_total", cause="no_space") == 0
+    assert _value(registry, "kvflow_store_seconds_count") == 2
+    assert _value(registry, "kvflow_load_seconds_count") == 1
+    assert _value(registry, "kvflow_lookup_seconds_count") == 1
+    assert _value(registry, "kvflow_load_seconds_sum") > 0
+    assert registry.get_sample_value("kvflow_store_reachable", {"model_name": "m", "client": "pool"}) is None
+    metrics.set_reachable(False)
+    assert _value(registry, "kvflow_store_reachable", client="pool") == 0
+    metrics.set_reachable(True)
+    assert _value(registry, "kvflow_store_reachable", client="pool") == 1
+
+
+def test_every_catalogued_metric_is_registered_with_its_kind() -> None:
+    registry = CollectorRegistry()
+    PoolMetrics(registry=registry, prefix="x_")
+    kinds = {family.name: family.type for family in registry.collect()}
+    for spec in CATALOGUE:
+        assert kinds[f"x_{spec.name}"] == spec.kind.value, spec.name
+
+
+def test_without_prometheus_client_nothing_is_recorded_and_nothing_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(metrics_module, "_prometheus_client", lambda: None)
+    metrics = PoolMetrics(labels={"model_name": "m"})
+    assert not metrics.enabled
+    metrics.looked_up(4, 8, 0.1)
+    metrics.stored(None, 3, 0.1, 100)
+    metrics.set_reachable(False)
+
+
+counts = st.integers(min_value=0, max_value=1 << 40)
+seconds = st.lists(st.floats(min_value=0, max_value=100), max_size=5)
+observations = st.builds(
+    Observations,
+    st.builds(
+        TransferCounters,
+        loaded_blocks=counts,
+        load_missed_blocks=counts,
+        stored_bytes=counts,
+        dropped_save_blocks=counts,
+        lookups=counts,
+    ),
+    seconds,
+    seconds,
+    seconds,
+    st.lists(st.tuples(st.sampled_from(["scheduler", "worker-tp0-pp0"]), st.booleans()), max_size=1),
+)
+
+
+@given(observations, observations)
+def test_observations_survive_their_plain_form_and_add_up(a: Observations, b: Observations) -> None:
+    assert Observations.from_data(a.to_data()) == a
+    total = a.plus(b)
+    assert total.counters.loaded_blocks == a.counters.loaded_blocks + b.counters.loaded_blocks
+    assert total.counters.load_failed_blocks == a.counters.load_failed_blocks + b.counters.load_failed_blocks
+    assert total.store_s == a.store_s + b.store_s
+    assert total.empty == (a.empty and b.empty)
+    assert total.counters.minus(b.counters) == a.counters
+
+
+def test_the_operations_doc_example_runs_as_written(tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    section = text.split("### In a custom engine", 1)[1]
+    (program,) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.MULTILINE | re.DOTALL)
+    script = tmp_path / "example.py"
+    script.write_text(program)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first == "hit 32 tokens, stored 2 blocks" and f"`{first}`" in section

@@ -1,0 +1,138 @@
+"""``kvflow store`` on a local store: stats per model and layout, ls, clear (one model's objects, or
+all of them), JSON for scripts, and no clearing from a terminal without --yes. Also the local
+backend's listing: every object's key read back from its file name."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
+from kvflow.backends.base import ObjectRef
+from kvflow.backends.local import LocalBackend
+from kvflow.backends.local.backend import key_of_file_name
+from kvflow.backends.local.format import object_file_name
+from kvflow.cli import main
+from kvflow.regions import buffer_address
+
+BLOCK = 4
+MODELS = ("org/llama", "small")
+
+
+async def _fill(url: str) -> int:
+    """Three blocks of each model (and their profile announcements); the bytes of one block."""
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(8, 2, BLOCK, 16) for i in range(2)}
+    layout = KVLayout.from_kv_caches(caches)
+    for model in MODELS:
+        async with KVPool.create(PoolConfig(backend=url, model=model), layout=layout) as pool:
+            result = await pool.store(KVRequest(tokens=list(range(3 * BLOCK + 1)), block_ids=[1, 2, 3]))
+            assert result.stored == 3
+    return layout.block_nbytes
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> tuple[str, Path, int]:
+    url = f"local://{tmp_path}/store?capacity=64MiB"
+    return url, tmp_path / "store", anyio.run(_fill, url)
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stats_count_objects_per_model_and_layout(
+    store: tuple[str, Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _, block = store
+    stats = _json(capsys, "store", "stats", url, "--json")
+    assert isinstance(stats, dict)
+    assert stats["backend"] == "local" and stats["capacity_bytes"] == 64 << 20
+    assert stats["objects"] == 8 and stats["used_bytes"] >= stats["bytes"] > 6 * block
+    rows = {row["model"]: row for row in stats["models"]}
+    assert sorted(rows) == sorted(MODELS)
+    for row in rows.values():
+        assert (row["blocks"], row["objects"], row["bytes"]) == (3, 3, 3 * block)
+        assert row["layout"].endswith(f"b{BLOCK}") and row["parts"] == ["l0-2 h0-2 d0.1 p0.1"]
+    assert sorted(p["model"] for p in stats["profiles"]) == sorted(MODELS)
+    assert stats["other"]["objects"] == 0
+    assert main(["store", "stats", url]) == 0
+    text = capsys.readouterr().out
+    assert "org/llama" in text and "profile announcements: 2" in text
+
+
+def test_ls_lists_one_models_blocks_and_announcements(
+    store: tuple[str, Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _, block = store
+    listed = _json(capsys, "store", "ls", url, "--model", "org/llama", "--json")
+    assert isinstance(listed, list)
+    assert sorted(o["kind"] for o in listed) == ["kv", "kv", "kv", "profiles"]
+    assert {o["model"] for o in listed} == {"org/llama"}
+    assert all(o["bytes"] == block and len(o["hash"]) == 64 for o in listed if o["kind"] == "kv")
+
+
+def test_clear_of_one_model_leaves_the_others(
+    store: tuple[str, Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, path, _ = store
+    assert _json(capsys, "store", "clear", url, "--model", "org/llama", "--json") == {
+        "url": url,
+        "model": "org/llama",
+        "removed": 4,
+        "failed": 0,
+    }
+    left = _json(capsys, "store", "ls", url, "--json")
+    assert isinstance(left, list) and {o["model"] for o in left} == {"small"} and len(left) == 4
+    assert _json(capsys, "store", "clear", url, "--json")["removed"] == 4  # type: ignore[index]
+    assert list((path / "objects").iterdir()) == []
+    stats = _json(capsys, "store", "stats", url, "--json")
+    assert stats["objects"] == 0 and stats["used_bytes"] == 0  # type: ignore[index]
+
+
+def test_clear_refuses_on_a_terminal_without_yes(
+    store: tuple[str, Path, int], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, path, _ = store
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["store", "clear", url]) == 2
+    assert "--yes" in capsys.readouterr().err
+    assert len(list((path / "objects").iterdir())) == 8  # nothing removed
+    assert main(["store", "clear", url, "--yes"]) == 0
+    assert list((path / "objects").iterdir()) == []
+
+
+def test_bad_targets_are_refused_with_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["store", "stats", f"local://{tmp_path}/nothing-here"]) == 1
+    assert "no store at" in capsys.readouterr().err
+    assert not (tmp_path / "nothing-here").exists()  # not created by looking
+    assert main(["store", "ls", "memory://"]) == 1
+    assert "local:// and mooncake://" in capsys.readouterr().err
+
+
+@given(st.text(min_size=1, max_size=120))
+def test_every_key_comes_back_from_its_file_name(key: str) -> None:
+    name = object_file_name(key)
+    assert key_of_file_name(name) == (None if name.startswith("~") else key)
+
+
+async def test_the_local_backend_lists_keys_sizes_and_unnamed_objects(tmp_path: Path) -> None:
+    backend = LocalBackend.from_url(f"local://{tmp_path}/s")
+    try:
+        data = bytearray(b"x" * 300)
+        long_key = "k" * 300  # stored under a digest name: its key cannot be read back
+        objects = [ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in (("a/b c", 10), (long_key, 300))]
+        await backend.put(objects)
+        (tmp_path / "s" / "objects" / ".hidden").write_bytes(b"not kvflow's")
+        assert sorted(await backend.list_objects(), key=str) == sorted([("a/b c", 10), (None, 300)], key=str)
+        assert await backend.clear() == 2
+        assert await backend.list_objects() == [] and await backend.usage() == 0
+    finally:
+        await backend.aclose()
