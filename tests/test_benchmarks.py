@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env
-    )
+    with tempfile.TemporaryDirectory(prefix="kvflow-bench-test-") as tmp:  # vLLM's IPC sockets go there
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": tmp}
+        return subprocess.run(
+            [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env
+        )
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> str:

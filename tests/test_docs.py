@@ -113,7 +113,8 @@ def run_block(code: str, tmp_path: Path, *, main: bool = True) -> subprocess.Com
         ]
     store = Path(default_path())
     existed = store.exists()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # TMPDIR: vLLM leaves its IPC sockets in the temp dir when a block exits without shutting it down
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     try:
         return subprocess.run(
             [*_isolated_shm(), *command],

@@ -143,17 +143,28 @@ def test_bad_scopes_are_refused(kwargs: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "says"),
     [
-        "",
-        "nokey",
-        "kvf1@m@fp@pcp0@dcp0@h0@pp0@00",
-        "kvf2@m@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@zz",
-        "kvf2@m@bf16@o@bX@l0-1@h0-1@d0.1@p0.1@00",
-        "kvf2@m@bf16@o@b16@l0_1@h0-1@d0.1@p0.1@00",
-        "kvf2@m@bf16@o@b16@l1-1@h0-1@d0.1@p0.1@00",
+        ("", "is not a kvflow key"),
+        ("nokey", "is not a kvflow key"),
+        ("kvf1@m@fp@pcp0@dcp0@h0@pp0@00", "is not a kvflow key"),
+        ("kvf1@m@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@00", "is not a kvflow key"),  # ten fields, old version
+        ("kvf2@m@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@00@00", "is not a kvflow key"),
+        ("kvf2@m@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@zz", "malformed block hash"),
+        ("kvf2@m@bf16@o@bX@l0-1@h0-1@d0.1@p0.1@00", "malformed tokens-per-object field 'bX'"),
+        ("kvf2@m@bf16@o@x16@l0-1@h0-1@d0.1@p0.1@00", "malformed tokens-per-object field 'x16'"),
+        ("kvf2@m@bf16@o@b16@l0_1@h0-1@d0.1@p0.1@00", "malformed field 'l0_1'.*expected l<n>-<n>"),
+        ("kvf2@m@bf16@o@b16@x0-1@h0-1@d0.1@p0.1@00", "malformed field 'x0-1'"),  # wrong tag
+        ("kvf2@m@bf16@o@b16@l0-x@h0-1@d0.1@p0.1@00", "malformed field 'l0-x'"),
+        ("kvf2@m@bf16@o@b16@lx-1@h0-1@d0.1@p0.1@00", "malformed field 'lx-1'"),
+        ("kvf2@m@bf16@o@b16@l0-1@h0.1@d0.1@p0.1@00", r"malformed field 'h0\.1'.*expected h<n>-<n>"),
+        ("kvf2@m@bf16@o@b16@l0-1@h0-1@d0-1@p0.1@00", r"malformed field 'd0-1'.*expected d<n>\.<n>"),
+        ("kvf2@m@bf16@o@b16@l0-1@h0-1@d0.1@p01@00", r"malformed field 'p01'.*expected p<n>\.<n>"),
+        ("kvf2@m@bf16@o@b16@l1-1@h0-1@d0.1@p0.1@00", "layers"),
     ],
 )
-def test_decode_rejects_foreign_text(text: str) -> None:
-    with pytest.raises(RequestError):
+def test_decode_rejects_foreign_text_saying_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(RequestError, match=says) as raised:
         decode_key(text)
+    if "kvf2" in text:
+        assert text in str(raised.value) or "layers" in says  # the whole key, to find it

@@ -308,3 +308,29 @@ async def test_remove_deletes_this_ranks_objects_from_the_offset_on() -> None:
     assert await pool.lookup(KVRequest(tokens=TOKENS)) == 5 * BLOCK
     assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=5)) == 0  # nothing left there
     assert await pool.remove(KVRequest(tokens=TOKENS)) == 5 and kv_keys(backend) == []
+    assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=8)) == 0  # past the prompt: no call
+
+
+async def test_remove_of_a_layerwise_pool_deletes_every_layers_objects() -> None:
+    backend = MemoryBackend()
+    caches = LAYOUTS["vllm_cpu"]()
+    pool = KVPool.create(
+        PoolConfig(timeout_s=2.0, layerwise=True), layout=KVLayout.from_kv_caches(caches), backend=backend
+    )
+    await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))
+    per_block = len(caches)  # one object per layer
+    assert len(kv_keys(backend)) == 8 * per_block
+    assert await pool.remove(KVRequest(tokens=TOKENS, block_offset=6)) == 2 * per_block
+    assert len(kv_keys(backend)) == 6 * per_block
+
+
+async def test_remove_past_its_deadline_raises_rather_than_waiting() -> None:
+    class Slow(MemoryBackend):
+        async def remove(self, keys: Sequence[str]) -> list[bool]:
+            await anyio.sleep(30)
+            return await super().remove(keys)
+
+    pool = make_pool(LAYOUTS["vllm_cpu"](), Slow())
+    await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))
+    with anyio.fail_after(10), pytest.raises(TimeoutError):
+        await pool.remove(KVRequest(tokens=TOKENS), timeout_s=0.2)

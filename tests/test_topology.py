@@ -329,3 +329,17 @@ def test_every_pipeline_split_reads_every_other(
     writer = Engine(2, writer_split, "flash_attn", 8, False)
     reader = Engine(4, reader_split, "vllm_cpu", 8, False)
     anyio.run(share, model, writer, reader, 11)
+
+
+@pytest.mark.parametrize(
+    ("writer_kind", "reader_kind"),
+    [*itertools.product(GQA_KINDS, repeat=2), ("mla", "mla"), ("mla_tuple", "mla_tuple")],
+)
+def test_every_layout_kind_reads_every_other(writer_kind: str, reader_kind: str) -> None:
+    """Deterministic: each pair of layout kinds, across TP sizes and block sizes (and the fast test
+    the mutation run selects for the copy code; the sweep above draws shapes at random)."""
+    mla = writer_kind.startswith("mla")
+    model = Model.draw(0 if mla else 8, 3)
+    writer = Engine(2, (2, 2), writer_kind, 4, False)
+    reader = Engine(4, (4,), reader_kind, 8, False)
+    anyio.run(share, model, writer, reader, 7)
