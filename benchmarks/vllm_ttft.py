@@ -1,6 +1,7 @@
 """Time to first token of a long shared document on vLLM (CPU): recompute, vLLM's ExampleConnector, kvflow.
 
     python benchmarks/vllm_ttft.py [--doc-tokens 4096] [--repeat 3] [--workdir /dev/shm/kvflow-vllm-ttft]
+    unshare -n bash -c 'ip link set lo up && python benchmarks/vllm_ttft.py --mooncake'
 
 A random-weight Llama (hidden 1024, 4 layers, 16 heads, 4 KV heads of 64, float32: big enough that a
 prefill of thousands of tokens takes seconds on a CPU, small enough to build in seconds) reads a
@@ -13,11 +14,19 @@ runs in fresh processes, one after the other:
 - ``example``: vLLM's ExampleConnector (safetensors files per layer, keyed by the whole prompt
   but its last block). One process stores the document, a fresh one loads it;
 - ``kvflow``: kvflow's connector with the local shared-memory backend. Same two processes.
+- ``kvflow-async``: the same with ``load_async=true`` (the request waits while its load runs).
+- with ``--mooncake`` (inside a private network namespace: it starts a Mooncake master and a
+  segment holder on 127.0.0.1): ``mooncake-store`` (vLLM's MooncakeStoreConnector, which loads
+  asynchronously only) and ``kvflow-mooncake`` (kvflow over the same master).
 
 The storing process asks one short question about the document. In each measuring process one
 warm-up request runs first, then ``--repeat`` short questions (under one block) and ``--repeat``
-long ones (several blocks), each after ``llm.reset_prefix_cache()`` so that it cannot hit vLLM's own
-cache. A question's TTFT is the wall
+long ones (several blocks), each after vLLM's prefix cache was reset so that it cannot hit vLLM's
+own cache (``llm.reset_prefix_cache()`` does nothing while a connector holds blocks: the harness
+runs one-token requests until it succeeds, and stops with an error if it never does). For kvflow
+the report breaks each question's time down by the connector's calls (lookup; the scheduler's
+other calls; load; store; finish; the rest: the forward and vLLM itself) and counts the engine
+steps it took (more than one: the request waited for its load). A question's TTFT is the wall
 time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine core). The report gives the median
 per case, the tokens each hit covered, and the ratios. The first generated token of every case must
 agree (a load that changed the KV would show here). Stores go to ``--workdir`` (tmpfs by default),
@@ -27,6 +36,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +70,55 @@ def _question(seed: int, kind: str) -> list[int]:
 # -- the child: one engine process ---------------------------------------------------------------
 
 
+#: Where a kvflow question's time goes: the connector's calls, by the part of vLLM that makes them.
+PHASES = {
+    "lookup": ("get_num_new_matched_tokens",),
+    "scheduler": ("update_state_after_alloc", "build_connector_meta", "update_connector_output"),
+    "load": ("start_load_kv", "wait_for_layer_load", "get_block_ids_with_load_errors"),
+    "store": ("save_kv_layer", "wait_for_save", "request_finished"),
+    "finish": ("get_finished",),
+}
+
+
+class _Phases:
+    """Seconds spent in the kvflow connector's calls (the engine core runs in this process), and
+    the engine steps taken (one ``build_connector_meta`` per step)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def install(self) -> None:
+        from kvflow.integrations.vllm.connector import KVFlowConnector
+
+        for phase, names in PHASES.items():
+            for name in names:
+                setattr(KVFlowConnector, name, self._timed(phase, name, getattr(KVFlowConnector, name)))
+
+    def _timed(self, phase: str, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - started
+                self.steps += name == "build_connector_meta"
+
+        return timed
+
+    def snapshot(self) -> tuple[dict[str, float], int]:
+        return dict(self.seconds), self.steps
+
+
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = {}
+    phases = _Phases()
+    if spec["case"].startswith("kvflow"):
+        phases.install()
     if spec["kv_transfer_config"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     doc = spec["doc"]
@@ -84,13 +138,30 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     def ask(question: list[int]) -> dict[str, Any]:
         prompt = TokensPrompt(prompt_token_ids=doc + question)
+        before, steps = phases.snapshot()
         started = time.perf_counter()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
+        ttft = time.perf_counter() - started
+        after, steps_after = phases.snapshot()
+        spent = {phase: after[phase] - before[phase] for phase in PHASES}
         return {
-            "ttft_s": time.perf_counter() - started,
+            "ttft_s": ttft,
             "cached": out.num_cached_tokens,
             "token": out.outputs[0].token_ids[0],
+            "phases_s": {**spent, "rest": ttft - sum(spent.values())},
+            "steps": steps_after - steps,
         }
+
+    def reset() -> None:
+        """Empty vLLM's prefix cache; a connector still holding blocks makes the reset fail until
+        a later step lets them go, so step the engine with one-token requests until it succeeds."""
+        for _ in range(50):
+            if llm.reset_prefix_cache():
+                return
+            llm.generate([TokensPrompt(prompt_token_ids=[7])], params, use_tqdm=False)
+        raise RuntimeError(
+            "vLLM's prefix cache could not be reset: the question would measure it, not the connector"
+        )
 
     result: dict[str, Any] = {}
     if spec["role"] == "fill":
@@ -100,7 +171,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         for kind in QUESTIONS:
             asks = []
             for r in range(spec["repeat"]):
-                llm.reset_prefix_cache()
+                reset()
                 asks.append(ask(_question(1 + r, kind)))
             result[kind] = asks
             if spec["local_floor"]:  # new questions, the document in vLLM's own prefix cache
@@ -153,7 +224,7 @@ def _write_model(path: Path) -> None:
     write_tiny_llama(path, spec)
 
 
-def _transfer(case: str, workdir: Path) -> dict[str, Any] | None:
+def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | None:
     if case == "recompute":
         return None
     if case == "example":
@@ -162,13 +233,68 @@ def _transfer(case: str, workdir: Path) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")},
         }
+    if case == "mooncake-store":  # configured by the MOONCAKE_CONFIG_PATH file only
+        return {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {},
+        }
+    backend = f"local://{workdir / 'kvflow'}?capacity=2GiB"
+    if case == "kvflow-mooncake":
+        backend = f"mooncake://{master}?segment=0"  # the segment holder lends the memory
     return {
         "kv_connector": "KVFlowConnector",
         "kv_connector_module_path": "kvflow.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": f"local://{workdir / 'kvflow'}?capacity=2GiB"},
+        "kv_connector_extra_config": {"backend": backend, "load_async": case == "kvflow-async"},
     }
+
+
+@contextlib.contextmanager
+def _mooncake(workdir: Path) -> Iterator[str]:
+    """A master and a 2 GB segment holder on 127.0.0.1 (private network namespace only), and the
+    config file vLLM's MooncakeStoreConnector reads; yields the master's address."""
+    from kvflow.tools.mooncake_master import start_master
+
+    master = start_master(rpc_port=50051, metrics_port=9003, log_path=workdir / "master.log")
+    holder = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mooncake_client"),
+            "--host=127.0.0.1",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+            "--global_segment_size=2GB",
+            f"--master_server_address={master.address}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    config = workdir / "mooncake.json"
+    config.write_text(
+        json.dumps(
+            {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master.address,
+                "protocol": "tcp",
+                "mode": "standalone-store",
+                "global_segment_size": 0,
+                "local_buffer_size": "64MB",
+            }
+        )
+    )
+    os.environ["MOONCAKE_CONFIG_PATH"] = str(config)
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    try:
+        time.sleep(2.0)  # the holder mounts its segment
+        if holder.poll() is not None:
+            raise SystemExit(f"mooncake_client exited with {holder.returncode}")
+        yield master.address
+    finally:
+        holder.terminate()
+        holder.wait(10)
+        master.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path(f"/dev/shm/kvflow-vllm-ttft-{os.getpid()}"))
     parser.add_argument("--model", type=Path, help="reuse a model directory written by an earlier run")
+    parser.add_argument(
+        "--mooncake",
+        action="store_true",
+        help="also vLLM's MooncakeStoreConnector and kvflow over Mooncake (private network namespace only)",
+    )
+    parser.add_argument("--cases", help="comma-separated subset of the cases (recompute always runs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -200,13 +332,20 @@ def main(argv: list[str] | None = None) -> int:
         doc = _tokens(0, args.doc_tokens)
         base = {"model": str(model), "doc": doc, "repeat": args.repeat}
         rows: dict[str, dict[str, Any]] = {}
-        for case in ("recompute", "example", "kvflow"):
-            transfer = _transfer(case, args.workdir)
-            spec = {**base, "case": case, "kv_transfer_config": transfer, "local_floor": case == "recompute"}
-            if transfer is not None:
-                _run_child({**spec, "role": "fill"})
-            rows[case] = _run_child({**spec, "role": "measure"})
-            print(f"{case}: {json.dumps(rows[case])}", file=sys.stderr, flush=True)
+        cases = ["recompute", "example", "kvflow", "kvflow-async"]
+        if args.mooncake:
+            cases += ["mooncake-store", "kvflow-mooncake"]
+        if args.cases:
+            cases = ["recompute", *(c for c in args.cases.split(",") if c in cases and c != "recompute")]
+        with _mooncake(args.workdir) if args.mooncake else contextlib.nullcontext("") as master:
+            for case in cases:
+                transfer = _transfer(case, args.workdir, master)
+                local_floor = case == "recompute"
+                spec = {**base, "case": case, "kv_transfer_config": transfer, "local_floor": local_floor}
+                if transfer is not None:
+                    _run_child({**spec, "role": "fill"})
+                rows[case] = _run_child({**spec, "role": "measure"})
+                print(f"{case}: {json.dumps(rows[case])}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(args.workdir, ignore_errors=True)
@@ -231,11 +370,26 @@ def main(argv: list[str] | None = None) -> int:
             recompute = statistics.median(a["ttft_s"] for a in rows["recompute"][kind])
             cells.append(f"{seconds:>14.3f} s{asks[0]['cached']:>10}{recompute / seconds:>10.1f}x")
         print(f"{case:<20}" + "".join(cells))
-    for kind in QUESTIONS:
-        ratio = statistics.median(a["ttft_s"] for a in rows["example"][kind]) / statistics.median(
-            a["ttft_s"] for a in rows["kvflow"][kind]
+    floor = {
+        kind: statistics.median(a["ttft_s"] for a in rows["recompute"][f"{kind}-local"]) for kind in QUESTIONS
+    }
+    for case in rows:
+        if case == "recompute":
+            continue
+        ratios = ", ".join(
+            f"{kind} {statistics.median(a['ttft_s'] for a in rows[case][kind]) / floor[kind]:.2f}x"
+            for kind in QUESTIONS
         )
-        print(f"{kind} question: kvflow TTFT is ExampleConnector's divided by {ratio:.2f}")
+        print(f"{case}: TTFT over vLLM's own prefix-cache hit: {ratios}")
+    for case in (c for c in rows if c.startswith("kvflow")):
+        for kind in QUESTIONS:
+            asks = rows[case][kind]
+            parts = ", ".join(
+                f"{phase} {1000 * statistics.median(a['phases_s'][phase] for a in asks):.1f}"
+                for phase in (*PHASES, "rest")
+            )
+            steps = statistics.median(a["steps"] for a in asks)
+            print(f"{case} {kind}: median ms in {parts}; {steps:g} engine steps")
     if any(len(tokens) != 1 for tokens in firsts.values()):
         print(f"WARNING: the cases generated different first tokens {firsts}", file=sys.stderr)
         return 1
