@@ -15,56 +15,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import attrs
 import torch
 
-from kvflow.backends import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.memory import MemoryBackend, MemoryConfig
 from kvflow.config import PoolConfig
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.request import KVRequest
+from kvflow.tools.bench import NullBackend
 from kvflow.tools.workload import Geometry, make_kv_caches
 
 __all__ = ["run_staged_bench", "staged_main"]
-
-
-@attrs.define
-class InstantBackend:
-    """Puts and gets succeed at once and copy nothing: what is timed is the pool's own copies."""
-
-    @property
-    def max_batch(self) -> int:
-        return 256
-
-    @property
-    def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities()
-
-    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        return [PutStatus.STORED] * len(objects)
-
-    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
-        return [GetStatus.HIT] * len(objects)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [False] * len(keys)
-
-    async def remove(self, keys: Sequence[str]) -> list[bool]:
-        return [False] * len(keys)
-
-    def register_memory(self, addr: int, nbytes: int) -> None:
-        pass
-
-    def stats(self) -> BackendStats:
-        return BackendStats()
-
-    async def aclose(self) -> None:
-        pass
 
 
 def _request(blocks: int, block_size: int, salt: int) -> KVRequest:
@@ -116,7 +80,9 @@ async def _device(g: Geometry, blocks: int, repeat: int, device: str) -> dict[st
     layout = KVLayout.from_kv_caches(caches)
     nbytes = layout.block_nbytes * blocks
     pool = KVPool.create(
-        PoolConfig(staging_bytes=max(nbytes, 64 << 20)), layout=layout, backend=InstantBackend()
+        PoolConfig(staging_bytes=max(nbytes, 64 << 20)),
+        layout=layout,
+        backend=NullBackend(),  # copies nothing: what is timed is the pool's own copies
     )
     d2h = await _timed(repeat, pool, blocks, g.block_size, "store")
     h2d = await _timed(repeat, pool, blocks, g.block_size, "retrieve")
