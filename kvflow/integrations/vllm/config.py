@@ -25,6 +25,10 @@ Keys (all optional; docs/vllm.md has the same table with examples):
                         as if nothing were cached.
 ``lookup_wait_s``       how long, per engine step, the scheduler thread may wait for lookups before
                         telling vLLM "ask again next step" (default 0.05); lookups keep running.
+``load_wait_s``         with ``load_async``: how long, per engine step, a worker may wait for a pending
+                        load to end before reporting the step (default 0.002). While a request waits
+                        for its load vLLM runs steps back to back; without this wait they hold the
+                        GIL and starve kvflow's loop thread (docs/benchmarks.md). 0: never wait.
 ``max_inflight_bytes``  bytes in backend calls at once per process (size text or int; default 1GiB).
 ``save_decode_blocks``  also store blocks completed while decoding (default false: prompt blocks only).
 ``staging``             move blocks through host staging buffers: ``auto`` (a GPU/NPU cache over a
@@ -53,7 +57,7 @@ __all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole"]
 
 DEFAULT_BACKEND = "local://"
 
-_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s")
+_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "load_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")
 _TEXTS = ("backend", "lookup_backend", "model_id", "staging")
 _SIZES = ("max_inflight_bytes", "staging_bytes")
@@ -63,6 +67,11 @@ _KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, *_SIZES, "layerwise_depth"})
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if value <= 0:
         raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be > 0, got {value}")
+
+
+def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"kv_connector_extra_config[{attribute.name!r}] must be >= 0, got {value}")
 
 
 def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -135,6 +144,7 @@ class ConnectorConfig:
     timeout_s: float = attrs.field(default=30.0, validator=_positive)
     lookup_timeout_s: float = attrs.field(default=2.0, validator=_positive)
     lookup_wait_s: float = attrs.field(default=0.05, validator=_positive)
+    load_wait_s: float = attrs.field(default=0.002, validator=_not_negative)
     max_inflight_bytes: int = attrs.field(default=1 << 30, validator=_positive_int)
     save_decode_blocks: bool = False
     staging: str = attrs.field(default="auto", validator=_choice("auto", "always", "never"))

@@ -212,6 +212,14 @@ class WorkerSide:
         self._count_puts()
         if self._watch is not None:
             self._watch.poll()
+        if self._async_loads and self.config.load_wait_s > 0:
+            # Steps run back to back while a request waits for its load, each holding the GIL;
+            # waiting here lends it to kvflow's loop thread (ConnectorConfig.load_wait_s).
+            concurrent.futures.wait(
+                [load.future for load in self._async_loads.values()],
+                timeout=self.config.load_wait_s,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
         return None, self._harvest_async_loads() or None
 
     def _harvest_async_loads(self) -> set[str]:

@@ -13,7 +13,7 @@ backend whose gets fail.
   must recompute those blocks instead.
 - ``slow-local:///path`` is the local backend at ``path`` whose every put first waits
   ``$KVFLOW_TEST_PUT_DELAY_S`` seconds (default 1): a store that outlives the step unless the
-  connector waits for it.
+  connector waits for it; and every get ``$KVFLOW_TEST_GET_DELAY_S`` seconds (default 0).
 
 Importing this module registers the ``failing-local`` and ``slow-local`` schemes with
 :func:`kvflow.backends.open_backend` in the importing process (vLLM imports it in every process
@@ -42,6 +42,7 @@ __all__ = ["FailingGetsBackend", "RecordingKVFlowConnector", "SlowPutsBackend"]
 
 COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"  # the same name as connector_helpers.COUNTERS_ENV
 PUT_DELAY_ENV = "KVFLOW_TEST_PUT_DELAY_S"
+GET_DELAY_ENV = "KVFLOW_TEST_GET_DELAY_S"
 
 SCHEMES.setdefault("failing-local", f"{__name__}:FailingGetsBackend")
 SCHEMES.setdefault("slow-local", f"{__name__}:SlowPutsBackend")
@@ -103,6 +104,7 @@ class SlowPutsBackend(FailingGetsBackend):
         return await self.inner.put(objects)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        await anyio.sleep(float(os.environ.get(GET_DELAY_ENV, "0")))
         return await self.inner.get(objects)
 
 

@@ -393,12 +393,19 @@ def test_every_rank_stores_only_its_own_blocks_and_ends_with_the_step(open_sides
     assert sides.scheduler.request_finished(request) is False
 
 
-def test_aborted_asynchronous_load_keeps_its_blocks_until_every_worker_reports_it(open_sides: Any) -> None:
-    sides: Sides = open_sides(load_async=True)
+def test_aborted_asynchronous_load_keeps_its_blocks_until_every_worker_reports_it(
+    open_sides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tests.integrations.vllm.recording_connector as recording  # registers slow-local://
+
+    monkeypatch.setenv(recording.PUT_DELAY_ENV, "0")
+    monkeypatch.setenv(recording.GET_DELAY_ENV, "0.5")  # the load outlives the step that sent it
+    sides: Sides = open_sides(load_async=True, backend=f"slow-local://{tmp_path}/store")
     _stored_r1(sides)
     loading = FakeRequest("r2", TOKENS)
     assert sides.admit(loading, [9, 10, 11]) == (12, True)
-    sides.step(FakeSchedulerOutput(), report=False)  # the load is sent to the workers
+    (sent,) = sides.step(FakeSchedulerOutput(), report=False)  # the load is sent to the workers
+    assert sent == (None, None)  # still running: the step waited only load_wait_s for it
     assert sides.scheduler.request_finished(loading) is True  # aborted while its load may run
     (received,) = sides.until_received({"r2"})
     assert received == {"r2"}
@@ -739,3 +746,24 @@ def test_stores_of_device_caches_wait_for_the_forward_to_finish(
     _prefill(reader, again, [1, 2, 3, 4], computed=0)
     loaded = _block(reader.caches[0], 1)
     assert all(torch.equal(got, old + 1) for got, old in zip(loaded, stale))
+
+
+def test_a_step_waits_up_to_load_wait_s_for_an_asynchronous_load_and_reports_it_at_once(
+    open_sides: Any,
+) -> None:
+    """While a request waits for its load vLLM runs steps back to back; the worker waits in
+    ``get_finished`` (lending the GIL to kvflow's loop) and reports the load as soon as it ended."""
+    sides: Sides = open_sides(load_async=True, load_wait_s=30.0)
+    _stored_r1(sides)
+    loading = FakeRequest("r2", TOKENS)
+    assert sides.admit(loading, [9, 10, 11]) == (12, True)
+    (sent,) = sides.step(FakeSchedulerOutput())  # the step that sends the load waits for it
+    assert sent == (None, {"r2"})
+    assert sides.workers[0].counters.loaded_blocks == 3
+
+
+def test_load_wait_s_is_read_from_the_extra_config_and_must_not_be_negative() -> None:
+    assert ConnectorConfig.from_extra_config({"load_wait_s": 0}).load_wait_s == 0
+    assert ConnectorConfig.from_extra_config({}).load_wait_s == 0.002
+    with pytest.raises(ConfigError, match=r"load_wait_s.*>= 0"):
+        ConnectorConfig.from_extra_config({"load_wait_s": -1})
