@@ -130,11 +130,17 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
     work = tmp_path / "work"
     args = ("--doc-tokens", "64", "--repeat", "1", "--cases", "kvflow", "--workdir", str(work))
     out = ok(run("benchmarks/vllm_ttft.py", *args, timeout_s=420))
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()}
+    lines = [line.split() for line in out.splitlines()]
+    # the table's rows: a case, then "TTFT s", tokens cached, speed-up for each question kind
+    rows = {w[0]: w[1:] for w in lines if len(w) == 9 and w[2] == w[6] == "s"}
     assert {"recompute", "kvflow", "vllm-prefix-cache"} <= set(rows)
-    # each row: "TTFT s", tokens cached, speed-up, for the short and then the long question
     recompute, kvflow = rows["recompute"], rows["kvflow"]
     assert recompute[2] == recompute[6] == "0"  # recompute caches nothing ...
     assert kvflow[2] == kvflow[6] == "64"  # ... kvflow loads the whole 64-token document
     assert all(float(row[0]) > 0 and float(row[4]) > 0 for row in (recompute, kvflow))
+    # where kvflow's time went, per question kind: the load took some, and one engine step each
+    breakdown = [line for line in out.splitlines() if line.startswith("kvflow short:")]
+    assert len(breakdown) == 1 and "lookup" in breakdown[0] and breakdown[0].endswith("; 1 engine steps")
+    load_ms = float(re.search(r"load ([0-9.]+),", breakdown[0]).group(1))  # type: ignore[union-attr]
+    assert load_ms > 0
     assert not work.exists()  # the stores are removed at the end
