@@ -122,7 +122,12 @@ def test_every_coordinate_of_the_content_is_in_the_key(changes: dict[str, object
     "kwargs",
     [
         {"layers": (2, 2)},
+        {"layers": [0, 1]},  # a list, not a tuple
+        {"layers": (0, 1, 2)},
         {"heads": (-1, 1)},
+        {"heads": (0, 1.0)},
+        {"dcp": [0, 1]},
+        {"dcp": (0, 1, 2)},
         {"dcp": (2, 2)},
         {"meaning": "has@at"},
         {"order": ""},

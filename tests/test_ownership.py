@@ -83,21 +83,74 @@ def test_documented_tables() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp_rank": 4, "tp_size": 4}, "tp_rank"),
-        ({"tp_rank": -1, "tp_size": 4}, "tp_rank"),
-        ({"tp_size": 0}, "tp_size"),
-        ({"tp_size": 4, "num_kv_heads": 6}, "divisible"),
-        ({"tp_size": 6, "num_kv_heads": 4}, "divisible"),
-        ({"tp_size": 4, "num_kv_heads": 8, "dcp_size": 2}, "replicated"),
-        ({"tp_size": 4, "num_kv_heads": 1, "dcp_size": 3}, "dcp_size"),
-        ({"pp_rank": 1, "pp_size": 1}, "pp_rank"),
+        ({"tp_rank": 4, "tp_size": 4, "use_mla": True}, r"tp_rank must be in \[0, tp_size=4\), got 4"),
+        ({"tp_rank": -1, "tp_size": 4, "use_mla": True}, "tp_rank must be an integer >= 0, got -1"),
+        ({"tp_size": 0}, "tp_size must be an integer > 0, got 0"),
+        ({"pp_rank": 1, "pp_size": 1}, r"pp_rank must be in \[0, pp_size=1\), got 1"),
+        ({"pcp_rank": 2, "pcp_size": 2}, r"pcp_rank must be in \[0, pcp_size=2\), got 2"),
+        (
+            {"tp_size": 4, "num_kv_heads": 6},
+            "num_kv_heads=6 must be divisible by tp_size=4 so that each rank holds a whole number of KV "
+            "heads",
+        ),
+        (
+            {"tp_size": 6, "num_kv_heads": 4},
+            "tp_size=6 must be divisible by num_kv_heads=4 so that KV heads replicate evenly across ranks",
+        ),
+        (
+            {"tp_size": 4, "num_kv_heads": 8, "dcp_size": 2},
+            r"dcp_size=2 needs KV heads replicated across TP ranks \(num_kv_heads < tp_size\)",
+        ),
+        (
+            {"tp_size": 4, "num_kv_heads": 4, "dcp_size": 2},  # heads == tp: one head each, none shared
+            r"dcp_size=2 needs KV heads replicated",
+        ),
+        (
+            {"tp_size": 6, "num_kv_heads": 2, "dcp_size": 2},
+            r"dcp_size=2 must divide the KV replication factor tp_size // num_kv_heads = 3$",
+        ),
+        (
+            {"tp_size": 4, "num_kv_heads": 1, "dcp_size": 3},
+            r"dcp_size=3 must divide tp_size=4 \(decode context parallelism splits the TP group\)",
+        ),
+        ({"dcp_size": 2, "tp_size": 2, "tp_rank": 0, "num_kv_heads": None}, "give num_kv_heads"),
+        (
+            {"tp_size": 2, "num_kv_heads": None},
+            r"tp_size=2: give num_kv_heads \(the model's total KV heads\), or use_mla=True for an MLA "
+            "model, so that kvflow knows which ranks hold the same KV",
+        ),
+        ({"dcp_size": 2, "num_kv_heads": None}, "dcp_size=2 must divide tp_size=1"),
+        (
+            {"pp_size": 2, "pp_layers": (4,)},
+            r"pp_layers=\(4,\) must list the layers of each of the pp_size=2 stages",
+        ),
+        ({"pp_layers": "4"}, "pp_layers must be a sequence of layer counts, one per stage, got '4'"),
+        ({"pp_layers": 4}, "pp_layers must be a sequence of layer counts, one per stage, got 4"),
+        ({"pp_layers": ()}, r"pp_layers must be layer counts > 0, one per stage, got \(\)"),
+        ({"pp_size": 2, "pp_layers": (2, 0)}, r"pp_layers must be layer counts > 0"),
+        ({"pp_size": 2, "pp_layers": (2, 1.0)}, r"pp_layers must be layer counts > 0"),
     ],
 )
-def test_invalid_layouts_are_rejected(kwargs: dict[str, int], message: str) -> None:
+def test_invalid_layouts_are_rejected_saying_why(kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ParallelConfig(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tp_size": 4, "num_kv_heads": 4},  # one KV head per rank
+        {"tp_size": 4, "num_kv_heads": 2, "dcp_size": 2},  # replication 2, split by dcp 2
+        {"pp_size": 3, "pp_layers": [1, 1, 1]},  # stages of one layer each
+        {"pp_size": 2, "pp_layers": range(1, 3)},
+    ],
+)
+def test_boundary_layouts_are_accepted(kwargs: dict[str, object]) -> None:
+    config = ParallelConfig(**kwargs)  # type: ignore[arg-type]
+    if "pp_layers" in kwargs:
+        assert config.pp_layers == tuple(kwargs["pp_layers"])  # type: ignore[call-overload]
+
+
 def test_negative_block_index_is_rejected() -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="block_index must be >= 0, got -1"):
         owner(-1, ParallelConfig())

@@ -21,7 +21,7 @@ from kvflow import (
     RequestError,
 )
 from kvflow.backends import ObjectRef
-from kvflow.keys import decode_key
+from kvflow.keys import decode_key, hash_blocks
 from kvflow.ownership import owner
 from tests.helpers import (
     BLOCK,
@@ -334,3 +334,16 @@ async def test_remove_past_its_deadline_raises_rather_than_waiting() -> None:
     await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))
     with anyio.fail_after(10), pytest.raises(TimeoutError):
         await pool.remove(KVRequest(tokens=TOKENS), timeout_s=0.2)
+
+
+async def test_a_block_of_several_hash_chunks_is_named_by_the_hash_at_its_last_token() -> None:
+    """hash_tokens=4 in blocks of 8 tokens: block i's key carries the chain's hash after token
+    8i+7, so an engine with blocks of 4 tokens (and the same hash_tokens) names the same KV alike."""
+    caches = LAYOUTS["vllm_cpu"]()
+    layout = KVLayout.from_kv_caches(caches)
+    backend = MemoryBackend()
+    pool = KVPool.create(PoolConfig(hash_tokens=layout.block_size // 2), layout=layout, backend=backend)
+    tokens = list(range(3 * layout.block_size))
+    await pool.store(KVRequest(block_ids=[0, 1, 2], tokens=tokens))
+    fine = hash_blocks(tokens, layout.block_size // 2)
+    assert {decode_key(k).block_hash for k in kv_keys(backend)} == {fine[1], fine[3], fine[5]}

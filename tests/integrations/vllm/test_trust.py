@@ -77,3 +77,12 @@ def test_an_asynchronous_load_is_judged_when_it_ends() -> None:
     assert trust.trusted([5]) and trust.bad(6)
     trust.load_ended(load(5, 6), set())  # vLLM retried the load, and it worked
     assert trust.trusted([5, 6])
+
+
+def test_settling_a_step_clears_every_block_that_waited_for_it_whatever_else_is_tracked() -> None:
+    trust = BlockTrust()
+    trust.loading(1, load(5))
+    trust.loading(2, load(10, 11))
+    trust.computed([StepWork(reads=[10, 11], writes=[12])])
+    trust.settle(2, set())  # block 5 (of step 1) comes first and does not depend on step 2
+    assert trust.trusted([10, 11, 12]) and not trust.trusted([5])
