@@ -12,7 +12,7 @@ import ctypes
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
@@ -303,3 +303,39 @@ def test_a_cache_the_backend_cannot_reach_is_refused_without_staging() -> None:
     layout = KVLayout.from_kv_caches(meta)
     with pytest.raises(LayoutError, match="staging='auto'"):
         KVPool.create(PoolConfig(staging="never"), layout=layout, backend=MemoryBackend())
+
+
+async def test_a_store_that_finds_staging_full_until_its_deadline_fails_and_does_not_wait_on() -> None:
+    """Staging exhausted: the store waits for a chunk only until its own deadline, then reports its
+    objects failed (it neither allocates more nor waits for the store that holds the chunk)."""
+    src = LAYOUTS["vllm_cpu"]()
+    release = anyio.Event()
+
+    async def held(objects: Sequence[ObjectRef]) -> None:
+        await release.wait()  # the first store's put keeps its staging chunk
+
+    backend = FaultyBackend(put_hook=held)
+    writer = pool(src, backend, staged(staging_bytes=4096), late_device())  # one chunk
+    first = KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])
+    second = KVRequest(block_ids=[1], tokens=[1, *TOKENS[1:BLOCK]])
+    results: dict[str, object] = {}
+
+    async def store(name: str, request: KVRequest, timeout_s: float) -> None:
+        results[name] = await writer.store(request, timeout_s=timeout_s)
+
+    with anyio.fail_after(20):  # only a hang trips this
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store, "first", first, 15.0)
+            await wait_until(lambda: backend.calls.count("put") == 1)
+            await store("second", second, 0.3)  # while the first holds the only chunk
+            assert "first" not in results  # the second ended first: it did not wait for the chunk
+            release.set()
+    assert results["second"].failed_indices == (0,)  # type: ignore[attr-defined]
+    assert results["first"].stored == 1  # type: ignore[attr-defined]
+    staging = writer._transfer.staging
+    assert staging is not None and staging.allocations == 1 and staging.in_use == 0
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await anyio.sleep(0.01)
