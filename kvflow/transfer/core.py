@@ -367,7 +367,8 @@ class Transfer:
         if found is None:
             return offset * block  # the engine recomputes the rest; the failure was logged
         n = len(rest)
-        held = [all(found[k * n + i] for k in range(len(namespaces))) for i in range(n)]
+        # a block is held when every namespace holds it (one list slice per namespace)
+        held = [all(t) for t in zip(*(found[k * n : (k + 1) * n] for k in range(len(namespaces))))]
         if not all(held):
             first = held.index(False)
             more = await self._held_elsewhere(
