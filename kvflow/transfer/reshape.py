@@ -12,14 +12,14 @@ chunk first (:meth:`kvflow.transfer.jobs.LoadJob.get` drives it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 import torch
 
 from kvflow.keys import KeyScope
 from kvflow.layout import KVLayout
-from kvflow.parts import object_planes, part_views
+from kvflow.parts import Part, object_planes, part_views
 from kvflow.profiles import Profile
 
 __all__ = ["Source", "copy_into", "copy_rows", "sources"]
@@ -70,6 +70,33 @@ def _overlap(a: int, a_len: int, b: int, b_len: int) -> tuple[int, int] | None:
     return (first, end) if first < end else None
 
 
+def _layer_parts(
+    profile: Profile,
+    buffer: torch.Tensor,
+    offset: int,
+    scope: KeyScope,
+    layers: tuple[int, int],
+    rows: int,
+    row_nbytes: int,
+) -> Iterator[tuple[int, list[Part]]]:
+    """Each model layer of ``layers`` that the objects of ``scope`` (``rows`` of ``row_nbytes``
+    at ``offset`` in ``buffer``) hold, with the logical parts of that layer in them."""
+    span = _overlap(scope.layers[0], scope.layers[1] - scope.layers[0], layers[0], layers[1] - layers[0])
+    if span is None:
+        return
+    for layer in range(*span):
+        planes = object_planes(
+            buffer,
+            offset=offset + (layer - scope.layers[0]) * profile.layer_nbytes,
+            rows=rows,
+            row_nbytes=row_nbytes,
+            dtype=profile.dtype,
+            shapes=profile.shapes,
+            orders=profile.plane_orders,
+        )
+        yield layer, part_views(profile.kind, planes)
+
+
 def copy_into(
     layout: KVLayout,
     block_id: int,
@@ -88,20 +115,7 @@ def copy_into(
     on the current stream; the caller records an event after them."""
     for offset, source in placed:
         scope = source.scope
-        span = _overlap(scope.layers[0], scope.layers[1] - scope.layers[0], layers[0], layers[1] - layers[0])
-        if span is None:
-            continue
-        for layer in range(*span):
-            planes = object_planes(
-                buffer,
-                offset=offset + (layer - scope.layers[0]) * profile.layer_nbytes,
-                rows=1,
-                row_nbytes=source.nbytes,
-                dtype=profile.dtype,
-                shapes=profile.shapes,
-                orders=profile.plane_orders,
-            )
-            src_parts = part_views(profile.kind, planes)
+        for layer, src_parts in _layer_parts(profile, buffer, offset, scope, layers, 1, source.nbytes):
             mine = [v[block_id : block_id + 1] for v in layout.typed_views[layer - first_layer]]
             for dst in part_views(layout.kind, mine):
                 for src in src_parts:
@@ -150,20 +164,7 @@ def copy_rows(
     count = max(rows) + 1 if rows else 0
     picked = None if list(rows) == list(range(len(rows))) else torch.tensor(list(rows), dtype=torch.long)
     for offset, scope, nbytes in regions:
-        span = _overlap(scope.layers[0], scope.layers[1] - scope.layers[0], layers[0], layers[1] - layers[0])
-        if span is None:
-            continue
-        for layer in range(*span):
-            planes = object_planes(
-                buffer,
-                offset=offset + (layer - scope.layers[0]) * profile.layer_nbytes,
-                rows=count,
-                row_nbytes=nbytes,
-                dtype=profile.dtype,
-                shapes=profile.shapes,
-                orders=profile.plane_orders,
-            )
-            src_parts = part_views(profile.kind, planes)
+        for layer, src_parts in _layer_parts(profile, buffer, offset, scope, layers, count, nbytes):
             for dst in part_views(layout.kind, layout.typed_views[layer - first_layer]):
                 for src in src_parts:
                     if src.name != dst.name:
