@@ -186,16 +186,17 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "-"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO_ROOT,
-        check=False,
-        timeout=1800,
-    )
+    with tempfile.TemporaryDirectory(prefix="kvflow-vllm-ttft-") as tmp:  # vLLM's IPC sockets go there
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", "-"],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            env={**env, "TMPDIR": tmp},
+            cwd=REPO_ROOT,
+            check=False,
+            timeout=1800,
+        )
     if proc.returncode != 0:
         raise SystemExit(f"{spec['case']} {spec['role']} failed:\n{proc.stderr[-5000:]}")
     result: dict[str, Any] = json.loads(proc.stdout)

@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -174,16 +175,21 @@ def run_engine(spec: EngineSpec, *, timeout_s: float = 300.0) -> EngineRun:
     fails, times out or prints something that is not the expected JSON.
     """
     try:
-        proc = subprocess.run(
-            [sys.executable, str(RUN_ENGINE), "-"],
-            input=spec.to_json(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=_child_env(spec),
-            cwd=str(REPO_ROOT),
-            check=False,
-        )
+        # TMPDIR: vLLM's IPC sockets go there, and a killed or crashed engine leaves them behind
+        with tempfile.TemporaryDirectory(prefix="kvflow-engine-") as tmp:
+            env = _child_env(spec)
+            if "TMPDIR" not in spec.env:
+                env["TMPDIR"] = tmp
+            proc = subprocess.run(
+                [sys.executable, str(RUN_ENGINE), "-"],
+                input=spec.to_json(),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env=env,
+                cwd=str(REPO_ROOT),
+                check=False,
+            )
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-4000:]
         text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
