@@ -742,3 +742,31 @@ async def test_an_object_evicted_while_a_get_reads_it_is_a_miss_and_its_successo
     assert await reader.usage() == HEADER_SIZE + size
     await reader.aclose()
     await evictor.aclose()
+
+
+async def test_a_scan_between_a_publish_and_its_temp_removal_counts_the_object_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer has linked its object but not yet removed its temp name (two names, one file) when
+    another process recounts the directory. The file counts once, so the shared budget does not
+    stay high (which would evict objects for room that is free)."""
+    size = 10 * KiB
+    capacity = 2 * (HEADER_SIZE + size)
+    writer, other = open_store(tmp_path, capacity), open_store(tmp_path, capacity)
+    counts: list[int] = []
+
+    async def recount(name: str) -> None:
+        assert len(list((tmp_path / "tmp").iterdir())) == 1 and (tmp_path / "objects" / name).exists()
+        counts.append(await other.usage())
+
+    monkeypatch.setattr(local, "_published_hook", recount)
+    assert await writer.put([ref("a", payload("a", size))]) == [PutStatus.STORED]
+    monkeypatch.setattr(local, "_published_hook", None)
+    assert counts == [HEADER_SIZE + size]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    # The counter the scan left is exact: a second object fits without evicting the first.
+    assert await writer.put([ref("b", payload("b", size))]) == [PutStatus.STORED]
+    assert writer.stats().evictions == 0 and await other.exists(["a", "b"]) == [True, True]
+    assert writer.stats().used_bytes == capacity == await other.usage()
+    await writer.aclose()
+    await other.aclose()

@@ -61,6 +61,9 @@ _mid_write_hook: Callable[[str], None] | None = None
 # Tests only: awaited with an object's file name once a get has read its first piece (so that
 # another writer can evict and recycle the file under the reader).
 _mid_read_hook: Callable[[str], Awaitable[None]] | None = None
+# Tests only: awaited with an object's file name once it is published, before its temp name is
+# removed (so that another process can scan the directory in between).
+_published_hook: Callable[[str], Awaitable[None]] | None = None
 # Tests only: awaited with the file names of the objects that failed verification in a get, before
 # they are checked again under the lock (so that another writer can republish one meanwhile).
 _before_remove_corrupt_hook: Callable[[list[str]], Awaitable[None]] | None = None
@@ -324,6 +327,8 @@ class LocalBackend:
             logger.debug("local backend: publishing %r failed: %s", obj.key, exc)
             return PutStatus.FAILED
         res.settled = True  # the bytes now belong to the published object
+        if _published_hook is not None:
+            await _published_hook(object_file_name(obj.key))
         try:
             os.unlink(res.name, dir_fd=tmp_fd)
         except OSError as exc:

@@ -6,7 +6,8 @@ Directory layout::
     <root>/objects/      published objects, immutable once linked here
     <root>/tmp/          writes in flight: ``TempName`` files, each reserving its bytes
 
-Usage is "file sizes of every object + file sizes of every live writer's temp file": a writer sizes
+Usage is "file sizes of every object + file sizes of every live writer's temp file", each inode
+counted once (a published object keeps its temp name until its writer unlinks it): a writer sizes
 its temp file to its reservation (``ftruncate``, which allocates nothing yet) as it makes it, so what
 is counted is always what is on disk, never a number someone wrote into a name. Entries that are not
 kvflow's (other names, not regular files, other owners) are ignored, logged once, and not counted.
@@ -333,8 +334,10 @@ class SpaceLedger:
         """Recount usage from the files, drop dead writers' temp files, rebuild the candidates."""
         started = time.monotonic()
         self._rescanned = True
-        # Temp files first: a write published meanwhile is then counted once or twice, never zero times.
-        used = self._clean_temp_files()[0]
+        # Temp files first, so that a write published meanwhile is seen in one list or both, and by
+        # inode, so that it is counted once: a published object keeps its temp name until its writer
+        # unlinks that, outside the lock.
+        used, _, counted = self._clean_temp_files()
         candidates: list[_Candidate] = []
         with os.scandir(self.objects_fd) as entries:
             for entry in entries:
@@ -348,7 +351,8 @@ class SpaceLedger:
                 if problem:
                     self.report_foreign("objects", entry.name, problem)
                     continue
-                used += st.st_size
+                if st.st_ino not in counted:
+                    used += st.st_size
                 candidates.append(_Candidate(st.st_mtime_ns, entry.name, st.st_ino, st.st_size))
         candidates.sort()
         self._candidates = deque(candidates)
@@ -366,13 +370,12 @@ class SpaceLedger:
         if self._clean_temp_files()[1]:
             self.scan()
 
-    def _clean_temp_files(self) -> tuple[int, int]:
-        """Remove temp files of dead writers; return (bytes of live writers' files, files removed).
-
-        A live writer's file counts at its size (its reservation) even when it is already linked as
-        an object (erring high for a moment rather than low).
+    def _clean_temp_files(self) -> tuple[int, int, set[int]]:
+        """Remove temp files of dead writers; return the bytes of live writers' files, how many
+        files were removed, and the inodes of the live files (one may also be linked as an object).
         """
         live = removed = 0
+        inodes: set[int] = set()
         alive: dict[WriterId, bool] = {}
         with os.scandir(self.tmp_fd) as entries:
             for entry in entries:
@@ -391,13 +394,14 @@ class SpaceLedger:
                     alive[temp.writer] = temp.writer.is_alive(self.writer)
                 if alive[temp.writer]:
                     live += st.st_size
+                    inodes.add(st.st_ino)
                     continue
                 self._unlink(self.tmp_fd, entry.name)
                 removed += 1
                 logger.debug(
                     "removed %s/tmp/%s, left by dead process %d", self.root, entry.name, temp.writer.pid
                 )
-        return live, removed
+        return live, removed, inodes
 
     # --- helpers --------------------------------------------------------------------------------
 
