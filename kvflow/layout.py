@@ -137,10 +137,12 @@ def _bytes_view(view: torch.Tensor, plane: Plane) -> torch.Tensor:
     return whole.as_strided((view.size(0), plane.block_nbytes), (plane.block_stride, 1), offset)
 
 
-def _describe(entry: KVCacheEntry) -> str:
+def _describe(entry: object) -> str:
     if isinstance(entry, torch.Tensor):
         return f"tensor{list(entry.shape)}"
-    return "(" + ", ".join(f"tensor{list(t.shape)}" for t in entry) + ")"
+    if isinstance(entry, (tuple, list)):
+        return "(" + ", ".join(_describe(part) for part in entry) + ")"
+    return f"a {type(entry).__name__}"
 
 
 def _classify(name: str, entry: KVCacheEntry) -> tuple[LayoutKind, list[torch.Tensor], int]:

@@ -83,9 +83,7 @@ class ParallelConfig:
                     f"tp_size={tp}: give num_kv_heads (the model's total KV heads), or use_mla=True "
                     "for an MLA model, so that kvflow knows which ranks hold the same KV"
                 )
-            if self.dcp_size != 1:
-                raise ConfigError(f"dcp_size={self.dcp_size} needs num_kv_heads (the model's total KV heads)")
-            return
+            return  # tp_size 1, so dcp_size 1 (it divides tp_size, checked above)
         if heads >= tp:
             if heads % tp:
                 raise ConfigError(

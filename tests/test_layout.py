@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import ctypes
+import re
 
 import pytest
 import torch
 
 from kvflow.errors import LayoutError
-from kvflow.layout import KVLayout, LayoutKind
+from kvflow.layout import KVFormat, KVLayout, LayoutKind
 from tests.helpers import BLOCK, LAYOUTS, NUM_BLOCKS, block_bytes
 
 
@@ -26,6 +27,20 @@ def test_regions_are_exactly_each_blocks_bytes(layout_name: str) -> None:
             assert b"".join(ctypes.string_at(a, n) for a, n in zip(addrs, sizes)) == block_bytes(
                 entry, block_id
             )
+    # The vectorised addresses, the byte views the staging path copies and the typed views agree.
+    ids = [NUM_BLOCKS - 1, 0, 5]
+    assert layout.addrs_of(ids) == [layout.block_addrs(b) for b in ids]
+    assert layout.addrs_of(ids, layer=1) == [layout.layer_regions(b, 1)[0] for b in ids]
+    flat = [(layer, p) for layer, views in enumerate(layout.typed_views) for p in range(len(views))]
+    for (layer, p), view_u8 in zip(flat, layout.plane_views, strict=True):
+        typed = layout.typed_views[layer][p]
+        assert view_u8.dtype is torch.uint8 and view_u8.shape == (NUM_BLOCKS, layout.unit_sizes(layer)[p])
+        for block_id in ids:
+            assert (
+                view_u8[block_id].numpy().tobytes()
+                == typed[block_id].contiguous().view(torch.uint8).numpy().tobytes()
+            )
+    assert layout.heads == (1 if layout.mla else 2)
 
 
 def test_permuted_but_dense_blocks_are_one_region_of_another_order() -> None:
@@ -65,20 +80,104 @@ def test_unsupported_shapes_name_what_they_got(entry: object) -> None:
         KVLayout.from_kv_caches({"layer0": entry})  # type: ignore[dict-item]
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        (torch.zeros(4, 16, 24), torch.zeros(4, 16, 24)),  # 3-D pair of one width: not MLA's two parts
+        (torch.zeros(4, 16, 24), torch.zeros(5, 16, 8)),  # 3-D pair that disagree on more than width
+        (torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 8)),  # 4-D MLA parts hold one head, not 2
+        (torch.zeros(4, 16, 2, 8), "v"),  # not a tensor: said so, not an AttributeError
+    ],
+)
+def test_pairs_that_are_not_kv_or_mla_parts_are_refused(entry: object) -> None:
+    with pytest.raises(LayoutError, match=r"^layer 'layer0': unsupported KV cache \(tensor\["):
+        KVLayout.from_kv_caches({"layer0": entry})  # type: ignore[dict-item]
+
+
+def test_an_unsupported_cache_is_described_shape_by_shape() -> None:
+    with pytest.raises(
+        LayoutError, match=r"^layer 'x': unsupported KV cache \(tensor\[2, 3\], tensor\[4\]\); supported: "
+    ):
+        KVLayout.from_kv_caches({"x": (torch.zeros(2, 3), torch.zeros(4))})
+    with pytest.raises(LayoutError, match=r"unsupported KV cache \(tensor\[2\], a str\); supported: "):
+        KVLayout.from_kv_caches({"x": (torch.zeros(2), "v")})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("entry", "kind", "block_size", "widths"),
+    [
+        ((torch.zeros(4, 16, 512), torch.zeros(4, 16, 64)), LayoutKind.MLA_TUPLE, 16, (512, 64)),  # 3-D parts
+        ((torch.zeros(4, 16, 1, 512), torch.zeros(4, 16, 1, 64)), LayoutKind.MLA_TUPLE, 16, (512, 64)),
+        (torch.zeros(2, 3, 16, 2, 8), LayoutKind.FLASH_ATTN, 16, (8,)),  # 3 blocks: not [N, 2, ...]
+        (torch.zeros(3, 2, 16, 2, 8), LayoutKind.FLASHINFER, 16, (8,)),  # 3 blocks: not [2, N, ...]
+        (torch.zeros(2, 5, 2, 4, 8), LayoutKind.FLASH_ATTN, 2, (8,)),  # a block of 2 tokens
+        (torch.zeros(1, 16, 24), LayoutKind.MLA, 16, (24,)),  # one block
+    ],
+)
+def test_boundary_shapes_are_classified(
+    entry: object, kind: LayoutKind, block_size: int, widths: tuple[int, ...]
+) -> None:
+    layout = KVLayout.from_kv_caches({"l": entry})  # type: ignore[dict-item]
+    assert (layout.kind, layout.block_size, layout.widths) == (kind, block_size, widths)
+    assert layout.block_nbytes == sum(v[0].numel() * 4 for v in layout.typed_views[0])
+
+
 def test_non_dense_block_is_rejected() -> None:
     strided = torch.zeros(4, 2, 16, 32)[..., ::2]
-    with pytest.raises(LayoutError, match="dense"):
+    with pytest.raises(
+        LayoutError,
+        match=r"^layer 'l': a block of shape \(2, 16, 16\) with strides \(512, 32, 2\) is not one dense "
+        "span of memory; make the KV cache contiguous within a block$",
+    ):
         KVLayout.from_kv_caches({"l": strided})
 
 
+def test_overlapping_blocks_are_rejected_and_a_single_block_has_no_stride_to_check() -> None:
+    base = torch.zeros(64)
+    for blocks in (2, 3):  # each block 16 floats, 8 apart
+        overlapping = base.as_strided((blocks, 1, 16), (8, 16, 1))  # a block of one token
+        with pytest.raises(LayoutError, match=r"^layer 'l': blocks overlap \(block stride 32 < 64 B\)$"):
+            KVLayout.from_kv_caches({"l": overlapping})
+    alone = base.as_strided((1, 1, 16), (0, 16, 1))
+    assert KVLayout.from_kv_caches({"l": alone}).block_sizes == [64]
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_layers"])
+@pytest.mark.parametrize("bad", [0, True, "3", 2.0])
+def test_a_format_refuses_what_is_not_a_positive_integer(field: str, bad: object) -> None:
+    kwargs: dict[str, object] = {"block_size": 16, "num_layers": 2, "meaning": "m", "order": "o"}
+    kwargs[field] = bad
+    with pytest.raises(
+        LayoutError, match=f"^{field} must be a positive integer, got {re.escape(repr(bad))}$"
+    ):
+        KVFormat(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["meaning", "order"])
+@pytest.mark.parametrize("bad", ["", "a b", 5, None])
+def test_a_format_refuses_text_that_cannot_be_part_of_a_key(field: str, bad: object) -> None:
+    kwargs: dict[str, object] = {"block_size": 16, "num_layers": 2, "meaning": "m", "order": "o"}
+    kwargs[field] = bad
+    with pytest.raises(LayoutError, match=rf"^{field} must be non-empty text of \[A-Za-z0-9_\.\+-\], got "):
+        KVFormat(**kwargs)  # type: ignore[arg-type]
+
+
 def test_mixed_layers_and_wrong_block_size_are_rejected() -> None:
-    with pytest.raises(LayoutError, match="block counts"):
-        KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8), "b": torch.zeros(5, 2, 16, 8)})
-    with pytest.raises(LayoutError, match="dtypes"):
-        KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8), "b": torch.zeros(4, 2, 16, 8).half()})
+    every = "every layer must share one layout; got"
+    one = torch.zeros(4, 2, 16, 8)
+    for other, what in (
+        (torch.zeros(5, 2, 16, 8), r"block counts \['4', '5'\]"),
+        (one.half(), r"dtypes \['torch.float16', 'torch.float32'\]"),
+        (torch.zeros(4, 2, 32, 8), r"block sizes \['16', '32'\]"),
+        (torch.zeros(4, 16, 8), r"layout kinds \['LayoutKind.MLA', 'LayoutKind.VLLM_CPU'\]"),
+        (torch.zeros(4, 2, 16, 4), "per-block shapes"),
+        (one.to("meta"), r"devices \['cpu', 'meta'\]"),
+    ):
+        with pytest.raises(LayoutError, match=f"^{every} {what}"):
+            KVLayout.from_kv_caches({"a": one, "b": other})
     with pytest.raises(LayoutError, match="block_size=32"):
         KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8)}, block_size=32)
-    with pytest.raises(LayoutError, match="no KV caches"):
+    with pytest.raises(LayoutError, match=r"^no KV caches given; register at least one layer$"):
         KVLayout.from_kv_caches({})
 
 

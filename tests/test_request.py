@@ -83,3 +83,24 @@ def test_a_plan_flattens_a_batch_in_order() -> None:
     assert plan.spans == ((0, 2), (2, 3)) and plan.request_ids == ("a", "b")
     assert plan.hashes == [hashes[3], hashes[4], hashes[0]]
     assert plan.block_ids == [7, 6, 1] and plan.indices == [3, 4, 0]
+    assert plan.origins == [0, 0, 1] and plan.fine == (hashes, hashes)
+
+
+def test_the_plans_errors_name_what_is_wrong() -> None:
+    with pytest.raises(RequestError, match=r"^expected a kvflow.KVRequest, got list$"):
+        BlockPlan.build([[0, 1]], FORMAT, 8)  # type: ignore[list-item]
+    with pytest.raises(
+        RequestError, match=r"block id 8 is out of range: the KV cache has 8 blocks \(0..7\)$"
+    ):
+        BlockPlan.build([KVRequest(block_ids=[8], tokens=TOKENS)], FORMAT, 8)
+    with pytest.raises(RequestError, match=r"^4 block hashes but 80 tokens make 5 full blocks of 16$"):
+        BlockPlan.build([KVRequest(tokens=TOKENS, block_hashes=hash_blocks(TOKENS, 16)[:4])], FORMAT, 8)
+
+
+def test_given_hashes_may_come_with_a_partial_block_of_tokens() -> None:
+    """Tokens past the last full block have no hash: 85 tokens agree with 5 hashes of 16."""
+    hashes = hash_blocks(TOKENS, 16)
+    plan = BlockPlan.build(
+        [KVRequest(block_ids=[0], tokens=[*TOKENS, 1, 2, 3, 4, 5], block_hashes=hashes)], FORMAT, 8
+    )
+    assert plan.hashes == hashes[:1]
