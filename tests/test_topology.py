@@ -40,6 +40,8 @@ class Engine:
     kind: str
     block_size: int
     layerwise: bool
+    staging: str = "auto"  # "always": through host staging chunks, as a device cache goes
+    staging_bytes: int = 256 << 20  # tiny: one object per chunk, so reshaped loads go in many rounds
 
     @property
     def pp(self) -> int:
@@ -209,7 +211,13 @@ def open_rank(
         pp_size=engine.pp,
         pp_layers=engine.pp_layers,
     )
-    config = PoolConfig(model="m", layerwise=engine.layerwise, hash_tokens=4)
+    config = PoolConfig(
+        model="m",
+        layerwise=engine.layerwise,
+        hash_tokens=4,
+        staging=engine.staging,
+        staging_bytes=engine.staging_bytes,
+    )
     layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
     return Rank(
         engine,
@@ -343,3 +351,46 @@ def test_every_layout_kind_reads_every_other(writer_kind: str, reader_kind: str)
     writer = Engine(2, (2, 2), writer_kind, 4, False)
     reader = Engine(4, (4,), reader_kind, 8, False)
     anyio.run(share, model, writer, reader, 7)
+
+
+TINY = 64  # bytes of staging: every chunk is sized to one object, the least that works
+
+
+@pytest.mark.parametrize(
+    ("heads", "writer", "reader"),
+    [
+        (
+            "gqa8",
+            Engine(1, (4,), "flash_attn", 4, False),
+            Engine(4, (2, 2), "vllm_cpu", 8, False, "auto", TINY),
+        ),
+        (
+            "gqa2",
+            Engine(4, (4,), "kv_tuple", 8, True),
+            Engine(1, (1, 3), "flashinfer_hnd", 4, False, "auto", TINY),
+        ),
+        (
+            "mha16",
+            Engine(8, (2, 2), "vllm_cpu", 4, False),
+            Engine(2, (4,), "flash_attn_hnd", 8, True, "always", 16 << 10),
+        ),
+        (
+            "gqa8",
+            Engine(2, (4,), "flash_attn", 8, False),
+            Engine(8, (4,), "kv_tuple", 4, False, "always", 16 << 10),
+        ),
+        ("mla", Engine(2, (1, 1, 2), "mla", 4, True), Engine(8, (4,), "mla", 8, False, "auto", TINY)),
+        (
+            "mla",
+            Engine(1, (4,), "mla_tuple", 8, False),
+            Engine(2, (2, 2), "mla_tuple", 4, True, "always", 16 << 10),
+        ),
+    ],
+)
+def test_a_reader_with_one_small_staging_chunk_loads_the_writers_kv_round_by_round(
+    heads: str, writer: Engine, reader: Engine
+) -> None:
+    """Deterministic, and the fast tests the mutation run selects for the transform path: TP sizes
+    up and down, pipeline splits, layerwise on either side, staged or not; the reader's staging
+    holds one object at a time, so every load of another profile's objects takes many rounds."""
+    anyio.run(share, Model.draw(HEADS[heads], 13), writer, reader, 17)

@@ -334,10 +334,12 @@ class LoadJob:
                     wanted[j] = found
             if not wanted:
                 continue
-            largest = max(s.nbytes for found in wanted.values() for s in found)
+            largest = max(_need(found) for found in wanted.values())  # one block's objects share a chunk
             pool = await transfer.scratch(largest)
             if pool is None:
-                log.warning("objects of %d bytes do not fit a staging chunk; raise staging_bytes", largest)
+                log.warning(
+                    "a block's objects (%d bytes) do not fit a staging chunk; raise staging_bytes", largest
+                )
                 continue
             filled |= await self._fetch_and_copy(unit, profile, pool, wanted, layers, deadline)
         return filled
@@ -359,7 +361,8 @@ class LoadJob:
         batches: list[list[int]] = [[]]
         used, placed = 0, set[str]()
         for j, found in wanted.items():
-            need = sum(s.nbytes for s in found if s.key not in placed)
+            need = _need(found, placed)
+            assert _need(found) <= pool.chunk_bytes, "checked by the caller: a chunk holds any one block"
             if used + need > pool.chunk_bytes and batches[-1]:
                 batches.append([])
                 used, placed = 0, set()
@@ -408,7 +411,8 @@ class LoadJob:
         blocks = list(wanted)
         scopes = [s.scope for s in wanted[blocks[0]]]
         sizes = [s.nbytes for s in wanted[blocks[0]]]
-        capacity = max(1, pool.chunk_bytes // sum(sizes))
+        capacity = pool.chunk_bytes // sum(sizes)
+        assert capacity >= 1, "checked by the caller: a chunk holds any one block"
         filled: set[int] = set()
         for start in range(0, len(blocks), capacity):
             batch = blocks[start : start + capacity]
@@ -513,3 +517,15 @@ class LoadJob:
             RetrieveResult(tuple(self.plan.block_ids[a:b]), tuple(status[a:b]), block_size)
             for a, b in self.plan.spans
         ]
+
+
+def _need(found: list[Source], placed: frozenset[str] | set[str] = frozenset()) -> int:
+    """Bytes a block's objects take in a chunk, those already ``placed`` there (shared with an
+    earlier block of the batch) not counted again."""
+    seen = set(placed)
+    total = 0
+    for s in found:
+        if s.key not in seen:
+            seen.add(s.key)
+            total += s.nbytes
+    return total
