@@ -339,3 +339,48 @@ async def test_a_store_that_finds_staging_full_until_its_deadline_fails_and_does
 async def wait_until(condition: Callable[[], bool]) -> None:
     while not condition():
         await anyio.sleep(0.01)
+
+
+@attrs.define(eq=False)
+class StuckDevice(LateDevice):
+    """Every copy completes ``delay_s`` after it was queued: longer than the request's deadline."""
+
+    delay_s: float = 0.3
+
+    def record(self) -> LateEvent:  # type: ignore[override]
+        event = LateEvent(self.delay_s, on_complete=self._queued)
+        self._queued = []
+        event.record()
+        return event
+
+
+async def test_a_copy_that_outlives_the_deadline_is_waited_for_and_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A staging chunk is never reused (nor its blocks reported) while the device may still write
+    it: past the deadline the wait goes on, and says so once per interval."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    await pool(src, backend, staged()).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    dst = zeros_like_caches(src)
+    device = StuckDevice(torch.device("cpu"))
+    reader = pool(dst, backend, staged(timeout_s=0.05), device)
+    writer_backend = MemoryBackend()
+    writer = pool(src, writer_backend, staged(timeout_s=0.05), StuckDevice(torch.device("cpu")))
+    with caplog.at_level("ERROR", logger="kvflow"):
+        got = await reader.retrieve(KVRequest(block_ids=DST_IDS[:2], tokens=TOKENS))
+        stored = await writer.store(KVRequest(block_ids=SRC_IDS[:2], tokens=TOKENS))
+    stuck = "a staging copy is still running on the device; waiting for it (check the device)"
+    assert [r.getMessage() for r in caplog.records] == [stuck, stuck]  # one per call
+    # The load waited for its copies: the blocks are in place when it reports them.
+    assert got.hit_blocks == 2 and same_blocks(src, dst, list(zip(SRC_IDS[:2], DST_IDS[:2])))
+    # The store waited for its copies out of the cache before putting the chunk (its deadline had
+    # passed, so it reports failure): whatever reached the backend is the cache's bytes.
+    assert stored.failed_indices == (0, 1)
+    check = zeros_like_caches(src)
+    found = await pool(check, writer_backend, staged()).retrieve(KVRequest(block_ids=[0, 1], tokens=TOKENS))
+    pairs = list(zip(SRC_IDS[:2], [0, 1]))[: found.hit_blocks]
+    assert found.failed_block_ids == (0, 1)[found.hit_blocks :] and same_blocks(src, check, pairs)
+    for p in (reader, writer):
+        staging = p._transfer.staging
+        assert staging is not None and staging.in_use == 0
