@@ -71,7 +71,7 @@ def _book(objects: Sequence[ObjectRef]) -> bool:
     return bool(objects) and all(is_book_key(o.key) for o in objects)
 
 
-@attrs.define
+@attrs.define(eq=False)  # a backend is itself, not its fields (pools key registrations by it)
 class FaultyBackend:
     """A memory backend that can be told to raise or hang in put, get or exists. Faults and the
     put hook apply to calls about KV objects; the profile book's small calls pass through."""

@@ -4,6 +4,7 @@ import time
 from collections.abc import Sequence
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from kvflow import (
     RequestError,
 )
 from kvflow.backends import ObjectRef
+from kvflow.backends.base import BackendCapabilities
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.ownership import owner
 from tests.helpers import (
@@ -243,6 +245,105 @@ async def test_aclose_waits_for_inflight_stores_and_then_refuses() -> None:
     assert results[0].stored == 2 and results[1] == "closed"  # type: ignore[union-attr]
     with pytest.raises(PoolClosedError):
         await pool.lookup(KVRequest(tokens=TOKENS))
+
+
+async def test_aclose_waits_for_every_call_in_flight_not_just_the_first_to_end() -> None:
+    """Two stores in flight: the first ends, the second still runs; the backend closes only after
+    the second ended, and aclose returns then (not at its timeout)."""
+    src = LAYOUTS["vllm_cpu"]()
+    gates = [anyio.Event(), anyio.Event()]
+    log: list[str] = []
+    started: list[int] = []
+
+    async def gated_put(objects: Sequence[ObjectRef]) -> None:
+        which = len(started)  # the first put to start waits on the first gate
+        started.append(which)
+        await gates[which].wait()
+        log.append(f"put {which} ends")
+
+    @attrs.define
+    class Recording(FaultyBackend):
+        async def aclose(self) -> None:
+            log.append("backend closed")
+            await super().aclose()
+
+    backend = Recording(put_hook=gated_put)
+    pool = KVPool.create(PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    requests = [
+        KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]),
+        KVRequest(block_ids=[1], tokens=[7, *TOKENS[1:BLOCK]]),
+    ]
+    with anyio.fail_after(10):  # only a hang trips this: aclose's own timeout is 60 s
+        async with anyio.create_task_group() as tg:
+            for r in requests:
+                tg.start_soon(pool.store, r)
+            while backend.calls.count("put") < 2:
+                await anyio.sleep(0.001)
+            tg.start_soon(pool.aclose)
+            await anyio.sleep(0.02)
+            gates[0].set()
+            while "put 0 ends" not in log:
+                await anyio.sleep(0.001)
+            await anyio.sleep(0.02)
+            assert "backend closed" not in log  # the second store is still running
+            gates[1].set()
+    assert log == ["put 0 ends", "put 1 ends", "backend closed"]
+
+
+async def test_aclose_abandons_a_backend_that_does_not_close_within_its_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    @attrs.define
+    class Stuck(FaultyBackend):
+        async def aclose(self) -> None:
+            await anyio.sleep_forever()
+
+    pool = KVPool.create(
+        PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=Stuck()
+    )  # type: ignore[arg-type]
+    with anyio.fail_after(10), caplog.at_level("WARNING", logger="kvflow"):
+        await pool.aclose(timeout_s=0.1)  # its own timeout, not the pool's 60 s
+    assert [r.getMessage() for r in caplog.records] == [
+        "the backend did not close within 0.1 s; abandoning it"
+    ]
+    with pytest.raises(PoolClosedError, match=r"^this pool was closed; create a new one$"):
+        await pool.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
+
+
+@pytest.mark.parametrize(
+    ("tp_rank", "count", "order"),
+    [(0, 5, [0, 1, 2, 3, 4]), (2, 5, [2, 3, 4, 0, 1]), (3, 2, [1, 0]), (1, 0, [])],
+)
+def test_each_rank_loads_in_its_own_rotation_of_the_blocks(
+    tp_rank: int, count: int, order: list[int]
+) -> None:
+    pool = make_pool(LAYOUTS["mla"](), tp_rank=tp_rank, tp_size=4, use_mla=True)
+    assert pool._transfer.load_order(count) == order
+
+
+async def test_a_backend_that_pins_memory_gets_every_staging_chunk_registered() -> None:
+    registered: list[tuple[int, int]] = []
+
+    @attrs.define(eq=False)
+    class Pinning(FaultyBackend):
+        @property
+        def capabilities(self) -> BackendCapabilities:
+            return attrs.evolve(self.inner.capabilities, registers_memory=True)
+
+        def register_memory(self, addr: int, nbytes: int) -> None:
+            registered.append((addr, nbytes))
+
+    src = LAYOUTS["vllm_cpu"]()
+    pool = KVPool.create(
+        PoolConfig(staging="always", staging_bytes=4 * 4096),
+        layout=KVLayout.from_kv_caches(src),
+        backend=Pinning(),
+    )  # type: ignore[arg-type]
+    staging = pool._transfer.staging
+    assert staging is not None
+    chunks = {(b.data_ptr(), b.numel()) for b in staging._free}
+    assert chunks and chunks <= set(registered)
+    assert (await pool.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK]))).stored == 2
 
 
 async def test_inflight_bytes_stay_within_the_budget() -> None:

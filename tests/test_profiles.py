@@ -141,6 +141,24 @@ async def test_a_prompt_loads_partly_from_its_own_keys_and_partly_from_another_s
                 assert torch.equal(cache[:, 7 - i, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, i - 4])
 
 
+async def test_a_block_stored_inside_a_larger_block_past_the_prompt_is_not_promised() -> None:
+    """A writer with blocks of 16 tokens (hashed every 8) stored 32 tokens; a reader with blocks
+    of 8 asks for a prompt of 24. Tokens 16-24 sit in the writer's second block, named by the hash
+    at token 32, which the reader's prompt does not reach: the lookup stops at 16 tokens."""
+    backend = MemoryBackend()
+    tokens = list(range(32))
+    writer = KVPool.create(
+        PoolConfig(hash_tokens=8), layout=KVLayout.from_kv_caches(caches(4)), backend=backend
+    )
+    assert (await writer.store(KVRequest(tokens=tokens, block_ids=range(2)))).stored == 2
+    small = {f"l{i}": torch.zeros(2, 8, 8, 4, 4) for i in range(2)}  # blocks of 8 tokens
+    reader = KVPool.create(PoolConfig(hash_tokens=8), layout=KVLayout.from_kv_caches(small), backend=backend)
+    assert await reader.lookup(KVRequest(tokens=tokens)) == 32  # the whole prompt: every block named
+    assert await reader.lookup(KVRequest(tokens=tokens[:24])) == 16
+    got = await reader.retrieve(KVRequest(tokens=tokens[:24], block_ids=[0, 1, 2]))
+    assert got.hit_blocks == 2 and got.failed_block_ids == (2,)
+
+
 async def test_engines_hashing_at_another_granularity_are_reported_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
