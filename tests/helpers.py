@@ -71,6 +71,41 @@ def _book(objects: Sequence[ObjectRef]) -> bool:
     return bool(objects) and all(is_book_key(o.key) for o in objects)
 
 
+@attrs.define(eq=False)
+class FencedBackend(MemoryBackend):
+    """A memory backend that moves only registered memory, as a transport that pins it does: every
+    region of a KV put or get must lie inside a span given to ``register_memory``. A region outside
+    (a stray address: out of a staging chunk, say) is recorded in ``strays`` and fails the call
+    before a byte moves, so a test sees it instead of silently corrupted memory."""
+
+    spans: list[tuple[int, int]] = attrs.field(factory=list)
+    strays: list[tuple[str, int, int]] = attrs.field(factory=list)
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        self.spans.append((addr, addr + nbytes))
+
+    def _fence(self, objects: Sequence[ObjectRef]) -> None:
+        if _book(objects):
+            return  # the profile book's slots are its own small buffers
+        stray = [
+            (o.key, a, n)
+            for o in objects
+            for a, n in zip(o.addrs, o.sizes)
+            if not any(lo <= a and a + n <= hi for lo, hi in self.spans)
+        ]
+        if stray:
+            self.strays += stray
+            raise ConnectionError(f"{len(stray)} regions outside registered memory, first {stray[0]}")
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        self._fence(objects)
+        return await super().put(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        self._fence(objects)
+        return await super().get(objects)
+
+
 @attrs.define(eq=False)  # a backend is itself, not its fields (pools key registrations by it)
 class FaultyBackend:
     """A memory backend that can be told to raise or hang in put, get or exists. Faults and the

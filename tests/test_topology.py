@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
-from tests.helpers import kv_keys, kv_puts
+from tests.helpers import FencedBackend, kv_keys, kv_puts
 
 LAYERS = 4
 HEAD_SIZE = 4
@@ -249,7 +249,7 @@ def expected_objects(model: Model, engine: Engine) -> int:
 
 
 async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None:
-    backend = MemoryBackend()
+    backend = FencedBackend()  # every region moved must lie in memory a pool registered
     for rank in ranks(model, writer, backend, filled=True, seed=seed):
         result = await rank.pool.store(request(rank))
         assert not result.failed_indices
@@ -278,6 +278,7 @@ async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None
                 assert torch.equal(k, model.k[layer, tokens, heads[0] : heads[1]]), (layer, i)
                 assert torch.equal(v, model.v[layer, tokens, heads[0] : heads[1]]), (layer, i)
     assert kv_puts(backend) == expected_objects(model, writer)  # loading stored nothing
+    assert backend.strays == []
 
 
 def _kind_name(kind: str) -> str:
@@ -380,6 +381,18 @@ TINY = 64  # bytes of staging: every chunk is sized to one object, the least tha
             Engine(8, (4,), "kv_tuple", 4, False, "always", 16 << 10),
         ),
         ("mla", Engine(2, (1, 1, 2), "mla", 4, True), Engine(8, (4,), "mla", 8, False, "auto", TINY)),
+        # chunks of two blocks of eight objects each (equal block sizes: rows of objects per chunk)
+        (
+            "gqa8",
+            Engine(4, (2, 2), "flash_attn", 4, False),
+            Engine(1, (4,), "vllm_cpu", 4, False, "auto", 10 << 10),
+        ),
+        # smaller blocks than the writer's: two blocks share objects, placed in a chunk once
+        (
+            "gqa2",
+            Engine(2, (4,), "kv_tuple", 8, False),
+            Engine(1, (4,), "flash_attn", 4, False, "auto", 3 << 10),
+        ),
         (
             "mla",
             Engine(1, (4,), "mla_tuple", 8, False),
