@@ -634,3 +634,28 @@ def test_the_layerwise_bench_verifies_its_load_and_reports_every_ratio(
     assert report["whole_then_compute_s"] > report["compute_alone_s"]  # the load is not free
     for key in ("layerwise_vs_compute", "whole_then_compute_vs_compute", "layerwise_speedup"):
         assert report[key] > 0
+
+
+async def test_each_layer_reports_exactly_the_blocks_it_could_not_move() -> None:
+    """Stores: 3 of 8 blocks are already in the store; layer 0's event fires, layer 1's never does,
+    so layers 1 and 2 are abandoned and fail only the 5 blocks not present. Loads: layer 0 of every
+    block is in the store, layers 1 and 2 of 5 blocks: each layer reports the blocks it missed."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    pool = make_pool(src, backend, timeout_s=0.2)
+    await pool.store(KVRequest(block_ids=[0, 1, 2], tokens=TOKENS[: 3 * BLOCK]))
+    events = LayerEvents.create(3, CpuEvent)
+    async with pool.layerwise_store(request(ALL), events) as storer:
+        events.record(0)  # the engine wrote layer 0, then stopped
+        outcomes = [o async for o in storer]
+    assert [(o.layer, o.failed) for o in outcomes] == [(0, 0), (1, 5), (2, 5)]
+    assert storer.results()[0].failed_indices == (3, 4, 5, 6, 7)
+
+    await pool.store(KVRequest(block_ids=[3, 4], tokens=TOKENS[: 5 * BLOCK], block_offset=3))
+    dst = zeros_like_caches(src)
+    async with make_pool(dst, backend).layerwise_retrieve(
+        request([7, 6, 5, 4, 3, 2, 1, 0]), depth=2
+    ) as loader:
+        loaded = [(o.layer, o.failed) async for o in loader]
+    assert loaded == [(0, 0), (1, 3), (2, 3)]
+    assert loader.results()[0].hit_blocks == 5

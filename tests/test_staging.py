@@ -63,17 +63,23 @@ class LateDevice(Device):
     max_delay_s: float = 0.02
     fail_gather: bool = False
     fail_scatter: bool = False
+    fail_gather_calls: set[int] = attrs.field(factory=set)  # these calls (0, 1, ...) fail
+    fail_scatter_calls: set[int] = attrs.field(factory=set)
+    gathers: int = 0
+    scatters: int = 0
     _queued: list[object] = attrs.field(factory=list)
     rng: random.Random = attrs.field(factory=lambda: random.Random(7))
 
     def gather_rows(self, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-        if self.fail_gather:
+        self.gathers += 1
+        if self.fail_gather or self.gathers - 1 in self.fail_gather_calls:
             raise RuntimeError("injected device error in a copy out of the cache")
         index = index.clone()
         self._queued.append(lambda: torch.index_select(source, 0, index, out=out))
 
     def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.fail_scatter:
+        self.scatters += 1
+        if self.fail_scatter or self.scatters - 1 in self.fail_scatter_calls:
             target.index_copy_(0, index[:1], rows[:1])  # half-written, then the device errs
             raise RuntimeError("injected device error in a copy into the cache")
         index, rows = index.clone(), rows.clone()
@@ -173,7 +179,12 @@ async def test_a_store_reads_no_block_before_the_engines_event() -> None:
     assert got.hit_blocks == 10 and same_blocks(final, dst, list(zip(SRC_IDS, DST_IDS)))
 
 
-async def test_a_store_releases_its_blocks_before_its_put_ends() -> None:
+@pytest.mark.parametrize(
+    ("chunks", "expected"),
+    [(1, [True] * 3), (5, [False] * 4 + [True])],  # one chunk put in 3 batches; 5 chunks, one put each
+)
+async def test_a_store_releases_its_blocks_before_its_put_ends(chunks: int, expected: list[bool]) -> None:
+    """Once the last chunk is copied out of the cache (before its puts), not after the puts."""
     src = LAYOUTS["vllm_cpu"]()
     gate = anyio.Event()
     seen_released: list[bool] = []
@@ -181,9 +192,10 @@ async def test_a_store_releases_its_blocks_before_its_put_ends() -> None:
 
     async def slow_put(objects: object) -> None:
         seen_released.append(released.is_set())
-        await gate.wait()
+        if len(seen_released) == len(expected):
+            await gate.wait()  # the last put waits until the test saw the release
 
-    writer = pool(src, FaultyBackend(put_hook=slow_put), staged(staging_bytes=10 * 4096))
+    writer = pool(src, FaultyBackend(put_hook=slow_put), staged(staging_bytes=10 // chunks * 4096))
     async with anyio.create_task_group() as tg:
         tg.start_soon(
             lambda: writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS), on_released=released.set)
@@ -191,7 +203,7 @@ async def test_a_store_releases_its_blocks_before_its_put_ends() -> None:
         with anyio.fail_after(5):
             await released.wait()  # the blocks were copied out; the put is still waiting
         gate.set()
-    assert seen_released and all(seen_released)
+    assert seen_released == expected
 
 
 async def test_a_load_is_not_done_before_its_copies_into_the_cache() -> None:
@@ -384,3 +396,31 @@ async def test_a_copy_that_outlives_the_deadline_is_waited_for_and_reported(
     for p in (reader, writer):
         staging = p._transfer.staging
         assert staging is not None and staging.in_use == 0
+
+
+async def test_a_device_error_in_one_chunk_fails_only_that_chunks_blocks() -> None:
+    """Chunks of two blocks, one plane per layer: the second chunk's copies fail (out of the cache
+    on the store, into it on the load); its two blocks fail, every other block moves."""
+    src = LAYOUTS["vllm_cpu"]()  # three layers: three copies per chunk
+    backend = MemoryBackend()
+    device = LateDevice(torch.device("cpu"), fail_gather_calls={3})  # chunk 1, first layer
+    writer = pool(src, backend, staged(staging_bytes=2 * 4096), device)
+    released: list[int] = []
+    stored = await writer.store(
+        KVRequest(block_ids=SRC_IDS, tokens=TOKENS), on_released=lambda: released.append(1)
+    )
+    assert stored.failed_indices == (2, 3) and stored.stored == 8 and released == [1]
+    assert await writer.lookup(KVRequest(tokens=TOKENS)) == 2 * BLOCK  # blocks 2 and 3 were not stored
+    await pool(src, backend, staged()).store(
+        KVRequest(block_ids=SRC_IDS[2:4], tokens=TOKENS[: 4 * BLOCK], block_offset=2)
+    )
+
+    dst = zeros_like_caches(src)
+    reader_device = LateDevice(torch.device("cpu"), fail_scatter_calls={3})
+    reader = pool(dst, backend, staged(staging_bytes=2 * 4096), reader_device)
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert got.failed_block_ids == tuple(DST_IDS[2:4])
+    good = [(s, d) for i, (s, d) in enumerate(zip(SRC_IDS, DST_IDS)) if i not in (2, 3)]
+    assert same_blocks(src, dst, good)
+    staging = reader._transfer.staging
+    assert staging is not None and staging.in_use == 0
