@@ -651,6 +651,16 @@ async def test_each_layer_reports_exactly_the_blocks_it_could_not_move() -> None
     assert [(o.layer, o.failed) for o in outcomes] == [(0, 0), (1, 5), (2, 5)]
     assert storer.results()[0].failed_indices == (3, 4, 5, 6, 7)
 
+    async with pool.layerwise_store(
+        request([0, 1, 2], tokens=TOKENS[: 3 * BLOCK]), LayerEvents.completed(3)
+    ) as again:
+        assert [(o.layer, o.failed) async for o in again] == [
+            (0, 0),
+            (1, 0),
+            (2, 0),
+        ]  # all present: none fail
+    assert again.results()[0].statuses == (PutStatus.PRESENT,) * 3
+
     await pool.store(KVRequest(block_ids=[3, 4], tokens=TOKENS[: 5 * BLOCK], block_offset=3))
     dst = zeros_like_caches(src)
     async with make_pool(dst, backend).layerwise_retrieve(
