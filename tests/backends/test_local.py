@@ -770,3 +770,21 @@ async def test_a_scan_between_a_publish_and_its_temp_removal_counts_the_object_o
     assert writer.stats().used_bytes == capacity == await other.usage()
     await writer.aclose()
     await other.aclose()
+
+
+async def test_eviction_skips_a_candidate_removed_since_the_scan(tmp_path: Path) -> None:
+    """The evictor's oldest candidate is gone (another process removed it): the next one goes."""
+    size = 10 * KiB
+    capacity = 3 * (HEADER_SIZE + size)
+    evictor, other = open_store(tmp_path, capacity), open_store(tmp_path, capacity)
+    data = {k: payload(k, size) for k in "abcde"}
+    for key in "abc":
+        assert await evictor.put([ref(key, data[key])]) == [PutStatus.STORED]
+    assert await evictor.usage() == capacity  # a scan: the candidates are a, b, c
+    assert await other.remove(["a"]) == [True]
+    assert await evictor.put([ref("d", data["d"])]) == [PutStatus.STORED]  # fits where a was
+    assert await evictor.put([ref("e", data["e"])]) == [PutStatus.STORED]  # a is gone: b goes
+    assert await evictor.exists(list("abcde")) == [False, False, True, True, True]
+    assert evictor.stats().evictions == 1 and await evictor.usage() == capacity
+    await evictor.aclose()
+    await other.aclose()

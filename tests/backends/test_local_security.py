@@ -416,6 +416,8 @@ async def test_an_object_owned_by_another_user_is_a_miss_and_not_counted(tmp_pat
     assert await backend.get([ref("k", bytearray(2000))]) == [GetStatus.MISS]
     assert await backend.exists(["k"]) == [False]
     assert await backend.usage() == 0
+    assert await backend.remove(["k", "missing"]) == [False, False]  # neither removed nor counted
+    assert await backend.clear() == 0
     assert planted.exists()  # not ours to delete
     await backend.aclose()
 
