@@ -788,3 +788,28 @@ async def test_eviction_skips_a_candidate_removed_since_the_scan(tmp_path: Path)
     assert evictor.stats().evictions == 1 and await evictor.usage() == capacity
     await evictor.aclose()
     await other.aclose()
+
+
+async def test_a_batch_that_outgrows_the_budget_gets_no_space_for_the_rest(tmp_path: Path) -> None:
+    """Reservations in flight are not evictable: with room for one of two objects and nothing to
+    evict, the first is stored and the second reports NO_SPACE; the budget is never exceeded."""
+    size = 10 * KiB
+    backend = open_store(tmp_path, capacity=3 * (HEADER_SIZE + size) // 2)
+    got = await backend.put([ref("a", payload("a", size)), ref("b", payload("b", size))])
+    assert got == [PutStatus.STORED, PutStatus.NO_SPACE]
+    assert object_files(tmp_path) == {"a": HEADER_SIZE + size} and await backend.usage() == HEADER_SIZE + size
+    await backend.aclose()
+
+
+async def test_an_object_that_needs_several_victims_evicts_them_all(tmp_path: Path) -> None:
+    """The first victim's file becomes the new object's; the others are removed, not just uncounted."""
+    small, big = 4 * KiB, 8 * KiB + HEADER_SIZE  # the big object takes exactly two small ones' room
+    backend = open_store(tmp_path, capacity=3 * (HEADER_SIZE + small))
+    for key in "xyz":  # one by one: x is the oldest
+        assert await backend.put([ref(key, payload(key, small))]) == [PutStatus.STORED]
+    assert await backend.put([ref("big", payload("big", big))]) == [PutStatus.STORED]
+    assert object_files(tmp_path) == {"z": HEADER_SIZE + small, "big": HEADER_SIZE + big}
+    assert backend.stats().evictions == 2 and await backend.usage() == sum(object_files(tmp_path).values())
+    target = bytearray(big)
+    assert await backend.get([ref("big", target)]) == [GetStatus.HIT] and target == payload("big", big)
+    await backend.aclose()
