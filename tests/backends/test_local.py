@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -812,4 +813,20 @@ async def test_an_object_that_needs_several_victims_evicts_them_all(tmp_path: Pa
     assert backend.stats().evictions == 2 and await backend.usage() == sum(object_files(tmp_path).values())
     target = bytearray(big)
     assert await backend.get([ref("big", target)]) == [GetStatus.HIT] and target == payload("big", big)
+    await backend.aclose()
+
+
+async def test_a_put_waits_for_the_directory_lock_and_gives_up_at_its_timeout(tmp_path: Path) -> None:
+    """Another process holds the store's lock (a stuck writer): a put that needs a section waits
+    for it only ``lock_timeout_s`` and fails; once the lock is free, puts work again."""
+    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=1 << 20, lock_timeout_s=0.2))
+    holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert await backend.put([ref("a", payload("a", 1000))]) == [PutStatus.FAILED]
+        assert object_files(tmp_path) == {} and list((tmp_path / "tmp").iterdir()) == []
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        assert await backend.put([ref("a", payload("a", 1000))]) == [PutStatus.STORED]
+    finally:
+        os.close(holder)
     await backend.aclose()
