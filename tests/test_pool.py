@@ -264,6 +264,7 @@ async def test_aclose_waits_for_every_call_in_flight_not_just_the_first_to_end()
     @attrs.define
     class Recording(FaultyBackend):
         async def aclose(self) -> None:
+            await anyio.sleep(0.01)  # a real close takes a moment: it must get it
             log.append("backend closed")
             await super().aclose()
 
@@ -308,6 +309,31 @@ async def test_aclose_abandons_a_backend_that_does_not_close_within_its_timeout(
     ]
     with pytest.raises(PoolClosedError, match=r"^this pool was closed; create a new one$"):
         await pool.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
+
+
+async def test_aclose_gives_up_on_a_call_that_never_ends_and_a_failed_lookup_keeps_the_offset() -> None:
+    hung = FaultyBackend(hang_on={"put"}, raise_on={"exists"})
+    pool = KVPool.create(
+        PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=hung
+    )  # type: ignore[arg-type]
+    # the lookup's exists fails: the blocks before the offset still count, as whole tokens
+    assert await pool.lookup(KVRequest(tokens=TOKENS, block_offset=2)) == 2 * BLOCK
+    ended: list[str] = []
+
+    async def store() -> None:
+        try:
+            await pool.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
+        finally:
+            ended.append("store")
+
+    with anyio.fail_after(10):  # only a hang trips this
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store)
+            while "put" not in hung.calls:
+                await anyio.sleep(0.001)
+            await pool.aclose(timeout_s=0.1)  # the put never ends: aclose waits 0.1 s, not forever
+            assert ended == []  # aclose gave up on the store; it did not wait for it to be cancelled
+            tg.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize(
