@@ -334,7 +334,7 @@ class LoadJob:
                     wanted[j] = found
             if not wanted:
                 continue
-            largest = max(_need(found) for found in wanted.values())  # one block's objects share a chunk
+            largest = max(sum(_distinct(found).values()) for found in wanted.values())  # one block per chunk
             pool = await transfer.scratch(largest)
             if pool is None:
                 log.warning(
@@ -361,8 +361,11 @@ class LoadJob:
         batches: list[list[int]] = [[]]
         used, placed = 0, set[str]()
         for j, found in wanted.items():
-            need = _need(found, placed)
-            assert _need(found) <= pool.chunk_bytes, "checked by the caller: a chunk holds any one block"
+            sizes = _distinct(found)
+            assert sum(sizes.values()) <= pool.chunk_bytes, (
+                "checked by the caller: a chunk holds any one block"
+            )
+            need = sum(n for key, n in sizes.items() if key not in placed)  # shared objects placed once
             if used + need > pool.chunk_bytes and batches[-1]:
                 batches.append([])
                 used, placed = 0, set()
@@ -519,13 +522,6 @@ class LoadJob:
         ]
 
 
-def _need(found: list[Source], placed: frozenset[str] | set[str] = frozenset()) -> int:
-    """Bytes a block's objects take in a chunk, those already ``placed`` there (shared with an
-    earlier block of the batch) not counted again."""
-    seen = set(placed)
-    total = 0
-    for s in found:
-        if s.key not in seen:
-            seen.add(s.key)
-            total += s.nbytes
-    return total
+def _distinct(found: list[Source]) -> dict[str, int]:
+    """The bytes of each distinct object a block needs (blocks of a batch may share objects)."""
+    return {s.key: s.nbytes for s in found}
