@@ -116,6 +116,7 @@ class FaultyBackend:
     hang_on: set[str] = attrs.field(factory=set)
     calls: list[str] = attrs.field(factory=list)
     put_hook: Callable[[Sequence[ObjectRef]], Awaitable[None]] | None = None
+    get_hook: Callable[[Sequence[ObjectRef]], Awaitable[None]] | None = None  # after the get moved the bytes
 
     @property
     def max_batch(self) -> int:
@@ -144,7 +145,10 @@ class FaultyBackend:
         if _book(objects):
             return await self.inner.get(objects)
         await self._fault("get")
-        return await self.inner.get(objects)
+        results = await self.inner.get(objects)
+        if self.get_hook is not None:
+            await self.get_hook(objects)
+        return results
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         if keys and all(is_book_key(k) for k in keys):

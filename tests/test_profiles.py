@@ -189,3 +189,46 @@ def test_a_cache_that_disagrees_with_the_parallel_layout_is_refused() -> None:
         KVPool.create(PoolConfig(), layout=layout, parallel=ParallelConfig(pp_size=2, pp_layers=(3, 1)))
     with pytest.raises(ConfigError, match="hash_tokens"):
         KVPool.create(PoolConfig(hash_tokens=5), layout=layout)
+
+
+async def test_a_prompt_loads_from_several_other_splits_in_the_order_they_were_announced() -> None:
+    """Three other engines announced themselves: one with blocks of 64 tokens (none of this
+    48-token prompt's blocks can be named by its hashes), TP=4 (blocks 0-1), TP=2 (all three).
+    Each writer's bytes differ, so the reader's cache shows where each block came from: the split
+    that cannot name a block is passed over, blocks 0-1 come from the first split that holds
+    them, block 2 from the next."""
+    backend = MemoryBackend()
+    tokens = list(range(8 * 16))
+
+    async def store(
+        tp: int,
+        prompt: list[int],
+        blocks: int,
+        cache: dict[str, torch.Tensor] | None = None,
+        hash_tokens: int = 16,
+    ) -> list[dict[str, torch.Tensor]]:
+        shards = [cache or caches(4 // tp) for _ in range(tp)]
+        for rank, shard in enumerate(shards):
+            pool = KVPool.create(
+                PoolConfig(hash_tokens=hash_tokens),
+                layout=KVLayout.from_kv_caches(shard),
+                backend=backend,
+                parallel=ParallelConfig(tp_rank=rank, tp_size=tp, num_kv_heads=4),
+            )
+            assert (await pool.store(KVRequest(tokens=prompt, block_ids=range(blocks)))).stored == blocks
+        return shards
+
+    await store(1, tokens, 2, cache={f"l{i}": torch.randn(2, 8, 64, 4, 4) for i in range(2)})
+    quarters = await store(4, tokens[:32], 2)
+    halves = await store(2, tokens[:48], 3)
+    reader_caches = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
+    assert await reader.lookup(KVRequest(tokens=tokens[:48])) == 48
+    got = await reader.retrieve(KVRequest(tokens=tokens[:48], block_ids=[7, 6, 5]))
+    assert got.hit_blocks == 3
+    for name, cache in reader_caches.items():
+        for i in range(2):  # from the TP=4 engine: head h from rank h
+            for rank in range(4):
+                assert torch.equal(cache[:, 7 - i, :, rank : rank + 1], quarters[rank][name][:, i])
+        for rank in range(2):  # block 2 from the TP=2 engine
+            assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 2])

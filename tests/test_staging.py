@@ -22,6 +22,8 @@ import torch
 from kvflow import GetStatus, KVLayout, KVPool, KVRequest, LayoutError, MemoryBackend, PoolConfig
 from kvflow.backends import ObjectRef
 from kvflow.device import Device
+from kvflow.transfer import staging as staging_module
+from kvflow.transfer.staging import Chunk, StagingPool
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
 
 TOKENS = list(range(700, 700 + BLOCK * 10))
@@ -424,3 +426,79 @@ async def test_a_device_error_in_one_chunk_fails_only_that_chunks_blocks() -> No
     assert same_blocks(src, dst, good)
     staging = reader._transfer.staging
     assert staging is not None and staging.in_use == 0
+
+
+async def test_a_load_whose_staging_stays_busy_past_its_deadline_reports_only_what_arrived() -> None:
+    """One chunk of two objects; the first get ends late, past the request's deadline (a backend
+    call that cannot be cancelled, such as one run in a thread). Its two blocks arrive; the other
+    eight find no chunk free in time, are never asked for, and fail: none is reported loaded."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend()
+    await pool(src, backend, staged()).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    late: list[int] = []
+
+    async def uncancellable(objects: Sequence[ObjectRef]) -> None:
+        if not late:
+            late.append(len(objects))
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.3)
+
+    backend.get_hook = uncancellable
+    dst = zeros_like_caches(src)
+    reader = pool(dst, backend, staged(staging_bytes=2 * 4096, timeout_s=0.1), late_device())
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert late == [2] and backend.calls.count("get") == 1
+    assert got.hit_blocks == 2 and got.failed_block_ids == tuple(DST_IDS[2:])
+    assert same_blocks(src, dst, list(zip(SRC_IDS[:2], DST_IDS[:2])))
+    staging = reader._transfer.staging
+    assert staging is not None and staging.in_use == 0
+
+
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copies_are_done(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two chunks of two objects and copies that take 0.3 s on the device. The store is cancelled
+    while its first copy out of the cache runs; the load while its first chunk's copy into the
+    cache runs and its second chunk's get hangs. Every chunk comes back, none before its copy
+    completed (the device could still be writing it), and the store releases the cache."""
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 2 * 4096)
+    early: list[bool] = []
+    give_back = StagingPool.give_back
+
+    def checked(self: StagingPool, chunk: Chunk) -> None:
+        early.append(chunk.copied is not None and not chunk.copied.query())
+        give_back(self, chunk)
+
+    monkeypatch.setattr(StagingPool, "give_back", checked)
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend()
+    await pool(src, backend, staged()).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    early.clear()
+    backend.calls.clear()
+
+    async def hang_the_second(objects: Sequence[ObjectRef]) -> None:
+        if backend.calls.count("get") == 2:
+            await anyio.sleep_forever()
+
+    backend.get_hook = hang_the_second
+    caches = src if op == "store" else zeros_like_caches(src)
+    other = pool(caches, backend, staged(staging_bytes=4 * 4096), StuckDevice(torch.device("cpu")))
+    staging = other._transfer.staging
+    assert staging is not None and staging.allocations == 2
+    released: list[int] = []
+    with anyio.move_on_after(0.1) as scope:
+        if op == "store":
+            fresh = KVRequest(block_ids=SRC_IDS, tokens=[5, *TOKENS[1:]])
+            await other.store(fresh, on_released=lambda: released.append(1))
+        else:
+            await other.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert scope.cancelled_caught
+    assert staging.in_use == 0 and early and not any(early)
+    if op == "store":
+        assert (
+            released == [1] and backend.calls.count("put") == 1
+        )  # its copy ended; the cancellation then stopped its put
+    else:
+        assert backend.calls.count("get") == 2
+        assert same_blocks(src, caches, list(zip(SRC_IDS[:2], DST_IDS[:2])))  # the first chunk landed
