@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import itertools
 import json
 import os
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +23,12 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvflow.backends.local.backend as local
+import kvflow.backends.local.format as local_format
 from kvflow.backends import open_backend, pacing
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
@@ -32,6 +38,7 @@ from kvflow.backends.local.format import (
     TempName,
     WriterId,
     is_object_file_name,
+    object_file_is_bad,
     object_file_name,
     pieces,
 )
@@ -174,6 +181,142 @@ def test_temp_names_round_trip(ns: int, pid: int, start: int, reserved: int) -> 
     name = TempName(WriterId(ns, pid, start), reserved, "ab12cd")
     assert TempName.parse(name.format()) == name
     assert TempName.parse("probe.12.34") is None
+
+
+def test_temp_names_that_are_not_a_writers_are_refused() -> None:
+    assert TempName.parse("1.2.3.4.tok.tmp") == TempName(WriterId(1, 2, 3), 4, "tok")
+    for name in (
+        "1.2.x.4.tok.tmp",
+        "1.2.3.4.tok.tmq",
+        "1.2.3.tok.tmp",
+        "1.2.3.4.5.tok.tmp",
+        "-1.2.3.4.t.tmp",
+    ):
+        assert TempName.parse(name) is None, name
+
+
+def test_a_writer_is_judged_dead_only_when_it_certainly_is() -> None:
+    me = WriterId.current()
+    assert me.namespace and me.start and me.is_alive(me)
+    assert not WriterId(me.namespace, me.pid, me.start + 1).is_alive(me)  # this pid, an older process
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        started = local_format._read_start_time(child.pid)
+        assert started is not None
+        assert WriterId(me.namespace, child.pid, started).is_alive(me)
+        assert not WriterId(me.namespace, child.pid, started + 1).is_alive(me)  # the pid was reused
+    finally:
+        child.kill()
+        child.wait()
+    assert not WriterId(me.namespace, child.pid, started).is_alive(me)  # exited
+    # Whoever cannot be seen from here may be running: another pid namespace, or no /proc.
+    assert WriterId(me.namespace + 1, child.pid, started).is_alive(me)
+    assert WriterId(0, child.pid, started).is_alive(me)
+
+
+async def test_an_object_file_is_the_documented_format(tmp_path: Path) -> None:
+    """Byte by byte, what format.py's docstring promises (other versions of kvflow read it)."""
+    backend = open_store(tmp_path)
+    data = payload("a key", 3000)
+    assert await backend.put([ref("a key", data, [1000])]) == [PutStatus.STORED]
+    raw = (tmp_path / "objects" / object_file_name("a key")).read_bytes()
+    assert len(raw) == 64 + 3000 and raw[64:] == data
+    assert raw[:8] == b"KVFLOBJ1" and raw[8:16] == struct.pack("<HHI", 1, 0, 64)
+    assert raw[16:24] == struct.pack("<Q", 3000)
+    assert raw[32:48] == hashlib.blake2b(b"a key", digest_size=16).digest() and raw[48:64] == bytes(16)
+    zeroed = raw[:24] + bytes(8) + raw[32:64]
+    assert raw[24:32] == struct.pack("<Q", xxhash.xxh3_64(bytes(data) + zeroed).intdigest())
+    await backend.aclose()
+
+
+async def test_a_file_is_a_whole_object_of_its_key_only_when_every_check_passes(tmp_path: Path) -> None:
+    backend = open_store(tmp_path)
+    data = payload("k", 2000)
+    assert await backend.put([ref("k", data)]) == [PutStatus.STORED]
+    objects = tmp_path / "objects"
+    fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        name = object_file_name("k")
+        assert not object_file_is_bad(fd, name, "k")
+        assert object_file_is_bad(fd, name, "another key")  # a whole object, of another key
+        assert object_file_is_bad(fd, "missing", "k")
+        (objects / "link").symlink_to(objects / name)
+        assert object_file_is_bad(fd, "link", "k")  # never followed
+        (objects / "dir").mkdir()
+        assert object_file_is_bad(fd, "dir", "k")
+        raw = (objects / name).read_bytes()
+        (objects / "short").write_bytes(raw[:-1])
+        (objects / "long").write_bytes(raw + b"\0")
+        (objects / "flipped").write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+        for bad in ("short", "long", "flipped"):
+            assert object_file_is_bad(fd, bad, "k"), bad
+        os.mkfifo(objects / "fifo")
+        opened_for_writing: list[bool] = []
+
+        def unblock() -> None:  # only if the check blocked in open(): it must not
+            opened_for_writing.append(True)
+            os.close(os.open(objects / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+
+        timer = threading.Timer(5, unblock)
+        timer.start()
+        try:
+            assert object_file_is_bad(fd, "fifo", "k")
+        finally:
+            timer.cancel()
+        assert opened_for_writing == []
+    finally:
+        os.close(fd)
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_short_writes_and_reads_are_continued_where_they_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """The kernel may move fewer bytes than asked (a signal, a full pipe): every call goes on from
+    the exact byte where the last stopped, across buffer boundaries."""
+    parts = [b"abc", b"defgh", b"", b"ij", b"klmnopq"]
+    whole = b"".join(parts)
+    path = tmp_path / "file"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    calls = 0
+    real = os.pwritev if op == "write" else os.preadv
+
+    def at_most_4(fd_: int, bufs: list[memoryview], offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        cut, room = [], 4
+        for b in bufs:
+            if room == 0:
+                break
+            cut.append(b[:room])
+            room -= min(room, b.nbytes)
+        return real(fd_, cut, offset)
+
+    try:
+        if op == "write":
+            monkeypatch.setattr(os, "pwritev", at_most_4)
+            local_format.write_from(fd, parts, 5)
+            assert path.read_bytes() == bytes(5) + whole
+        else:
+            os.pwrite(fd, bytes(5) + whole, 0)
+            monkeypatch.setattr(os, "preadv", at_most_4)
+            bufs = [bytearray(len(p)) for p in parts]
+            assert local_format.read_into(fd, bufs, 5) == len(whole)
+            assert b"".join(bufs) == whole
+        assert calls == -(-len(whole) // 4)
+    finally:
+        os.close(fd)
+
+
+def test_a_write_that_stops_moving_bytes_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT)
+    monkeypatch.setattr(os, "pwritev", lambda fd_, bufs, offset: 0)
+    try:
+        with pytest.raises(OSError, match="short write"):
+            local_format.write_from(fd, [b"abc"], 0)
+    finally:
+        os.close(fd)
 
 
 # --- one process ---------------------------------------------------------------------------------
@@ -830,3 +973,97 @@ async def test_a_put_waits_for_the_directory_lock_and_gives_up_at_its_timeout(tm
     finally:
         os.close(holder)
     await backend.aclose()
+
+
+@pytest.mark.parametrize("how", ["get", "put again"])
+async def test_a_batch_of_present_objects_is_used_head_first(tmp_path: Path, how: str) -> None:
+    """Objects stored one by one (p0 oldest), then read or put again as one batch, tail first:
+    the batch's head (p3) becomes the newest and its tail (p0) the oldest, so p0 goes first."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
+    keys = [f"p{i}" for i in range(4)]
+    for key in keys:
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    batch = keys[::-1]
+    if how == "get":
+        assert await backend.get([ref(k, bytearray(size)) for k in batch]) == [GetStatus.HIT] * 4
+    else:
+        assert await backend.put([ref(k, payload(k, size)) for k in batch]) == [PutStatus.PRESENT] * 4
+    assert await backend.put([ref("x", payload("x", size))]) == [PutStatus.STORED]
+    assert await backend.exists(keys) == [False, True, True, True]
+    await backend.aclose()
+
+
+async def test_a_present_object_is_not_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = open_store(tmp_path)
+    assert await backend.put([ref("k", payload("k", 100 * KiB))]) == [PutStatus.STORED]
+    writes: list[int] = []
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: writes.append(fd) or real(fd, bufs, offset))
+    assert await backend.put([ref("k", payload("k", 100 * KiB))]) == [PutStatus.PRESENT]
+    assert writes == [] and list((tmp_path / "tmp").iterdir()) == []
+    await backend.aclose()
+
+
+async def test_marking_objects_used_never_follows_a_planted_link(tmp_path: Path) -> None:
+    """A symbolic link where an object file should be (planted by this user by mistake, or left by
+    a tool): putting or reading its key never sets the time of the file it points at."""
+    backend = open_store(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not kvflow's")
+    os.utime(outside, ns=(10**9, 10**9))
+    (tmp_path / "objects" / object_file_name("k")).symlink_to(outside)
+    await backend.put([ref("k", payload("k", 100))])
+    assert await backend.get([ref("k", bytearray(100))]) == [GetStatus.MISS]
+    assert outside.stat().st_mtime_ns == 10**9 and outside.read_bytes() == b"not kvflow's"
+    await backend.aclose()
+
+
+async def test_a_cancelled_put_releases_its_reservations_while_another_process_holds_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancellation lands while another process holds the directory lock: giving the unwritten
+    reservations back waits for the lock (shielded) instead of leaving their temp files behind."""
+    backend = open_store(tmp_path)
+    size, count, stop_at = 16 * KiB, 10, 3
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+    holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
+    locked = anyio.Event()
+
+    async def unlock_soon() -> None:
+        await locked.wait()
+        await anyio.sleep(0.2)
+        fcntl.flock(holder, fcntl.LOCK_UN)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(unlock_soon)
+            with anyio.CancelScope() as scope:
+                writes = 0
+
+                def cancel_with_the_lock_taken(temp: str) -> None:
+                    nonlocal writes
+                    writes += 1
+                    if writes == stop_at:
+                        fcntl.flock(holder, fcntl.LOCK_EX)
+                        locked.set()
+                        scope.cancel()
+
+                monkeypatch.setattr(local, "_mid_write_hook", cancel_with_the_lock_taken)
+                await backend.put([ref(f"k{i}", payload(f"k{i}", size), [1000]) for i in range(count)])
+            assert scope.cancelled_caught
+    finally:
+        os.close(holder)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    stored = len(object_files(tmp_path))
+    assert 0 < stored < count
+    assert backend.stats().used_bytes == stored * (HEADER_SIZE + size) == await backend.usage()
+    await backend.aclose()
+
+
+def test_a_store_whose_subdirectory_is_a_file_is_refused(tmp_path: Path) -> None:
+    open_store(tmp_path / "store")
+    shutil.rmtree(tmp_path / "store" / "objects")
+    (tmp_path / "store" / "objects").write_text("in the way")
+    with pytest.raises(ConfigError, match="objects is not a directory"):
+        open_store(tmp_path / "store")
