@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -112,7 +113,10 @@ def test_unusable_directory_is_a_config_error(tmp_path: Path) -> None:
     for path in (tmp_path / "file" / "store", Path("/proc/kvflow-test/store")):
         with pytest.raises(ConfigError, match="cannot use") as info:
             open_store(path)
-        assert str(path) in str(info.value)
+        message = str(info.value)
+        assert str(path) in message
+        assert "; give a directory this process can create and write, e.g. local:// (a private" in message
+        assert re.search(r"store: [A-Z][a-z ]+; give", message), message  # the OS's reason, in words
 
 
 def test_read_only_directory_is_a_config_error(tmp_path: Path) -> None:

@@ -453,4 +453,84 @@ def test_opening_a_store_on_a_full_filesystem_says_so(full_tmpfs: Path) -> None:
     store = full_tmpfs / "store"
     with pytest.raises(ConfigError, match="full") as info:
         open_store(store)
-    assert str(store) in str(info.value) and "free space" in str(info.value)
+    assert str(store) in str(info.value)
+    assert "free space (or inodes) there, or give a directory on another filesystem" in str(info.value)
+
+
+# --- the access rules, one by one -----------------------------------------------------------------
+
+
+def _stat(mode: int, uid: int, gid: int) -> os.stat_result:
+    return os.stat_result((mode, 1, 1, 1, uid, gid, 0, 0, 0, 0))
+
+
+def test_what_makes_a_file_foreign_in_a_private_store_and_in_a_shared_one() -> None:
+    from kvflow.backends.local.safety import Access
+
+    private, shared = Access(1000), Access(1000, SHARED_GID)
+    regular, directory = stat.S_IFREG, stat.S_IFDIR
+    cases = [
+        (private, _stat(directory | 0o700, 1000, 1000), "not a regular file"),
+        (private, _stat(regular | 0o600, 1001, 1000), "owned by uid 1001"),
+        (private, _stat(regular | 0o640, 1000, 5), None),  # readable by its group: a reader's problem only
+        (private, _stat(regular | 0o620, 1000, 1000), "writable by others (mode 0620)"),
+        (private, _stat(regular | 0o602, 1000, 1000), "writable by others (mode 0602)"),
+        (shared, _stat(regular | 0o660, 1002, SHARED_GID), None),  # another member's object
+        (shared, _stat(regular | 0o660, 1000, SHARED_GID + 1), f"of group gid {SHARED_GID + 1}"),
+        (shared, _stat(regular | 0o662, 1000, SHARED_GID), "writable by others (mode 0662)"),
+    ]
+    for access, st, why in cases:
+        assert access.foreign(st) == why, (access, oct(st.st_mode), why)
+
+
+@needs_root
+def test_opening_fixes_my_stores_modes_and_refuses_what_it_must_not_change(tmp_path: Path) -> None:
+    from kvflow.backends.local.safety import Access
+
+    private, shared = Access(os.geteuid()), Access(os.geteuid(), SHARED_GID)
+    path = tmp_path / "d"
+    path.mkdir()
+    file = tmp_path / "f"
+    file.write_bytes(b"")
+    cases = [  # (access, what, mode before, directory, mode after)
+        (private, file, 0o644, False, 0o600),
+        (shared, file, 0o600, False, 0o660),  # the group's bits are added
+        (private, path, 0o755, True, 0o700),
+        (shared, path, 0o700, True, 0o2770),  # and setgid, so new files are the group's
+    ]
+    for access, what, before, directory, after in cases:
+        os.chown(what, os.geteuid(), SHARED_GID if access.gid else os.getegid())
+        what.chmod(before)
+        fd = os.open(what, os.O_RDONLY)
+        try:
+            access.verify(fd, str(what), directory=directory, created=False, may_fix=True)
+        finally:
+            os.close(fd)
+        assert stat.S_IMODE(what.stat().st_mode) == after, (access, what, oct(before))
+    file.chmod(0o644)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        with pytest.raises(ConfigError, match=r"run chmod 600 .*; if not, ask its owner to"):
+            private.verify(fd, str(file), directory=False, created=False, may_fix=False)
+        assert stat.S_IMODE(file.stat().st_mode) == 0o644  # refused, not changed
+        with pytest.raises(ConfigError, match=rf"{file} is not a directory \(owner "):
+            private.verify(fd, str(file), directory=True, created=False, may_fix=True)
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ConfigError, match=rf"{path} is not a file \(owner "):
+            private.verify(fd, str(path), directory=False, created=False, may_fix=True)
+    finally:
+        os.close(fd)
+
+
+@needs_root
+def test_a_lock_file_of_another_user_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    anyio.run(open_store(store).aclose)
+    os.chown(store / "kvflow.lock", NOBODY, NOBODY)
+    with pytest.raises(
+        ConfigError, match=r"belongs to another user.*add \?group=NAME for a group you are both in"
+    ):
+        open_store(store)
