@@ -24,7 +24,7 @@ def test_the_bare_local_url_is_a_private_directory_of_this_user() -> None:
 @pytest.mark.parametrize(
     ("url", "words"),
     [
-        ("local:///x?lock_timeout=nan", "finite"),
+        ("local:///x?lock_timeout=nan", "lock_timeout in 'local:///x.*finite"),
         ("local:///x?lock_timeout=inf", "finite"),
         ("local:///x?lock_timeout=-1", "> 0"),
         ("local:relative_dir", "absolute"),
@@ -54,6 +54,8 @@ def test_bad_local_urls_say_what_to_write(url: str, words: str) -> None:
         ({"lock_timeout_s": float("nan")}, "finite"),
         ({"lock_timeout_s": float("inf")}, "finite"),
         ({"group": ""}, "group"),
+        ({"group": "kv/users"}, "group"),
+        ({"group": "kv\x00users"}, "group"),
     ],
 )
 def test_bad_local_configs_are_refused(kwargs: dict[str, object], words: str) -> None:

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -1023,25 +1024,31 @@ async def test_marking_objects_used_never_follows_a_planted_link(tmp_path: Path)
     await backend.aclose()
 
 
+@pytest.mark.parametrize("lock", ["freed soon", "held past lock_timeout"])
 async def test_a_cancelled_put_releases_its_reservations_while_another_process_holds_the_lock(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, lock: str
 ) -> None:
     """The cancellation lands while another process holds the directory lock: giving the unwritten
-    reservations back waits for the lock (shielded) instead of leaving their temp files behind."""
-    backend = open_store(tmp_path)
+    reservations back waits for the lock (shielded) instead of leaving their temp files behind, and
+    if the lock stays held past ``lock_timeout_s``, removes them without it (the shared counter is
+    then high until the next recount)."""
+    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=64 << 20, lock_timeout_s=0.3))
     size, count, stop_at = 16 * KiB, 10, 3
     monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
     holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
-    locked = anyio.Event()
+    locked, put_ended = anyio.Event(), anyio.Event()
 
-    async def unlock_soon() -> None:
+    async def unlock() -> None:
         await locked.wait()
-        await anyio.sleep(0.2)
+        if lock == "freed soon":
+            await anyio.sleep(0.1)
+        else:
+            await put_ended.wait()
         fcntl.flock(holder, fcntl.LOCK_UN)
 
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(unlock_soon)
+            tg.start_soon(unlock)
             with anyio.CancelScope() as scope:
                 writes = 0
 
@@ -1054,14 +1061,25 @@ async def test_a_cancelled_put_releases_its_reservations_while_another_process_h
                         scope.cancel()
 
                 monkeypatch.setattr(local, "_mid_write_hook", cancel_with_the_lock_taken)
-                await backend.put([ref(f"k{i}", payload(f"k{i}", size), [1000]) for i in range(count)])
+                with caplog.at_level(logging.WARNING, logger="kvflow"):
+                    try:
+                        await backend.put(
+                            [ref(f"k{i}", payload(f"k{i}", size), [1000]) for i in range(count)]
+                        )
+                    finally:
+                        put_ended.set()
             assert scope.cancelled_caught
     finally:
         os.close(holder)
     assert list((tmp_path / "tmp").iterdir()) == []
     stored = len(object_files(tmp_path))
     assert 0 < stored < count
-    assert backend.stats().used_bytes == stored * (HEADER_SIZE + size) == await backend.usage()
+    unlocked = [r.getMessage() for r in caplog.records if "temp files unlocked" in r.getMessage()]
+    if lock == "freed soon":
+        assert unlocked == [] and backend.stats().used_bytes == stored * (HEADER_SIZE + size)
+    else:
+        assert len(unlocked) == 1 and f"removing {count - stored} temp files unlocked" in unlocked[0]
+    assert await backend.usage() == stored * (HEADER_SIZE + size) == backend.stats().used_bytes
     await backend.aclose()
 
 
@@ -1071,3 +1089,48 @@ def test_a_store_whose_subdirectory_is_a_file_is_refused(tmp_path: Path) -> None
     (tmp_path / "store" / "objects").write_text("in the way")
     with pytest.raises(ConfigError, match="objects is not a directory"):
         open_store(tmp_path / "store")
+
+
+async def test_listing_shows_every_object_and_nothing_else(tmp_path: Path) -> None:
+    """`kvflow store ls` lists objects whole, the empty one too, and skips what only looks like one:
+    a link planted under an object's name, a file too short for a header, a file others can write."""
+    backend = open_store(tmp_path)
+    assert (
+        await backend.put([ref("empty", bytearray()), ref("full", payload("full", 100))])
+        == [PutStatus.STORED] * 2
+    )
+    objects = tmp_path / "objects"
+    (objects / "link").symlink_to(objects / "full")
+    (objects / "short").write_bytes(bytes(HEADER_SIZE - 1))
+    writable = objects / "writable"
+    writable.write_bytes((objects / "full").read_bytes())
+    writable.chmod(0o620)
+    assert sorted(await backend.list_objects(), key=str) == [("empty", 0), ("full", 100)]
+    await backend.aclose()
+
+
+def test_a_process_start_time_is_read_whatever_its_name() -> None:
+    """/proc/PID/stat puts the process name in parentheses, and a name may hold ") " itself."""
+    rename = (
+        "import ctypes, sys; sys.stdin.readline(); "
+        "ctypes.CDLL(None).prctl(15, b'a) R 1 2 3', 0, 0, 0); "  # PR_SET_NAME
+        "print('renamed', flush=True); sys.stdin.readline()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", rename], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        started = local_format._read_start_time(child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "renamed\n"
+        assert Path(f"/proc/{child.pid}/comm").read_text() == "a) R 1 2 3\n"
+        assert local_format._read_start_time(child.pid) == started
+    finally:
+        child.kill()
+        child.wait()
+    mine = local_format._read_start_time("self")
+    with open("/proc/uptime") as f:
+        now = float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+    assert started is not None and mine is not None and mine <= started <= now + 1
