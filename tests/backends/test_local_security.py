@@ -534,3 +534,38 @@ def test_a_lock_file_of_another_user_is_refused_with_what_to_do(tmp_path: Path) 
         ConfigError, match=r"belongs to another user.*add \?group=NAME for a group you are both in"
     ):
         open_store(store)
+
+
+@needs_root
+async def test_a_recount_removes_only_my_dead_writers_temp_files_and_counts_only_the_live(
+    tmp_path: Path,
+) -> None:
+    """Temp files in tmp/: a dead writer's (removed), the same name owned by another user or
+    writable by others (not kvflow's: left alone, not counted), a name that is no writer's (left),
+    and three files of two live writers (counted at their sizes on disk, all of them)."""
+    backend = open_store(tmp_path)
+    tmp = tmp_path / "tmp"
+    me = WriterId.current()
+    dead = WriterId(me.namespace, me.pid, me.start + 1)
+    elsewhere = WriterId(me.namespace + 1, 1, 1)  # another pid namespace: alive as far as we know
+
+    def temp(writer: WriterId, token: str, size: int, *, owner: int | None = None, mode: int = 0o600) -> str:
+        name = TempName(writer, 10**12, token).format()
+        (tmp / name).write_bytes(b"t" * size)
+        (tmp / name).chmod(mode)
+        if owner is not None:
+            os.chown(tmp / name, owner, owner)
+        return name
+
+    temp(dead, "mine", 1000)
+    kept = {
+        temp(dead, "theirs", 1000, owner=NOBODY),
+        temp(dead, "writable", 1000, mode=0o622),
+        temp(me, "live1", 100),
+        temp(me, "live2", 50),
+        temp(elsewhere, "live3", 200),
+    }
+    (tmp / "junk.tmp").write_bytes(b"j" * 1000)
+    assert await backend.usage() == 350
+    assert {p.name for p in tmp.iterdir()} == kept | {"junk.tmp"}
+    await backend.aclose()
