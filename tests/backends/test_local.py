@@ -1134,3 +1134,29 @@ def test_a_process_start_time_is_read_whatever_its_name() -> None:
     with open("/proc/uptime") as f:
         now = float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
     assert started is not None and mine is not None and mine <= started <= now + 1
+
+
+@pytest.mark.parametrize(
+    ("error", "status"), [(errno.ENOSPC, PutStatus.NO_SPACE), (errno.EIO, PutStatus.FAILED)]
+)
+async def test_a_reservation_the_filesystem_refuses_fails_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int, status: PutStatus
+) -> None:
+    """Sizing the temp file fails (a full filesystem or quota, or an I/O error): the put reports
+    it for that object (NO_SPACE only when space is what is missing), leaves no temp file and no
+    open descriptor, and counts nothing."""
+    backend = open_store(tmp_path)
+    real = os.ftruncate
+
+    def refuse(fd: int, length: int) -> None:
+        raise OSError(error, os.strerror(error))
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "ftruncate", refuse)
+    assert await backend.put([ref("a", payload("a", 1000))]) == [status]
+    monkeypatch.setattr(os, "ftruncate", real)
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert list((tmp_path / "tmp").iterdir()) == [] and object_files(tmp_path) == {}
+    assert backend.stats().used_bytes == 0 == await backend.usage()
+    assert await backend.put([ref("a", payload("a", 1000))]) == [PutStatus.STORED]
+    await backend.aclose()
