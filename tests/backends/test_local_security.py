@@ -324,20 +324,28 @@ def _read_raw(path: str) -> str:
 
 @needs_root
 def test_a_store_shared_with_a_group_serves_its_members_and_nobody_else(shared_parent: Path) -> None:
-    store = shared_parent / "shared-kv"
+    store = shared_parent / "team" / "shared-kv"  # A makes "team" too: the group may only pass through it
     group = (SHARED_GID,)
     assert as_user(_share, str(store), "from-a", 1, [], uid=MEMBER_A, groups=group) == {"from-a": "stored"}
+    st = store.parent.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (MEMBER_A, SHARED_GID, 0o710)
     st = store.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (MEMBER_A, SHARED_GID, 0o2770)
     for path in (store / "objects", store / "tmp"):
         assert (path.stat().st_gid, mode(path)) == (SHARED_GID, 0o2770)
     for path in (store / "kvflow.lock", store / "objects" / "from-a"):
         assert (path.stat().st_gid, mode(path)) == (SHARED_GID, 0o660)
-    # Another member reads A's object and adds one; A then reads it.
+    # Another member reads A's object and adds one; A then reads it. B cannot set the time of A's
+    # object, only "now": reading it, or putting it again, still marks it used.
+    used = (store / "objects" / "from-a").stat().st_mtime_ns
     assert as_user(_share, str(store), "from-b", 2, ["from-a"], uid=MEMBER_B, groups=group) == {
         "from-b": "stored",
         "from-a": "hit:1:1",
     }
+    assert (store / "objects" / "from-a").stat().st_mtime_ns > used
+    used = (store / "objects" / "from-a").stat().st_mtime_ns
+    assert as_user(_share, str(store), "from-a", 3, [], uid=MEMBER_B, groups=group) == {"from-a": "present"}
+    assert (store / "objects" / "from-a").stat().st_mtime_ns > used
     assert as_user(_share, str(store), "from-a", 1, ["from-b"], uid=MEMBER_A, groups=group) == {
         "from-a": "present",
         "from-b": "hit:2:2",
