@@ -26,6 +26,7 @@ import kvflow.backends.local.backend as local
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.local.format import HEADER_SIZE, Header, TempName, WriterId, key_digest
+from kvflow.backends.local.safety import Access
 from kvflow.errors import ConfigError
 from kvflow.regions import buffer_address
 
@@ -473,8 +474,6 @@ def _stat(mode: int, uid: int, gid: int) -> os.stat_result:
 
 
 def test_what_makes_a_file_foreign_in_a_private_store_and_in_a_shared_one() -> None:
-    from kvflow.backends.local.safety import Access
-
     private, shared = Access(1000), Access(1000, SHARED_GID)
     regular, directory = stat.S_IFREG, stat.S_IFDIR
     cases = [
@@ -493,8 +492,6 @@ def test_what_makes_a_file_foreign_in_a_private_store_and_in_a_shared_one() -> N
 
 @needs_root
 def test_opening_fixes_my_stores_modes_and_refuses_what_it_must_not_change(tmp_path: Path) -> None:
-    from kvflow.backends.local.safety import Access
-
     private, shared = Access(os.geteuid()), Access(os.geteuid(), SHARED_GID)
     path = tmp_path / "d"
     path.mkdir()
