@@ -44,7 +44,7 @@ from kvflow.backends.local.format import (
     object_file_name,
     pieces,
 )
-from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.local_worker import check, content, regions
 
@@ -1159,4 +1159,26 @@ async def test_a_reservation_the_filesystem_refuses_fails_cleanly(
     assert list((tmp_path / "tmp").iterdir()) == [] and object_files(tmp_path) == {}
     assert backend.stats().used_bytes == 0 == await backend.usage()
     assert await backend.put([ref("a", payload("a", 1000))]) == [PutStatus.STORED]
+    await backend.aclose()
+
+
+async def test_a_store_that_cannot_be_checked_is_an_error_that_says_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object the OS will not stat (the store was unmounted, or its modes changed under the
+    engine) is not a miss: the error names the file and what to look at."""
+    backend = open_store(tmp_path)
+    real = os.stat
+
+    def unreadable(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if name == "k":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", unreadable)
+    with pytest.raises(
+        BackendError, match=rf"cannot check {tmp_path}/objects/k: Permission denied; is .* still there"
+    ):
+        await backend.exists(["nope", "k"])
+    monkeypatch.setattr(os, "stat", real)
     await backend.aclose()
