@@ -232,3 +232,36 @@ async def test_a_prompt_loads_from_several_other_splits_in_the_order_they_were_a
                 assert torch.equal(cache[:, 7 - i, :, rank : rank + 1], quarters[rank][name][:, i])
         for rank in range(2):  # block 2 from the TP=2 engine
             assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 2])
+
+
+async def test_a_block_whose_other_objects_outgrow_a_staging_chunk_is_recomputed_and_said_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The reader's staging chunk holds one of its own blocks; a block written by an engine with
+    blocks twice as large needs twice that. The block is reported for recomputation (never half
+    loaded), the log says what to raise, and a reader with a chunk large enough loads it."""
+    backend = MemoryBackend()
+    tokens = list(range(32))
+    big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
+    writer = KVPool.create(PoolConfig(hash_tokens=16), layout=KVLayout.from_kv_caches(big), backend=backend)
+    assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
+    for staging_bytes, loaded in ((4096, 0), (8192, 2)):
+        mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+        reader = KVPool.create(
+            PoolConfig(staging="always", staging_bytes=staging_bytes),
+            layout=KVLayout.from_kv_caches(mine),
+            backend=backend,
+        )
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvflow"):
+            got = await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))
+        assert got.hit_blocks == loaded
+        if loaded:
+            for name, cache in mine.items():
+                assert torch.equal(cache[:, 3], big[name][:, 1, :16]) and torch.equal(
+                    cache[:, 5], big[name][:, 1, 16:]
+                )
+        else:
+            assert got.failed_block_ids == (3, 5)
+            assert "do not fit a staging chunk; raise staging_bytes" in caplog.text
+            assert not mine["l0"].any()  # nothing half-written
