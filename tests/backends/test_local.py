@@ -1032,7 +1032,8 @@ async def test_a_cancelled_put_releases_its_reservations_while_another_process_h
     reservations back waits for the lock (shielded) instead of leaving their temp files behind, and
     if the lock stays held past ``lock_timeout_s``, removes them without it (the shared counter is
     then high until the next recount)."""
-    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=64 << 20, lock_timeout_s=0.3))
+    timeout = 10.0 if lock == "freed soon" else 0.3
+    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=64 << 20, lock_timeout_s=timeout))
     size, count, stop_at = 16 * KiB, 10, 3
     monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
     holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
