@@ -311,13 +311,17 @@ async def test_aclose_abandons_a_backend_that_does_not_close_within_its_timeout(
         await pool.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
 
 
-async def test_aclose_gives_up_on_a_call_that_never_ends_and_a_failed_lookup_keeps_the_offset() -> None:
-    hung = FaultyBackend(hang_on={"put"}, raise_on={"exists"})
+async def test_a_lookup_whose_exists_fails_still_counts_the_blocks_before_the_offset() -> None:
+    failing = FaultyBackend(raise_on={"exists"})
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=failing)  # type: ignore[arg-type]
+    assert await pool.lookup(KVRequest(tokens=TOKENS, block_offset=2)) == 2 * BLOCK  # as whole tokens
+
+
+async def test_aclose_gives_up_on_a_call_that_never_ends() -> None:
+    hung = FaultyBackend(hang_on={"put"})
     pool = KVPool.create(
         PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=hung
     )  # type: ignore[arg-type]
-    # the lookup's exists fails: the blocks before the offset still count, as whole tokens
-    assert await pool.lookup(KVRequest(tokens=TOKENS, block_offset=2)) == 2 * BLOCK
     ended: list[str] = []
 
     async def store() -> None:

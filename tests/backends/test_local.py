@@ -1085,7 +1085,7 @@ async def test_a_cancelled_put_releases_its_reservations_while_another_process_h
 
 
 def test_a_store_whose_subdirectory_is_a_file_is_refused(tmp_path: Path) -> None:
-    open_store(tmp_path / "store")
+    anyio.run(open_store(tmp_path / "store").aclose)
     shutil.rmtree(tmp_path / "store" / "objects")
     (tmp_path / "store" / "objects").write_text("in the way")
     with pytest.raises(ConfigError, match="objects is not a directory"):
