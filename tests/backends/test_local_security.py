@@ -26,7 +26,7 @@ import kvflow.backends.local.backend as local
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.local.format import HEADER_SIZE, Header, TempName, WriterId, key_digest
-from kvflow.backends.local.safety import Access
+from kvflow.backends.local.safety import Access, StoreDirs, group_name, user_name
 from kvflow.errors import ConfigError
 from kvflow.regions import buffer_address
 
@@ -482,9 +482,11 @@ def test_what_makes_a_file_foreign_in_a_private_store_and_in_a_shared_one() -> N
         (private, _stat(regular | 0o640, 1000, 5), None),  # readable by its group: a reader's problem only
         (private, _stat(regular | 0o620, 1000, 1000), "writable by others (mode 0620)"),
         (private, _stat(regular | 0o602, 1000, 1000), "writable by others (mode 0602)"),
+        (private, _stat(regular | 0o645, 1000, 1000), None),  # readable and executable: not writable
         (shared, _stat(regular | 0o660, 1002, SHARED_GID), None),  # another member's object
         (shared, _stat(regular | 0o660, 1000, SHARED_GID + 1), f"of group gid {SHARED_GID + 1}"),
         (shared, _stat(regular | 0o662, 1000, SHARED_GID), "writable by others (mode 0662)"),
+        (shared, _stat(regular | 0o665, 1000, SHARED_GID), None),
     ]
     for access, st, why in cases:
         assert access.foreign(st) == why, (access, oct(st.st_mode), why)
@@ -502,6 +504,7 @@ def test_opening_fixes_my_stores_modes_and_refuses_what_it_must_not_change(tmp_p
         (shared, file, 0o600, False, 0o660),  # the group's bits are added
         (private, path, 0o755, True, 0o700),
         (shared, path, 0o700, True, 0o2770),  # and setgid, so new files are the group's
+        (shared, path, 0o770, True, 0o2770),  # setgid alone missing
     ]
     for access, what, before, directory, after in cases:
         os.chown(what, os.geteuid(), SHARED_GID if access.gid else os.getegid())
@@ -574,3 +577,172 @@ async def test_a_recount_removes_only_my_dead_writers_temp_files_and_counts_only
     assert await backend.usage() == 350
     assert {p.name for p in tmp.iterdir()} == kept | {"junk.tmp"}
     await backend.aclose()
+
+
+# --- what each refusal says, word for word; modes set once, fixes logged -------------------------
+
+
+def _described(path: Path) -> str:
+    st = path.lstat()
+    return f"owner {user_name(st.st_uid)}, group {group_name(st.st_gid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def _verify_dir(access: Access, path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        access.verify(fd, str(path), directory=True, created=False, may_fix=False)
+    finally:
+        os.close(fd)
+
+
+@needs_root
+@pytest.mark.parametrize("case", ["another user's", "another group's", "writable by all", "group-writable"])
+def test_each_refusal_of_a_directory_says_exactly_what_is_wrong_and_what_to_do(
+    tmp_path: Path, case: str
+) -> None:
+    path = tmp_path / "store"
+    path.mkdir()
+    me, private, shared = os.geteuid(), Access(os.geteuid()), Access(os.geteuid(), SHARED_GID)
+    access = shared if case == "another group's" else private
+    owner, mode_bits = {
+        "another user's": (NOBODY, 0o700),
+        "another group's": (me, 0o2770),
+        "writable by all": (me, 0o777),
+        "group-writable": (me, 0o770),
+    }[case]
+    os.chown(path, owner, os.getegid())
+    path.chmod(mode_bits)
+    p, d = str(path), _described(path)
+    expected = {
+        "another user's": f"refusing the local store {p}: it belongs to another user ({d}), so that user "
+        "could read your KV objects or plant false ones. Give a path that does not exist yet (kvflow "
+        "creates it, private to you), or ask an administrator to remove this one; to share a store on "
+        "purpose, add ?group=NAME for a group you are both in (see docs/security.md)",
+        "another group's": f"refusing the local store {p}: it is not of group gid {SHARED_GID} that the URL "
+        f"shares the store with ({d}). Use a new directory, which kvflow creates for the group, or have its "
+        f"owner run chgrp {SHARED_GID} {p} and chmod 2770 {p}",
+        "writable by all": f"refusing the local store {p}: every user of the host can write it ({d}), so "
+        "anyone could plant objects or swap its files. Remove it (if it is yours) and let kvflow create it, "
+        "or use a directory of your own",
+        "group-writable": f"refusing the local store {p}: its group {group_name(os.getegid())} can write it "
+        f"({d}), and the store is private. To share it with that group on purpose add "
+        f"?group={os.getegid()} to the URL; otherwise run chmod g-w,o-rwx {p}",
+    }[case]
+    with pytest.raises(ConfigError) as info:
+        _verify_dir(access, path)
+    assert str(info.value) == expected
+
+
+def test_a_group_i_am_not_in_and_a_store_without_a_directory_are_refused_word_for_word(
+    tmp_path: Path,
+) -> None:
+    not_mine = next(g for g in range(60000, 61000) if g != os.getegid() and g not in os.getgroups())
+    with pytest.raises(ConfigError) as info:
+        Access.of(str(not_mine))
+    assert str(info.value) == (
+        f"group={not_mine} names gid {not_mine}, but {user_name(os.geteuid())} is not a member of it; a "
+        "store can only be shared with a group you belong to (add yourself with usermod -aG GROUP USER and "
+        "log in again), or leave group= out for a private store"
+    )
+    with pytest.raises(ConfigError) as info:
+        StoreDirs.open("/", Access.of(None))
+    assert str(info.value) == "the local backend needs a directory of its own, not '/'"
+
+
+def test_a_symlinked_store_is_refused_word_for_word(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    store = tmp_path / "store"
+    store.symlink_to(real)
+    with pytest.raises(ConfigError) as info:
+        StoreDirs.open(str(store), Access.of(None))
+    assert str(info.value) == (
+        f"refusing the local store path {store}: it is a symbolic link (to {str(real)!r}, owner "
+        f"{user_name(os.geteuid())}); kvflow opens nothing through a symlink, which could point it at files "
+        "it must not touch. Give the real directory's path, or remove the link"
+    )
+    assert list(real.iterdir()) == []
+
+
+@pytest.mark.parametrize("lock", ["a link to a file of mine", "a directory"])
+def test_a_directory_whose_lock_is_not_a_kvflow_lock_file_is_not_taken_for_my_store(
+    tmp_path: Path, lock: str
+) -> None:
+    """Only a directory holding this user's regular lock file is a store of this user's whose
+    modes kvflow may fix; anything else readable by others is refused and left as it was."""
+    somewhere = tmp_path / "somewhere"
+    somewhere.mkdir()
+    if lock == "a directory":
+        (somewhere / "kvflow.lock").mkdir()
+    else:
+        (tmp_path / "mine").write_bytes(b"")
+        (somewhere / "kvflow.lock").symlink_to(tmp_path / "mine")
+    somewhere.chmod(0o750)
+    with pytest.raises(ConfigError, match="chmod 700"):
+        StoreDirs.open(str(somewhere), Access.of(None))
+    assert mode(somewhere) == 0o750 and sorted(p.name for p in somewhere.iterdir()) == ["kvflow.lock"]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_a_new_store_gets_its_modes_as_it_is_made_and_an_old_one_is_fixed_aloud(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, shared: bool
+) -> None:
+    """Whatever the umask, a new store's files and directories are made with the access's modes
+    (nothing to fix, nothing logged); a file of an existing store with other modes is fixed and
+    the change logged."""
+    access = Access.of(str(os.getegid()) if shared else None)
+    store = tmp_path / "store"
+    old = os.umask(0o077)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvflow.backends.local.safety"):
+            StoreDirs.open(str(store), access).close()
+    finally:
+        os.umask(old)
+    assert [r.getMessage() for r in caplog.records if "changed the mode" in r.getMessage()] == []
+    assert mode(store / "kvflow.lock") == access.file_mode
+    assert [mode(store / d) for d in ("", "objects", "tmp")] == [access.dir_mode] * 3
+    (store / "kvflow.lock").chmod(0o644)
+    with caplog.at_level(logging.INFO, logger="kvflow.backends.local.safety"):
+        StoreDirs.open(str(store), access).close()
+    want = access.file_mode
+    assert [r.getMessage() for r in caplog.records if "changed the mode" in r.getMessage()] == [
+        f"local backend: changed the mode of {store}/kvflow.lock from 0644 to {want:04o}"
+    ]
+    assert mode(store / "kvflow.lock") == want
+
+
+def test_a_parent_another_process_creates_meanwhile_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "a" / "b" / "store"
+    real_mkdir = os.mkdir
+
+    def raced(path: Any, mode: int = 0o777, **kwargs: Any) -> None:
+        if str(path) == str(tmp_path / "a"):
+            real_mkdir(path, 0o700)  # another process made it first
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+        real_mkdir(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", raced)
+    StoreDirs.open(str(store), Access.of(None)).close()
+    assert (store / "objects").is_dir() and mode(tmp_path / "a" / "b") == 0o700
+
+
+def test_closing_a_store_closes_every_descriptor_even_when_one_close_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dirs = StoreDirs.open(str(tmp_path / "store"), Access.of(None))
+    fds = [dirs.lock_fd, dirs.tmp_fd, dirs.objects_fd, dirs.root_fd]
+    real_close = os.close
+
+    def first_fails(fd: int) -> None:
+        real_close(fd)
+        if fd == fds[0]:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "close", first_fails)
+    dirs.close()
+    monkeypatch.undo()
+    for fd in fds:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)
