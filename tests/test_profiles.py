@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import anyio
 import attrs
 import pytest
 import torch
@@ -12,7 +13,7 @@ from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, Poo
 from kvflow.backends.base import ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, is_book_key
-from tests.helpers import kv_keys
+from tests.helpers import FaultyBackend, kv_keys
 
 PROFILE = Profile(
     model="m",
@@ -265,3 +266,49 @@ async def test_a_block_whose_other_objects_outgrow_a_staging_chunk_is_recomputed
             assert got.failed_block_ids == (3, 5)
             assert "do not fit a staging chunk; raise staging_bytes" in caplog.text
             assert not mine["l0"].any()  # nothing half-written
+
+
+@pytest.mark.parametrize("writer_block", [16, 32], ids=["rows of equal blocks", "blocks twice as large"])
+async def test_a_load_from_another_split_cancelled_in_its_get_gives_its_chunk_back(writer_block: int) -> None:
+    """The reader's own keys miss; it fetches another engine's objects into a staging chunk and is
+    cancelled while that get runs. The chunk comes back: the next load finds staging free."""
+    backend = FaultyBackend()
+    tokens = list(range(32))
+    if writer_block == 16:
+        for rank in range(2):
+            half = caches(2)
+            writer = KVPool.create(
+                PoolConfig(),
+                layout=KVLayout.from_kv_caches(half),
+                backend=backend,
+                parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
+            )
+            assert (await writer.store(KVRequest(tokens=tokens, block_ids=[0, 1]))).stored == 2
+    else:
+        big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
+        config = PoolConfig(hash_tokens=16)
+        writer = KVPool.create(config, layout=KVLayout.from_kv_caches(big), backend=backend)
+        assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
+    mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(
+        PoolConfig(staging="always", staging_bytes=8192),
+        layout=KVLayout.from_kv_caches(mine),
+        backend=backend,
+    )
+    staging = reader._transfer.staging
+    assert staging is not None
+    scope = anyio.CancelScope()
+    gets: list[int] = []
+
+    async def cancel(objects: object) -> None:
+        gets.append(1)
+        if len(gets) == 2:  # the first get asks for the reader's own keys (all missing)
+            scope.cancel()
+            await anyio.sleep_forever()
+
+    backend.get_hook = cancel
+    with scope:
+        await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))
+    assert scope.cancelled_caught and len(gets) == 2 and staging.in_use == 0
+    backend.get_hook = None
+    assert (await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))).hit_blocks == 2

@@ -181,6 +181,20 @@ async def test_a_store_reads_no_block_before_the_engines_event() -> None:
     assert got.hit_blocks == 10 and same_blocks(final, dst, list(zip(SRC_IDS, DST_IDS)))
 
 
+async def test_a_staged_store_whose_engine_event_never_comes_gives_up_at_its_deadline() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    writer = pool(src, backend, staged(timeout_s=0.1), late_device())
+    never = LateEvent(3600.0)
+    never.record()
+    with anyio.fail_after(10):  # a guard against a hang; the store ends at its own 0.1 s deadline
+        stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS), after=never)
+    assert stored.stored == 0 and stored.failed_indices == tuple(range(10))
+    assert kv_keys(backend) == []  # nothing was read from the cache, nothing stored
+    staging = writer._transfer.staging
+    assert staging is not None and staging.in_use == 0
+
+
 @pytest.mark.parametrize(
     ("chunks", "expected"),
     [(1, [True] * 3), (5, [False] * 4 + [True])],  # one chunk put in 3 batches; 5 chunks, one put each
@@ -206,6 +220,23 @@ async def test_a_store_releases_its_blocks_before_its_put_ends(chunks: int, expe
             await released.wait()  # the blocks were copied out; the put is still waiting
         gate.set()
     assert seen_released == expected
+
+
+async def test_a_store_by_layers_releases_its_blocks_once_the_last_layer_is_copied_out() -> None:
+    """A pool that moves KV layer by layer stores a request one layer at a time through its one
+    chunk: the blocks are released once the last layer is in staging, before that layer's put."""
+    src = LAYOUTS["vllm_cpu"]()
+    released = anyio.Event()
+    seen_released: list[bool] = []
+
+    async def record(objects: object) -> None:
+        seen_released.append(released.is_set())
+
+    writer = pool(src, FaultyBackend(put_hook=record), staged(layerwise=True, staging_bytes=1 << 20))
+    stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS), on_released=released.set)
+    assert stored.stored == 10 and len(seen_released) > 1
+    # the first layers' puts ran while later layers were still to be read; the last layer's did not
+    assert not seen_released[0] and seen_released[-1] and seen_released == sorted(seen_released)
 
 
 async def test_a_load_is_not_done_before_its_copies_into_the_cache() -> None:

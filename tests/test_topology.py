@@ -387,6 +387,12 @@ TINY = 64  # bytes of staging: every chunk is sized to one object, the least tha
             Engine(4, (2, 2), "flash_attn", 4, False),
             Engine(1, (4,), "vllm_cpu", 4, False, "auto", 10 << 10),
         ),
+        # a chunk of exactly one block's eight objects: one row per round
+        (
+            "gqa8",
+            Engine(4, (2, 2), "flash_attn", 4, False),
+            Engine(1, (4,), "vllm_cpu", 4, False, "auto", 4 << 10),
+        ),
         # smaller blocks than the writer's: two blocks share objects, placed in a chunk once
         (
             "gqa2",
