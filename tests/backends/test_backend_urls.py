@@ -117,3 +117,46 @@ def test_mooncake_says_whether_it_reaches_device_memory(query: str, reaches: boo
     assert backend.capabilities.device_memory is reaches
     with pytest.raises(ConfigError, match="auto, true or false"):
         MooncakeConfig.from_url("mooncake://127.0.0.1:50051?device_memory=yes")
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (
+            "local://host/x",
+            "'local://host/x' names a host ('host'); the local backend takes a directory: write "
+            "local:///absolute/path (three slashes)",
+        ),
+        (
+            "local:x/y",
+            "'local:x/y' names a relative path ('x/y'); the local backend takes an absolute directory: "
+            "write local:///absolute/path (three slashes), or local:// for the default",
+        ),
+        ("local:///a%00b", "the path in 'local:///a%00b' contains a NUL byte (%00); remove it"),
+        (
+            "local://?group=kv",
+            "'local://?group=kv' shares a store with a group but names no directory; give one that every "
+            "member uses, e.g. local:///dev/shm/kv-shared?group=kvusers",
+        ),
+        (
+            "local:///a/b?lock_timeout=-1",
+            "lock_timeout in 'local:///a/b?lock_timeout=-1' must be a finite number of seconds > 0, got '-1'",
+        ),
+        (
+            "local:///",
+            "the local store path must be an absolute directory below /, got '/': write e.g. "
+            "local:///dev/shm/my-store, or local:// for the private default",
+        ),
+    ],
+)
+def test_bad_local_urls_are_refused_word_for_word(url: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        LocalConfig.from_url(url)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("group", ["a/b", "a\x00b", ""])
+def test_a_group_that_is_not_a_name_or_gid_is_refused(group: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        LocalConfig("/dev/shm/x", group=group)
+    assert str(info.value) == f"group must be a group name or a numeric gid, got {group!r}"

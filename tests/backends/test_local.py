@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -44,6 +45,7 @@ from kvflow.backends.local.format import (
     object_file_name,
     pieces,
 )
+from kvflow.backends.local.space import SpaceLedger
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.local_worker import check, content, regions
@@ -164,6 +166,15 @@ def test_pieces_cut_buffers_in_order_and_never_exceed_the_limit(chunks: list[byt
     assert b"".join(bytes(v) for piece in cut for v in piece) == b"".join(chunks)
     assert all(0 < sum(v.nbytes for v in piece) <= limit for piece in cut)
     assert all(sum(v.nbytes for v in piece) == limit for piece in cut[:-1])  # only the last is short
+
+
+def test_pieces_cut_typed_and_shaped_buffers_by_bytes() -> None:
+    """A region may come as a typed or many-dimensional view (a tensor's memory): cut by bytes."""
+    data = bytes(range(48))
+    for buf in (memoryview(data).cast("I"), memoryview(data).cast("B", (6, 8))):
+        cut = list(pieces([buf], 10))
+        assert [sum(v.nbytes for v in piece) for piece in cut] == [10, 10, 10, 10, 8]
+        assert b"".join(bytes(v) for piece in cut for v in piece) == data
 
 
 def test_file_names_are_injective_on_tricky_keys() -> None:
@@ -369,7 +380,7 @@ async def test_put_never_overwrites_and_get_checks_size(tmp_path: Path) -> None:
     assert await backend.exists(["k"]) == [False] and object_files(tmp_path) == {}
     assert backend.stats().used_bytes == 0 == await backend.usage()
     await backend.aclose()
-    with pytest.raises(PoolClosedError):
+    with pytest.raises(PoolClosedError, match=r"^the local backend was closed; open a new one$"):
         await backend.get([ref("k", target)])
 
 
@@ -381,18 +392,22 @@ async def test_object_larger_than_capacity_is_no_space(tmp_path: Path) -> None:
     await backend.aclose()
 
 
-async def test_full_filesystem_is_no_space_and_leaves_no_temp_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("error", "status"), [(errno.ENOSPC, PutStatus.NO_SPACE), (errno.EIO, PutStatus.FAILED)]
+)
+async def test_a_write_the_filesystem_cuts_off_is_reported_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int, status: PutStatus
 ) -> None:
+    """A full filesystem (NO_SPACE) or an I/O error (FAILED) in the middle of a write."""
     backend = open_store(tmp_path)
     real_pwritev = os.pwritev
 
     def full(fd: int, buffers: Any, offset: int) -> int:
         real_pwritev(fd, [memoryview(buffers[0])[:10]], offset)  # a partial write, then the error
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(error, os.strerror(error))
 
     monkeypatch.setattr(os, "pwritev", full)
-    assert await backend.put([ref("k", payload("k", 5000))]) == [PutStatus.NO_SPACE]
+    assert await backend.put([ref("k", payload("k", 5000))]) == [status]
     monkeypatch.undo()
     assert list((tmp_path / "tmp").iterdir()) == []
     assert await backend.exists(["k"]) == [False]
@@ -1107,6 +1122,63 @@ async def test_listing_shows_every_object_and_nothing_else(tmp_path: Path) -> No
     writable.write_bytes((objects / "full").read_bytes())
     writable.chmod(0o620)
     assert sorted(await backend.list_objects(), key=str) == [("empty", 0), ("full", 100)]
+    await backend.aclose()
+
+
+async def test_an_object_removed_while_the_store_is_listed_is_left_out_and_the_rest_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = open_store(tmp_path)
+    assert await backend.put([ref(k, payload(k, 10)) for k in "abc"]) == [PutStatus.STORED] * 3
+    real_scandir = os.scandir
+
+    class Vanished:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.name)
+
+    @contextlib.contextmanager
+    def first_vanishes(fd: Any) -> Iterator[Any]:
+        with real_scandir(fd) as entries:
+            listed = sorted(entries, key=lambda e: e.name)
+            yield iter([Vanished(listed[0].name), *listed[1:]])
+
+    monkeypatch.setattr(os, "scandir", first_vanishes)
+    assert sorted(await backend.list_objects(), key=str) == [("b", 10), ("c", 10)]
+    monkeypatch.undo()
+    await backend.aclose()
+
+
+async def test_clearing_removes_every_object_in_lock_sections_of_a_bounded_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvflow store clear` removes a store of any size, 256 objects per lock section (other
+    processes get the lock in between), and says how many it removed."""
+    monkeypatch.setattr(local, "_LIST_GROUP", 4)
+    backend = open_store(tmp_path)
+    keys = [f"k{i}" for i in range(10)]
+    assert await backend.put([ref(k, payload(k, 10)) for k in keys]) == [PutStatus.STORED] * 10
+    sections: list[int] = []
+    real_remove_if = SpaceLedger.remove_if
+
+    def counted(self: SpaceLedger, name: str, is_bad: Any) -> bool:
+        sections.append(self.dirs.lock_fd)
+        return real_remove_if(self, name, is_bad)
+
+    monkeypatch.setattr(SpaceLedger, "remove_if", counted)
+    locked = SpaceLedger.locked
+    entered: list[int] = []
+
+    def counting_locked(self: SpaceLedger, timeout_s: float) -> Any:
+        entered.append(len(sections))
+        return locked(self, timeout_s)
+
+    monkeypatch.setattr(SpaceLedger, "locked", counting_locked)
+    assert await backend.clear() == 10
+    assert object_files(tmp_path) == {} and backend.stats().used_bytes == 0
+    assert len(sections) == 10 and entered == [0, 4, 8]  # three sections: 4, 4 and 2 objects
     await backend.aclose()
 
 
