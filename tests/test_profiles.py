@@ -233,6 +233,13 @@ async def test_a_prompt_loads_from_several_other_splits_in_the_order_they_were_a
                 assert torch.equal(cache[:, 7 - i, :, rank : rank + 1], quarters[rank][name][:, i])
         for rank in range(2):  # block 2 from the TP=2 engine
             assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 2])
+    # A prompt the first split that holds it fills whole: the splits after it are not needed.
+    reader_caches = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
+    assert (await reader.retrieve(KVRequest(tokens=tokens[:32], block_ids=[1, 0]))).hit_blocks == 2
+    for name, cache in reader_caches.items():
+        for rank in range(4):
+            assert torch.equal(cache[:, 1, :, rank : rank + 1], quarters[rank][name][:, 0])
 
 
 async def test_a_block_whose_other_objects_outgrow_a_staging_chunk_is_recomputed_and_said_so(
@@ -312,3 +319,33 @@ async def test_a_load_from_another_split_cancelled_in_its_get_gives_its_chunk_ba
     assert scope.cancelled_caught and len(gets) == 2 and staging.in_use == 0
     backend.get_hook = None
     assert (await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))).hit_blocks == 2
+
+
+async def test_a_split_whose_blocks_outgrow_staging_is_passed_over_for_the_next() -> None:
+    """The first split announced wrote blocks twice as large as the reader's staging chunk holds;
+    the next one (TP=2, the reader's block size) fits, and the blocks come from it."""
+    backend = MemoryBackend()
+    tokens = list(range(32))
+    big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
+    writer = KVPool.create(PoolConfig(hash_tokens=16), layout=KVLayout.from_kv_caches(big), backend=backend)
+    assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
+    halves = [caches(2) for _ in range(2)]
+    for rank, half in enumerate(halves):
+        pool = KVPool.create(
+            PoolConfig(),
+            layout=KVLayout.from_kv_caches(half),
+            backend=backend,
+            parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
+        )
+        assert (await pool.store(KVRequest(tokens=tokens, block_ids=[0, 1]))).stored == 2
+    mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(
+        PoolConfig(staging="always", staging_bytes=4096),
+        layout=KVLayout.from_kv_caches(mine),
+        backend=backend,
+    )
+    assert (await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))).hit_blocks == 2
+    for name, cache in mine.items():
+        for rank in range(2):
+            assert torch.equal(cache[:, 3, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 0])
+            assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 1])
