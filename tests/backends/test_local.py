@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -171,7 +172,7 @@ def test_pieces_cut_buffers_in_order_and_never_exceed_the_limit(chunks: list[byt
 def test_pieces_cut_typed_and_shaped_buffers_by_bytes() -> None:
     """A region may come as a typed or many-dimensional view (a tensor's memory): cut by bytes."""
     data = bytes(range(48))
-    for buf in (memoryview(data).cast("I"), memoryview(data).cast("B", (6, 8))):
+    for buf in (memoryview(data).cast("I"), memoryview(data).cast("H"), memoryview(data).cast("B", (6, 8))):
         cut = list(pieces([buf], 10))
         assert [sum(v.nbytes for v in piece) for piece in cut] == [10, 10, 10, 10, 8]
         assert b"".join(bytes(v) for piece in cut for v in piece) == data
@@ -1207,6 +1208,39 @@ def test_a_process_start_time_is_read_whatever_its_name() -> None:
     with open("/proc/uptime") as f:
         now = float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
     assert started is not None and mine is not None and mine <= started <= now + 1
+
+
+@pytest.mark.parametrize(("fields", "start"), [(20, 19), (19, None), (0, None)])
+def test_a_stat_line_too_short_for_a_start_time_gives_none(
+    monkeypatch: pytest.MonkeyPatch, fields: int, start: int | None
+) -> None:
+    """The start time is field 22 of /proc/PID/stat (the 20th after the name); a line cut short
+    (a process exiting as it is read) has none, rather than failing the caller."""
+    line = b"42 (name) " + b" ".join(str(i).encode() for i in range(fields))
+
+    def fake_open(path: str, mode: str = "r") -> Any:
+        assert path == "/proc/42/stat" and mode == "rb"
+        return contextlib.nullcontext(io.BytesIO(line))
+
+    monkeypatch.setattr(local_format, "open", fake_open, raising=False)
+    assert local_format._read_start_time(42) == start
+
+
+def test_without_proc_nobody_is_judged_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without /proc (no pid namespace to read) a writer is never judged dead: its temp file may
+    belong to a process this one cannot see."""
+    real_stat = os.stat
+
+    def no_proc(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", no_proc)
+    me = WriterId.current()
+    assert me.namespace == 0
+    gone = WriterId(0, 2**22 + 1, 5)  # a pid above any pid_max: no such process here
+    assert gone.is_alive(me)
 
 
 @pytest.mark.parametrize(
