@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
-from kvflow.backends.base import ObjectRef
+from kvflow.backends.base import Backend, ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, is_book_key
 from tests.helpers import FaultyBackend, kv_keys
@@ -109,6 +109,29 @@ async def test_an_evicted_announcement_is_made_again(monkeypatch: pytest.MonkeyP
 
 def caches(heads: int, layers: int = 2) -> dict[str, torch.Tensor]:
     return {f"l{i}": torch.randn(2, 8, 16, heads, 4) for i in range(layers)}
+
+
+async def store_tp2(backend: Backend, tokens: list[int], blocks: int) -> list[dict[str, torch.Tensor]]:
+    """A TP=2 engine (2 of the model's 4 KV heads per rank) stores the first ``blocks`` blocks."""
+    halves = [caches(2) for _ in range(2)]
+    for rank, half in enumerate(halves):
+        pool = KVPool.create(
+            PoolConfig(),
+            layout=KVLayout.from_kv_caches(half),
+            backend=backend,
+            parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
+        )
+        assert (await pool.store(KVRequest(tokens=tokens, block_ids=range(blocks)))).stored == blocks
+    return halves
+
+
+async def store_large_blocks(backend: Backend, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """An engine with blocks of 32 tokens (hashed every 16) stores 32 tokens as its block 1."""
+    big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
+    layout = KVLayout.from_kv_caches(big)
+    writer = KVPool.create(PoolConfig(hash_tokens=16), layout=layout, backend=backend)
+    assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
+    return big
 
 
 async def test_a_prompt_loads_partly_from_its_own_keys_and_partly_from_another_split() -> None:
@@ -282,20 +305,9 @@ async def test_a_load_from_another_split_cancelled_in_its_get_gives_its_chunk_ba
     backend = FaultyBackend()
     tokens = list(range(32))
     if writer_block == 16:
-        for rank in range(2):
-            half = caches(2)
-            writer = KVPool.create(
-                PoolConfig(),
-                layout=KVLayout.from_kv_caches(half),
-                backend=backend,
-                parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
-            )
-            assert (await writer.store(KVRequest(tokens=tokens, block_ids=[0, 1]))).stored == 2
+        await store_tp2(backend, tokens, 2)
     else:
-        big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
-        config = PoolConfig(hash_tokens=16)
-        writer = KVPool.create(config, layout=KVLayout.from_kv_caches(big), backend=backend)
-        assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
+        await store_large_blocks(backend, tokens)
     mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
     reader = KVPool.create(
         PoolConfig(staging="always", staging_bytes=8192),
@@ -326,18 +338,8 @@ async def test_a_split_whose_blocks_outgrow_staging_is_passed_over_for_the_next(
     the next one (TP=2, the reader's block size) fits, and the blocks come from it."""
     backend = MemoryBackend()
     tokens = list(range(32))
-    big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
-    writer = KVPool.create(PoolConfig(hash_tokens=16), layout=KVLayout.from_kv_caches(big), backend=backend)
-    assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
-    halves = [caches(2) for _ in range(2)]
-    for rank, half in enumerate(halves):
-        pool = KVPool.create(
-            PoolConfig(),
-            layout=KVLayout.from_kv_caches(half),
-            backend=backend,
-            parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
-        )
-        assert (await pool.store(KVRequest(tokens=tokens, block_ids=[0, 1]))).stored == 2
+    await store_large_blocks(backend, tokens)
+    halves = await store_tp2(backend, tokens, 2)
     mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
     reader = KVPool.create(
         PoolConfig(staging="always", staging_bytes=4096),
