@@ -256,13 +256,6 @@ async def test_a_prompt_loads_from_several_other_splits_in_the_order_they_were_a
                 assert torch.equal(cache[:, 7 - i, :, rank : rank + 1], quarters[rank][name][:, i])
         for rank in range(2):  # block 2 from the TP=2 engine
             assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 2])
-    # A prompt the first split that holds it fills whole: the splits after it are not needed.
-    reader_caches = {name: torch.zeros_like(c) for name, c in caches(4).items()}
-    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
-    assert (await reader.retrieve(KVRequest(tokens=tokens[:32], block_ids=[1, 0]))).hit_blocks == 2
-    for name, cache in reader_caches.items():
-        for rank in range(4):
-            assert torch.equal(cache[:, 1, :, rank : rank + 1], quarters[rank][name][:, 0])
 
 
 async def test_a_block_whose_other_objects_outgrow_a_staging_chunk_is_recomputed_and_said_so(
@@ -351,3 +344,30 @@ async def test_a_split_whose_blocks_outgrow_staging_is_passed_over_for_the_next(
         for rank in range(2):
             assert torch.equal(cache[:, 3, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 0])
             assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 1])
+
+
+async def test_a_prompt_the_first_split_fills_whole_is_not_looked_for_in_the_next() -> None:
+    """Two other splits hold the prompt (TP=4 announced first, then TP=2): its blocks all come from
+    the first, the second is not read."""
+    backend = FaultyBackend()
+    tokens = list(range(32))
+    quarters = [caches(1) for _ in range(4)]
+    for rank, quarter in enumerate(quarters):
+        pool = KVPool.create(
+            PoolConfig(),
+            layout=KVLayout.from_kv_caches(quarter),
+            backend=backend,
+            parallel=ParallelConfig(tp_rank=rank, tp_size=4, num_kv_heads=4),
+        )
+        assert (await pool.store(KVRequest(tokens=tokens, block_ids=[0, 1]))).stored == 2
+    await store_tp2(backend, tokens, 2)
+    reader_caches = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
+    backend.calls.clear()
+    assert (await reader.retrieve(KVRequest(tokens=tokens, block_ids=[1, 0]))).hit_blocks == 2
+    # the reader's own keys, then the eight TP=4 objects in two calls of four; no TP=2 object
+    assert backend.calls.count("get") == 3
+    for name, cache in reader_caches.items():
+        for rank in range(4):
+            assert torch.equal(cache[:, 1, :, rank : rank + 1], quarters[rank][name][:, 0])
+            assert torch.equal(cache[:, 0, :, rank : rank + 1], quarters[rank][name][:, 1])

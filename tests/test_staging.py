@@ -181,7 +181,9 @@ async def test_a_store_reads_no_block_before_the_engines_event() -> None:
     assert got.hit_blocks == 10 and same_blocks(final, dst, list(zip(SRC_IDS, DST_IDS)))
 
 
-async def test_a_staged_store_whose_engine_event_never_comes_gives_up_at_its_deadline() -> None:
+async def test_a_staged_store_whose_engine_event_never_comes_gives_up() -> None:
+    """The forward never completes: the store waits for it only until its deadline, reads no block
+    and stores nothing."""
     src = LAYOUTS["vllm_cpu"]()
     backend = MemoryBackend()
     writer = pool(src, backend, staged(timeout_s=0.1), late_device())

@@ -1,4 +1,5 @@
-"""Fixtures for the Mooncake backend tests: a real master on loopback, and backends closed for you.
+"""Fixtures for the backend tests: for Mooncake a real master on loopback and backends closed for
+you; for the local backend a directory entry that vanishes while it is listed.
 
 Mooncake opens listening ports on every interface, so these fixtures run only inside a private
 network namespace that has nothing but loopback. Elsewhere the tests that use them are skipped, or
@@ -10,10 +11,13 @@ fail when ``KVFLOW_REQUIRE_MOONCAKE=1`` (CI). Run them as root::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -103,3 +107,31 @@ async def mooncake_backends() -> AsyncIterator[Callable[[str], MooncakeBackend]]
     async with anyio.create_task_group() as tg:
         for backend in made:
             tg.start_soon(backend.aclose)
+
+
+# --- the local backend ----------------------------------------------------------------------------
+
+
+class _Vanished:
+    """A directory entry removed between the listing and its stat."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.name)
+
+
+@pytest.fixture
+def vanish_first_entry(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Call it to make every ``os.scandir`` list its entries by name, the first of them removed
+    (by another process) between the listing and its stat."""
+    real_scandir = os.scandir
+
+    @contextlib.contextmanager
+    def first_vanishes(fd: Any) -> Iterator[Any]:
+        with real_scandir(fd) as entries:
+            listed = sorted(entries, key=lambda e: e.name)
+            yield iter([_Vanished(listed[0].name), *listed[1:]] if listed else [])
+
+    return lambda: monkeypatch.setattr(os, "scandir", first_vanishes)

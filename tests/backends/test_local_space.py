@@ -11,7 +11,7 @@ import fcntl
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,7 @@ def open_fds() -> int:
 
 
 def test_every_section_leaves_its_usage_in_the_shared_counter(root: Path) -> None:
+    """The counter in the lock file, which every process reads, holds the usage after each section."""
     with ledger_at(root) as ledger:
         plant(root / "objects", object_file_name("a"), 3000)
         with section(ledger):
@@ -95,6 +96,7 @@ def test_a_section_trusts_the_counter_and_recounts_only_one_it_cannot_read(root:
 
 
 def test_a_section_whose_recount_fails_unlocks_the_store(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A section that fails while it recounts lets go of the lock, so other processes are not stuck."""
     with ledger_at(root) as ledger, ledger_at(root) as other:
         write_counter(root, b"garbage!", 0)  # the next section recounts
 
@@ -114,22 +116,27 @@ def test_a_section_whose_recount_fails_unlocks_the_store(root: Path, monkeypatch
 
 @pytest.mark.parametrize("excess", [0, 1])
 def test_a_capacity_beyond_the_filesystem_is_warned_about(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, excess: int
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, excess: int
 ) -> None:
-    fs = os.statvfs(tmp_path)
-    size = fs.f_blocks * fs.f_frsize
-    root = tmp_path / "store"
+    """A budget the filesystem cannot hold is allowed (puts then find it full), and said once."""
+    size = 1000 * 4096
+
+    class Fs:
+        f_blocks, f_frsize = 1000, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda fd: Fs())
     with caplog.at_level(logging.WARNING, logger=space.__name__), ledger_at(root, size + excess):
         pass
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     expected = (
-        f"local backend capacity {size + 1} exceeds the size of the filesystem of {root} ({size} bytes); "
-        "puts will report NO_SPACE when it fills"
+        f"local backend capacity {size + excess} exceeds the size of the filesystem of {root} "
+        f"({size} bytes); puts will report NO_SPACE when it fills"
     )
     assert warnings == ([expected] if excess else [])
 
 
 def test_a_store_whose_lock_stays_taken_cannot_be_opened_and_says_why(root: Path) -> None:
+    """Another process holds the lock past the timeout: the error names the lock, nothing stays open."""
     with ledger_at(root):
         pass
     fds = open_fds()
@@ -163,6 +170,9 @@ def test_a_store_whose_lock_stays_taken_cannot_be_opened_and_says_why(root: Path
 def test_a_directory_without_hard_links_or_space_is_refused_with_what_to_do(
     root: Path, monkeypatch: pytest.MonkeyPatch, error: int, message: str
 ) -> None:
+    """Publishing needs hard links and room for a probe file: without either the store is refused
+    with what to do, and the probe is gone."""
+
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise OSError(error, os.strerror(error))
 
@@ -250,6 +260,7 @@ def test_a_victim_that_cannot_be_reopened_safely_is_removed_and_a_new_file_made(
 def test_a_temp_file_whose_mode_cannot_be_set_fails_that_object_and_leaves_nothing(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """fchmod refused on a new temp file: that object fails, no descriptor or file is left."""
     with ledger_at(root) as ledger:
 
         def refuse(fd: int, mode: int) -> None:
@@ -329,20 +340,12 @@ def test_an_eviction_that_rescans_counts_live_writers_but_not_its_own_victim_twi
 # --- scans ----------------------------------------------------------------------------------------
 
 
-class _Vanished:
-    """A directory entry removed between the listing and its stat."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.name)
-
-
 @pytest.mark.parametrize("where", ["objects", "tmp"])
 def test_a_file_removed_while_a_scan_lists_it_is_skipped_and_the_rest_counted(
-    root: Path, monkeypatch: pytest.MonkeyPatch, where: str
+    root: Path, vanish_first_entry: Callable[[], None], where: str
 ) -> None:
+    """Another process removes an object (or ends a write) while a scan lists the directory: that
+    file is skipped, every file after it still counted."""
     with ledger_at(root) as ledger:
         names = (
             [object_file_name(k) for k in "abc"]
@@ -351,15 +354,7 @@ def test_a_file_removed_while_a_scan_lists_it_is_skipped_and_the_rest_counted(
         )
         for name, size in zip(names, (100, 200, 400)):
             plant(root / where, name, size)
-        real_scandir = os.scandir
-
-        @contextlib.contextmanager
-        def first_vanishes(fd: Any) -> Iterator[Any]:
-            with real_scandir(fd) as entries:
-                listed = sorted(entries, key=lambda e: e.name)
-                yield iter([_Vanished(listed[0].name), *listed[1:]] if listed else [])
-
-        monkeypatch.setattr(os, "scandir", first_vanishes)
+        vanish_first_entry()
         with section(ledger):
             ledger.scan()
         assert ledger.used == 600
@@ -384,6 +379,8 @@ def test_foreign_entries_are_reported_once_each_within_the_memory_limit(
 def test_a_link_planted_as_a_dead_writers_temp_file_is_left_alone(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A link named like a dead writer's temp file is reported, not followed or removed (its target is
+    a file this user could write: following it would count or delete it)."""
     root = tmp_path / "store"
     with ledger_at(root) as ledger:
         me = ledger.writer
@@ -401,6 +398,8 @@ def test_a_link_planted_as_a_dead_writers_temp_file_is_left_alone(
 async def test_removing_a_key_whose_file_is_a_planted_link_leaves_the_link_and_its_target(
     tmp_path: Path,
 ) -> None:
+    """remove() of a key whose object name holds a link: the link is not kvflow's, so it stays, and its
+    target (a file this user owns) is untouched and not counted."""
     root = tmp_path / "store"
     backend = LocalBackend(LocalConfig(str(root)))
     target = tmp_path / "precious"
