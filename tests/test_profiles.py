@@ -111,18 +111,22 @@ def caches(heads: int, layers: int = 2) -> dict[str, torch.Tensor]:
     return {f"l{i}": torch.randn(2, 8, 16, heads, 4) for i in range(layers)}
 
 
-async def store_tp2(backend: Backend, tokens: list[int], blocks: int) -> list[dict[str, torch.Tensor]]:
-    """A TP=2 engine (2 of the model's 4 KV heads per rank) stores the first ``blocks`` blocks."""
-    halves = [caches(2) for _ in range(2)]
-    for rank, half in enumerate(halves):
+async def store_split(
+    backend: Backend, tokens: list[int], blocks: int, tp: int = 2, block_offset: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """An engine at TP=``tp`` (the model's 4 KV heads split over its ranks) stores ``blocks``
+    blocks of the prompt from ``block_offset``; returns each rank's cache."""
+    shards = [caches(4 // tp) for _ in range(tp)]
+    for rank, shard in enumerate(shards):
         pool = KVPool.create(
             PoolConfig(),
-            layout=KVLayout.from_kv_caches(half),
+            layout=KVLayout.from_kv_caches(shard),
             backend=backend,
-            parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
+            parallel=ParallelConfig(tp_rank=rank, tp_size=tp, num_kv_heads=4),
         )
-        assert (await pool.store(KVRequest(tokens=tokens, block_ids=range(blocks)))).stored == blocks
-    return halves
+        request = KVRequest(tokens=tokens, block_ids=range(blocks), block_offset=block_offset)
+        assert (await pool.store(request)).stored == blocks
+    return shards
 
 
 async def store_large_blocks(backend: Backend, tokens: list[int]) -> dict[str, torch.Tensor]:
@@ -141,16 +145,7 @@ async def test_a_prompt_loads_partly_from_its_own_keys_and_partly_from_another_s
     mine = caches(4)
     own = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(mine), backend=backend)
     assert (await own.store(KVRequest(tokens=tokens, block_ids=range(4)))).stored == 4
-    halves = [caches(2) for _ in range(2)]
-    for rank, half in enumerate(halves):
-        pool = KVPool.create(
-            PoolConfig(),
-            layout=KVLayout.from_kv_caches(half),
-            backend=backend,
-            parallel=ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=4),
-        )
-        request = KVRequest(tokens=tokens, block_ids=range(4), block_offset=4)
-        assert (await pool.store(request)).stored == 4
+    halves = await store_split(backend, tokens, 4, block_offset=4)
     assert len(kv_keys(backend)) == 4 + 2 * 4
     reader_caches = {name: torch.zeros_like(c) for name, c in mine.items()}
     reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
@@ -298,7 +293,7 @@ async def test_a_load_from_another_split_cancelled_in_its_get_gives_its_chunk_ba
     backend = FaultyBackend()
     tokens = list(range(32))
     if writer_block == 16:
-        await store_tp2(backend, tokens, 2)
+        await store_split(backend, tokens, 2)
     else:
         await store_large_blocks(backend, tokens)
     mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
@@ -332,7 +327,7 @@ async def test_a_split_whose_blocks_outgrow_staging_is_passed_over_for_the_next(
     backend = MemoryBackend()
     tokens = list(range(32))
     await store_large_blocks(backend, tokens)
-    halves = await store_tp2(backend, tokens, 2)
+    halves = await store_split(backend, tokens, 2)
     mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
     reader = KVPool.create(
         PoolConfig(staging="always", staging_bytes=4096),
@@ -351,16 +346,8 @@ async def test_a_prompt_the_first_split_fills_whole_is_not_looked_for_in_the_nex
     the first, the second is not read."""
     backend = FaultyBackend()
     tokens = list(range(32))
-    quarters = [caches(1) for _ in range(4)]
-    for rank, quarter in enumerate(quarters):
-        pool = KVPool.create(
-            PoolConfig(),
-            layout=KVLayout.from_kv_caches(quarter),
-            backend=backend,
-            parallel=ParallelConfig(tp_rank=rank, tp_size=4, num_kv_heads=4),
-        )
-        assert (await pool.store(KVRequest(tokens=tokens, block_ids=[0, 1]))).stored == 2
-    await store_tp2(backend, tokens, 2)
+    quarters = await store_split(backend, tokens, 2, tp=4)
+    await store_split(backend, tokens, 2)
     reader_caches = {name: torch.zeros_like(c) for name, c in caches(4).items()}
     reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
     backend.calls.clear()
