@@ -46,10 +46,11 @@ from kvflow.backends.local.format import (
     object_file_name,
     pieces,
 )
-from kvflow.backends.local.space import SpaceLedger
+from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.local_worker import check, content, regions
+from tests.helpers import open_fds
 
 WORKER = Path(__file__).with_name("local_worker.py")
 KiB = 1024
@@ -957,6 +958,26 @@ async def test_eviction_skips_a_candidate_removed_since_the_scan(tmp_path: Path)
     await other.aclose()
 
 
+async def test_an_eviction_candidate_swapped_for_a_link_to_it_is_passed_over(tmp_path: Path) -> None:
+    """After a scan listed object a, another member of the store moves a's file out and leaves a
+    symbolic link to it in its place (the same file, inode and time behind the link). Eviction
+    passes the link over and takes the next candidate: it never renames, recycles or removes an
+    entry that is not kvflow's."""
+    size = 10 * KiB
+    capacity = 2 * (HEADER_SIZE + size)
+    backend = open_store(tmp_path, capacity)
+    for key in "ab":
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    assert await backend.usage() == capacity  # a scan: the candidates are a, b
+    planted, moved = tmp_path / "objects" / object_file_name("a"), tmp_path / "moved"
+    planted.rename(moved)
+    planted.symlink_to(moved)
+    assert await backend.put([ref("c", payload("c", size))]) == [PutStatus.STORED]
+    assert planted.is_symlink() and moved.stat().st_nlink == 1
+    assert await backend.exists(["b", "c"]) == [False, True] and backend.stats().evictions == 1
+    await backend.aclose()
+
+
 async def test_a_batch_that_outgrows_the_budget_gets_no_space_for_the_rest(tmp_path: Path) -> None:
     """Reservations in flight are not evictable: with room for one of two objects and nothing to
     evict, the first is stored and the second reports NO_SPACE; the budget is never exceeded."""
@@ -1042,6 +1063,66 @@ async def test_marking_objects_used_never_follows_a_planted_link(tmp_path: Path)
     await backend.aclose()
 
 
+async def test_a_link_swapped_in_for_a_temp_file_is_never_published_as_its_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a put writes its temp file, another member of the store swaps a symbolic link in for
+    it. Publishing links the name, never the file it points at: the target gets no second name
+    under ``objects/`` (through which later puts' evictions would recycle it), and a get of the
+    key is a miss, not the target's bytes."""
+    backend = open_store(tmp_path)
+    target = tmp_path / "target"
+    target.write_bytes(b"x" * 100)
+
+    def swap(temp: str) -> None:
+        os.unlink(temp)
+        os.symlink(target, temp)
+
+    monkeypatch.setattr(local, "_mid_write_hook", swap)
+    await backend.put([ref("k", payload("k", 4 * KiB), [1000])])
+    monkeypatch.setattr(local, "_mid_write_hook", None)
+    assert target.stat().st_nlink == 1 and target.read_bytes() == b"x" * 100
+    assert (tmp_path / "objects" / object_file_name("k")).is_symlink()
+    assert await backend.get([ref("k", bytearray(4 * KiB))]) == [GetStatus.MISS]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("lock", ["taken", "held past lock_timeout"])
+async def test_a_reservation_on_descriptor_0_is_closed_once_when_given_back(
+    tmp_path: Path, lock: str
+) -> None:
+    """A process that closed its stdin gets descriptor 0 for the next file it opens. A reservation
+    there is closed when given back, like any other, with the lock or (held elsewhere past
+    ``lock_timeout_s``) without it; giving it back again closes nothing (not the descriptor 0
+    that a later file got, nor any other)."""
+    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=1 << 20, lock_timeout_s=0.2))
+    stdin = os.dup(0)
+    holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
+    try:
+        os.close(0)
+        async with backend._ledger.locked(1.0):
+            [res] = backend._ledger.reserve([100])
+        assert isinstance(res, Reservation) and res.fd == 0
+        if lock != "taken":
+            fcntl.flock(holder, fcntl.LOCK_EX)
+        await backend._release([res])
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        with pytest.raises(OSError):
+            os.fstat(0)
+        later = os.open(os.devnull, os.O_RDONLY)
+        assert later == 0
+        await backend._release([res])
+        os.fstat(later)
+        os.fstat(1)
+    finally:
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        os.close(holder)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    await backend.aclose()
+
+
 @pytest.mark.parametrize("lock", ["freed soon", "held past lock_timeout"])
 async def test_a_cancelled_put_releases_its_reservations_while_another_process_holds_the_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, lock: str
@@ -1054,6 +1135,7 @@ async def test_a_cancelled_put_releases_its_reservations_while_another_process_h
     backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=64 << 20, lock_timeout_s=timeout))
     size, count, stop_at = 16 * KiB, 10, 3
     monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+    fds = open_fds()
     holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
     locked, put_ended = anyio.Event(), anyio.Event()
 
@@ -1090,6 +1172,7 @@ async def test_a_cancelled_put_releases_its_reservations_while_another_process_h
             assert scope.cancelled_caught
     finally:
         os.close(holder)
+    assert open_fds() == fds  # every reservation's descriptor closed, with the lock or without
     assert list((tmp_path / "tmp").iterdir()) == []
     stored = len(object_files(tmp_path))
     assert 0 < stored < count
@@ -1246,11 +1329,11 @@ async def test_a_reservation_the_filesystem_refuses_fails_cleanly(
     def refuse(fd: int, length: int) -> None:
         raise OSError(error, os.strerror(error))
 
-    fds_before = len(os.listdir("/proc/self/fd"))
+    fds_before = open_fds()
     monkeypatch.setattr(os, "ftruncate", refuse)
     assert await backend.put([ref("a", payload("a", 1000))]) == [status]
     monkeypatch.setattr(os, "ftruncate", real)
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert open_fds() == fds_before
     assert list((tmp_path / "tmp").iterdir()) == [] and object_files(tmp_path) == {}
     assert backend.stats().used_bytes == 0 == await backend.usage()
     assert await backend.put([ref("a", payload("a", 1000))]) == [PutStatus.STORED]

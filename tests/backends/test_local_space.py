@@ -24,6 +24,7 @@ from kvflow.backends.local.format import TempName, WriterId, object_file_name
 from kvflow.backends.local.safety import Access
 from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.errors import BackendUnavailableError, ConfigError
+from tests.helpers import open_fds
 
 _COUNTER = struct.Struct("<8sQ")
 
@@ -60,10 +61,6 @@ def section(ledger: SpaceLedger) -> contextlib.AbstractContextManager[None]:
 def write_counter(root: Path, magic: bytes, used: int) -> None:
     with open(root / "kvflow.lock", "r+b") as f:
         f.write(_COUNTER.pack(magic, used))
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 # --- the shared counter ---------------------------------------------------------------------------
