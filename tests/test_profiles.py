@@ -112,11 +112,17 @@ def caches(heads: int, layers: int = 2) -> dict[str, torch.Tensor]:
 
 
 async def store_split(
-    backend: Backend, tokens: list[int], blocks: int, tp: int = 2, block_offset: int = 0
+    backend: Backend,
+    tokens: list[int],
+    blocks: int,
+    tp: int = 2,
+    block_offset: int = 0,
+    cache: dict[str, torch.Tensor] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """An engine at TP=``tp`` (the model's 4 KV heads split over its ranks) stores ``blocks``
-    blocks of the prompt from ``block_offset``; returns each rank's cache."""
-    shards = [caches(4 // tp) for _ in range(tp)]
+    blocks of the prompt from ``block_offset``; returns each rank's cache (``cache``: a one-rank
+    engine's own, for blocks of another size)."""
+    shards = [cache] if cache is not None and tp == 1 else [caches(4 // tp) for _ in range(tp)]
     for rank, shard in enumerate(shards):
         pool = KVPool.create(
             PoolConfig(),
@@ -219,27 +225,11 @@ async def test_a_prompt_loads_from_several_other_splits_in_the_order_they_were_a
     backend = MemoryBackend()
     tokens = list(range(8 * 16))
 
-    async def store(
-        tp: int,
-        prompt: list[int],
-        blocks: int,
-        cache: dict[str, torch.Tensor] | None = None,
-        hash_tokens: int = 16,
-    ) -> list[dict[str, torch.Tensor]]:
-        shards = [cache or caches(4 // tp) for _ in range(tp)]
-        for rank, shard in enumerate(shards):
-            pool = KVPool.create(
-                PoolConfig(hash_tokens=hash_tokens),
-                layout=KVLayout.from_kv_caches(shard),
-                backend=backend,
-                parallel=ParallelConfig(tp_rank=rank, tp_size=tp, num_kv_heads=4),
-            )
-            assert (await pool.store(KVRequest(tokens=prompt, block_ids=range(blocks)))).stored == blocks
-        return shards
-
-    await store(1, tokens, 2, cache={f"l{i}": torch.randn(2, 8, 64, 4, 4) for i in range(2)})
-    quarters = await store(4, tokens[:32], 2)
-    halves = await store(2, tokens[:48], 3)
+    await store_split(
+        backend, tokens, 2, tp=1, cache={f"l{i}": torch.randn(2, 8, 64, 4, 4) for i in range(2)}
+    )
+    quarters = await store_split(backend, tokens[:32], 2, tp=4)
+    halves = await store_split(backend, tokens[:48], 3, tp=2)
     reader_caches = {name: torch.zeros_like(c) for name, c in caches(4).items()}
     reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(reader_caches), backend=backend)
     assert await reader.lookup(KVRequest(tokens=tokens[:48])) == 48
