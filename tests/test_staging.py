@@ -181,20 +181,24 @@ async def test_a_store_reads_no_block_before_the_engines_event() -> None:
     assert got.hit_blocks == 10 and same_blocks(final, dst, list(zip(SRC_IDS, DST_IDS)))
 
 
-async def test_a_staged_store_whose_engine_event_never_comes_gives_up() -> None:
-    """The forward never completes: the store waits for it only until its deadline, reads no block
-    and stores nothing."""
+@pytest.mark.parametrize("comes_after_s", [0.6, 3600.0])
+@pytest.mark.parametrize("staging", ["always", "never"])
+async def test_a_store_whose_engine_event_comes_too_late_gives_up(staging: str, comes_after_s: float) -> None:
+    """The forward completes only after the store's deadline (0.6 s after a 0.1 s one), or never:
+    the store, staged or not, waits for it only until its deadline, reads no block and stores
+    nothing."""
     src = LAYOUTS["vllm_cpu"]()
     backend = MemoryBackend()
-    writer = pool(src, backend, staged(timeout_s=0.1), late_device())
-    never = LateEvent(3600.0)
-    never.record()
+    config = attrs.evolve(staged(timeout_s=0.1), staging=staging)
+    writer = pool(src, backend, config, late_device() if staging == "always" else None)
+    late = LateEvent(comes_after_s)
+    late.record()
     with anyio.fail_after(10):  # a guard against a hang; the store ends at its own 0.1 s deadline
-        stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS), after=never)
+        stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS), after=late)
     assert stored.stored == 0 and stored.failed_indices == tuple(range(10))
     assert kv_keys(backend) == []  # nothing was read from the cache, nothing stored
-    staging = writer._transfer.staging
-    assert staging is not None and staging.in_use == 0
+    staged_pool = writer._transfer.staging
+    assert staged_pool is None if staging == "never" else staged_pool is not None and staged_pool.in_use == 0
 
 
 @pytest.mark.parametrize(
@@ -354,7 +358,8 @@ def test_a_cache_the_backend_cannot_reach_is_refused_without_staging() -> None:
 
 async def test_a_store_that_finds_staging_full_until_its_deadline_fails_and_does_not_wait_on() -> None:
     """Staging exhausted: the store waits for a chunk only until its own deadline, then reports its
-    objects failed (it neither allocates more nor waits for the store that holds the chunk)."""
+    objects failed (it neither allocates more nor waits for the store that holds the chunk, which
+    gives the chunk back 0.6 s in, after the waiting store's 0.3 s deadline)."""
     src = LAYOUTS["vllm_cpu"]()
     release = anyio.Event()
 
@@ -370,13 +375,17 @@ async def test_a_store_that_finds_staging_full_until_its_deadline_fails_and_does
     async def store(name: str, request: KVRequest, timeout_s: float) -> None:
         results[name] = await writer.store(request, timeout_s=timeout_s)
 
+    async def release_in(delay_s: float) -> None:
+        await anyio.sleep(delay_s)
+        release.set()
+
     with anyio.fail_after(20):  # only a hang trips this
         async with anyio.create_task_group() as tg:
             tg.start_soon(store, "first", first, 15.0)
             await wait_until(lambda: backend.calls.count("put") == 1)
+            tg.start_soon(release_in, 0.6)
             await store("second", second, 0.3)  # while the first holds the only chunk
             assert "first" not in results  # the second ended first: it did not wait for the chunk
-            release.set()
     assert results["second"].failed_indices == (0,)  # type: ignore[attr-defined]
     assert results["first"].stored == 1  # type: ignore[attr-defined]
     staging = writer._transfer.staging
