@@ -472,6 +472,20 @@ def test_any_corrupted_byte_is_a_miss_and_removes_the_file(tmp_path: Path, posit
     anyio.run(scenario)
 
 
+@pytest.mark.parametrize("keep", [0, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 2999])
+async def test_an_object_file_cut_short_is_a_miss_and_removed(tmp_path: Path, keep: int) -> None:
+    """An object file cut short after it was published (a full disk under another tool, a crash
+    of the filesystem): whatever is left (nothing, part of the header, the header alone, all but
+    the last byte), a get is a miss, never a hit, and the file is removed."""
+    backend = open_store(tmp_path)
+    assert await backend.put([ref("k", payload("k", 3000))]) == [PutStatus.STORED]
+    path = tmp_path / "objects" / object_file_name("k")
+    os.truncate(path, keep)
+    assert await backend.get([ref("k", bytearray(3000), [1000])]) == [GetStatus.MISS]
+    assert not path.exists() and await backend.usage() == 0
+    await backend.aclose()
+
+
 async def test_eviction_is_least_recently_used(tmp_path: Path) -> None:
     size = 10 * KiB
     backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
@@ -1019,22 +1033,25 @@ async def test_a_put_waits_for_the_directory_lock_and_gives_up_at_its_timeout(tm
     await backend.aclose()
 
 
+@pytest.mark.parametrize("head", ["newest", "oldest"])
 @pytest.mark.parametrize("how", ["get", "put again"])
-async def test_a_batch_of_present_objects_is_used_head_first(tmp_path: Path, how: str) -> None:
-    """Objects stored one by one (p0 oldest), then read or put again as one batch, tail first:
-    the batch's head (p3) becomes the newest and its tail (p0) the oldest, so p0 goes first."""
+async def test_a_batch_of_present_objects_is_used_head_first(tmp_path: Path, how: str, head: str) -> None:
+    """Objects stored one by one (p0 oldest), then read or put again as one batch whose head is
+    the newest object (p3) or the oldest (p0): the batch's head becomes the newest and its tail
+    the oldest, so the tail goes first. Each object's time is the batch's own (not the clock's,
+    which may not tick between two objects: then the file names would decide)."""
     size = 4 * KiB
     backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
     keys = [f"p{i}" for i in range(4)]
     for key in keys:
         assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
-    batch = keys[::-1]
+    batch = keys[::-1] if head == "newest" else keys
     if how == "get":
         assert await backend.get([ref(k, bytearray(size)) for k in batch]) == [GetStatus.HIT] * 4
     else:
         assert await backend.put([ref(k, payload(k, size)) for k in batch]) == [PutStatus.PRESENT] * 4
     assert await backend.put([ref("x", payload("x", size))]) == [PutStatus.STORED]
-    assert await backend.exists(keys) == [False, True, True, True]
+    assert await backend.exists(batch) == [True, True, True, False]
     await backend.aclose()
 
 
