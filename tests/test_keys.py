@@ -52,8 +52,10 @@ def test_hash_is_independent_of_pythonhashseed() -> None:
 
 
 def test_bad_tokens_are_rejected() -> None:
-    with pytest.raises(RequestError, match="int64"):
-        hash_blocks([1, 2**70], 1)
+    for outside in (2**70, 2**63, -(2**63) - 1):  # the int64 range, exactly
+        with pytest.raises(RequestError, match="int64"):
+            hash_blocks([1, outside], 1)
+    assert hash_blocks([2**63 - 1, -(2**63)], 1) != hash_blocks([2**63 - 2, -(2**63)], 1)
     with pytest.raises(RequestError, match="block_size"):
         hash_blocks([1, 2], 0)
 

@@ -107,8 +107,8 @@ async def test_an_evicted_announcement_is_made_again(monkeypatch: pytest.MonkeyP
     assert [k for k in backend.stored_keys() if is_book_key(k)] == [key]
 
 
-def caches(heads: int, layers: int = 2) -> dict[str, torch.Tensor]:
-    return {f"l{i}": torch.randn(2, 8, 16, heads, 4) for i in range(layers)}
+def caches(heads: int, layers: int = 2, block: int = 16) -> dict[str, torch.Tensor]:
+    return {f"l{i}": torch.randn(2, 8, block, heads, 4) for i in range(layers)}
 
 
 async def store_split(
@@ -118,14 +118,15 @@ async def store_split(
     tp: int = 2,
     block_offset: int = 0,
     cache: dict[str, torch.Tensor] | None = None,
+    block: int = 16,
 ) -> list[dict[str, torch.Tensor]]:
-    """An engine at TP=``tp`` (the model's 4 KV heads split over its ranks) stores ``blocks``
-    blocks of the prompt from ``block_offset``; returns each rank's cache (``cache``: a one-rank
-    engine's own, for blocks of another size)."""
-    shards = [cache] if cache is not None and tp == 1 else [caches(4 // tp) for _ in range(tp)]
+    """An engine at TP=``tp`` (the model's 4 KV heads split over its ranks) with blocks of
+    ``block`` tokens, hashed every 16, stores ``blocks`` blocks of the prompt from
+    ``block_offset``; returns each rank's cache (``cache``: a one-rank engine's own)."""
+    shards = [cache] if cache is not None and tp == 1 else [caches(4 // tp, block=block) for _ in range(tp)]
     for rank, shard in enumerate(shards):
         pool = KVPool.create(
-            PoolConfig(),
+            PoolConfig(hash_tokens=16),
             layout=KVLayout.from_kv_caches(shard),
             backend=backend,
             parallel=ParallelConfig(tp_rank=rank, tp_size=tp, num_kv_heads=4),
@@ -164,6 +165,29 @@ async def test_a_prompt_loads_partly_from_its_own_keys_and_partly_from_another_s
         for i in range(4, 8):  # the TP=2 objects: heads 0-1 from rank 0, 2-3 from rank 1
             for rank in range(2):
                 assert torch.equal(cache[:, 7 - i, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, i - 4])
+
+
+async def test_a_rank_whose_heads_start_past_0_loads_another_split_and_block_size() -> None:
+    """TP=2 rank 1 (model heads 2-3, blocks of 16 tokens) loads what a TP=4 engine stored in
+    blocks of 32 tokens: each of its heads comes from another writer rank's objects, and heads and
+    tokens both land at their own offsets, bit-exact."""
+    backend = MemoryBackend()
+    tokens = list(range(64))
+    quarters = await store_split(backend, tokens, 2, tp=4, block=32)
+    mine = {name: torch.zeros_like(c) for name, c in caches(2).items()}
+    reader = KVPool.create(
+        PoolConfig(),
+        layout=KVLayout.from_kv_caches(mine),
+        backend=backend,
+        parallel=ParallelConfig(tp_rank=1, tp_size=2, num_kv_heads=4),
+    )
+    assert (await reader.retrieve(KVRequest(tokens=tokens, block_ids=[7, 6, 5, 4]))).hit_blocks == 4
+    for name, cache in mine.items():
+        for j, dst in enumerate([7, 6, 5, 4]):  # the prompt's block j, half of the writer's block j // 2
+            big, half = divmod(j, 2)
+            for h in range(2):  # the reader's head h is model head 2 + h, held by writer rank 2 + h
+                wrote = quarters[2 + h][name][:, big, half * 16 : (half + 1) * 16, 0]
+                assert torch.equal(cache[:, dst, :, h], wrote)
 
 
 async def test_a_block_stored_inside_a_larger_block_past_the_prompt_is_not_promised() -> None:
