@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -32,8 +33,10 @@ from kvflow import (
     PutStatus,
 )
 from kvflow.backends.base import ObjectRef
+from kvflow.errors import BackendError, BackendUnavailableError, RequestError
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
+from kvflow.transfer import ByteBudget, run_batches
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
 
 R = TypeVar("R")
@@ -267,3 +270,59 @@ async def test_a_store_that_cannot_ask_what_exists_puts_everything() -> None:
     backend.raise_on = {"exists"}
     again = await writer.store(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[0, 1, 2]))
     assert again.statuses == (PutStatus.STORED,) * 3 and len(backend.put_keys) == 6
+
+
+# --- run_batches: faults by kind ------------------------------------------------------------------
+
+
+def _objects(n: int) -> list[ObjectRef]:
+    return [ObjectRef.of(f"k{i}", [0], [1]) for i in range(n)]  # never read: the calls below are fakes
+
+
+@pytest.mark.parametrize(
+    "fault", [TypeError("a misconfigured backend"), BackendError("refused"), RequestError("malformed")]
+)
+async def test_a_programming_error_in_one_batch_is_raised_once_every_batch_ended(fault: Exception) -> None:
+    """Retrying or recomputing cannot fix a programming error: it reaches the caller, the same
+    error, and only after the other batches (which end later) finished."""
+    ended: list[str] = []
+
+    async def call(batch: Sequence[ObjectRef]) -> list[str]:
+        if batch[0].key == "k2":
+            raise fault
+        await anyio.sleep(0.05)
+        ended.append(batch[0].key)
+        return ["ok"] * len(batch)
+
+    with pytest.raises(type(fault)) as raised:
+        await run_batches(
+            _objects(6),
+            call,
+            failed="failed",
+            max_batch=2,
+            budget=ByteBudget(1 << 20),
+            deadline=time.monotonic() + 10,
+        )
+    assert raised.value is fault and sorted(ended) == ["k0", "k4"]
+
+
+async def test_an_unavailable_backend_fails_only_its_batch_and_batches_keep_their_size() -> None:
+    """A store that is down is a fault like any other (its objects fail, the rest succeed); a
+    backend that takes one object per call gets one per call."""
+    sizes: list[int] = []
+
+    async def call(batch: Sequence[ObjectRef]) -> list[str]:
+        sizes.append(len(batch))
+        if batch[0].key == "k1":
+            raise BackendUnavailableError("the store is down")
+        return ["ok"] * len(batch)
+
+    results = await run_batches(
+        _objects(3),
+        call,
+        failed="failed",
+        max_batch=1,
+        budget=ByteBudget(1 << 20),
+        deadline=time.monotonic() + 10,
+    )
+    assert results == ["ok", "failed", "ok"] and sizes == [1, 1, 1]
