@@ -326,3 +326,22 @@ async def test_an_unavailable_backend_fails_only_its_batch_and_batches_keep_thei
         deadline=time.monotonic() + 10,
     )
     assert results == ["ok", "failed", "ok"] and sizes == [1, 1, 1]
+
+
+async def test_the_byte_budget_counts_every_holder() -> None:
+    """Two calls hold 40 of 100 bytes each: a third that needs 40 waits until one gives its bytes
+    back (the budget adds holders up; it does not keep only the last)."""
+    budget = ByteBudget(100)
+    first = await budget.acquire(40)
+    await budget.acquire(40)
+    got: list[int] = []
+
+    async def third() -> None:
+        got.append(await budget.acquire(40))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(third)
+        await anyio.wait_all_tasks_blocked()
+        assert got == [] and budget.held == 80
+        budget.release(first)
+    assert got == [40] and budget.held == 80
