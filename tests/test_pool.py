@@ -25,6 +25,7 @@ from kvflow.backends import ObjectRef
 from kvflow.backends.base import BackendCapabilities
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.ownership import owner
+from kvflow.profiles import is_book_key
 from tests.helpers import (
     BLOCK,
     LAYOUTS,
@@ -478,3 +479,61 @@ async def test_a_block_of_several_hash_chunks_is_named_by_the_hash_at_its_last_t
     await pool.store(KVRequest(block_ids=[0, 1, 2], tokens=tokens))
     fine = hash_blocks(tokens, layout.block_size // 2)
     assert {decode_key(k).block_hash for k in kv_keys(backend)} == {fine[1], fine[3], fine[5]}
+
+
+# --- deadlines that have nearly passed ----------------------------------------------------------
+
+
+class SlowBackend(MemoryBackend):
+    """A memory backend whose exists, remove and close each take ``delay_s`` (the profile book's
+    own small calls are not slowed)."""
+
+    delay_s = 0.6
+    closed_fully = False
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not all(is_book_key(k) for k in keys):
+            await anyio.sleep(self.delay_s)
+        return await super().exists(keys)
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        await anyio.sleep(self.delay_s)
+        return await super().remove(keys)
+
+    async def aclose(self) -> None:
+        await anyio.sleep(self.delay_s)
+        self.closed_fully = True
+        await super().aclose()
+
+
+@pytest.mark.parametrize("call", ["lookup", "remove", "aclose"])
+async def test_a_store_call_slower_than_the_deadline_is_given_up_at_the_deadline(call: str) -> None:
+    """The store answers 0.6 s after a call whose deadline is 0.1 s away: the call gives up at its
+    deadline (a lookup then reports no hit, a remove raises TimeoutError, a close abandons the
+    backend), not a moment of slack later (the answer would have come in time for that)."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = SlowBackend()
+    pool = make_pool(src, backend)
+    request = KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])
+    assert (await pool.store(request, timeout_s=5.0)).stored == 2  # (its exists-skip waits 0.6 s)
+    with anyio.fail_after(10):  # a guard against a hang
+        if call == "lookup":
+            assert await pool.lookup(request, timeout_s=0.1) == 0
+        elif call == "remove":
+            with pytest.raises(TimeoutError):
+                await pool.remove(request, timeout_s=0.1)
+        else:
+            await pool.aclose(timeout_s=0.1)
+            assert not backend.closed_fully
+
+
+async def test_a_close_cancelled_from_outside_still_closes_the_backend() -> None:
+    """The task closing the pool is cancelled (its engine shuts down): the close is shielded, so
+    the backend is still closed, within the close's own bound."""
+    backend = SlowBackend()
+    backend.delay_s = 0.05
+    pool = make_pool(LAYOUTS["vllm_cpu"](), backend)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await pool.aclose(timeout_s=5.0)
+    assert backend.closed_fully
