@@ -179,6 +179,18 @@ def test_pieces_cut_typed_and_shaped_buffers_by_bytes() -> None:
         assert b"".join(bytes(v) for piece in cut for v in piece) == data
 
 
+def test_a_keys_file_name_is_the_documented_one() -> None:
+    """Other kvflow versions find an object by its name: plain keys as they are, others %-escaped
+    (a leading dot too), and a digest only past 200 bytes, exactly."""
+    assert object_file_name("a" * 200) == "a" * 200
+    assert object_file_name("a/b.c") == "a%2Fb.c"
+    assert object_file_name(".a") == "%2Ea"
+    longest = "/" + "a" * 197  # escapes to exactly 200 bytes
+    assert object_file_name(longest) == "%2F" + "a" * 197
+    digest = hashlib.blake2b((longest + "a").encode(), digest_size=20).hexdigest()
+    assert object_file_name(longest + "a") == "~" + digest
+
+
 def test_file_names_are_injective_on_tricky_keys() -> None:
     keys = ["a", "%61", "~a", ".", "..", ".a", "a/b", "a%2Fb", "", "é", "x" * 200, "x" * 201, "x" * 300]
     assert len({object_file_name(k) for k in keys}) == len(keys)
