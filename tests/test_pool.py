@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvflow import (
+    ConfigError,
     GetStatus,
     KVLayout,
     KVPool,
@@ -115,6 +116,14 @@ async def test_mla_ranks_store_only_owned_blocks_and_load_everything() -> None:
         )
         assert got.hit_blocks == 8
         assert all(block_bytes(dst["l1"], i) == block_bytes(srcs[0]["l1"], i) for i in range(8))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_mla_caches_split_over_ranks_need_use_mla(tp_size: int) -> None:
+    """MLA caches over two ranks or more, without use_mla: refused, with the fix (every rank
+    would otherwise store its own copy of the same KV)."""
+    with pytest.raises(ConfigError, match="set use_mla=True"):
+        make_pool(LAYOUTS["mla"](), tp_rank=0, tp_size=tp_size, num_kv_heads=1)
 
 
 async def test_lookup_is_the_minimum_over_head_ranks_and_pp_ranks() -> None:
