@@ -275,8 +275,15 @@ async def test_a_store_that_cannot_ask_what_exists_puts_everything() -> None:
 # --- run_batches: faults by kind ------------------------------------------------------------------
 
 
-def _objects(n: int) -> list[ObjectRef]:
-    return [ObjectRef.of(f"k{i}", [0], [1]) for i in range(n)]  # never read: the calls below are fakes
+async def batched(
+    n: int, call: Callable[[Sequence[ObjectRef]], Awaitable[list[str]]], max_batch: int
+) -> list[str]:
+    """``run_batches`` over objects k0..k{n-1} (never read: ``call`` is a fake) with room to spare."""
+    objects = [ObjectRef.of(f"k{i}", [0], [1]) for i in range(n)]
+    budget, deadline = ByteBudget(1 << 20), time.monotonic() + 10
+    return await run_batches(
+        objects, call, failed="failed", max_batch=max_batch, budget=budget, deadline=deadline
+    )
 
 
 @pytest.mark.parametrize(
@@ -295,14 +302,7 @@ async def test_a_programming_error_in_one_batch_is_raised_once_every_batch_ended
         return ["ok"] * len(batch)
 
     with pytest.raises(type(fault)) as raised:
-        await run_batches(
-            _objects(6),
-            call,
-            failed="failed",
-            max_batch=2,
-            budget=ByteBudget(1 << 20),
-            deadline=time.monotonic() + 10,
-        )
+        await batched(6, call, max_batch=2)
     assert raised.value is fault and sorted(ended) == ["k0", "k4"]
 
 
@@ -317,14 +317,7 @@ async def test_an_unavailable_backend_fails_only_its_batch_and_batches_keep_thei
             raise BackendUnavailableError("the store is down")
         return ["ok"] * len(batch)
 
-    results = await run_batches(
-        _objects(3),
-        call,
-        failed="failed",
-        max_batch=1,
-        budget=ByteBudget(1 << 20),
-        deadline=time.monotonic() + 10,
-    )
+    results = await batched(3, call, max_batch=1)
     assert results == ["ok", "failed", "ok"] and sizes == [1, 1, 1]
 
 
