@@ -8,6 +8,7 @@ import torch
 
 from kvflow.errors import LayoutError
 from kvflow.layout import KVFormat, KVLayout, LayoutKind
+from kvflow.parts import object_planes
 from tests.helpers import BLOCK, LAYOUTS, NUM_BLOCKS, block_bytes
 
 
@@ -190,3 +191,20 @@ def test_allocations_cover_shared_storage_once() -> None:
 def test_a_cache_of_no_blocks_is_refused_with_a_layout_error() -> None:
     with pytest.raises(LayoutError, match="0 blocks"):
         KVLayout.from_kv_caches({"l0": torch.zeros(0, 2, 16, 16)})
+
+
+@pytest.mark.parametrize(("offset", "row_nbytes"), [(1, 64), (2, 65)])
+def test_objects_not_aligned_to_their_dtype_are_refused(offset: int, row_nbytes: int) -> None:
+    """Planes of float16 objects at an odd offset, or rows an odd number of bytes apart, cannot be
+    viewed as float16: refused, never read from the nearest aligned byte."""
+    buffer = torch.zeros(256, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="not aligned"):
+        object_planes(
+            buffer,
+            offset=offset,
+            rows=2,
+            row_nbytes=row_nbytes,
+            dtype=torch.float16,
+            shapes=[(4, 2)],
+            orders=["12"],
+        )

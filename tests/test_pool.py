@@ -546,3 +546,14 @@ async def test_a_close_cancelled_from_outside_still_closes_the_backend() -> None
         scope.cancel()
         await pool.aclose(timeout_s=5.0)
     assert backend.closed_fully
+
+
+def test_a_kvformat_given_with_the_layout_must_be_the_layouts() -> None:
+    """A pool may be given its caches' KVFormat too (a scheduler's pool and a worker's built from
+    one config): the same one is accepted, another refused, since the keys would not match."""
+    layout = KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]())
+    own = layout.format(layout.heads)
+    assert KVPool.create(PoolConfig(), layout=layout, format=own, backend=MemoryBackend()) is not None
+    other = KVLayout.from_kv_caches(LAYOUTS["flash_attn"]()).format(layout.heads)
+    with pytest.raises(ConfigError, match="disagrees with the layout"):
+        KVPool.create(PoolConfig(), layout=layout, format=other, backend=MemoryBackend())

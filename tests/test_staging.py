@@ -19,7 +19,7 @@ import attrs
 import pytest
 import torch
 
-from kvflow import GetStatus, KVLayout, KVPool, KVRequest, LayoutError, MemoryBackend, PoolConfig
+from kvflow import ConfigError, GetStatus, KVLayout, KVPool, KVRequest, LayoutError, MemoryBackend, PoolConfig
 from kvflow.backends import ObjectRef
 from kvflow.device import Device
 from kvflow.transfer import staging as staging_module
@@ -561,3 +561,18 @@ async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copie
     else:
         assert backend.calls.count("get") == 2
         assert same_blocks(src, caches, list(zip(SRC_IDS[:2], DST_IDS[:2])))  # the first chunk landed
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_staging_must_hold_one_object_of_the_pools_own_unit(layerwise: bool) -> None:
+    """A layerwise pool's objects are one layer of a block, the others' a whole block: staging of
+    two layers' size serves the first and is refused for the second, with the size it needs."""
+    src = LAYOUTS["vllm_cpu"]()
+    layout = KVLayout.from_kv_caches(src)
+    per_layer = layout.block_nbytes // layout.num_layers
+    config = PoolConfig(staging="always", staging_bytes=2 * per_layer, layerwise=layerwise)
+    if layerwise:
+        assert pool(src, MemoryBackend(), config)._transfer.staging is not None
+    else:
+        with pytest.raises(ConfigError, match=f"raise it to at least {layout.block_nbytes}"):
+            pool(src, MemoryBackend(), config)
