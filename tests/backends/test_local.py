@@ -1152,6 +1152,83 @@ async def test_a_reservation_on_descriptor_0_is_closed_once_when_given_back(
     await backend.aclose()
 
 
+async def test_a_temp_file_someone_removed_meanwhile_is_given_back_without_the_lock_quietly(
+    tmp_path: Path,
+) -> None:
+    """The lock is held elsewhere past ``lock_timeout_s``, and the reservation's temp file is gone
+    already (removed by hand, or by another process): giving it back closes its descriptor and
+    goes on; the missing file is not an error."""
+    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=1 << 20, lock_timeout_s=0.2))
+    fds = open_fds()
+    holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
+    try:
+        async with backend._ledger.locked(1.0):
+            reservations = backend._ledger.reserve([100, 200])
+        assert all(isinstance(r, Reservation) for r in reservations)
+        (tmp_path / "tmp" / reservations[0].name).unlink()  # type: ignore[union-attr]
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        await backend._release(reservations)  # type: ignore[arg-type]
+    finally:
+        os.close(holder)
+    assert list((tmp_path / "tmp").iterdir()) == [] and open_fds() == fds
+    await backend.aclose()
+
+
+def _utime_fails(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[dict[str, Any]]:
+    """``os.utime`` raises ``error`` on every file there is (another member's file, a read-only
+    filesystem), FileNotFoundError on a name that is not; the calls' keyword arguments are returned."""
+    calls: list[dict[str, Any]] = []
+
+    def utime(path: int | str, *args: Any, dir_fd: int | None = None, **kwargs: Any) -> None:
+        calls.append(kwargs)
+        if isinstance(path, str):
+            os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        raise error
+
+    monkeypatch.setattr(local.os, "utime", utime)
+    return calls
+
+
+async def test_an_object_whose_time_nobody_may_set_is_still_present_and_a_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another group member's object that is not writable by the group: neither its time nor "now"
+    can be set. It is still there: a put of its key is PRESENT (not written again) and a get is a
+    hit; only its LRU position stays old."""
+    backend = open_store(tmp_path)
+    data = payload("k", 3000)
+    assert await backend.put([ref("k", data)]) == [PutStatus.STORED]
+    before = object_files(tmp_path)
+    calls = _utime_fails(monkeypatch, PermissionError(errno.EPERM, "Operation not permitted"))
+    assert await backend.put([ref("k", payload("k", 3000))]) == [PutStatus.PRESENT]
+    target = bytearray(3000)
+    assert await backend.get([ref("k", target)]) == [GetStatus.HIT] and target == data
+    assert len(calls) == 4  # a stamp, then "now", for the put and for the get
+    monkeypatch.undo()
+    assert object_files(tmp_path) == before
+    await backend.aclose()
+
+
+async def test_an_object_whose_time_cannot_be_set_on_a_read_only_filesystem_is_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Setting times fails for a reason other than ownership (the store's filesystem went
+    read-only, an I/O error): an object found by its name is there, so a put of its key is PRESENT
+    (not a write that would fail) and a get is a hit; only its LRU time stays old."""
+    backend = open_store(tmp_path)
+    data = payload("k", 3000)
+    assert await backend.put([ref("k", data)]) == [PutStatus.STORED]
+    before = object_files(tmp_path)
+    _utime_fails(monkeypatch, OSError(errno.EROFS, "Read-only file system"))
+    assert await backend.put([ref("k", payload("k", 3000))]) == [PutStatus.PRESENT]
+    target = bytearray(3000)
+    assert await backend.get([ref("k", target)]) == [GetStatus.HIT] and target == data
+    assert await backend.put([ref("new", payload("new", 3000))]) == [PutStatus.FAILED]  # cannot be written
+    monkeypatch.undo()
+    assert object_files(tmp_path) == before and list((tmp_path / "tmp").iterdir()) == []
+    await backend.aclose()
+
+
 @pytest.mark.parametrize("lock", ["freed soon", "held past lock_timeout"])
 async def test_a_cancelled_put_releases_its_reservations_while_another_process_holds_the_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, lock: str

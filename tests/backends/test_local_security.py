@@ -375,6 +375,27 @@ def test_a_private_store_refuses_a_directory_of_another_group_member(shared_pare
         open_store(store)  # private: even root does not take another user's store as its own
 
 
+@needs_root
+def test_a_link_another_member_planted_at_an_objects_name_is_never_followed_to_mark_it_used(
+    shared_parent: Path,
+) -> None:
+    """Member B plants a symbolic link at key "k"'s name, pointing at A's object "o". A's put of
+    "k" cannot set the link's time (the link is B's) and falls back to "now", on the link itself:
+    "o" keeps its time (its LRU position) and its bytes."""
+    store = shared_parent / "shared-kv"
+    group = (SHARED_GID,)
+    assert as_user(_share, str(store), "o", 1, [], uid=MEMBER_A, groups=group) == {"o": "stored"}
+    target = store / "objects" / "o"
+    link = store / "objects" / "k"
+    link.symlink_to(target)
+    os.lchown(link, MEMBER_B, SHARED_GID)  # as B would have made it
+    before = target.stat()
+    as_user(_share, str(store), "k", 2, [], uid=MEMBER_A, groups=group)
+    after = target.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    assert link.is_symlink() and target.read_bytes()[-3000:] == bytes([1]) * 3000
+
+
 # --- what is counted: never a name, never what is not kvflow's ----------------------------------
 
 

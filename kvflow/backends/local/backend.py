@@ -247,9 +247,8 @@ class LocalBackend:
             # Another group member's object: only its owner may set a time, anyone may set "now".
             with contextlib.suppress(OSError):
                 os.utime(name, dir_fd=fd, follow_symlinks=False)
-            return True
-        except OSError:
-            return False
+        except OSError as exc:  # it is there (a read-only filesystem, an I/O error): its LRU time stays
+            logger.debug("local backend: could not mark %r used: %s", key, exc)
         return True
 
     async def _put_new(
