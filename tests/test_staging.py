@@ -8,20 +8,32 @@ at a random later moment, and its events say so only then; a test can also make 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 import attrs
 import pytest
 import torch
 
-from kvflow import ConfigError, GetStatus, KVLayout, KVPool, KVRequest, LayoutError, MemoryBackend, PoolConfig
+from kvflow import (
+    ConfigError,
+    GetStatus,
+    KVLayout,
+    KVPool,
+    KVRequest,
+    LayoutError,
+    MemoryBackend,
+    ParallelConfig,
+    PoolConfig,
+)
 from kvflow.backends import ObjectRef
 from kvflow.device import Device
+from kvflow.events import CpuEvent
 from kvflow.transfer import staging as staging_module
 from kvflow.transfer.staging import Chunk, StagingPool
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
@@ -576,3 +588,163 @@ def test_staging_must_hold_one_object_of_the_pools_own_unit(layerwise: bool) -> 
     else:
         with pytest.raises(ConfigError, match=f"raise it to at least {layout.block_nbytes}"):
             pool(src, MemoryBackend(), config)
+
+
+# -- loads of another engine's objects (a TP=1 writer, a TP=2 reader), through staging -------------
+
+
+@attrs.define(eq=False)
+class RecordingDevice(LateDevice):
+    """A :class:`LateDevice` that keeps every event it recorded, and counts the blocks of copies
+    issued on its copy stream that ended with no event recorded (nothing to wait for on a device)."""
+
+    recorded: list[LateEvent] = attrs.field(factory=list)
+    copy_blocks: int = 0
+    unmarked: int = 0
+
+    def record(self) -> LateEvent:
+        event = super().record()
+        self.recorded.append(event)
+        return event
+
+    @contextlib.contextmanager
+    def on_copy_stream(self) -> Iterator[None]:
+        before = len(self.recorded)
+        with super().on_copy_stream():
+            yield
+        self.copy_blocks += 1
+        self.unmarked += len(self.recorded) == before
+
+
+def gqa_caches(heads: int, block: int, blocks: int) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout, three layers: ``[blocks, heads, block, K|V of 8 columns each]``."""
+    return {f"l{i}": torch.randn(blocks, heads, block, 16).half() for i in range(3)}
+
+
+async def stored_by_a_tp1_writer(
+    backend: object, writer_block: int
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Both KV heads of TOKENS, stored by an engine of one rank in blocks of ``writer_block``
+    tokens; its caches and block ids."""
+    count = len(TOKENS) // writer_block
+    src = gqa_caches(2, writer_block, count + 1)
+    ids = [(5 * i + 1) % (count + 1) for i in range(count)]  # every block elsewhere
+    writer = pool(src, backend, PoolConfig())  # type: ignore[arg-type]
+    assert (await writer.store(KVRequest(block_ids=ids, tokens=TOKENS))).stored == count
+    return src, ids
+
+
+def tp2_reader(
+    backend: object, config: PoolConfig, device: Device, writer_block: int
+) -> tuple[KVPool, dict[str, torch.Tensor]]:
+    """Rank 1 of a TP=2 engine: one KV head of each layer, blocks of BLOCK tokens, hashed as often
+    as the writer's blocks (so that it can read them)."""
+    dst = {name: torch.zeros(16, 1, BLOCK, 16).half() for name in ("l0", "l1", "l2")}
+    reader = KVPool.create(
+        attrs.evolve(config, hash_tokens=writer_block),
+        layout=KVLayout.from_kv_caches(dst),
+        backend=backend,  # type: ignore[arg-type]
+        parallel=ParallelConfig(tp_rank=1, tp_size=2, num_kv_heads=2),
+        device=device,
+    )
+    return reader, dst
+
+
+def head_of(src: dict[str, torch.Tensor], ids: list[int], name: str, block: int, rank: int) -> torch.Tensor:
+    """The writer's KV head ``rank`` of the reader's block ``block`` (one or more writer blocks)."""
+    per = BLOCK // src[name].size(2)
+    return torch.cat([src[name][ids[block * per + k], rank] for k in range(per)])
+
+
+@pytest.mark.parametrize("writer_block", [BLOCK, BLOCK // 2], ids=["same block size", "half blocks"])
+async def test_a_reshaped_layerwise_load_hands_each_layer_the_events_of_its_copies(writer_block: int) -> None:
+    """The reader's own keys all miss; each layer comes from the writer's objects, through staging
+    on a device whose events complete late. Every event recorded after copies into the cache is
+    handed to the engine with the layer it belongs to (what its stream waits for before reading the
+    layer), and each layer holds the writer's head of this rank once they completed."""
+    backend = MemoryBackend()
+    src, ids = await stored_by_a_tp1_writer(backend, writer_block)
+    device = RecordingDevice(torch.device("cpu"), max_delay_s=0.05)
+    reader, dst = tp2_reader(backend, staged(layerwise=True, staging_bytes=4 * 4096), device, writer_block)
+    dst_ids = DST_IDS
+    handed: dict[int, list[LateEvent]] = {}
+    async with reader.layerwise_retrieve([KVRequest(block_ids=dst_ids, tokens=TOKENS)], depth=2) as loader:
+        async for outcome in loader:
+            handed[outcome.layer] = list(outcome.ready)  # type: ignore[arg-type]
+            for event in outcome.ready:
+                with anyio.fail_after(5):
+                    while not event.query():
+                        await anyio.sleep(0.001)
+            name = f"l{outcome.layer}"
+            for i, block in enumerate(dst_ids):
+                assert torch.equal(dst[name][block, 0], head_of(src, ids, name, i, 1)), (name, i)
+    assert loader.results()[0].hit_blocks == len(dst_ids)
+    every = [id(e) for events in handed.values() for e in events]
+    assert sorted(every) == sorted(id(e) for e in device.recorded) and len(set(every)) == len(every)
+    assert sorted(handed) == [0, 1, 2] and all(handed.values())
+    assert device.copy_blocks > 0 and device.unmarked == 0
+
+
+@pytest.mark.parametrize("writer_block", [BLOCK, BLOCK // 2], ids=["same block size", "half blocks"])
+async def test_a_reshaped_load_whose_staging_stays_busy_past_its_deadline_reports_only_what_arrived(
+    writer_block: int,
+) -> None:
+    """One staging chunk, holding the writer's objects of two blocks; the first get of them ends
+    past the request's deadline (a call that cannot be cancelled). Those two blocks arrive; the
+    others find no chunk free in time and fail, never asked for."""
+    backend = FaultyBackend()
+    src, ids = await stored_by_a_tp1_writer(backend, writer_block)
+    writers = set(kv_keys(backend.inner))
+    asked: list[int] = []
+
+    async def late_first(objects: Sequence[ObjectRef]) -> None:
+        if any(o.key in writers for o in objects):
+            asked.append(len(objects))
+            if len(asked) == 1:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(1.0)
+
+    backend.get_hook = late_first
+    block_nbytes = 3 * 2 * BLOCK * 16 * 2  # the writer's two heads of one reader block, three layers
+    reader, dst = tp2_reader(
+        backend, staged(staging_bytes=2 * block_nbytes, timeout_s=0.5), late_device(), writer_block
+    )
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert len(asked) == 1 and got.statuses.count(GetStatus.HIT) == 2  # rank 1 starts mid-prompt
+    for i, block in enumerate(DST_IDS):
+        for name in dst:
+            if got.statuses[i] is GetStatus.HIT:
+                assert torch.equal(dst[name][block, 0], head_of(src, ids, name, i, 1)), (name, i)
+            else:
+                assert not dst[name][block].any(), (name, i)  # never written
+    staging = reader._transfer.staging
+    assert staging is not None and staging.in_use == 0 and staging.allocations == 1
+
+
+@attrs.define(eq=False)
+class MetaDevice(Device):
+    """A device other than the host: the ``meta`` device checks that a copy's tensors are on one
+    device, and holds no data (so nothing can be read back: only whether each copy was allowed)."""
+
+    def index(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device="meta")
+
+
+async def test_a_reshaped_load_into_a_cache_on_another_device_moves_its_index_and_rows_there() -> None:
+    """A cache that is not on the host: the blocks taken out of another engine's objects (staged in
+    host memory) are copied in with their index and rows moved to the cache's device first.
+    Left on the host, every copy fails on the mixed devices and no block is loaded."""
+    backend = MemoryBackend()
+    await stored_by_a_tp1_writer(backend, BLOCK)
+    caches = {
+        name: torch.empty(16, 1, BLOCK, 16, dtype=torch.float16, device="meta") for name in ("l0", "l1", "l2")
+    }
+    reader = KVPool.create(
+        staged(),
+        layout=KVLayout.from_kv_caches(caches),
+        backend=backend,
+        parallel=ParallelConfig(tp_rank=1, tp_size=2, num_kv_heads=2),
+        device=MetaDevice(torch.device("meta"), event_factory=CpuEvent),
+    )
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert got.hit_blocks == len(DST_IDS)

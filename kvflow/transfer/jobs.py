@@ -226,6 +226,9 @@ class LoadJob:
     _done: set[Unit] = attrs.field(init=False, factory=set)
     # chunks whose copies into the cache may still run, oldest first, with the pool they go back to
     _copying: list[tuple[Unit, Chunk, StagingPool]] = attrs.field(init=False, factory=list)
+    # the events after each unit's copies into the cache, kept apart from the chunks: another unit
+    # short of chunks may finish and reuse one before this unit is handed out
+    _events: dict[Unit, list[DeviceEvent]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._order = self.transfer.load_order(len(self.plan))
@@ -299,7 +302,7 @@ class LoadJob:
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
                 got = [GetStatus.FAILED] * len(part)
-            self._copying.append((unit, chunk, staging))
+            self._issued(unit, chunk, staging)
             results += got
         return results
 
@@ -396,7 +399,7 @@ class LoadJob:
                 filled.update(complete)
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(complete), exc)
-            self._copying.append((unit, chunk, pool))
+            self._issued(unit, chunk, pool)
         return filled
 
     async def _fetch_rows(
@@ -460,7 +463,7 @@ class LoadJob:
                 filled.update(batch[r] for r in rows)
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
-            self._copying.append((unit, chunk, pool))
+            self._issued(unit, chunk, pool)
         return filled
 
     def _copy(
@@ -491,12 +494,20 @@ class LoadJob:
                 )
             chunk.copied = pool.device.record()
 
+    def _issued(self, unit: Unit, chunk: Chunk, home: StagingPool) -> None:
+        """``unit``'s copies into the cache from ``chunk`` were issued: keep the chunk until they
+        complete, and their event for :meth:`ready`."""
+        self._copying.append((unit, chunk, home))
+        if chunk.copied is not None:
+            self._events.setdefault(unit, []).append(chunk.copied)
+
     def ready(self, unit: Unit) -> tuple[DeviceEvent, ...]:
         """Events after which ``unit``'s copies into the cache are done (none when unstaged)."""
-        return tuple(c.copied for u, c, _ in self._copying if u == unit and c.copied is not None)
+        return tuple(self._events.get(unit, ()))
 
     async def settle(self, unit: Unit, deadline: float) -> None:
         """Wait until ``unit``'s copies into the cache completed, and give their chunks back."""
+        self._events.pop(unit, None)
         mine = [(c, home) for u, c, home in self._copying if u == unit]
         self._copying = [entry for entry in self._copying if entry[0] != unit]
         for chunk, home in mine:
@@ -504,10 +515,10 @@ class LoadJob:
             home.give_back(chunk)
 
     async def settle_all(self, deadline: float) -> None:
-        """:meth:`settle` every unit with copies left (shielded: for a face's cleanup)."""
-        with anyio.CancelScope(shield=True):
-            for unit in {u for u, _, _ in self._copying}:
-                await self.settle(unit, deadline)
+        """:meth:`settle` every unit with copies left: a face's cleanup, safe in a cancelled scope
+        (every wait for a copy is shielded)."""
+        for unit in {u for u, _, _ in self._copying}:
+            await self.settle(unit, deadline)
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every unit of it was
