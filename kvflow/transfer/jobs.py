@@ -507,7 +507,6 @@ class LoadJob:
 
     async def settle(self, unit: Unit, deadline: float) -> None:
         """Wait until ``unit``'s copies into the cache completed, and give their chunks back."""
-        self._events.pop(unit, None)
         mine = [(c, home) for u, c, home in self._copying if u == unit]
         self._copying = [entry for entry in self._copying if entry[0] != unit]
         for chunk, home in mine:
