@@ -10,7 +10,10 @@ regions each (K and V planes by default, far apart in memory) and measures, in G
 - memcpy: ``kvflow.regions.gather`` of every object into a preallocated buffer (scatter for reads);
 - put (fill): storing every object into an empty store (the filesystem allocates new pages);
 - put (churn): storing new objects into a full store (every put evicts, recycled pages reused);
-- get: reading every object back (verified once, outside the timing).
+- get: reading every object back (verified once, outside the timing);
+- raw read, raw + xxh3: what a get cannot beat, the same object files read into the same places
+  with no backend: open, one ``preadv`` of header and regions, close (and the xxh3 checksum of the
+  regions that a get verifies).
 
 Ratios are backend GB/s divided by memcpy GB/s. ``--io-compare`` also times the two ways of moving
 bytes between memory and a file (mmap + memmove, and preadv/pwritev) that the design chose between;
@@ -30,9 +33,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import anyio
+import xxhash
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
+from kvflow.backends.local.format import HEADER_SIZE, object_file_name, region_views
 from kvflow.config import parse_size
 from kvflow.regions import buffer_address, gather, scatter
 
@@ -45,6 +50,23 @@ def _objects(base: int, total: int, size: int, regions: int, prefix: str) -> lis
         ObjectRef.of(f"{prefix}{i}", [base + r * plane + i * part for r in range(regions)], [part] * regions)
         for i in range(count)
     ]
+
+
+def _raw_reads(files: list[str], objects: list[ObjectRef], verify: bool) -> None:
+    """Read each object file into its object's regions as plainly as Python can (see the module)."""
+    header = bytearray(HEADER_SIZE)
+    for path, obj in zip(files, objects):
+        views = region_views(obj.addrs, obj.sizes)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.preadv(fd, [header, *views], 0)
+        finally:
+            os.close(fd)
+        if verify:
+            hasher = xxhash.xxh3_64()
+            for view in views:
+                hasher.update(view)
+            hasher.intdigest()
 
 
 def _best_rate(nbytes: int, run: Callable[[], None], repeat: int) -> float:
@@ -93,7 +115,8 @@ async def bench_size(directory: str, size: int, total: int, regions: int, repeat
     copy_in()
     memcpy = min(_best_rate(total, copy_out, repeat), _best_rate(total, copy_in, repeat))
 
-    fill, get, churn = [], [], []
+    fill, get, churn, raw, verified = [], [], [], [], []
+    files = [os.path.join(directory, "objects", object_file_name(o.key)) for o in readback]
     for _ in range(repeat):
         shutil.rmtree(directory, ignore_errors=True)
         backend = LocalBackend(LocalConfig(directory, capacity_bytes=int(total * 1.1) + (1 << 20)))
@@ -101,6 +124,8 @@ async def bench_size(directory: str, size: int, total: int, regions: int, repeat
         fill.append(await _move(backend.put, objects, batch, PutStatus.STORED))
         get.append(await _move(backend.get, readback, batch, GetStatus.HIT))
         assert dst == src, "read back different bytes"
+        raw.append(_best_rate(total, partial(_raw_reads, files, readback, False), 1))
+        verified.append(_best_rate(total, partial(_raw_reads, files, readback, True), 1))
         # Churn: the store is full; every new object evicts an old one and reuses its file.
         churn.append(await _move(backend.put, fresh, batch, PutStatus.STORED))
         await backend.aclose()
@@ -110,6 +135,8 @@ async def bench_size(directory: str, size: int, total: int, regions: int, repeat
         "put_fill": statistics.median(fill),
         "put_churn": statistics.median(churn),
         "get": statistics.median(get),
+        "raw_read": statistics.median(raw),
+        "raw_xxh3": statistics.median(verified),
     }
 
 
@@ -206,19 +233,21 @@ def main() -> None:
     args = parser.parse_args()
     total = parse_size(args.total) >> 20 << 20
     print(f"local backend vs memcpy: {args.dir}, {total >> 20} MiB per size, {args.regions} regions/object")
-    print(f"{'object':>8} {'memcpy':>8} {'put fill':>15} {'put churn':>15} {'get':>15}   (GB/s, x memcpy)")
+    heads = ("put fill", "put churn", "get", "raw read", "raw + xxh3")
+    print(f"{'object':>8} {'memcpy':>8} " + " ".join(f"{h:>15}" for h in heads) + "   (GB/s, x memcpy)")
     for text in args.sizes.split(","):
         size = parse_size(text)
         r = anyio.run(bench_size, args.dir, size, total, args.regions, args.repeat)
         cells = " ".join(
-            f"{r[k]:6.2f} ({r[k] / r['memcpy']:4.2f}x)" for k in ("put_fill", "put_churn", "get")
+            f"{r[k]:6.2f} ({r[k] / r['memcpy']:4.2f}x)"
+            for k in ("put_fill", "put_churn", "get", "raw_read", "raw_xxh3")
         )
         print(f"{size >> 10:>5}KiB {r['memcpy']:8.2f} {cells}")
     if args.checksums:
         print("checksums (hot in cache when small, from memory when large):")
         checksums([256 << 10, 4 << 20, 256 << 20])
     if args.io_compare:
-        print("raw file I/O, one region per file:")
+        print("raw file I/O, one region per file, from and into one buffer (hot in the CPU caches):")
         io_compare(args.dir, 1 << 20, 128)
 
 

@@ -93,12 +93,12 @@ def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path:
             "--io-compare",
         )
     )
-    rows = re.findall(r"^\s*(\d+)KiB\s+([\d.]+)((?:\s+[\d.]+ \([\d.]+x\)){3})$", out, flags=re.MULTILINE)
+    rows = re.findall(r"^\s*(\d+)KiB\s+([\d.]+)((?:\s+[\d.]+ \([\d.]+x\)){5})$", out, flags=re.MULTILINE)
     assert [int(size) for size, _, _ in rows] == [64, 1024]
     for _, memcpy, cells in rows:
         assert float(memcpy) > 0
         rates = re.findall(r"([\d.]+) \(([\d.]+)x\)", cells)
-        assert len(rates) == 3 and all(float(rate) > 0 for rate, _ in rates)
+        assert len(rates) == 5 and all(float(rate) > 0 for rate, _ in rates)
     assert len(re.findall(r"^\s+(write|read) \S+\s+[\d.]+ GB/s", out, flags=re.MULTILINE)) == 4
     assert not store.exists()
 

@@ -369,9 +369,13 @@ class LocalBackend:
                 return GetStatus.MISS
             views = region_views(obj.addrs, obj.sizes)
             header_buf = bytearray(HEADER_SIZE)
-            hook = _mid_read_hook
-            after_first = None if hook is None else partial(hook, name)
-            got = await _read_pieces(fd, [memoryview(header_buf), *views], pacer, after_first)
+            whole = HEADER_SIZE + obj.nbytes <= PIECE  # one read and one checksum pass: nothing to pace
+            if whole:
+                got = read_into(fd, [header_buf, *views], 0)
+            else:
+                hook = _mid_read_hook
+                after_first = None if hook is None else partial(hook, name)
+                got = await _read_pieces(fd, [memoryview(header_buf), *views], pacer, after_first)
             header = Header.unpack(header_buf) if got >= HEADER_SIZE else None
             problem = ""
             if header is None:
@@ -392,10 +396,13 @@ class LocalBackend:
                 problem = "a truncated payload"
             else:
                 checksum = PayloadChecksum()
-                for n, piece in enumerate(pieces(views, PIECE)):
-                    if n:
-                        await pacer.tick()
-                    checksum.update(piece)
+                if whole:
+                    checksum.update(views)
+                else:
+                    for n, piece in enumerate(pieces(views, PIECE)):
+                        if n:
+                            await pacer.tick()
+                        checksum.update(piece)
                 if checksum.value(header) != header.checksum:
                     problem = "a checksum mismatch"
             if problem:
