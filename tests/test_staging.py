@@ -748,3 +748,62 @@ async def test_a_reshaped_load_into_a_cache_on_another_device_moves_its_index_an
     )
     got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
     assert got.hit_blocks == len(DST_IDS)
+
+
+@attrs.define(eq=False)
+class SlowFirstCopyDevice(LateDevice):
+    """Copies complete when their event does; the event after the first copy into ``slow_target``
+    completes ``slow_s`` after it is recorded, every other one at once."""
+
+    slow_target: int = 0  # data_ptr of a layer's cache
+    slow_s: float = 0.4
+    _slow_next: bool = False
+    _done: bool = False
+
+    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        super().scatter_rows(target, index, rows)
+        if target.data_ptr() == self.slow_target and not self._done:
+            self._slow_next = self._done = True
+
+    def record(self) -> LateEvent:  # type: ignore[override]
+        event = LateEvent(self.slow_s if self._slow_next else 0.0, on_complete=self._queued)
+        self._slow_next, self._queued = False, []
+        event.record()
+        return event
+
+
+async def test_a_layer_is_handed_out_with_the_event_of_a_copy_another_layer_finishes_for_its_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three staging chunks of four blocks, two layers of ten blocks loading at once. Layer 0
+    copies its first four blocks out of chunk A (the copy lands late) and waits on a slow get for
+    the next four in chunk C; layer 1, finding no chunk free, finishes layer 0's oldest copy to
+    reuse A. Layer 0 is then handed out: the events it comes with must include that copy's, or the
+    engine reads those blocks before they landed."""
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 4 * 1024)
+    src = LAYOUTS["vllm_cpu"]()  # 1 KiB per block and layer
+    backend = FaultyBackend()
+    await pool(src, backend, staged(layerwise=True)).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    layer0_gets: list[int] = []
+
+    async def slow_second_half_of_layer_0(objects: Sequence[ObjectRef]) -> None:
+        if "@l0-1@" in objects[0].key:
+            layer0_gets.append(len(objects))
+            if len(layer0_gets) == 2:
+                await anyio.sleep(0.1)
+
+    backend.get_hook = slow_second_half_of_layer_0
+    dst = zeros_like_caches(src)
+    names = list(src)
+    device = SlowFirstCopyDevice(torch.device("cpu"), slow_target=dst[names[0]].data_ptr())  # type: ignore[attr-defined]
+    reader = pool(dst, backend, staged(layerwise=True, staging_bytes=3 * 4 * 1024), device)
+    request = KVRequest(block_ids=DST_IDS, tokens=TOKENS)
+    async with reader.layerwise_retrieve([request], depth=2) as loader:
+        async for outcome in loader:
+            for event in outcome.ready:
+                with anyio.fail_after(5):
+                    while not event.query():
+                        await anyio.sleep(0.001)
+            layer = {names[outcome.layer]: src[names[outcome.layer]]}
+            assert same_blocks(layer, dst, list(zip(SRC_IDS, DST_IDS))), outcome.layer
+    assert layer0_gets == [4, 4, 2] and loader.results()[0].hit_blocks == 10
