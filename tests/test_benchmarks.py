@@ -20,8 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from kvflow.backends.local import LocalBackend, LocalConfig
+from kvflow.profiles import is_book_key
 from tests.backends.conftest import REQUIRE_ENV, mooncake_unusable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +78,26 @@ def test_layerwise_bench_prints_its_table_and_verifies() -> None:
     for case in ("compute alone", "whole-block retrieve, compute", "layerwise, overlapped"):
         assert re.search(rf"^{re.escape(case)}\s+[\d.]+\s+[\d.]+$", out, flags=re.MULTILINE), case
     assert "verified bit-exact" in out
+
+
+def test_the_bench_leaves_no_kv_in_the_store_it_was_pointed_at(tmp_path: Path) -> None:
+    """`kvflow bench --backend URL` may be pointed at a store in use: what it stored to measure,
+    it removes; only the tiny announcements of its pools' profiles stay (docs/topology.md)."""
+    store = tmp_path / "store"
+    result = json.loads(
+        ok(run("-m", "kvflow.cli", "bench", "--backend", f"local://{store}", "--quick", "--json"))
+    )
+    assert result["store_retrieve"] and positive(result["lookup_10k_ms"])
+
+    async def keys() -> list[str | None]:
+        backend = LocalBackend(LocalConfig(str(store)))
+        try:
+            return [key for key, _ in await backend.list_objects()]
+        finally:
+            await backend.aclose()
+
+    left = anyio.run(keys)
+    assert left and all(key is not None and is_book_key(key) for key in left), left
 
 
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:

@@ -82,11 +82,16 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
     backend = open_backend(f"memory://?capacity={nbytes}" if url == "memory://" else url)
     stamp = time.time_ns()
 
+    def request(i: int) -> KVRequest:
+        return KVRequest(block_ids=ids, tokens=range(i, i + 16 * batch))
+
+    def pool_of(i: int, layout: KVLayout) -> KVPool:
+        return KVPool.create(PoolConfig(model=f"bench-{stamp}-{i}"), layout=layout, backend=backend)
+
     async def store(i: int) -> float:
-        pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-{i}"), layout=layout_src, backend=backend)
-        tokens = list(range(i, i + 16 * batch))
+        pool = pool_of(i, layout_src)
         start = time.perf_counter()
-        result = await pool.store(KVRequest(block_ids=ids, tokens=tokens))
+        result = await pool.store(request(i))
         elapsed = time.perf_counter() - start
         if result.stored != batch:
             raise RuntimeError(f"bench store stored {result.stored} of {batch} blocks: {result}")
@@ -94,9 +99,9 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
 
     async def retrieve(i: int) -> float:
         last = repeat - 1  # the batch the last store wrote (earlier ones may have been evicted)
-        pool = KVPool.create(PoolConfig(model=f"bench-{stamp}-{last}"), layout=layout_dst, backend=backend)
+        pool = pool_of(last, layout_dst)
         start = time.perf_counter()
-        result = await pool.retrieve(KVRequest(block_ids=ids, tokens=range(last, last + 16 * batch)))
+        result = await pool.retrieve(request(last))
         elapsed = time.perf_counter() - start
         if result.hit_blocks != batch:
             raise RuntimeError(f"bench retrieve loaded {result.hit_blocks} of {batch} blocks")
@@ -106,6 +111,8 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
     retrieve_s = await _best(repeat, retrieve)
     if not all(torch.equal(src[k], dst[k]) for k in src):
         raise RuntimeError("bench retrieve returned different bytes than were stored")
+    for i in range(repeat):  # leave nothing in the store (it may be the user's own)
+        await pool_of(i, layout_src).remove(request(i))
     await backend.aclose()
     memcpy = memcpy_gbps(nbytes, object_bytes)
     store_gbps, retrieve_gbps = nbytes / store_s / 1e9, nbytes / retrieve_s / 1e9
@@ -138,6 +145,7 @@ async def _lookup_ms(url: str, blocks: int) -> float:
         best = min(best, time.perf_counter() - start)
         if hit != 16 * blocks:
             raise RuntimeError(f"bench lookup found {hit} of {16 * blocks} tokens")
+    await pool.remove(KVRequest(block_hashes=hashes))
     await backend.aclose()
     return best * 1e3
 

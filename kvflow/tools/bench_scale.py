@@ -63,6 +63,8 @@ async def _per_block_us(url: str, held: int) -> dict[str, float]:
     if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
         raise RuntimeError("bench: a lookup missed blocks it had stored")
     out["lookup_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+    for salt in [7, *range(1_000_000, 1_000_000 + held // _WORK)]:  # leave nothing in the store
+        await pool.remove(_request(salt, _WORK))
     await backend.aclose()
     return out
 
@@ -83,6 +85,8 @@ async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, floa
         seconds = time.perf_counter() - start
         out[f"{op}_requests_per_s"] = requests / seconds
         out[f"{op}_blocks_per_s"] = requests * blocks / seconds
+    for r in range(requests):  # leave nothing in the store
+        await pool.remove(request(r))
     await backend.aclose()
     return out
 
