@@ -41,9 +41,14 @@ def _request(salt: int, blocks: int) -> KVRequest:
     return KVRequest(block_ids=range(blocks), tokens=[salt, *range(1, blocks * _BLOCK)])
 
 
+def _fill_salts(blocks: int) -> range:
+    """The requests (by salt) that :func:`_fill` stores."""
+    return range(1_000_000, 1_000_000 + blocks // _WORK)
+
+
 async def _fill(pool: KVPool, blocks: int) -> None:
     """Put ``blocks`` objects in the store, in requests of ``_WORK`` blocks."""
-    for salt in range(1_000_000, 1_000_000 + blocks // _WORK):
+    for salt in _fill_salts(blocks):
         await pool.store(_request(salt, _WORK))
 
 
@@ -63,7 +68,7 @@ async def _per_block_us(url: str, held: int) -> dict[str, float]:
     if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
         raise RuntimeError("bench: a lookup missed blocks it had stored")
     out["lookup_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
-    for salt in [7, *range(1_000_000, 1_000_000 + held // _WORK)]:  # leave nothing in the store
+    for salt in [7, *_fill_salts(held)]:  # leave nothing in the store
         await pool.remove(_request(salt, _WORK))
     await backend.aclose()
     return out
