@@ -87,7 +87,11 @@ def test_the_bench_leaves_no_kv_in_the_store_it_was_pointed_at(tmp_path: Path) -
     result = json.loads(
         ok(run("-m", "kvflow.cli", "bench", "--backend", f"local://{store}", "--quick", "--json"))
     )
-    assert result["store_retrieve"] and positive(result["lookup_10k_ms"])
+    assert (
+        result["store_retrieve"]
+        and positive(result["lookup_10k_ms"])
+        and positive(result["lookup_10k_first_ms"])
+    )
 
     async def keys() -> list[str | None]:
         backend = LocalBackend(LocalConfig(str(store)))

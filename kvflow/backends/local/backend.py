@@ -42,7 +42,8 @@ from kvflow.backends.local.format import (
     region_views,
     write_from,
 )
-from kvflow.backends.local.safety import Access
+from kvflow.backends.local.presence import PresenceMemory
+from kvflow.backends.local.safety import LOCK_NAME, Access
 from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.backends.pacing import PIECE, Pacer
 from kvflow.errors import BackendError, PoolClosedError
@@ -83,6 +84,7 @@ class LocalBackend:
     config: LocalConfig = attrs.field(factory=LocalConfig)
     _ledger: SpaceLedger = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
+    _presence: PresenceMemory = attrs.field(init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -93,6 +95,7 @@ class LocalBackend:
             Access.of(self.config.group),
         )
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes, used_bytes=self._ledger.used)
+        self._presence = PresenceMemory(self._ledger.dirs.lock_fd)
 
     @classmethod
     def from_url(cls, url: str) -> LocalBackend:
@@ -158,26 +161,44 @@ class LocalBackend:
             await pacer.tick()
         if corrupt:
             await self._remove_corrupt(corrupt)
+        for obj, status in zip(objects, results):
+            if status is not GetStatus.HIT:  # perhaps removed by hand, or by a process that died
+                self._presence.discard(obj.key)
         self._stats.count_gets(objects, results)
         await anyio.lowlevel.checkpoint()
         return results
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has an object; those this instance found before, and that no process
+        removed since (the store's journal says), are answered from memory (:mod:`.presence`)."""
         self._check_open()
-        found: list[bool] = []
-        for key in keys:
+        memory, dir_fd = self._presence, self._ledger.objects_fd
+        try:
+            memory.refresh()
+        except OSError as exc:
+            raise BackendError(
+                f"cannot read {self.root}/{LOCK_NAME}: {exc.strerror}; is {self.root} still there?"
+            ) from exc
+        known = memory.keys
+        found = [key in known for key in keys]
+        learned: list[tuple[str, str]] = []
+        for i, key in enumerate(keys):
+            if found[i]:
+                continue
             name = object_file_name(key)
             try:
-                st = os.stat(name, dir_fd=self._ledger.objects_fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
-                found.append(False)
+                continue
             except OSError as exc:
                 raise BackendError(
                     f"cannot check {self.root}/objects/{name}: {exc.strerror}; is {self.root} still "
                     "there and readable?"
                 ) from exc
-            else:
-                found.append(self._ledger.access.foreign(st) is None)
+            if self._ledger.access.foreign(st) is None:
+                learned.append((key, name))
+                found[i] = True
+        memory.add(learned)
         return found
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:

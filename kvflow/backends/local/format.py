@@ -46,6 +46,7 @@ __all__ = [
     "WriterId",
     "is_object_file_name",
     "key_digest",
+    "name_hash",
     "object_file_is_bad",
     "object_file_name",
     "payload_checksum",
@@ -73,6 +74,11 @@ _OBJECT_NAME = re.compile(r"[A-Za-z0-9\-_,=+@%][A-Za-z0-9\-_.,=+@%]{0,199}|~[0-9
 def key_digest(key: str) -> bytes:
     """The 16-byte digest of a key that every object file records."""
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def name_hash(name: str) -> int:
+    """The 64-bit hash of an object file name that the store's removal journal records."""
+    return xxhash.xxh3_64_intdigest(name.encode())
 
 
 def object_file_name(key: str) -> str:

@@ -47,6 +47,7 @@ import attrs
 
 from kvflow.backends.base import PutStatus
 from kvflow.backends.local.format import TempName, WriterId, is_object_file_name
+from kvflow.backends.local.presence import JOURNAL_END, append_removed, read_journal_count
 from kvflow.backends.local.safety import LOCK_NAME, Access, StoreDirs, unusable_message
 from kvflow.errors import BackendUnavailableError, ConfigError
 
@@ -104,6 +105,7 @@ class SpaceLedger:
     _token: str = attrs.field(factory=lambda: secrets.token_hex(4))
     _seq: int = 0
     _reported: set[str] = attrs.field(factory=set)
+    _gone: list[str] = attrs.field(factory=list)  # objects removed in this section, for the journal
 
     @property
     def root(self) -> str:
@@ -134,6 +136,8 @@ class SpaceLedger:
             ledger._check_links()
             with ledger.locked_blocking(lock_timeout_s):
                 ledger.recover()
+                if os.fstat(dirs.lock_fd).st_size < JOURNAL_END:
+                    os.posix_fallocate(dirs.lock_fd, 0, JOURNAL_END)
             vfs = os.statvfs(dirs.root_fd)
         except TimeoutError as exc:
             dirs.close()
@@ -199,6 +203,7 @@ class SpaceLedger:
             data = os.pread(self.dirs.lock_fd, _COUNTER.size, 0)
             self._rescanned = False
             self._pending.clear()
+            self._gone.clear()
             if len(data) == _COUNTER.size:
                 magic, used = _COUNTER.unpack(data)
                 if magic == _COUNTER_MAGIC:
@@ -211,6 +216,8 @@ class SpaceLedger:
 
     def _end(self) -> None:
         try:
+            if self._gone:  # after the removals: whoever found one of them before it went sees its entry
+                append_removed(self.dirs.lock_fd, read_journal_count(self.dirs.lock_fd), self._gone)
             os.pwrite(self.dirs.lock_fd, _COUNTER.pack(_COUNTER_MAGIC, max(self.used, 0)), 0)
         finally:
             fcntl.flock(self.dirs.lock_fd, fcntl.LOCK_UN)
@@ -292,6 +299,7 @@ class SpaceLedger:
                 recycled = attrs.evolve(victim, name=name)
             else:
                 self._unlink(self.objects_fd, victim.name)
+            self._gone.append(victim.name)
             self.evictions += 1
             self.used -= victim.size
         if self.used + nbytes > self.capacity:
@@ -327,6 +335,7 @@ class SpaceLedger:
         if not is_bad(self.objects_fd, name):
             return False
         self._unlink(self.objects_fd, name)
+        self._gone.append(name)
         self.used -= st.st_size
         return True
 
