@@ -27,6 +27,7 @@ from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
 from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
 from kvflow.backends.mooncake.health import HealthGate
+from kvflow.backends.mooncake.native import NativeStore
 from kvflow.backends.mooncake.staging import RegisteredMemory, StagingBuffer, plan_chunks
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, MissingDependencyError
 from kvflow.layout import KVCacheEntry, KVFormat, KVLayout
@@ -370,6 +371,50 @@ async def test_miss_exists_and_duplicate_puts(
         await anyio.sleep(0.5)
     assert await unchecked.exists([a.key, b1.key]) == [False, True]
     assert await backend.get([contiguous(a.key, dst, 0, 10_000)]) == [GetStatus.MISS]
+
+
+class CountingStore:
+    """A Mooncake client that records the keys of every ``batch_is_exist`` call."""
+
+    def __init__(self, store: object) -> None:
+        self.store = store
+        self.asked: list[list[str]] = []
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.asked.append(list(keys))
+        return cast("list[int]", self.store.batch_is_exist(keys))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+@pytest.mark.mooncake
+async def test_a_put_of_keys_exists_just_answered_absent_asks_no_second_time(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    """The pool's exists-skip then put: one existence check per key, not two."""
+    backend = mooncake_backends(mooncake_master.url(segment="16MiB"))
+    other = mooncake_backends(mooncake_master.url(segment="16MiB"))
+    keys, slab, dst = prefix(), Slab(64 << 10, seed=7), Slab(64 << 10)
+    for b in (backend, other):
+        slab.register(b)
+        dst.register(b)
+    await backend.connect()
+    counting = CountingStore(backend._store)
+    backend._store = cast("NativeStore", counting)
+    a, b, c, d = (contiguous(f"{keys}{n}", slab, 10_000 * i, 5_000) for i, n in enumerate("abcd"))
+    assert await backend.exists([a.key, b.key, d.key]) == [False, False, False]
+    # another client stores d meanwhile: the put cannot know, says STORED, and d keeps its value
+    d_first = contiguous(d.key, slab, 50_000, 5_000)
+    assert await other.put([d_first]) == [PutStatus.STORED]
+    counting.asked.clear()
+    assert await backend.put([a, b, c, d]) == [PutStatus.STORED] * 4
+    assert counting.asked == [[c.key]]  # only the key exists was not asked about
+    assert await backend.get([contiguous(d.key, dst, 0, 5_000)]) == [GetStatus.HIT]
+    assert bytes(dst.buf[:5_000]) == slab.read(d_first)
+    counting.asked.clear()  # an answer serves one put: the next put of a asks again
+    assert await backend.put([a]) == [PutStatus.PRESENT]
+    assert counting.asked == [[a.key]]
 
 
 @pytest.mark.mooncake

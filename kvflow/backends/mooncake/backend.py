@@ -24,6 +24,7 @@ Use a backend from one event loop. It owns the Mooncake client and closes it in 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ import anyio.to_thread
 import attrs
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.mooncake.absent import RecentAbsence
 from kvflow.backends.mooncake.admin import ClusterUsage, fetch, parse_keys, parse_usage
 from kvflow.backends.mooncake.calls import (
     check_objects,
@@ -88,6 +90,7 @@ class MooncakeBackend:
     _registered: RegisteredMemory = attrs.field(factory=RegisteredMemory, init=False)
     _health: HealthGate = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
+    _absent: RecentAbsence = attrs.field(factory=RecentAbsence, init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -197,7 +200,9 @@ class MooncakeBackend:
         bad = [c for c in codes if c < 0]
         if bad:
             raise BackendUnavailableError(f"Mooncake batch_is_exist failed with {code_name(bad[0])}")
-        return [c == 1 for c in codes]
+        found = [c == 1 for c in codes]
+        self._absent.note(keys, found)
+        return found
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete objects from the cluster. False where there was none, or where a reader's lease
@@ -268,10 +273,10 @@ class MooncakeBackend:
         unique, repeats = dedupe(objects)
         store = await self._usable_store()
         if store is not None and unique:
-            replicate, check = self._replicate, self.config.check_present
-            for chunk in self._plan(objects, unique):
+            replicate = self._replicate
+            for chunk, check in self._put_plan(objects, unique):
                 outcome = await self._in_chunk(
-                    chunk, lambda c: put_chunk(store, objects, c, replicate, check=check)
+                    chunk, functools.partial(put_chunk, store, objects, replicate=replicate, check=check)
                 )
                 if outcome is not None:
                     self._note_failures("put", put_results(objects, chunk, outcome, results))
@@ -399,6 +404,19 @@ class MooncakeBackend:
         if not all(zero_copy):
             staging = self._staging_buffer()
         return plan_chunks(objects, indices, zero_copy, max_batch=self.config.max_batch, staging=staging)
+
+    def _put_plan(self, objects: Sequence[ObjectRef], unique: list[int]) -> list[tuple[Chunk, bool]]:
+        """The chunks of a put, each with whether it asks first which keys exist: not for keys that
+        :meth:`exists` has just answered absent (the pool's exists-skip), else ``check_present``."""
+        if not self.config.check_present:
+            return [(chunk, False) for chunk in self._plan(objects, unique)]
+        fresh = self._absent.take([objects[i].key for i in unique])
+        known = [i for i, f in zip(unique, fresh) if f]
+        unknown = [i for i, f in zip(unique, fresh) if not f]
+        groups = ((known, False), (unknown, True))
+        return [
+            (chunk, check) for indices, check in groups if indices for chunk in self._plan(objects, indices)
+        ]
 
     def _staging_buffer(self) -> StagingBuffer | None:
         if self._staging is None and self.config.staging_bytes:

@@ -161,7 +161,8 @@ class MooncakeConfig:
     - ``staging_bytes``: registered bounce buffer for objects whose memory was never registered.
     - ``check_present``: before a put, ask which keys exist, to report them ``PRESENT`` and skip
       their copy. Off, a put reports ``STORED`` for a key that existed (Mooncake still keeps the
-      old value and copies nothing): one RPC less, for callers that have just checked themselves.
+      old value and copies nothing): one RPC less. Keys that ``exists`` answered absent just before
+      are not asked again either way (the pool's exists-skip; :mod:`.absent`).
     - ``metrics_port``: the master's HTTP port (its ``--metrics_port``), where ``kvflow store``
       reads the cluster's keys and usage (``/get_all_keys``, ``/metrics``). Puts and gets never use it.
     - ``device_memory``: whether puts and gets may name GPU/NPU memory directly (zero copy):
