@@ -254,6 +254,27 @@ def test_registered_memory_contains_exactly_the_regions_inside_one_range(
     regions = data.draw(st.lists(st.tuples(st.integers(1, 16_000), st.integers(0, 3_000)), max_size=6))
     obj = ObjectRef.of("k", [a for a, _ in regions], [n for _, n in regions])
     assert memory.covers(obj) == all(memory.contains(a, n) for a, n in regions if n)
+    # a batch: each object as covers() says (the batch's fast path must agree)
+    batch = data.draw(
+        st.lists(
+            st.lists(st.tuples(st.integers(1, 16_000), st.integers(0, 3_000)), max_size=4).map(
+                lambda rs: ObjectRef.of("k", [a for a, _ in rs], [n for _, n in rs])
+            ),
+            max_size=5,
+        )
+    )
+    assert memory.covers_each(batch) == [memory.covers(o) for o in batch]
+
+
+def test_a_batch_inside_one_registered_range_is_covered_at_once() -> None:
+    memory = RegisteredMemory()
+    memory.add(1000, 1000)
+    memory.add(5000, 100)
+    inside = [ObjectRef.of("a", [1000, 1500], [10, 490]), ObjectRef.of("b", [1990], [10])]
+    assert memory.covers_each(inside) == [True, True]
+    assert memory.covers_each([*inside, ObjectRef.of("c", [1995], [10])]) == [True, True, False]
+    assert memory.covers_each([*inside, ObjectRef.of("d", [5000], [100])]) == [True, True, True]
+    assert memory.covers_each([*inside, ObjectRef.of("e", [], [])]) == [True, True, True]
 
 
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 7), st.data())

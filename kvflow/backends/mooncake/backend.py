@@ -397,11 +397,15 @@ class MooncakeBackend:
 
     # -- native calls ---------------------------------------------------------------------------
 
-    def _plan(self, objects: Sequence[ObjectRef], indices: Sequence[int]) -> list[Chunk]:
-        covers = self._registered.covers
-        zero_copy = [covers(obj) for obj in objects]
+    def _plan(
+        self, objects: Sequence[ObjectRef], indices: Sequence[int], zero_copy: Sequence[bool] | None = None
+    ) -> list[Chunk]:
+        """Chunks of ``objects[i] for i in indices``; ``zero_copy``: which objects lie in registered
+        memory, when the caller has asked already."""
+        if zero_copy is None:
+            zero_copy = self._registered.covers_each(objects)
         staging = None
-        if not all(zero_copy):
+        if not all(zero_copy[i] for i in indices):
             staging = self._staging_buffer()
         return plan_chunks(objects, indices, zero_copy, max_batch=self.config.max_batch, staging=staging)
 
@@ -413,9 +417,12 @@ class MooncakeBackend:
         fresh = self._absent.take([objects[i].key for i in unique])
         known = [i for i, f in zip(unique, fresh) if f]
         unknown = [i for i, f in zip(unique, fresh) if not f]
-        groups = ((known, False), (unknown, True))
+        groups, zero_copy = ((known, False), (unknown, True)), self._registered.covers_each(objects)
         return [
-            (chunk, check) for indices, check in groups if indices for chunk in self._plan(objects, indices)
+            (chunk, check)
+            for indices, check in groups
+            if indices
+            for chunk in self._plan(objects, indices, zero_copy)
         ]
 
     def _staging_buffer(self) -> StagingBuffer | None:

@@ -28,6 +28,10 @@ from kvflow.regions import gather, scatter
 __all__ = ["Chunk", "RegisteredMemory", "StagingBuffer", "plan_chunks"]
 
 
+_ADDRS = operator.attrgetter("addrs")
+_SIZES = operator.attrgetter("sizes")
+
+
 @attrs.define
 class RegisteredMemory:
     """Address ranges registered with Mooncake. A region is zero-copy iff one range contains it."""
@@ -58,6 +62,20 @@ class RegisteredMemory:
         # region iff any does.
         i = bisect.bisect_right(self._starts, addr) - 1
         return i >= 0 and self._max_end[i] >= addr + nbytes
+
+    def covers_each(self, objects: Sequence[ObjectRef]) -> list[bool]:
+        """:meth:`covers` of every object; one check for a batch inside one registered range."""
+        starts, max_end = self._starts, self._max_end
+        if starts and objects and all(map(len, map(_ADDRS, objects))):
+            # Fast path (C loops only): the lowest region start and a bound on the highest end
+            # (highest start + largest size) lie in one range, as when the KV caches are one
+            # registered allocation.
+            lo = min(map(min, map(_ADDRS, objects)))
+            hi = max(map(max, map(_ADDRS, objects))) + max(map(max, map(_SIZES, objects)))
+            i = bisect.bisect_right(starts, lo) - 1
+            if i >= 0 and max_end[i] >= hi:
+                return [True] * len(objects)
+        return [self.covers(obj) for obj in objects]
 
     def covers(self, obj: ObjectRef) -> bool:
         """Whether every non-empty region of ``obj`` lies inside one registered range."""
