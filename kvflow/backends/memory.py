@@ -32,6 +32,7 @@ from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, O
 from kvflow.backends.pacing import PIECE, Pacer
 from kvflow.config import parse_size, parse_url_query
 from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.regions import gather, scatter
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
 
@@ -230,13 +231,7 @@ async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) ->
     Checks the clock after every 1 MiB (never after the last piece: the caller does).
     """
     if obj.nbytes <= PIECE:  # one piece: no clock to check
-        offset = 0
-        for addr, size in zip(obj.addrs, obj.sizes):
-            if into_buffer:
-                _memmove(buf + offset, addr, size)
-            else:
-                _memmove(addr, buf + offset, size)
-            offset += size
+        (gather if into_buffer else scatter)(buf, obj.addrs, obj.sizes)
         return
     offset = 0
     since_tick = 0
