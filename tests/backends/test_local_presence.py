@@ -17,6 +17,7 @@ from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.local.format import name_hash, object_file_name
 from kvflow.backends.local.presence import RING, PresenceMemory, append_removed, read_journal_count
+from kvflow.errors import BackendError
 from kvflow.regions import buffer_address
 
 KiB = 1024
@@ -258,3 +259,99 @@ async def test_a_store_made_before_the_journal_gets_one(tmp_path: Path) -> None:
     finally:
         os.close(fd)
         await store.aclose()
+
+
+async def test_a_removal_of_another_object_forgets_only_that_one(tmp_path: Path, stats: list[str]) -> None:
+    store, other = open_store(tmp_path), open_store(tmp_path)
+    await store.put([obj("a"), obj("b")])
+    await other.put([obj("elsewhere")])
+    assert await store.exists(["a", "b"]) == [True, True]
+    assert await other.remove(["elsewhere"]) == [True]  # a name this instance never saw
+    assert await other.remove(["b"]) == [True]
+    stats.clear()
+    assert await store.exists(["a", "b"]) == [True, False]
+    assert stats == ["b"]
+    await store.aclose()
+    await other.aclose()
+
+
+def test_a_reader_exactly_one_ring_behind_keeps_what_was_not_removed(tmp_path: Path) -> None:
+    fd = _journal(tmp_path)
+    try:
+        memory = PresenceMemory(fd)
+        memory.refresh()
+        memory.add([("a", "a")])
+        append_removed(fd, 0, [f"x{i}" for i in range(RING)])
+        memory.refresh()
+        assert list(memory.keys) == ["a"]
+    finally:
+        os.close(fd)
+
+
+def test_a_count_that_went_back_forgets_everything(tmp_path: Path) -> None:
+    """The journal's count never decreases; if it reads lower (the file was rewritten), nothing
+    remembered can be trusted."""
+    fd = _journal(tmp_path)
+    try:
+        append_removed(fd, 0, ["x", "y", "z"])
+        memory = PresenceMemory(fd)
+        memory.refresh()
+        memory.add([("a", "a")])
+        os.pwrite(fd, (1).to_bytes(8, "little"), 16)
+        memory.refresh()
+        assert not memory.keys
+    finally:
+        os.close(fd)
+
+
+def test_entries_past_the_count_are_not_read(tmp_path: Path) -> None:
+    """Slots past the count hold the previous lap's entries (or nothing): never applied."""
+    fd = _journal(tmp_path)
+    try:
+        count = append_removed(fd, 0, ["p", "q"])
+        memory = PresenceMemory(fd)
+        memory.refresh()
+        memory.add([("a", "a")])
+        os.pwrite(fd, name_hash("a").to_bytes(8, "little"), 64 + 8 * 10)  # an old entry, slot 10
+        assert append_removed(fd, count, [f"z{i}" for i in range(8)]) == 10  # slots 2..9
+        memory.refresh()
+        assert list(memory.keys) == ["a"]
+    finally:
+        os.close(fd)
+
+
+def test_a_journal_shorter_than_its_count_forgets_everything(tmp_path: Path) -> None:
+    fd = _journal(tmp_path)
+    try:
+        memory = PresenceMemory(fd)
+        memory.refresh()
+        memory.add([("a", "a")])
+        os.pwrite(fd, (5).to_bytes(8, "little"), 16)
+        os.ftruncate(fd, 64 + 8 * 2 + 3)  # two whole entries and three bytes of a third
+        memory.refresh()
+        assert not memory.keys
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_file_too_short_for_a_count_reads_zero(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"K" * 20)  # the counter and half a journal count
+        assert read_journal_count(fd) == 0
+    finally:
+        os.close(fd)
+
+
+async def test_a_lock_file_that_cannot_be_read_is_an_error_that_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(tmp_path)
+
+    def broken(fd: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(presence, "read_journal_count", broken)
+    with pytest.raises(BackendError, match=r"cannot read .*kvflow\.lock: Input/output error"):
+        await store.exists(["a"])
+    await store.aclose()
