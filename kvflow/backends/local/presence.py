@@ -1,8 +1,8 @@
 """What one process found in the store, kept true by the store's journal of removed objects.
 
 A lookup asks whether many objects exist; asking the directory costs one ``stat`` per object
-(about 4 us). So a backend remembers the objects it found present or stored, and answers those from
-memory for as long as none of them has left the store since. Every process that removes an object
+(about 4 us). So a backend remembers the objects its lookups found, and answers those from memory
+for as long as none of them has left the store since. Every process that removes an object
 (an eviction, a ``remove``, a damaged object dropped) appends the hash of its file name to the
 store's journal, inside its locked section; before answering from memory, a reader reads what was
 appended since it last looked and forgets those names. Readers take no lock.

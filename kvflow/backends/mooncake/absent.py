@@ -30,10 +30,8 @@ class RecentAbsence:
         """Record an ``exists`` answer."""
         now, since = time.monotonic(), self._since
         for key, present in zip(keys, found):
-            if present:
-                since.pop(key, None)
-            else:
-                since.pop(key, None)  # re-inserted last: the dict stays oldest first
+            since.pop(key, None)  # (re-)inserted last: the dict stays oldest first
+            if not present:
                 since[key] = now
         excess = len(since) - self.limit
         if excess > 0:
