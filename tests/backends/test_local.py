@@ -498,6 +498,20 @@ async def test_an_object_file_cut_short_is_a_miss_and_removed(tmp_path: Path, ke
     await backend.aclose()
 
 
+async def test_a_large_object_file_cut_short_in_its_second_piece_is_a_miss_and_removed(
+    tmp_path: Path,
+) -> None:
+    """The same for an object read in 1 MiB pieces: the read stops at the file's end."""
+    size = 3 * 1024 * KiB + 5
+    backend = open_store(tmp_path)
+    assert await backend.put([ref("big", payload("big", size))]) == [PutStatus.STORED]
+    path = tmp_path / "objects" / "big"
+    os.truncate(path, 1536 * KiB)
+    assert await backend.get([ref("big", bytearray(size), [7])]) == [GetStatus.MISS]
+    assert not path.exists() and await backend.usage() == 0
+    await backend.aclose()
+
+
 async def test_eviction_is_least_recently_used(tmp_path: Path) -> None:
     size = 10 * KiB
     backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
