@@ -44,6 +44,7 @@ from kvflow.profiles import Profile, ProfileBook
 from kvflow.request import KVRequest
 from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
+from kvflow.transfer.objects import BlockObjects
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
 from kvflow.transfer.reshape import sources
 from kvflow.transfer.staging import StagingPool, UnitShape
@@ -268,14 +269,9 @@ class Transfer:
         """Validate requests against the cache; RequestError before anything moves."""
         return BlockPlan.build(requests, self.hashing, self.require_layout().num_blocks)
 
-    def objects(self, keys: Sequence[str], block_ids: Sequence[int], unit: Unit) -> list[ObjectRef]:
-        """``keys[i]`` holds ``unit`` of engine block ``block_ids[i]``."""
-        layout = self.require_layout()
-        sizes = layout.unit_sizes(unit)
-        nbytes = sum(sizes)
-        return [
-            ObjectRef(k, addrs, sizes, nbytes) for k, addrs in zip(keys, layout.addrs_of(block_ids, unit))
-        ]
+    def objects(self, keys: Sequence[str], block_ids: Sequence[int], unit: Unit) -> BlockObjects:
+        """``keys[i]`` holds ``unit`` of engine block ``block_ids[i]`` (made a batch at a time)."""
+        return BlockObjects(self.require_layout(), keys, block_ids, unit)
 
     def shape(self, unit: Unit) -> UnitShape:
         """How ``unit``'s objects lie in a staging chunk (staged transfers only)."""

@@ -202,9 +202,12 @@ class StoreJob:
     def results(self) -> list[StoreResult]:
         """One :class:`StoreResult` per request: a block's status is the worst over its units
         (``None`` where another rank owns it; FAILED where a unit never finished)."""
-        done = [self._statuses.get(u) for u in self.transfer.units]
-        if any(s is None for s in done):  # cancelled: some unit never finished
+        units = self.transfer.units
+        done = [self._statuses[u] for u in units if u in self._statuses]
+        if len(done) < len(units):  # cancelled: some unit never finished
             worst = [PutStatus.FAILED] * len(self.owned)
+        elif len(done) == 1:  # whole blocks: one unit
+            worst = list(done[0])
         else:
             worst = [max(column, key=_SEVERITY.__getitem__) for column in zip(*done)]
         flat: list[PutStatus | None] = [None] * len(self.plan)
