@@ -144,99 +144,84 @@ async def test_a_reader_left_behind_by_a_whole_ring_forgets_everything(
     await store.aclose()
 
 
-def _journal(tmp_path: Path) -> int:
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[int]:
+    """A descriptor of an empty journal, as long as the store makes it."""
     fd = os.open(tmp_path / "journal", os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, presence.JOURNAL_END)
-    return fd
+    yield fd
+    os.close(fd)
 
 
-def test_entries_that_wrap_round_the_ring_are_all_read(tmp_path: Path) -> None:
-    fd = _journal(tmp_path)
-    try:
-        count = append_removed(fd, 0, [f"x{i}" for i in range(RING - 2)])
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        names = [f"k{i}" for i in range(6)]
-        memory.add([(n, n) for n in names])
-        count = append_removed(fd, count, names[:5])  # slots RING-2 .. 2: round the end of the ring
-        assert count == RING + 3
-        memory.refresh()
-        assert list(memory.keys) == ["k5"]
-    finally:
-        os.close(fd)
+def remembering(journal: int, *names: str, limit: int = 1 << 17) -> PresenceMemory:
+    """A memory of ``journal`` that found objects ``names`` (each key its own file name)."""
+    memory = PresenceMemory(journal, limit=limit)
+    memory.refresh()
+    memory.add([(n, n) for n in names])
+    return memory
+
+
+def test_entries_that_wrap_round_the_ring_are_all_read(journal: int) -> None:
+    count = append_removed(journal, 0, [f"x{i}" for i in range(RING - 2)])
+    memory = PresenceMemory(journal)
+    memory.refresh()
+    names = [f"k{i}" for i in range(6)]
+    memory.add([(n, n) for n in names])
+    count = append_removed(journal, count, names[:5])  # slots RING-2 .. 2: round the end of the ring
+    assert count == RING + 3
+    memory.refresh()
+    assert list(memory.keys) == ["k5"]
 
 
 def test_the_ring_going_round_while_it_is_read_forgets_everything(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    journal: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fd = _journal(tmp_path)
-    try:
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([("a", "a"), ("b", "b")])
-        count = append_removed(fd, 0, ["b"])
-        real = PresenceMemory._read
+    memory = remembering(journal, "a", "b")
+    count = append_removed(journal, 0, ["b"])
+    real = PresenceMemory._read
 
-        def overtaken(self: PresenceMemory, start: int, end: int) -> list[int]:
-            got = real(self, start, end)
-            append_removed(fd, count, [f"y{i}" for i in range(RING)])  # a writer laps the reader
-            return got
+    def overtaken(self: PresenceMemory, start: int, end: int) -> list[int]:
+        got = real(self, start, end)
+        append_removed(journal, count, [f"y{i}" for i in range(RING)])  # a writer laps the reader
+        return got
 
-        monkeypatch.setattr(PresenceMemory, "_read", overtaken)
-        memory.refresh()
-        assert not memory.keys
-    finally:
-        os.close(fd)
+    monkeypatch.setattr(PresenceMemory, "_read", overtaken)
+    memory.refresh()
+    assert not memory.keys
 
 
-def test_names_with_one_hash_are_remembered_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_names_with_one_hash_are_remembered_once(journal: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two names, one hash: only the first is remembered, so the entry of either forgets it."""
     monkeypatch.setattr(presence, "name_hash", lambda name: 7)
-    fd = _journal(tmp_path)
-    try:
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([("a", "a"), ("b", "b")])
-        assert list(memory.keys) == ["a"]
-        append_removed(fd, 0, ["b"])  # "b" removed, hash 7: "a" may be the one that went
-        memory.refresh()
-        assert not memory.keys
-    finally:
-        os.close(fd)
+    memory = remembering(journal, "a", "b")
+    assert list(memory.keys) == ["a"]
+    append_removed(journal, 0, ["b"])  # "b" removed, hash 7: "a" may be the one that went
+    memory.refresh()
+    assert not memory.keys
 
 
-def test_a_full_memory_starts_afresh(tmp_path: Path) -> None:
-    fd = _journal(tmp_path)
-    try:
-        memory = PresenceMemory(fd, limit=3)
-        memory.refresh()
-        memory.add([("a", "a"), ("b", "b")])
-        memory.add([("c", "c")])
-        assert list(memory.keys) == ["a", "b", "c"]
-        memory.add([("d", "d")])
-        assert list(memory.keys) == ["d"]
-        memory.add([(f"e{i}", f"e{i}") for i in range(5)])  # more than fit: the first ones
-        assert list(memory.keys) == ["e0", "e1", "e2"]
-    finally:
-        os.close(fd)
+def test_a_full_memory_starts_afresh(journal: int) -> None:
+    memory = remembering(journal, "a", "b", limit=3)
+    memory.add([("c", "c")])
+    assert list(memory.keys) == ["a", "b", "c"]
+    memory.add([("d", "d")])
+    assert list(memory.keys) == ["d"]
+    memory.add([(f"e{i}", f"e{i}") for i in range(5)])  # more than fit: the first ones
+    assert list(memory.keys) == ["e0", "e1", "e2"]
 
 
-def test_the_journal_records_file_names(tmp_path: Path) -> None:
+def test_the_journal_records_file_names(journal: int) -> None:
     """A key whose file name is escaped is forgotten by its file name's entry."""
-    fd = _journal(tmp_path)
-    try:
-        key = "a/b"
-        name = object_file_name(key)
-        assert name != key
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([(key, name)])
-        assert memory.keys[key] == name_hash(name)
-        append_removed(fd, 0, [name])
-        memory.refresh()
-        assert key not in memory.keys
-    finally:
-        os.close(fd)
+    key = "a/b"
+    name = object_file_name(key)
+    assert name != key
+    memory = PresenceMemory(journal)
+    memory.refresh()
+    memory.add([(key, name)])
+    assert memory.keys[key] == name_hash(name)
+    append_removed(journal, 0, [name])
+    memory.refresh()
+    assert key not in memory.keys
 
 
 async def test_a_store_made_before_the_journal_gets_one(tmp_path: Path) -> None:
@@ -275,63 +260,39 @@ async def test_a_removal_of_another_object_forgets_only_that_one(tmp_path: Path,
     await other.aclose()
 
 
-def test_a_reader_exactly_one_ring_behind_keeps_what_was_not_removed(tmp_path: Path) -> None:
-    fd = _journal(tmp_path)
-    try:
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([("a", "a")])
-        append_removed(fd, 0, [f"x{i}" for i in range(RING)])
-        memory.refresh()
-        assert list(memory.keys) == ["a"]
-    finally:
-        os.close(fd)
+def test_a_reader_exactly_one_ring_behind_keeps_what_was_not_removed(journal: int) -> None:
+    memory = remembering(journal, "a")
+    append_removed(journal, 0, [f"x{i}" for i in range(RING)])
+    memory.refresh()
+    assert list(memory.keys) == ["a"]
 
 
-def test_a_count_that_went_back_forgets_everything(tmp_path: Path) -> None:
+def test_a_count_that_went_back_forgets_everything(journal: int) -> None:
     """The journal's count never decreases; if it reads lower (the file was rewritten), nothing
     remembered can be trusted."""
-    fd = _journal(tmp_path)
-    try:
-        append_removed(fd, 0, ["x", "y", "z"])
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([("a", "a")])
-        os.pwrite(fd, (1).to_bytes(8, "little"), 16)
-        memory.refresh()
-        assert not memory.keys
-    finally:
-        os.close(fd)
+    append_removed(journal, 0, ["x", "y", "z"])
+    memory = remembering(journal, "a")
+    os.pwrite(journal, (1).to_bytes(8, "little"), 16)
+    memory.refresh()
+    assert not memory.keys
 
 
-def test_entries_past_the_count_are_not_read(tmp_path: Path) -> None:
+def test_entries_past_the_count_are_not_read(journal: int) -> None:
     """Slots past the count hold the previous lap's entries (or nothing): never applied."""
-    fd = _journal(tmp_path)
-    try:
-        count = append_removed(fd, 0, ["p", "q"])
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([("a", "a")])
-        os.pwrite(fd, name_hash("a").to_bytes(8, "little"), 64 + 8 * 10)  # an old entry, slot 10
-        assert append_removed(fd, count, [f"z{i}" for i in range(8)]) == 10  # slots 2..9
-        memory.refresh()
-        assert list(memory.keys) == ["a"]
-    finally:
-        os.close(fd)
+    count = append_removed(journal, 0, ["p", "q"])
+    memory = remembering(journal, "a")
+    os.pwrite(journal, name_hash("a").to_bytes(8, "little"), 64 + 8 * 10)  # an old entry, slot 10
+    assert append_removed(journal, count, [f"z{i}" for i in range(8)]) == 10  # slots 2..9
+    memory.refresh()
+    assert list(memory.keys) == ["a"]
 
 
-def test_a_journal_shorter_than_its_count_forgets_everything(tmp_path: Path) -> None:
-    fd = _journal(tmp_path)
-    try:
-        memory = PresenceMemory(fd)
-        memory.refresh()
-        memory.add([("a", "a")])
-        os.pwrite(fd, (5).to_bytes(8, "little"), 16)
-        os.ftruncate(fd, 64 + 8 * 2 + 3)  # two whole entries and three bytes of a third
-        memory.refresh()
-        assert not memory.keys
-    finally:
-        os.close(fd)
+def test_a_journal_shorter_than_its_count_forgets_everything(journal: int) -> None:
+    memory = remembering(journal, "a")
+    os.pwrite(journal, (5).to_bytes(8, "little"), 16)
+    os.ftruncate(journal, 64 + 8 * 2 + 3)  # two whole entries and three bytes of a third
+    memory.refresh()
+    assert not memory.keys
 
 
 def test_a_lock_file_too_short_for_a_count_reads_zero(tmp_path: Path) -> None:
