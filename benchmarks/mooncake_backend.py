@@ -4,9 +4,11 @@ Run as root inside a private network namespace (Mooncake listens on every interf
 
     unshare -n bash -c 'ip link set lo up; export MC_TCP_BIND_ADDRESS=127.0.0.1;
         .venv/bin/python benchmarks/mooncake_backend.py [--sizes 256KiB,512KiB,1MiB,2MiB]
-        [--total 64MiB] [--regions 1,16] [--repeat 15] [--json]'
+        [--total 64MiB] [--regions 1,16] [--repeat 15] [--holder] [--json]'
 
-One master on loopback and one client (kvflow's backend) whose segment takes every object. Three
+One master on loopback and one client (kvflow's backend) whose segment takes every object; with
+``--holder``, the client lends no memory and a second process (``mooncake_client``, a segment
+holder as a storage node runs) takes every object, so puts and gets cross processes over TCP. Three
 sides move the same ``--total`` bytes per batch (``total / size`` objects), each object ``--regions``
 regions far apart in registered memory, through that one client:
 
@@ -27,6 +29,7 @@ checked against the source. Reported: median GB/s over ``--repeat`` rounds and r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import statistics
@@ -42,7 +45,7 @@ from kvflow.backends.mooncake import MooncakeBackend
 from kvflow.backends.mooncake.native import NativeStore
 from kvflow.config import parse_size
 from kvflow.regions import buffer_address
-from kvflow.tools.mooncake_master import free_port, start_master
+from kvflow.tools.mooncake_master import free_port, start_master, start_segment_holder
 
 SEGMENT = 1 << 30
 
@@ -132,12 +135,18 @@ async def _timed(
     return nbytes / (middle - start) / 1e9, nbytes / (end - middle) / 1e9
 
 
-async def run(sizes: list[int], regions_list: list[int], total: int, repeat: int) -> list[dict[str, object]]:
+async def run(
+    sizes: list[int], regions_list: list[int], total: int, repeat: int, holder: bool = False
+) -> list[dict[str, object]]:
     master = start_master(rpc_port=free_port(), metrics_port=free_port())
     rows: list[dict[str, object]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(master.stop)
+        if holder:
+            stack.enter_context(start_segment_holder(master.address, segment=str(SEGMENT)))
         max_batch = max(total // size for size in sizes)
-        backend = MooncakeBackend.from_url(master.url(segment=SEGMENT, max_batch=max_batch))
+        segment = 0 if holder else SEGMENT
+        backend = MooncakeBackend.from_url(master.url(segment=segment, max_batch=max_batch))
         src, dst = bytearray(total), bytearray(total)
         src[:] = bytes(range(256)) * (total // 256)
         for buf in (src, dst):
@@ -181,8 +190,6 @@ async def run(sizes: list[int], regions_list: list[int], total: int, repeat: int
                     }
                 )
         await backend.aclose()
-    finally:
-        master.stop()
     return rows
 
 
@@ -192,11 +199,14 @@ def main() -> None:
     parser.add_argument("--regions", default="1,16", help="regions per object, comma separated")
     parser.add_argument("--total", default="64MiB", help="bytes per batch (objects = total / size)")
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument(
+        "--holder", action="store_true", help="objects in a second process's segment (across processes)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     regions = [int(r) for r in args.regions.split(",")]
-    rows = anyio.run(run, sizes, regions, parse_size(args.total), args.repeat)
+    rows = anyio.run(run, sizes, regions, parse_size(args.total), args.repeat, args.holder)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

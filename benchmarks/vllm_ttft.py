@@ -256,46 +256,29 @@ def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | 
 def _mooncake(workdir: Path) -> Iterator[str]:
     """A master and a 2 GB segment holder on 127.0.0.1 (private network namespace only), and the
     config file vLLM's MooncakeStoreConnector reads; yields the master's address."""
-    from kvflow.tools.mooncake_master import start_master
+    from kvflow.tools.mooncake_master import start_master, start_segment_holder
 
-    master = start_master(rpc_port=50051, metrics_port=9003, log_path=workdir / "master.log")
-    holder = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mooncake_client"),
-            "--host=127.0.0.1",
-            "--metadata_server=P2PHANDSHAKE",
-            "--protocol=tcp",
-            "--global_segment_size=2GB",
-            f"--master_server_address={master.address}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    config = workdir / "mooncake.json"
-    config.write_text(
-        json.dumps(
-            {
-                "metadata_server": "P2PHANDSHAKE",
-                "master_server_address": master.address,
-                "protocol": "tcp",
-                "mode": "standalone-store",
-                "global_segment_size": 0,
-                "local_buffer_size": "64MB",
-            }
+    with (
+        start_master(rpc_port=50051, metrics_port=9003, log_path=workdir / "master.log") as master,
+        start_segment_holder(master.address),
+    ):
+        config = workdir / "mooncake.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": master.address,
+                    "protocol": "tcp",
+                    "mode": "standalone-store",
+                    "global_segment_size": 0,
+                    "local_buffer_size": "64MB",
+                }
+            )
         )
-    )
-    os.environ["MOONCAKE_CONFIG_PATH"] = str(config)
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    try:
-        time.sleep(2.0)  # the holder mounts its segment
-        if holder.poll() is not None:
-            raise SystemExit(f"mooncake_client exited with {holder.returncode}")
+        os.environ["MOONCAKE_CONFIG_PATH"] = str(config)
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         yield master.address
-    finally:
-        holder.terminate()
-        holder.wait(10)
-        master.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

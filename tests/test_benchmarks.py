@@ -130,23 +130,25 @@ def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path:
     assert not store.exists()
 
 
-def test_mooncake_backend_bench_compares_with_the_raw_client() -> None:
+@pytest.mark.parametrize("holder", [False, True], ids=["own-segment", "segment-holder"])
+def test_mooncake_backend_bench_compares_with_the_raw_client(holder: bool) -> None:
+    """Every side moves and verifies its bytes; with a segment holder (a second process lends
+    the memory, the client none) every put and get crosses processes."""
     reason = mooncake_unusable_reason()
     if reason is not None:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
         pytest.skip(reason)
     args = ("--sizes", "256KiB", "--regions", "1,4", "--total", "1MiB", "--repeat", "2", "--json")
-    rows = json.loads(ok(run("benchmarks/mooncake_backend.py", *args)))
+    rows = json.loads(ok(run("benchmarks/mooncake_backend.py", *args, *(["--holder"] if holder else []))))
     assert [(row["size"], row["regions"]) for row in rows] == [(256 << 10, 1), (256 << 10, 4)]
     for row in rows:
         assert row["objects"] == 4
-        for side in ("raw", "kv", "kvnc"):
+        for side in ("raw", "kv", "kvnc", "kvp"):
             for op in ("put", "get"):
                 assert positive(row[f"{side}_{op}_gbps"]), (row, side, op)
-        assert (
-            positive(row["put_ratio"]) and positive(row["get_ratio"]) and positive(row["put_nocheck_ratio"])
-        )
+        ratios = ("put_ratio", "get_ratio", "put_nocheck_ratio", "put_asked_ratio")
+        assert all(positive(row[r]) for r in ratios), row
 
 
 def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:

@@ -41,13 +41,16 @@ from kvflow.errors import BackendError, BackendUnavailableError
 __all__ = [
     "MasterProcess",
     "NotIsolatedError",
+    "SegmentHolder",
     "check_private_netns",
     "find_master_binary",
+    "find_mooncake_binary",
     "free_port",
     "loopback_up",
     "main",
     "network_interfaces",
     "start_master",
+    "start_segment_holder",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -100,21 +103,27 @@ def check_private_netns() -> None:
 
 def find_master_binary() -> Path:
     """``mooncake_master`` from the installed ``mooncake`` package, else from PATH."""
+    return find_mooncake_binary("mooncake_master")
+
+
+def find_mooncake_binary(name: str) -> Path:
+    """Mooncake's program ``name`` (``mooncake_master``, ``mooncake_client``) from the installed
+    ``mooncake`` package, else from this Python's ``bin``, else from PATH."""
     spec = importlib.util.find_spec("mooncake")
     for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        candidate = Path(folder) / "mooncake_master"
+        candidate = Path(folder) / name
         if candidate.is_file():
             if not os.access(candidate, os.X_OK):
                 candidate.chmod(candidate.stat().st_mode | 0o111)
             return candidate
     for candidate_dir in (Path(sys.prefix) / "bin",):
-        candidate = candidate_dir / "mooncake_master"
+        candidate = candidate_dir / name
         if candidate.is_file():
             return candidate
-    found = shutil.which("mooncake_master")
+    found = shutil.which(name)
     if found is None:
         raise BackendError(
-            "mooncake_master was not found; install it with: pip install 'kvflow[mooncake]' "
+            f"{name} was not found; install it with: pip install 'kvflow[mooncake]' "
             "(package mooncake-transfer-engine-non-cuda, which needs Debian's libibverbs1 ibverbs-providers)"
         )
     return Path(found)
@@ -209,6 +218,61 @@ class MasterProcess:
             return ""
         tail = self.log_path.read_text(errors="replace").splitlines()[-10:]
         return f"; last lines of {self.log_path}:\n" + "\n".join(tail)
+
+
+@attrs.define
+class SegmentHolder:
+    """A running ``mooncake_client`` that only lends a segment to the cluster (no puts or gets of
+    its own), as a storage node does. :meth:`stop` or ``with`` ends it; its objects go with it."""
+
+    process: subprocess.Popen[bytes]
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                return self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def __enter__(self) -> SegmentHolder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def start_segment_holder(master: str, *, segment: str = "2GB", mount_s: float = 2.0) -> SegmentHolder:
+    """Start a ``mooncake_client`` on 127.0.0.1 that lends ``segment`` bytes to the master at
+    ``master`` (``host:port``), and give it ``mount_s`` to mount them. Clients with ``segment=0``
+    then put every object into it, across processes, as they would into a storage node's.
+
+    Refuses (NotIsolatedError) outside a private network namespace; BackendUnavailableError if
+    the holder exits while mounting.
+    """
+    check_private_netns()
+    process = subprocess.Popen(
+        [
+            os.fspath(find_mooncake_binary("mooncake_client")),
+            f"--host={LOOPBACK}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+            f"--global_segment_size={segment}",
+            f"--master_server_address={master}",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+    time.sleep(mount_s)
+    if process.poll() is not None:
+        raise BackendUnavailableError(f"mooncake_client exited with code {process.returncode} while mounting")
+    return SegmentHolder(process)
 
 
 def master_args(rpc_port: int, metrics_port: int, extra: Sequence[str] = ()) -> list[str]:
