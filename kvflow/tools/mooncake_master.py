@@ -33,6 +33,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import attrs
 
@@ -143,11 +144,38 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+_P = TypeVar("_P", bound="OwnedProcess")
+
+
 @attrs.define
-class MasterProcess:
-    """A running ``mooncake_master``. Owns the process: :meth:`stop` or ``with`` ends it."""
+class OwnedProcess:
+    """A child process this object owns: :meth:`stop` or ``with`` ends it."""
 
     process: subprocess.Popen[bytes]
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                return self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def __enter__(self: _P) -> _P:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+@attrs.define
+class MasterProcess(OwnedProcess):
+    """A running ``mooncake_master``. Owns the process: :meth:`stop` or ``with`` ends it."""
+
     rpc_port: int
     metrics_port: int
     log_path: Path | None = None
@@ -189,29 +217,11 @@ class MasterProcess:
             f"mooncake_master on {self.address} not healthy after {timeout_s:g} s" + self._log_hint()
         )
 
-    def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
-        if self.alive():
-            self.process.terminate()
-            try:
-                return self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
-
     def kill(self) -> None:
         """SIGKILL now, as a crash would (for failure tests)."""
         if self.alive():
             self.process.kill()
         self.process.wait()
-
-    def __enter__(self) -> MasterProcess:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def _log_hint(self) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -221,29 +231,9 @@ class MasterProcess:
 
 
 @attrs.define
-class SegmentHolder:
+class SegmentHolder(OwnedProcess):
     """A running ``mooncake_client`` that only lends a segment to the cluster (no puts or gets of
     its own), as a storage node does. :meth:`stop` or ``with`` ends it; its objects go with it."""
-
-    process: subprocess.Popen[bytes]
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                return self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
-
-    def __enter__(self) -> SegmentHolder:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def start_segment_holder(master: str, *, segment: str = "2GB", mount_s: float = 2.0) -> SegmentHolder:
