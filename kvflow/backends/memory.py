@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import anyio.lowlevel
@@ -35,6 +36,8 @@ from kvflow.errors import ConfigError, PoolClosedError
 from kvflow.regions import gather, scatter
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
+
+R = TypeVar("R")
 
 _DEFAULT_CAPACITY = 4 << 30
 _memmove = ctypes.memmove
@@ -108,30 +111,29 @@ class MemoryBackend:
         return list(self._objects)
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        self._check_open()
-        results: list[PutStatus] = []
-        pacer = Pacer()
-        try:
-            for i, obj in enumerate(objects):
-                if i:
-                    await pacer.tick()
-                results.append(await self._put_one(obj, pacer))
-        finally:
-            self._stats.count_puts(objects[: len(results)], results)
-        await anyio.lowlevel.checkpoint()
-        return results
+        return await self._each(objects, self._put_one, self._stats.count_puts)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        return await self._each(objects, self._get_one, self._stats.count_gets)
+
+    async def _each(
+        self,
+        objects: Sequence[ObjectRef],
+        one: Callable[[ObjectRef, Pacer], Awaitable[R]],
+        count: Callable[[Sequence[ObjectRef], Sequence[R]], None],
+    ) -> list[R]:
+        """``one`` of each object in turn, letting the loop run between them; ``count`` the results
+        of those that ran (even when the call is cancelled part-way)."""
         self._check_open()
-        results: list[GetStatus] = []
+        results: list[R] = []
         pacer = Pacer()
         try:
             for i, obj in enumerate(objects):
                 if i:
                     await pacer.tick()
-                results.append(await self._get_one(obj, pacer))
+                results.append(await one(obj, pacer))
         finally:
-            self._stats.count_gets(objects[: len(results)], results)
+            count(objects[: len(results)], results)
         await anyio.lowlevel.checkpoint()
         return results
 
