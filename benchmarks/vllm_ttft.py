@@ -15,6 +15,8 @@ runs in fresh processes, one after the other:
   but its last block). One process stores the document, a fresh one loads it;
 - ``kvflow``: kvflow's connector with the local shared-memory backend. Same two processes.
 - ``kvflow-async``: the same with ``load_async=true`` (the request waits while its load runs).
+- ``kvflow-arena``: kvflow's connector with the arena backend (one pre-allocated shared region of
+  256 KiB slots, the size of this model's objects). Same two processes.
 - with ``--mooncake`` (inside a private network namespace: it starts a Mooncake master and a
   segment holder on 127.0.0.1): ``mooncake-store`` (vLLM's MooncakeStoreConnector, which loads
   asynchronously only) and ``kvflow-mooncake`` (kvflow over the same master).
@@ -241,6 +243,8 @@ def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | 
             "kv_connector_extra_config": {},
         }
     backend = f"local://{workdir / 'kvflow'}?capacity=2GiB"
+    if case == "kvflow-arena":
+        backend = f"arena://{workdir / 'kvflow-arena'}?capacity=1GiB&slot=256KiB"
     if case == "kvflow-mooncake":
         backend = f"mooncake://{master}?segment=0"  # the segment holder lends the memory
     return {
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = _tokens(0, args.doc_tokens)
         base = {"model": str(model), "doc": doc, "repeat": args.repeat}
         rows: dict[str, dict[str, Any]] = {}
-        cases = ["recompute", "example", "kvflow", "kvflow-async"]
+        cases = ["recompute", "example", "kvflow", "kvflow-async", "kvflow-arena"]
         if args.mooncake:
             cases += ["mooncake-store", "kvflow-mooncake"]
         if args.cases:

@@ -2,6 +2,8 @@
 
 - ``memory://?capacity=4GiB``: in-process (:mod:`kvflow.backends.memory`);
 - ``local://``: shared memory for every process of this user on the host (:mod:`kvflow.backends.local`);
+- ``arena://?slot=256KiB``: the same, in one pre-allocated region of fixed-size slots, at memory speed
+  (:mod:`kvflow.backends.arena`);
 - ``mooncake://127.0.0.1:50051``: a Mooncake Store cluster (:mod:`kvflow.backends.mooncake`).
 
 Backends other than memory load lazily, so ``import kvflow`` needs none of their packages.
@@ -29,6 +31,7 @@ __all__ = [
 SCHEMES: dict[str, str] = {
     "memory": "kvflow.backends.memory:MemoryBackend",
     "local": "kvflow.backends.local:LocalBackend",
+    "arena": "kvflow.backends.arena:ArenaBackend",
     "mooncake": "kvflow.backends.mooncake:MooncakeBackend",
 }
 

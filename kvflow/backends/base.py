@@ -80,11 +80,14 @@ class BackendCapabilities:
     ``registers_memory``: :meth:`Backend.register_memory` really registers (pins, maps) the memory,
     so it must stay allocated until the backend closes; the pool keeps its own buffers (staging
     chunks) alive for as long as such a backend lives.
+    ``max_object_bytes``: the largest object a put can store (None: no limit of its own); a pool
+    whose objects are larger is refused when it is made.
     """
 
     device_memory: bool = False
     ranged_reads: bool = False
     registers_memory: bool = False
+    max_object_bytes: int | None = None
 
 
 @attrs.define

@@ -127,6 +127,15 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
     }
 
 
+async def _limits(url: str) -> tuple[int | None, int | None]:
+    """The largest object the backend stores, and how many it holds (None: no such limit)."""
+    backend = open_backend(url)
+    largest = backend.capabilities.max_object_bytes
+    holds = None if largest is None else backend.stats().capacity_bytes // largest
+    await backend.aclose()
+    return largest, holds
+
+
 async def _lookup_ms(url: str, blocks: int) -> tuple[float, float]:
     """Milliseconds of the first lookup of ``blocks`` stored blocks, and the best of three more (a
     backend may remember what it found: the local one does, until something is removed)."""
@@ -173,14 +182,20 @@ async def _pipeline_us(blocks: int) -> dict[str, float]:
 async def run_bench(url: str, *, quick: bool, progress: bool) -> dict[str, Any]:
     sizes = [64 << 10, 1 << 20] if quick else [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
     batches = [64] if quick else [16, 64, 256]
-    cases = [(s, b) for s in sizes for b in batches if s * b <= (512 << 20)]
+    largest, holds = await _limits(url)
+    skipped = [s for s in sizes if largest is not None and s > largest]
+    cases = [(s, b) for s in sizes for b in batches if s * b <= (512 << 20) and s not in skipped]
     rows = []
     for size, batch in tqdm(cases, desc="bench", disable=not progress):
         rows.append(await _store_retrieve(url, size, batch, repeat=2 if quick else 3))
-    first_ms, lookup_ms = await _lookup_ms(url, 10_000)
+    first_ms = lookup_ms = None
+    if holds is None or holds >= 10_000:
+        first_ms, lookup_ms = await _lookup_ms(url, 10_000)
     return {
         "backend": url,
         "store_retrieve": rows,
+        "skipped_sizes": skipped,  # larger than the backend's largest object
+        "objects_held": holds,  # None: no fixed number
         "lookup_10k_first_ms": first_ms,
         "lookup_10k_ms": lookup_ms,
         "pipeline": await _pipeline_us(20_000 if quick else 100_000),
@@ -215,10 +230,19 @@ def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool, plot: s
             f"{r['memcpy_gbps']:>11.2f} {r['store_vs_memcpy']:>12.2f} {r['retrieve_vs_memcpy']:>15.2f}"
         )
     p = result["pipeline"]
-    print(
-        f"lookup of 10k blocks: {result['lookup_10k_ms']:.2f} ms "
-        f"(the first: {result['lookup_10k_first_ms']:.2f} ms)"
-    )
+    if result["skipped_sizes"]:
+        sizes = ", ".join(f"{s >> 10} KiB" for s in result["skipped_sizes"])
+        print(f"objects of {sizes}: skipped, larger than the backend's largest object")
+    if result["lookup_10k_ms"] is None:
+        print(
+            f"lookup of 10k blocks: skipped, the store holds {result['objects_held']} objects "
+            "(measure it on a store of smaller slots)"
+        )
+    else:
+        print(
+            f"lookup of 10k blocks: {result['lookup_10k_ms']:.2f} ms "
+            f"(the first: {result['lookup_10k_first_ms']:.2f} ms)"
+        )
     print(
         f"pipeline overhead: store {p['store_us_per_block']:.2f} us/block, retrieve "
         f"{p['retrieve_us_per_block']:.2f} us/block; 100k keys in {p['keys_ms_per_100k']:.1f} ms"

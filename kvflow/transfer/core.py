@@ -122,11 +122,18 @@ class Transfer:
                 "PoolConfig(staging='never') forbids staging them through host memory: set "
                 "staging='auto', or use a backend whose transport moves device memory (docs/device.md)"
             )
+        units: list[int | None] = list(range(layout.num_layers)) if config.layerwise else [None]
+        largest = max(sum(layout.plane_views[p].size(1) for p in layout.unit_planes(u)) for u in units)
+        limit = backend.capabilities.max_object_bytes
+        if limit is not None and largest > limit:
+            raise ConfigError(
+                f"this pool's objects (a block{' layer' if config.layerwise else ''} of its KV caches) "
+                f"are {largest} bytes, but the backend stores objects of at most {limit} bytes: give "
+                f"it room for them (arena://...?slot={-(-largest // 4096) * 4}KiB or more)"
+            )
         staging = None
         if config.staging == "always" or unreachable:
             device = device or Device.of(layout.device)
-            units: list[int | None] = list(range(layout.num_layers)) if config.layerwise else [None]
-            largest = max(sum(layout.plane_views[p].size(1) for p in layout.unit_planes(u)) for u in units)
             staging = StagingPool.create(device, config.staging_bytes, largest)
             _register(backend, staging.buffers())
         else:

@@ -8,7 +8,6 @@ import fcntl
 import hashlib
 import io
 import itertools
-import json
 import logging
 import os
 import re
@@ -19,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,10 +47,9 @@ from kvflow.backends.local.format import (
 from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
-from tests.backends.local_worker import check, content, regions
+from tests.backends.store_worker import Workers, content, read_all
 from tests.helpers import open_fds
 
-WORKER = Path(__file__).with_name("local_worker.py")
 KiB = 1024
 _alive: list[bytearray] = []  # buffers behind ObjectRefs (which hold bare addresses) live to test end
 
@@ -688,79 +685,6 @@ async def test_dead_writers_temp_files_are_removed_at_open(tmp_path: Path) -> No
 # --- several OS processes ---------------------------------------------------------------------
 
 
-class Workers:
-    """Worker processes started together; each returns one JSON report."""
-
-    def __init__(self, specs: list[dict[str, Any]]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(WORKER.parents[2])}
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for spec in specs
-        ]
-
-    def wait_for(self, proc: subprocess.Popen[str], prefix: str, timeout: float = 30) -> str:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith(prefix):
-                return line.strip()
-            if not line and proc.poll() is not None:
-                break
-        raise AssertionError(f"worker {proc.pid} never printed {prefix!r} (exit code {proc.poll()})")
-
-    def run(self, timeout: float = 60) -> list[dict[str, Any]]:
-        for proc in self.procs:
-            self.wait_for(proc, "READY")
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        reports = []
-        for proc in self.procs:
-            out, _ = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, f"worker {proc.pid} exited with {proc.returncode}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        return reports
-
-    @classmethod
-    def run_all(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Start one worker per spec, run them together and return their reports (never leaks one)."""
-        workers = cls(specs)
-        try:
-            return workers.run()
-        finally:
-            workers.kill_all()
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-
-async def read_all(backend: LocalBackend, keys: list[str], size: int, writers: int) -> dict[str, int]:
-    """Get every key; check every hit's bytes; return key -> writer of the version found."""
-    found: dict[str, int] = {}
-    for key in keys:
-        target = bytearray(size)
-        status = (await backend.get([ObjectRef.of(key, *regions(buffer_address(target), size))]))[0]
-        if status is GetStatus.HIT:
-            a, b = size // 4, size // 2
-            data = bytes(target[b:] + target[:a] + target[a:b])
-            assert check(key, data, writers) is None
-            found[key] = data[0]
-        else:
-            assert status is GetStatus.MISS
-    return found
-
-
 async def test_concurrent_processes_see_whole_objects_and_first_writer_wins(tmp_path: Path) -> None:
     keys = [f"shared-{i}" for i in range(40)]
     size, writers = 48 * KiB + 3, 3
@@ -831,7 +755,7 @@ async def test_writer_killed_mid_write_leaves_nothing_readable(tmp_path: Path) -
         temp = Path(workers.wait_for(proc, "PAUSED").split(" ", 1)[1])
         assert temp.parent == tmp_path / "tmp"
         # Really mid-write: the file is sized to its reservation up front; header and first region
-        # (the last half of the buffer, see local_worker.regions) are written, the rest is not yet.
+        # (the last half of the buffer, see store_worker.regions) are written, the rest is not yet.
         data = temp.read_bytes()
         first = size - size // 2
         assert len(data) == HEADER_SIZE + size and Header.unpack(data) is not None

@@ -29,7 +29,15 @@ import attrs
 
 from kvflow.errors import ConfigError
 
-__all__ = ["LOCK_NAME", "Access", "StoreDirs", "unusable_message", "user_name"]
+__all__ = [
+    "LOCK_NAME",
+    "Access",
+    "StoreDirs",
+    "open_root",
+    "open_store_file",
+    "unusable_message",
+    "user_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +215,7 @@ class StoreDirs:
         root = os.path.normpath(path)
         fds: list[int] = []
         try:
-            fds.append(_open_root(root, access))
+            fds.append(open_root(root, access))
             for name in ("objects", "tmp"):
                 fds.append(_open_dir(fds[0], name, f"{root}/{name}", access, may_fix=True))
             fds.append(_open_lock(fds[0], f"{root}/{LOCK_NAME}", access))
@@ -239,7 +247,8 @@ def unusable_message(root: str, exc: OSError) -> str:
     )
 
 
-def _open_root(root: str, access: Access) -> int:
+def open_root(root: str, access: Access) -> int:
+    """Open (creating it and its parents if missing) and verify the store directory ``root``."""
     parent, name = os.path.split(root)
     if not name or not parent:
         raise ConfigError(f"the local backend needs a directory of its own, not {root!r}")
@@ -299,18 +308,31 @@ def _open_dir(dir_fd: int, name: str, path: str, access: Access, *, may_fix: boo
 
 
 def _open_lock(root_fd: int, path: str, access: Access) -> int:
+    return open_store_file(root_fd, LOCK_NAME, path, access)
+
+
+def open_store_file(root_fd: int, name: str, path: str, access: Access, *, create: bool = True) -> int:
+    """Open (read-write; creating it, empty, if ``create``) the store's file ``name`` in ``root_fd``.
+
+    Never through a symlink; a file kvflow did not make, or one open to users the access does not
+    trust, is refused with a ConfigError (its modes are corrected when it is this user's). Raises
+    FileNotFoundError when it is missing and ``create`` is False.
+    """
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(LOCK_NAME, flags | os.O_CREAT | os.O_EXCL, access.file_mode, dir_fd=root_fd)
-        created = True
-    except FileExistsError:
+    created = False
+    if create:
         try:
-            fd = os.open(LOCK_NAME, flags, dir_fd=root_fd)
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, access.file_mode, dir_fd=root_fd)
+            created = True
+        except FileExistsError:
+            pass
+    if not created:
+        try:
+            fd = os.open(name, flags, dir_fd=root_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                _refuse_if_symlink(root_fd, LOCK_NAME, path, directory=False)
+                _refuse_if_symlink(root_fd, name, path, directory=False)
             raise
-        created = False
     try:
         access.verify(fd, path, directory=False, created=created, may_fix=True)
     except BaseException:

@@ -1,11 +1,13 @@
-"""A separate OS process using the local backend, driven by tests/backends/test_local.py.
+"""A separate OS process using a store of this host (local or arena), and :class:`Workers`, which
+runs several of them for the tests of tests/backends/test_local.py and test_arena.py.
 
-    python tests/backends/local_worker.py '<json spec>'
+    python tests/backends/store_worker.py '<json spec>'
 
 It opens the store, prints ``READY``, waits for a line on stdin (so that every worker starts at
 once), runs its rounds and prints one JSON report line. Spec keys: dir, capacity, writer (0-255),
-keys, size, rounds, batch, seed, and pause (put the first key and stop mid-write: prints
-``PAUSED <temp file>`` and sleeps until killed).
+keys, size, rounds, batch, seed, url (a store URL: opened instead of the local store at dir), and
+pause (put the first key and stop mid-write: prints ``PAUSED <temp file or slot>`` and sleeps until
+killed).
 
 Objects are ``size`` bytes split into three regions that lie out of order in memory, so every put
 gathers and every get scatters. Byte 0 of an object is its writer; the rest is a pseudo-random
@@ -15,10 +17,16 @@ stream seeded by (key, writer), so a reader can check every byte of whatever ver
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from kvflow.backends.base import Backend, GetStatus, ObjectRef
+from kvflow.regions import buffer_address
 
 
 def content(key: str, writer: int, size: int) -> bytes:
@@ -57,19 +65,24 @@ def check(key: str, data: bytes, writers: int) -> str | None:
 
 
 async def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    import kvflow.backends.arena.backend as arena
     import kvflow.backends.local.backend as local
-    from kvflow.backends.base import GetStatus, ObjectRef
-    from kvflow.regions import buffer_address
+    from kvflow.backends import open_backend
 
-    backend = local.LocalBackend(local.LocalConfig(spec["dir"], capacity_bytes=spec["capacity"]))
+    backend: Backend
+    if "url" in spec:
+        backend = open_backend(spec["url"])
+    else:
+        backend = local.LocalBackend(local.LocalConfig(spec["dir"], capacity_bytes=spec["capacity"]))
     size, writer, writers = spec["size"], spec["writer"], spec.get("writers", 256)
     if spec.get("pause"):
 
-        def pause(temp: str) -> None:
-            print(f"PAUSED {temp}", flush=True)
+        def pause(where: object) -> None:
+            print(f"PAUSED {where}", flush=True)
             time.sleep(600)
 
         local._mid_write_hook = pause
+        arena._mid_write_hook = pause
     print("READY", flush=True)
     sys.stdin.readline()
 
@@ -97,6 +110,79 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
     report["evictions"] = backend.stats().evictions
     await backend.aclose()
     return report
+
+
+class Workers:
+    """Worker processes started together; each returns one JSON report."""
+
+    def __init__(self, specs: list[dict[str, Any]]) -> None:
+        script = Path(__file__)
+        env = {**os.environ, "PYTHONPATH": str(script.parents[2])}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for spec in specs
+        ]
+
+    def wait_for(self, proc: subprocess.Popen[str], prefix: str, timeout: float = 30) -> str:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith(prefix):
+                return line.strip()
+            if not line and proc.poll() is not None:
+                break
+        raise AssertionError(f"worker {proc.pid} never printed {prefix!r} (exit code {proc.poll()})")
+
+    def run(self, timeout: float = 60) -> list[dict[str, Any]]:
+        for proc in self.procs:
+            self.wait_for(proc, "READY")
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        reports = []
+        for proc in self.procs:
+            out, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"worker {proc.pid} exited with {proc.returncode}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        return reports
+
+    @classmethod
+    def run_all(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Start one worker per spec, run them together and return their reports (never leaks one)."""
+        workers = cls(specs)
+        try:
+            return workers.run()
+        finally:
+            workers.kill_all()
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+async def read_all(backend: Backend, keys: list[str], size: int, writers: int) -> dict[str, int]:
+    """Get every key; check every hit's bytes; return key -> writer of the version found."""
+    found: dict[str, int] = {}
+    for key in keys:
+        target = bytearray(size)
+        status = (await backend.get([ObjectRef.of(key, *regions(buffer_address(target), size))]))[0]
+        if status is GetStatus.HIT:
+            data = _flatten(target)
+            assert check(key, data, writers) is None
+            found[key] = data[0]
+        else:
+            assert status is GetStatus.MISS
+    return found
 
 
 def main() -> None:

@@ -1,0 +1,218 @@
+"""Arena backend: objects in the slots of one pre-allocated shared-memory region (``arena://``).
+
+Every process on the host that opens the same directory maps the same arena
+(:mod:`kvflow.backends.arena.store`) and shares its objects; there is no server. A put claims one
+slot per object under the exclusive lock, copies the object's regions into it without the lock,
+and publishes it under the lock again; a get finds and copies objects under the shared lock, so no
+claim can take a slot while it is read. Copies are ``memmove`` into and out of memory that every
+process has mapped already: no system call per object, and no checksum (a slot is only ever read
+while its row says it holds that key, whole).
+
+No lock is held across an await (:mod:`kvflow.backends.arena.lock`); a call lets the loop run
+between objects once it has held it for half a millisecond (:mod:`kvflow.backends.pacing`), so it
+holds the loop for at most that plus one object's copy. See docs/arena-backend.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import anyio
+import anyio.lowlevel
+import attrs
+
+from kvflow.backends import pacing
+from kvflow.backends.arena.config import ArenaConfig
+from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
+from kvflow.backends.arena.store import ArenaFile, key_hashes
+from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.errors import PoolClosedError
+from kvflow.regions import gather, scatter
+
+__all__ = ["ArenaBackend", "ArenaConfig"]
+
+logger = logging.getLogger(__name__)
+
+# Tests only: called with the slot's row once a put has copied its first object, before it
+# publishes it (a test process exits there, as a writer killed mid-put would).
+_mid_write_hook: Callable[[int], None] | None = None
+
+
+@attrs.define
+class ArenaBackend:
+    """A store in one shared region of fixed-size slots, for the processes of one host.
+
+    Use an instance from one event loop; do not share it across ``fork``. Construction is
+    synchronous: it creates the directory (private to this user unless the URL names a group) and,
+    the first time, the arena, allocating all of its memory at once.
+    """
+
+    config: ArenaConfig = attrs.field(factory=ArenaConfig)
+    _arena: ArenaFile = attrs.field(init=False)
+    _stats: BackendStats = attrs.field(init=False)
+    _too_large_logged: bool = attrs.field(default=False, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+    _busy: int = attrs.field(default=0, init=False)  # puts and gets running: the arena stays mapped
+
+    def __attrs_post_init__(self) -> None:
+        self._arena = ArenaFile.open(self.config)
+        geometry = self._arena.geometry
+        self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
+
+    @classmethod
+    def from_url(cls, url: str) -> ArenaBackend:
+        return cls(ArenaConfig.from_url(url))
+
+    @property
+    def max_batch(self) -> int:
+        return 64
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(max_object_bytes=self._arena.geometry.slot_bytes)
+
+    @property
+    def root(self) -> str:
+        """The absolute path of the store's directory."""
+        return self._arena.root
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        """Nothing to register: copies are plain ``memmove`` between mapped memory and the caller's."""
+
+    def stats(self) -> BackendStats:
+        """Counters of this instance; ``used_bytes`` is the arena's, read from its table now."""
+        self._check_open()
+        self._stats.used_bytes = self._arena.used_bytes()
+        self._stats.evictions = self._arena.evictions
+        return self._stats
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        """Store each object unless its key exists (``PRESENT``, which counts as a use for LRU)."""
+        self._enter()
+        results = [PutStatus.FAILED] * len(objects)
+        claimed: dict[int, int] = {}  # object index -> row, until published or given back
+        try:
+            await self._claim(objects, results, claimed)
+            pacer = pacing.Pacer()
+            for i, row in claimed.items():
+                obj = objects[i]
+                gather(self._arena.address(row), obj.addrs, obj.sizes)
+                if _mid_write_hook is not None:
+                    _mid_write_hook(row)
+                await pacer.tick()
+            async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+                for i, row in claimed.items():
+                    self._arena.publish(row, objects[i].nbytes)
+                    results[i] = PutStatus.STORED
+                claimed.clear()
+        except TimeoutError as exc:
+            logger.error("arena backend: put of %d objects failed: %s", len(objects), exc)
+        finally:
+            if claimed:
+                await self._give_back(claimed.values())
+            self._stats.count_puts(objects, results)
+            self._leave()
+        return results
+
+    async def _claim(
+        self, objects: Sequence[ObjectRef], results: list[PutStatus], claimed: dict[int, int]
+    ) -> None:
+        slot_bytes = self._arena.geometry.slot_bytes
+        fits = [i for i, obj in enumerate(objects) if obj.nbytes <= slot_bytes]
+        if len(fits) < len(objects):
+            self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
+        hashes = key_hashes([objects[i].key for i in fits])
+        now = time.monotonic_ns()
+        async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+            for i, got in zip(fits, self._arena.claim(hashes, now)):
+                if isinstance(got, PutStatus):
+                    results[i] = got
+                else:
+                    claimed[i] = got
+
+    async def _give_back(self, rows: Iterable[int]) -> None:
+        """Free claimed slots after a failure or a cancellation (shielded: it runs even when cancelled)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+                    for row in rows:
+                        self._arena.release(row)
+            except TimeoutError as exc:
+                logger.error("arena backend: claimed slots stay taken until this process ends: %s", exc)
+
+    def _log_too_large(self, obj: ObjectRef) -> None:
+        if not self._too_large_logged:
+            self._too_large_logged = True
+            logger.error(
+                "arena backend: an object of %d bytes (key %r) is larger than the store's slots (%d bytes) "
+                "and cannot be stored; open the store with slot= at least that size (a new directory, "
+                "or remove the old one)",
+                obj.nbytes,
+                obj.key,
+                self._arena.geometry.slot_bytes,
+            )
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        """Fill each object's regions from its slot; a size other than the stored one is FAILED."""
+        self._enter()
+        results = [GetStatus.FAILED] * len(objects)
+        arena, now = self._arena, time.monotonic_ns()
+        hashes = key_hashes([obj.key for obj in objects])
+        done = 0
+        try:
+            while done < len(objects):
+                async with arena.lock.held(SHARED, self.config.lock_timeout_s):
+                    started = time.monotonic()
+                    for row in arena.find(hashes[done:]):
+                        obj = objects[done]
+                        if row < 0:
+                            results[done] = GetStatus.MISS
+                        elif arena.size(row) == obj.nbytes:
+                            scatter(arena.address(row), obj.addrs, obj.sizes)
+                            arena.touch(row, now)
+                            results[done] = GetStatus.HIT
+                        done += 1
+                        if time.monotonic() - started >= pacing.YIELD_EVERY_S:
+                            break
+                if done < len(objects):
+                    await anyio.lowlevel.checkpoint()
+        except TimeoutError as exc:
+            logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
+        finally:
+            self._stats.count_gets(objects, results)
+            self._leave()
+        return results
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        hashes = key_hashes(keys)
+        async with self._arena.lock.held(SHARED, self.config.lock_timeout_s):
+            return [row >= 0 for row in self._arena.find(hashes)]
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        hashes = key_hashes(keys)
+        async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+            return self._arena.remove(hashes)
+
+    async def aclose(self) -> None:
+        """Close; the arena is unmapped once the puts and gets still running have returned."""
+        if not self._closed:
+            self._closed = True
+            if not self._busy:
+                self._arena.close()
+
+    def _enter(self) -> None:
+        self._check_open()
+        self._busy += 1
+
+    def _leave(self) -> None:
+        self._busy -= 1
+        if self._closed and not self._busy:
+            self._arena.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the arena backend is closed")

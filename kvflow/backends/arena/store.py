@@ -1,0 +1,395 @@
+"""The arena file: one pre-allocated region of fixed-size slots and the table that says what each holds.
+
+``<dir>/arena`` is a header page, a table with one row per slot, and the slots. Every process maps
+the whole file (``MAP_SHARED | MAP_POPULATE``): its pages are allocated once, when the store is
+created, so a put copies into memory that is already there, at memcpy speed, instead of asking the
+kernel for new pages as a file per object does.
+
+The slots form a set-associative cache: a key's 128-bit xxh3 hash picks one set of ``ways`` slots
+(64, or every slot of a store smaller than that), and the object lives in one of them or nowhere. A
+lookup reads one set, so it needs no index beyond the table, and eviction takes the least recently
+used slot of the set. Sets are wide so that, as in one LRU list, the newest objects stay: what a
+prefix lookup needs.
+
+The table is columnar, eight arrays of little-endian u64 with one item per slot: state (FREE,
+WRITING, READY), the writer (pid namespace, pid, start time: who holds a WRITING slot), the key's
+hash (two words), the object's size and its last use (``CLOCK_MONOTONIC`` ns, one clock for every
+process of the host). Rows change only under the exclusive lock and are read under the shared lock
+(:mod:`kvflow.backends.arena.lock`), so a reader never sees a slot change under it. A put claims a
+slot (WRITING, under the lock), copies without the lock, and publishes it (READY, under the lock); a
+writer that dies in between leaves a WRITING slot that is never read and that a later claim in its
+set takes back. A claim writes the owner, then the state, then the key: a process killed between
+any two of those writes leaves either the old object, whole, or a slot of a dead writer.
+
+Everything here is synchronous; the caller holds the right lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvflow.backends.arena.config import ArenaConfig
+from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
+from kvflow.backends.base import PutStatus
+from kvflow.backends.local.format import WriterId
+from kvflow.backends.local.safety import LOCK_NAME, Access, open_root, open_store_file, unusable_message
+from kvflow.errors import ConfigError
+
+__all__ = ["ARENA_NAME", "FREE", "READY", "WAYS", "WRITING", "ArenaFile", "Geometry", "key_hashes"]
+
+logger = logging.getLogger(__name__)
+
+ARENA_NAME = "arena"
+_NEW_NAME = "arena.new"
+_MAGIC = b"KVFARENA"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQ")  # magic, version, ways, slot bytes, sets, offset of the slots
+_PAGE = 4096
+WAYS = 64
+
+FREE, WRITING, READY = 0, 1, 2
+# The table's columns.
+_STATE, _NS, _PID, _START, _K0, _K1, _NBYTES, _USED = range(8)
+_COLUMNS = 8
+_LAST = np.iinfo(np.int64).max  # sort key of a slot no claim may take (being written by a live process)
+
+Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
+
+
+def key_hashes(keys: Sequence[str]) -> Hashes:
+    """The two words that name each key in the table (its xxh3-128 hash)."""
+    data = b"".join([xxhash.xxh3_128_digest(k.encode("utf-8", "surrogatepass")) for k in keys])
+    return np.frombuffer(data, dtype="<u8").reshape(-1, 2)
+
+
+@attrs.frozen
+class Geometry:
+    """How a store of ``capacity`` bytes is cut: ``sets`` x ``ways`` slots of ``slot_bytes``."""
+
+    ways: int
+    slot_bytes: int
+    sets: int
+
+    @classmethod
+    def of(cls, config: ArenaConfig) -> Geometry:
+        slots = config.capacity_bytes // config.slot_bytes
+        ways = min(WAYS, slots)
+        return cls(ways, config.slot_bytes, slots // ways)
+
+    @property
+    def rows(self) -> int:
+        return self.sets * self.ways
+
+    @property
+    def data_offset(self) -> int:
+        return _PAGE + -(-self.rows * _COLUMNS * 8 // _PAGE) * _PAGE
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_offset + self.rows * self.slot_bytes
+
+    def describe(self) -> str:
+        return f"{self.rows} slots of {self.slot_bytes} bytes ({self.sets} sets of {self.ways})"
+
+
+@attrs.define
+class ArenaFile:
+    """The mapped arena of one store directory, and its lock. Close it with :meth:`close`."""
+
+    root: str
+    geometry: Geometry
+    lock: StoreLock
+    _root_fd: int
+    _map: mmap.mmap
+    me: WriterId = attrs.field(factory=WriterId.current)
+    evictions: int = 0  # published objects whose slots this instance's claims took
+    _table: npt.NDArray[np.uint64] = attrs.field(init=False)  # columns x rows
+    _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
+    _anchor: ctypes.c_char = attrs.field(init=False)
+    base: int = attrs.field(init=False)  # address of the first slot
+
+    def __attrs_post_init__(self) -> None:
+        rows = self.geometry.rows
+        self._table = np.frombuffer(self._map, dtype="<u8", count=rows * _COLUMNS, offset=_PAGE).reshape(
+            _COLUMNS, rows
+        )
+        self._words = memoryview(self._map)[_PAGE : _PAGE + rows * _COLUMNS * 8].cast("Q")
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
+
+    @classmethod
+    def open(cls, config: ArenaConfig) -> ArenaFile:
+        """Open the store at ``config.path``, creating the directory and the arena if missing.
+
+        Raises ConfigError naming the path and what to do when it cannot be used.
+        """
+        root = os.path.normpath(config.path)
+        access = Access.of(config.group)
+        geometry = Geometry.of(config)
+        fds: list[int] = []
+        try:
+            fds.append(open_root(root, access))
+            fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
+            lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
+            with lock.held_blocking(EXCLUSIVE, config.lock_timeout_s):
+                fds.append(_open_or_create(fds[0], root, access, geometry))
+            mapped = mmap.mmap(
+                fds[2],
+                geometry.file_bytes,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        except BaseException as exc:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(exc, OSError):
+                raise ConfigError(unusable_message(root, exc)) from exc
+            raise
+        os.close(fds.pop())  # the map keeps the file
+        return cls(root, geometry, lock, fds[0], mapped)
+
+    def close(self) -> None:
+        """Unmap the arena and close the descriptors (call once no copy is running)."""
+        self._words.release()
+        del self._table, self._anchor
+        self._map.close()
+        for fd in (self.lock.fd, self._root_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def address(self, row: int) -> int:
+        """Where slot ``row`` starts."""
+        return self.base + row * self.geometry.slot_bytes
+
+    def _at(self, column: int, row: int) -> int:
+        return column * self.geometry.rows + row
+
+    # --- under the shared lock ------------------------------------------------------------------
+
+    def _same_key(self, hashes: Hashes) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """Pairs (object index, row) whose row's key words equal the object's, in any state."""
+        ways, sets = self.geometry.ways, self.geometry.sets
+        first = (hashes[:, 0] % np.uint64(sets)).astype(np.intp) * ways
+        k0 = self._table[_K0].reshape(sets, ways)[first // ways]
+        index, way = np.nonzero(k0 == hashes[:, :1])
+        rows = first[index] + way
+        same = self._table[_K1][rows] == hashes[index, 1]
+        return index[same], rows[same]
+
+    def find(self, hashes: Hashes) -> list[int]:
+        """For each hash, the row of its published object, or -1."""
+        index, rows = self._same_key(hashes)
+        ready = self._table[_STATE][rows] == READY
+        found = np.full(len(hashes), -1, dtype=np.intp)
+        found[index[ready]] = rows[ready]
+        result: list[int] = found.tolist()
+        return result
+
+    def size(self, row: int) -> int:
+        return self._words[self._at(_NBYTES, row)]
+
+    def touch(self, row: int, now: int) -> None:
+        """Record a use (a benign race under the shared lock: every writer writes a recent time)."""
+        self._words[self._at(_USED, row)] = now
+
+    def used_bytes(self) -> int:
+        """Bytes of the published objects (their sizes, not their slots)."""
+        table = self._table
+        return int(table[_NBYTES][table[_STATE] == READY].sum())
+
+    # --- under the exclusive lock ---------------------------------------------------------------
+
+    def claim(self, hashes: Hashes, now: int) -> list[int | PutStatus]:
+        """For each hash, a slot for its new object, now WRITING and this process's; or PRESENT, or
+        NO_SPACE (every slot of its set is being written).
+
+        A key already published, or being written by a live process (or earlier in ``hashes``), is
+        PRESENT; a published one counts as used. Otherwise a claim takes, in order: a free slot of
+        the set, one whose writer died, the least recently used published one (counted in
+        :attr:`evictions`); never one this call claimed or found PRESENT.
+        """
+        words, rows_total = self._words, self.geometry.rows
+        index, rows = self._same_key(hashes)
+        same = dict(zip(index.tolist(), rows.tolist()))
+        queues = _Queues(self, hashes)
+        seen: set[tuple[int, int]] = set()
+        results: list[int | PutStatus] = []
+        for i, (k0, k1) in enumerate(hashes.tolist()):
+            row = same.get(i, -1)
+            if (k0, k1) in seen:
+                results.append(PutStatus.PRESENT)
+                continue
+            seen.add((k0, k1))
+            if row >= 0:
+                state = words[row]
+                if state == READY:
+                    words[_USED * rows_total + row] = now
+                    queues.taken.add(row)
+                    results.append(PutStatus.PRESENT)
+                    continue
+                if state == WRITING and self._alive(row):
+                    results.append(PutStatus.PRESENT)
+                    continue
+                if state != FREE:  # its writer died: take its slot over
+                    queues.taken.add(row)
+                else:
+                    row = -1
+            if row < 0:
+                row = queues.next(i)
+                if row < 0:
+                    results.append(PutStatus.NO_SPACE)
+                    continue
+                if words[row] == READY:
+                    self.evictions += 1
+            self._write_claim(row, k0, k1, now)
+            results.append(row)
+        return results
+
+    def _alive(self, row: int) -> bool:
+        words, n = self._words, self.geometry.rows
+        return WriterId(words[_NS * n + row], words[_PID * n + row], words[_START * n + row]).is_alive(
+            self.me
+        )
+
+    def _write_claim(self, row: int, k0: int, k1: int, now: int) -> None:
+        words, me, n = self._words, self.me, self.geometry.rows
+        words[_NS * n + row], words[_PID * n + row], words[_START * n + row] = me.namespace, me.pid, me.start
+        words[row] = WRITING
+        words[_K0 * n + row], words[_K1 * n + row], words[_USED * n + row] = k0, k1, now
+
+    def publish(self, row: int, nbytes: int) -> None:
+        """Make a slot this process claimed readable, holding ``nbytes``."""
+        self._words[_NBYTES * self.geometry.rows + row] = nbytes
+        self._words[row] = READY
+
+    def release(self, row: int) -> None:
+        """Give back a slot this process claimed and will not publish."""
+        self._words[row] = FREE
+
+    def remove(self, hashes: Hashes) -> list[bool]:
+        """Free the published objects of these hashes; False where there is none."""
+        removed = []
+        for row in self.find(hashes):
+            removed.append(row >= 0 and self._words[row] == READY)  # a key twice: removed once
+            if removed[-1]:
+                self._words[row] = FREE
+        return removed
+
+
+@attrs.define
+class _Queues:
+    """The slots each set may give to a claim, best first: free, a dead writer's, least recently used.
+
+    Ordered for every set of the call at once, when the first claim in it needs one.
+    """
+
+    arena: ArenaFile
+    hashes: Hashes
+    taken: set[int] = attrs.field(factory=set)
+    _sets: npt.NDArray[np.intp] = attrs.field(init=False)
+    _order: dict[int, list[int]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._sets = (self.hashes[:, 0] % np.uint64(self.arena.geometry.sets)).astype(np.intp)
+        self._order = {}
+
+    def next(self, i: int) -> int:
+        """The next slot that claim ``i`` may take, or -1."""
+        if not self._order:
+            self._sort()
+        order = self._order[int(self._sets[i])]
+        while order:
+            row = order.pop()
+            if row not in self.taken:
+                self.taken.add(row)
+                return row
+        return -1
+
+    def _sort(self) -> None:
+        arena, ways = self.arena, self.arena.geometry.ways
+        sets = np.unique(self._sets)
+        state = arena._table[_STATE].reshape(-1, ways)[sets]
+        rank = arena._table[_USED].reshape(-1, ways)[sets].astype(np.int64)
+        rank[state == FREE] = -2
+        for s, w in zip(*np.nonzero(state == WRITING)):
+            rank[s, w] = -1 if not arena._alive(int(sets[s]) * ways + int(w)) else _LAST
+        order = np.argsort(-rank, axis=1, kind="stable")  # best last: popped first
+        usable = (rank < _LAST).sum(axis=1)
+        first = sets * ways
+        for s, row0 in enumerate(first.tolist()):
+            self._order[row0 // ways] = (row0 + order[s, ways - usable[s] :]).tolist()
+
+
+def _open_or_create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
+    """The arena file's descriptor, after creating it (allocated and zeroed) if missing. Under the lock."""
+    path = f"{root}/{ARENA_NAME}"
+    try:
+        fd = open_store_file(root_fd, ARENA_NAME, path, access, create=False)
+    except FileNotFoundError:
+        fd = _create(root_fd, root, access, geometry)
+    try:
+        _check_header(fd, path, geometry)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_NEW_NAME, dir_fd=root_fd)  # left by a creator that died: we hold the lock
+    fd = open_store_file(root_fd, _NEW_NAME, f"{root}/{_NEW_NAME}", access)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, geometry.file_bytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise
+            raise ConfigError(
+                f"the arena backend cannot take {geometry.file_bytes} bytes in {root}: the filesystem "
+                f"has no room ({exc.strerror}). Give a smaller capacity, or free memory there "
+                "(df -h /dev/shm)"
+            ) from exc
+        header = _HEADER.pack(
+            _MAGIC, _VERSION, geometry.ways, geometry.slot_bytes, geometry.sets, geometry.data_offset
+        )
+        os.pwrite(fd, header, 0)
+        os.rename(_NEW_NAME, ARENA_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(_NEW_NAME, dir_fd=root_fd)
+        raise
+    logger.info("arena backend: created %s/%s, %s", root, ARENA_NAME, geometry.describe())
+    return fd
+
+
+def _check_header(fd: int, path: str, geometry: Geometry) -> None:
+    data = os.pread(fd, _HEADER.size, 0)
+    size = os.fstat(fd).st_size
+    if len(data) < _HEADER.size or data[:8] != _MAGIC:
+        raise ConfigError(f"{path} is not a kvflow arena; remove it or give another directory")
+    _, version, ways, slot_bytes, sets, offset = _HEADER.unpack(data)
+    if version != _VERSION:
+        raise ConfigError(
+            f"{path} is an arena of format version {version}, this kvflow reads version {_VERSION}; "
+            "remove it (its KV is only a cache) or use another directory"
+        )
+    found = Geometry(ways, slot_bytes, sets)
+    if found != geometry or offset != geometry.data_offset or size != geometry.file_bytes:
+        raise ConfigError(
+            f"{path} holds {found.describe()}, but this URL asks for {geometry.describe()}: give every "
+            "process the same capacity and slot, or remove the store to make it anew"
+        )

@@ -1,0 +1,390 @@
+"""The arena backend: one pre-allocated shared region of fixed-size slots (``arena://``).
+
+Stores live in private temp directories under /dev/shm (tmpfs, as in production), removed after
+each test. Several OS processes share a store through :mod:`tests.backends.store_worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+import kvflow.backends.arena.backend as arena
+from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
+from kvflow.backends import open_backend, pacing
+from kvflow.backends.arena import ArenaBackend, ArenaConfig
+from kvflow.backends.arena.store import WAYS, key_hashes
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.regions import buffer_address
+from tests.backends.store_worker import Workers, content, read_all, regions
+
+KiB = 1 << 10
+SLOT = 16 * KiB
+
+
+@pytest.fixture
+def store_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvflow-test-arena-", dir="/dev/shm"))
+    try:
+        yield path / "store"
+    finally:
+        shutil.rmtree(path)
+
+
+def open_arena(path: Path, slots: int = 16, slot: int = SLOT, **kwargs: object) -> ArenaBackend:
+    return ArenaBackend(ArenaConfig(str(path), capacity_bytes=slots * slot, slot_bytes=slot, **kwargs))  # type: ignore[arg-type]
+
+
+def obj(key: str, buf: bytearray | torch.Tensor) -> ObjectRef:
+    """An object over ``buf``, in three regions listed out of memory order."""
+    if isinstance(buf, torch.Tensor):
+        return ObjectRef.of(key, *regions(buf.data_ptr(), buf.numel()))
+    return ObjectRef.of(key, *regions(buffer_address(buf), len(buf)))
+
+
+def filled(key: str, size: int = SLOT) -> bytearray:
+    return bytearray(content(key, 0, size))
+
+
+async def put_all(backend: ArenaBackend, keys: list[str], size: int = SLOT) -> list[PutStatus]:
+    sources = [filled(k, size) for k in keys]  # alive until the put returns
+    return await backend.put([obj(k, source) for k, source in zip(keys, sources)])
+
+
+async def get_one(backend: ArenaBackend, key: str, size: int = SLOT) -> tuple[GetStatus, bytes]:
+    out = bytearray(size)
+    status = (await backend.get([obj(key, out)]))[0]
+    return status, bytes(out)
+
+
+async def test_round_trip_of_scattered_regions_and_a_miss(store_dir: Path) -> None:
+    backend = open_arena(store_dir)
+    keys = [f"k{i}" for i in range(5)]
+    assert await put_all(backend, keys, 5000) == [PutStatus.STORED] * 5
+    for key in keys:
+        assert await get_one(backend, key, 5000) == (GetStatus.HIT, bytes(filled(key, 5000)))
+    assert (await get_one(backend, "absent", 5000))[0] is GetStatus.MISS
+    assert await backend.exists(["k3", "absent", "k0"]) == [True, False, True]
+    stats = backend.stats()
+    assert (stats.puts, stats.put_bytes, stats.hits, stats.misses) == (5, 25000, 5, 1)
+    assert (stats.used_bytes, stats.capacity_bytes) == (25000, 16 * SLOT)
+    await backend.aclose()
+
+
+async def test_put_never_overwrites_and_a_size_mismatch_fails(store_dir: Path) -> None:
+    backend = open_arena(store_dir)
+    assert await put_all(backend, ["k"]) == [PutStatus.STORED]
+    other = bytearray(b"x" * SLOT)
+    assert await backend.put([obj("k", other), obj("k2", other), obj("k2", other)]) == [
+        PutStatus.PRESENT,
+        PutStatus.STORED,
+        PutStatus.PRESENT,  # the same key twice in one batch: stored once
+    ]
+    assert await get_one(backend, "k") == (GetStatus.HIT, bytes(filled("k")))
+    small = bytearray(100)
+    assert await backend.get([obj("k", small)]) == [GetStatus.FAILED]
+    assert small == bytearray(100)
+    await backend.aclose()
+
+
+async def test_an_object_larger_than_a_slot_fails_and_says_what_to_do(
+    store_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = open_arena(store_dir)
+    big, fits = filled("big", SLOT + 1), filled("fits")
+    with caplog.at_level(logging.ERROR):
+        results = await backend.put([obj("big", big), obj("fits", fits), obj("big2", big)])
+    assert results == [PutStatus.FAILED, PutStatus.STORED, PutStatus.FAILED]
+    assert [r.getMessage() for r in caplog.records if "slot=" in r.getMessage()] != []
+    assert len(caplog.records) == 1  # once per instance
+    assert backend.capabilities.max_object_bytes == SLOT
+    assert await backend.exists(["big", "fits"]) == [False, True]
+    await backend.aclose()
+
+
+async def test_a_pool_whose_objects_do_not_fit_a_slot_is_refused(store_dir: Path) -> None:
+    caches = {"l0": torch.zeros(4, 1, 16, 512)}  # one block: 16 x 512 x 4 bytes = 32 KiB
+    backend = open_arena(store_dir)
+    with pytest.raises(ConfigError, match=r"32768 bytes.*at most 16384.*slot=32KiB"):
+        KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches), backend=backend)
+    await backend.aclose()
+    roomy = open_arena(store_dir.with_name("roomy"), slot=32 * KiB)
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches), backend=roomy)
+    caches["l0"].normal_()
+    request = KVRequest(block_ids=[0, 1], tokens=range(32))
+    assert (await pool.store(request)).stored == 2
+    saved = caches["l0"][:2].clone()
+    caches["l0"].zero_()
+    assert (await pool.retrieve(request)).hit_blocks == 2
+    assert torch.equal(caches["l0"][:2], saved)
+    await pool.aclose()
+    await roomy.aclose()
+
+
+async def test_eviction_takes_the_least_recently_used_slot(store_dir: Path) -> None:
+    backend = open_arena(store_dir, slots=4)  # one set of four
+    assert await put_all(backend, ["a", "b", "c", "d"]) == [PutStatus.STORED] * 4
+    assert (await get_one(backend, "a"))[0] is GetStatus.HIT  # a is now newer than b
+    assert await put_all(backend, ["b"]) == [PutStatus.PRESENT]  # a put of a present key is a use too
+    assert await put_all(backend, ["e", "f"]) == [PutStatus.STORED] * 2
+    assert await backend.exists(["a", "b", "c", "d", "e", "f"]) == [True, True, False, False, True, True]
+    assert backend.stats().evictions == 2
+    for key in ("a", "b", "e", "f"):
+        assert await get_one(backend, key) == (GetStatus.HIT, bytes(filled(key)))
+    await backend.aclose()
+
+
+async def test_wide_sets_keep_the_newest_objects_like_one_lru_list(store_dir: Path) -> None:
+    """A prefix lookup stops at the first miss: the newest request's blocks must all stay."""
+    backend = open_arena(store_dir, slots=4 * WAYS, slot=4 * KiB)
+    for request in range(6):  # each request fills half the store
+        keys = [f"r{request}-{i}" for i in range(2 * WAYS)]
+        assert await put_all(backend, keys, 4 * KiB) == [PutStatus.STORED] * len(keys)
+        assert all(await backend.exists(keys))
+    await backend.aclose()
+
+
+async def test_every_slot_being_written_is_no_space(store_dir: Path) -> None:
+    writer, other = open_arena(store_dir, slots=4), open_arena(store_dir, slots=4)
+    async with writer._arena.lock.held(arena.EXCLUSIVE, 1):
+        claims = writer._arena.claim(key_hashes(["w0", "w1", "w2", "w3"]), time.monotonic_ns())
+    assert all(isinstance(row, int) for row in claims)
+    assert await put_all(other, ["x"]) == [PutStatus.NO_SPACE]
+    assert await put_all(other, ["w2"]) == [PutStatus.PRESENT]  # a live writer is writing it
+    assert await other.exists(["w2"]) == [False]  # not readable until published
+    await writer.aclose()
+    await other.aclose()
+
+
+async def test_remove(store_dir: Path) -> None:
+    backend = open_arena(store_dir)
+    await put_all(backend, ["a", "b"])
+    assert await backend.remove(["a", "zz", "a"]) == [True, False, False]
+    assert await backend.exists(["a", "b"]) == [False, True]
+    assert (await get_one(backend, "a"))[0] is GetStatus.MISS
+    assert backend.stats().used_bytes == SLOT
+    await backend.aclose()
+
+
+async def test_a_store_is_shared_by_instances_and_outlives_them(store_dir: Path) -> None:
+    first = open_backend(f"arena://{store_dir}?capacity={16 * SLOT}&slot={SLOT}")
+    assert isinstance(first, ArenaBackend)
+    await put_all(first, ["kept"])
+    await first.aclose()
+    second = open_arena(store_dir)
+    assert await get_one(second, "kept") == (GetStatus.HIT, bytes(filled("kept")))
+    await second.aclose()
+
+
+def test_every_process_must_cut_the_store_alike(store_dir: Path) -> None:
+    made = open_arena(store_dir)
+    with pytest.raises(ConfigError, match=r"holds 16 slots of 16384 bytes.*asks for 8 slots of 32768"):
+        open_arena(store_dir, slots=8, slot=32 * KiB)
+    anyio.run(made.aclose)
+
+
+def test_a_file_that_is_not_an_arena_is_refused(store_dir: Path) -> None:
+    store_dir.mkdir(mode=0o700)
+    (store_dir / "arena").write_bytes(b"not an arena" * 100)
+    os.chmod(store_dir / "arena", 0o600)
+    with pytest.raises(ConfigError, match="is not a kvflow arena"):
+        open_arena(store_dir)
+
+
+def test_a_creator_that_died_leaves_nothing_in_the_way(store_dir: Path) -> None:
+    store_dir.mkdir(mode=0o700)
+    (store_dir / "arena.new").write_bytes(b"half made")
+    backend = open_arena(store_dir)
+    assert sorted(p.name for p in store_dir.iterdir()) == ["arena", "kvflow.lock"]
+    anyio.run(backend.aclose)
+
+
+def test_a_store_larger_than_its_filesystem_is_a_config_error(store_dir: Path) -> None:
+    total = shutil.disk_usage("/dev/shm").total  # beyond the size of the tmpfs: refused at once
+    with pytest.raises(ConfigError, match="no room"):
+        open_arena(store_dir, slots=total // SLOT + 1024)
+    assert list(store_dir.iterdir()) == [store_dir / "kvflow.lock"]
+
+
+def test_the_store_is_private_and_never_opened_through_a_symlink(store_dir: Path) -> None:
+    backend = open_arena(store_dir)
+    assert stat.S_IMODE(store_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((store_dir / "arena").stat().st_mode) == 0o600
+    anyio.run(backend.aclose)
+    elsewhere = store_dir.with_name("elsewhere")
+    elsewhere.mkdir(mode=0o700)
+    (store_dir / "arena").rename(elsewhere / "arena")
+    (store_dir / "arena").symlink_to(elsewhere / "arena")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        open_arena(store_dir)
+
+
+def test_urls() -> None:
+    config = ArenaConfig.from_url("arena:///dev/shm/x?capacity=1GiB&slot=256KiB&lock_timeout=2")
+    assert config == ArenaConfig("/dev/shm/x", 1 << 30, 256 * KiB, 2.0)
+    assert ArenaConfig.from_url("arena://").path == f"/dev/shm/kvflow-arena-{os.geteuid()}"
+    for url, problem in [
+        ("arena:///dev/shm/x?slot=1000", "multiple of 4KiB"),
+        ("arena:///dev/shm/x?slot=128MiB", "multiple of 4KiB from 4KiB to 64MiB"),
+        ("arena:///dev/shm/x?capacity=4KiB&slot=8KiB", "at least one slot"),
+        ("arena:///dev/shm/x?size=1", "size"),
+        ("arena://host/x", "names a host"),
+        ("arena:relative", "relative path"),
+        ("arena://?group=kv", "names no directory"),
+    ]:
+        with pytest.raises(ConfigError, match=problem):
+            ArenaConfig.from_url(url)
+
+
+# --- across tasks and processes -----------------------------------------------------------------
+
+
+@pytest.fixture
+def checkpoint_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call lets the other tasks run after each object."""
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+
+
+async def test_a_get_never_reads_a_slot_that_a_put_takes_meanwhile(
+    store_dir: Path, checkpoint_often: None
+) -> None:
+    """Two instances in one process (two lock descriptors): gets and evicting puts interleave."""
+    reader, writer = open_arena(store_dir, slots=8), open_arena(store_dir, slots=8)
+    torn: list[str] = []
+
+    async def read() -> None:
+        for round_ in range(30):
+            keys = [f"k{(round_ + i) % 24}" for i in range(8)]
+            outs = [bytearray(SLOT) for _ in keys]
+            for key, out, status in zip(
+                keys, outs, await reader.get([obj(k, o) for k, o in zip(keys, outs)])
+            ):
+                if status is GetStatus.HIT and out != filled(key):
+                    torn.append(key)
+
+    async def write() -> None:
+        for round_ in range(30):
+            await put_all(writer, [f"k{(round_ * 3 + i) % 24}" for i in range(4)])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        tg.start_soon(write)
+    assert torn == []
+    assert reader.stats().hits > 0 and writer.stats().evictions > 0
+    await reader.aclose()
+    await writer.aclose()
+
+
+async def test_a_cancelled_put_gives_its_slots_back(store_dir: Path, checkpoint_often: None) -> None:
+    backend = open_arena(store_dir, slots=4)
+    with anyio.CancelScope() as scope:
+
+        async def cancel_soon() -> None:
+            await anyio.lowlevel.checkpoint()
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon)
+            await put_all(backend, ["a", "b", "c", "d"])
+    assert scope.cancelled_caught
+    assert await backend.exists(["a", "b", "c", "d"]) == [False] * 4
+    assert await put_all(backend, ["e", "f", "g", "h"]) == [PutStatus.STORED] * 4
+    assert backend.stats().evictions == 0  # the cancelled put's slots were free again
+    await backend.aclose()
+
+
+async def test_closing_waits_for_a_put_still_copying(store_dir: Path, checkpoint_often: None) -> None:
+    backend = open_arena(store_dir)
+    results: list[PutStatus] = []
+
+    async def put() -> None:
+        results.extend(await put_all(backend, [f"k{i}" for i in range(6)]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        await anyio.lowlevel.checkpoint()
+        await backend.aclose()  # the put is between two copies: the arena stays mapped
+    assert results == [PutStatus.STORED] * 6
+    with pytest.raises(PoolClosedError):
+        await backend.get([obj("k0", bytearray(SLOT))])
+    again = open_arena(store_dir)
+    assert await again.exists([f"k{i}" for i in range(6)]) == [True] * 6
+    await again.aclose()
+
+
+async def test_processes_share_whole_objects_and_the_first_writer_wins(store_dir: Path) -> None:
+    keys = [f"shared-{i}" for i in range(40)]
+    size, writers = 12 * KiB + 3, 3
+    url = f"arena://{store_dir}?capacity={64 * SLOT}&slot={SLOT}"
+    open_arena(store_dir, slots=64)  # made once, before the workers race to open it
+    specs = [
+        {"url": url, "writer": w, "writers": writers, "keys": keys, "size": size, "rounds": 3, "batch": 8,
+         "seed": w}
+        for w in range(writers)
+    ]  # fmt: skip
+    reports = Workers.run_all(specs)
+    assert [r["torn"] for r in reports] == [[]] * writers
+    assert sum(r["put"].get("stored", 0) for r in reports) == len(keys)  # each key stored once
+    seen: dict[str, set[int]] = {}
+    for report in reports:
+        for key, versions in report["seen"].items():
+            seen.setdefault(key, set()).update(versions)
+    assert all(len(v) == 1 for v in seen.values()), seen
+    backend = open_arena(store_dir, slots=64)
+    final = await read_all(backend, keys, size, writers)
+    assert {k: {w} for k, w in final.items()} == seen and len(final) == len(keys)
+    await backend.aclose()
+
+
+async def test_processes_evicting_each_other_never_see_a_torn_object(store_dir: Path) -> None:
+    size, writers = SLOT, 3
+    url = f"arena://{store_dir}?capacity={12 * SLOT}&slot={SLOT}"
+    specs = [
+        {"url": url, "writer": w, "writers": writers, "keys": [f"s{i}" for i in range(10)]
+         + [f"w{w}-{i}" for i in range(30)], "size": size, "rounds": 3, "batch": 6}
+        for w in range(writers)
+    ]  # fmt: skip
+    open_arena(store_dir, slots=12)
+    reports = Workers.run_all(specs)
+    assert [r["torn"] for r in reports] == [[]] * writers
+    assert sum(r["evictions"] for r in reports) > 0
+    assert sum(r["get"].get("hit", 0) for r in reports) > 0
+
+
+async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_back(store_dir: Path) -> None:
+    url = f"arena://{store_dir}?capacity={4 * SLOT}&slot={SLOT}"
+    workers = Workers([{"url": url, "writer": 1, "keys": ["dying", "dying-2"], "size": SLOT, "pause": True}])
+    try:
+        proc = workers.procs[0]
+        workers.wait_for(proc, "READY")
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        workers.wait_for(proc, "PAUSED")  # it claimed two slots and copied into one
+        backend = open_arena(store_dir, slots=4)
+        assert await backend.exists(["dying", "dying-2"]) == [False, False]
+        assert await put_all(backend, ["dying"]) == [PutStatus.PRESENT]  # its writer still lives
+        assert await put_all(backend, ["a", "b", "c"]) == [
+            PutStatus.STORED,
+            PutStatus.STORED,
+            PutStatus.NO_SPACE,
+        ]
+    finally:
+        workers.kill_all()
+    assert (await get_one(backend, "dying"))[0] is GetStatus.MISS
+    assert await put_all(backend, ["dying", "c"]) == [PutStatus.STORED] * 2  # the dead writer's slots
+    assert backend.stats().evictions == 0
+    assert await get_one(backend, "dying") == (GetStatus.HIT, bytes(filled("dying")))
+    await backend.aclose()
