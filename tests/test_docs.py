@@ -30,6 +30,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from kvflow.backends.arena.config import default_arena_path
 from kvflow.backends.local.config import default_path
 from tests.backends.conftest import REQUIRE_ENV, mooncake_unusable_reason
 
@@ -111,8 +112,8 @@ def run_block(code: str, tmp_path: Path, *, main: bool = True) -> subprocess.Com
             "-c",
             f"import runpy; runpy.run_path({str(script)!r}, run_name='doc_block')",
         ]
-    store = Path(default_path())
-    existed = store.exists()
+    stores = [Path(default_path()), Path(default_arena_path())]
+    existed = [store.exists() for store in stores]
     # TMPDIR: vLLM leaves its IPC sockets in the temp dir when a block exits without shutting it down
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     try:
@@ -125,8 +126,9 @@ def run_block(code: str, tmp_path: Path, *, main: bool = True) -> subprocess.Com
             env=env,
         )
     finally:
-        if not existed and store.exists():  # not isolated: the block made the default store
-            shutil.rmtree(store, ignore_errors=True)
+        for store, was in zip(stores, existed):
+            if not was and store.exists():  # not isolated: the block made a default store
+                shutil.rmtree(store, ignore_errors=True)
 
 
 def _needs(block: Block) -> None:

@@ -1,6 +1,6 @@
-"""``kvflow store`` on a local store: stats per model and layout, ls, clear (one model's objects, or
-all of them), JSON for scripts, and no clearing from a terminal without --yes. Also the local
-backend's listing: every object's key read back from its file name."""
+"""``kvflow store`` on a local and an arena store: stats per model and layout, ls, clear (one model's
+objects, or all of them), JSON for scripts, and no clearing from a terminal without --yes. Also the
+stores' listings: every object's key read back (from its file name, or the arena's key area)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
+from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.base import ObjectRef
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.backend import key_of_file_name
 from kvflow.backends.local.format import object_file_name
 from kvflow.cli import main
 from kvflow.regions import buffer_address
+from kvflow.tools.store_admin import read_inventory
 
 BLOCK = 4
 MODELS = ("org/llama", "small")
@@ -37,10 +39,20 @@ async def _fill(url: str) -> int:
     return layout.block_nbytes
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> tuple[str, Path, int]:
-    url = f"local://{tmp_path}/store?capacity=64MiB"
+CAPACITY = {"local": 64 << 20, "arena": 64 * 4096}
+
+
+@pytest.fixture(params=["local", "arena"])
+def store(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, Path, int]:
+    scheme = request.param
+    url = f"{scheme}://{tmp_path}/store?capacity={CAPACITY[scheme]}" + (
+        "&slot=4KiB" if scheme == "arena" else ""
+    )
     return url, tmp_path / "store", anyio.run(_fill, url)
+
+
+def _objects_in(url: str) -> int:
+    return len(anyio.run(read_inventory, url).objects)
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
@@ -54,7 +66,8 @@ def test_stats_count_objects_per_model_and_layout(
     url, _, block = store
     stats = _json(capsys, "store", "stats", url, "--json")
     assert isinstance(stats, dict)
-    assert stats["backend"] == "local" and stats["capacity_bytes"] == 64 << 20
+    scheme = url.split(":")[0]
+    assert stats["backend"] == scheme and stats["capacity_bytes"] == CAPACITY[scheme]
     assert stats["objects"] == 8 and stats["used_bytes"] >= stats["bytes"] > 6 * block
     rows = {row["model"]: row for row in stats["models"]}
     assert sorted(rows) == sorted(MODELS)
@@ -92,7 +105,7 @@ def test_clear_of_one_model_leaves_the_others(
     left = _json(capsys, "store", "ls", url, "--json")
     assert isinstance(left, list) and {o["model"] for o in left} == {"small"} and len(left) == 4
     assert _json(capsys, "store", "clear", url, "--json")["removed"] == 4  # type: ignore[index]
-    assert list((path / "objects").iterdir()) == []
+    assert url.startswith("arena:") or list((path / "objects").iterdir()) == []
     stats = _json(capsys, "store", "stats", url, "--json")
     assert stats["objects"] == 0 and stats["used_bytes"] == 0  # type: ignore[index]
 
@@ -100,21 +113,24 @@ def test_clear_of_one_model_leaves_the_others(
 def test_clear_refuses_on_a_terminal_without_yes(
     store: tuple[str, Path, int], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url, path, _ = store
+    url, _, _ = store
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     assert main(["store", "clear", url]) == 2
     assert "--yes" in capsys.readouterr().err
-    assert len(list((path / "objects").iterdir())) == 8  # nothing removed
+    assert _objects_in(url) == 8  # nothing removed
     assert main(["store", "clear", url, "--yes"]) == 0
-    assert list((path / "objects").iterdir()) == []
+    assert _objects_in(url) == 0
 
 
 def test_bad_targets_are_refused_with_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["store", "stats", f"local://{tmp_path}/nothing-here"]) == 1
     assert "no store at" in capsys.readouterr().err
     assert not (tmp_path / "nothing-here").exists()  # not created by looking
+    assert main(["store", "stats", f"arena://{tmp_path}/nothing-here"]) == 1
+    assert "no arena store at" in capsys.readouterr().err
+    assert not (tmp_path / "nothing-here").exists()
     assert main(["store", "ls", "memory://"]) == 1
-    assert "local:// and mooncake://" in capsys.readouterr().err
+    assert "local://, arena:// and mooncake://" in capsys.readouterr().err
 
 
 @given(st.text(min_size=1, max_size=120))
@@ -136,3 +152,21 @@ async def test_the_local_backend_lists_keys_sizes_and_unnamed_objects(tmp_path: 
         assert await backend.list_objects() == [] and await backend.usage() == 0
     finally:
         await backend.aclose()
+
+
+async def test_the_arena_lists_keys_sizes_and_keys_too_long_to_keep(tmp_path: Path) -> None:
+    backend = ArenaBackend.from_url(f"arena://{tmp_path}/s?capacity=64KiB&slot=4KiB")
+    try:
+        data = bytearray(b"x" * 300)
+        long_key = "k" * 300  # over the 254 bytes a slot keeps of its key
+        objects = [ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in (("a/b c", 10), (long_key, 300))]
+        await backend.put(objects)
+        assert sorted(await backend.list_objects(), key=str) == sorted([("a/b c", 10), (None, 300)], key=str)
+        assert await backend.usage() == 310
+        assert await backend.clear() == 2
+        assert await backend.list_objects() == [] and await backend.usage() == 0
+    finally:
+        await backend.aclose()
+    attached = ArenaBackend.attach(f"arena://{tmp_path}/s?slot=1MiB")  # read as it was made
+    assert (attached.config.slot_bytes, attached.config.capacity_bytes) == (4096, 64 * 1024)
+    await attached.aclose()

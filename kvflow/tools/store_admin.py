@@ -4,12 +4,13 @@
 ``kvflow store ls URL``      one line per object (``--model M`` for one model's)
 ``kvflow store clear URL``   remove objects (``--model M``: one model's KV and profile announcements)
 
-For ``local://`` and ``mooncake://`` stores; ``--json`` prints one JSON document for scripts.
+For ``local://``, ``arena://`` and ``mooncake://`` stores; ``--json`` prints one JSON document for scripts.
 Keys are read with :func:`kvflow.keys.decode_key`; the profile book's announcements
 (:func:`kvflow.profiles.is_book_key`) are shown apart. A Mooncake cluster lists its keys through its
 master's HTTP port (``metrics_port`` in the URL, default 9003); this tool's Mooncake client lends no
-memory to the cluster, whatever ``segment`` the URL gives. A local store must exist already
-(nothing is created).
+memory to the cluster, whatever ``segment`` the URL gives. A local or arena store must exist
+already (nothing is created; an arena is read as it was made, whatever capacity and slot the URL
+gives).
 
 Everything here runs on one event loop started by :func:`store_main` (``anyio.run``).
 """
@@ -150,12 +151,17 @@ class Inventory:
 
 def _scheme(url: str) -> str:
     scheme = urlsplit(url).scheme
-    if scheme not in ("local", "mooncake"):
-        raise ConfigError(f"kvflow store works on local:// and mooncake:// stores, not {url!r}")
+    if scheme not in ("local", "arena", "mooncake"):
+        raise ConfigError(f"kvflow store works on local://, arena:// and mooncake:// stores, not {url!r}")
     return scheme
 
 
 def _open_local(url: str) -> Any:
+    """A local or arena store (both list, count and clear themselves), which must exist."""
+    if _scheme(url) == "arena":
+        from kvflow.backends.arena import ArenaBackend
+
+        return ArenaBackend.attach(url)
     from kvflow.backends.local import LocalBackend, LocalConfig
 
     config = LocalConfig.from_url(url)
@@ -177,7 +183,8 @@ async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
     to this client for a few seconds (the master's ``--default_kv_lease_ttl``), during which no one
     can remove it.
     """
-    if _scheme(url) == "local":
+    scheme = _scheme(url)
+    if scheme != "mooncake":
         backend = _open_local(url)
         try:
             listed = await backend.list_objects()
@@ -186,7 +193,7 @@ async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
         finally:
             await backend.aclose()
         objects = tuple(StoredObject.of(key, nbytes) for key, nbytes in listed)
-        return Inventory(url, "local", capacity, used, _sorted(objects))
+        return Inventory(url, scheme, capacity, used, _sorted(objects))
     backend = _open_mooncake(url)
     try:
         keys = await backend.list_keys()
@@ -207,12 +214,12 @@ def _sorted(objects: Sequence[StoredObject]) -> tuple[StoredObject, ...]:
 async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
     """Remove the store's kvflow objects (``model``: that model's KV and profile announcements).
 
-    A local store without ``model`` loses every object, unnamed ones included. A Mooncake cluster
+    A local or arena store without ``model`` loses every object, unnamed ones included. A Mooncake cluster
     keeps keys that are not kvflow's. Returns ``{"removed": n, "failed": n}`` (Mooncake refuses
     to remove an object a reader holds a lease on, for a few seconds after each read, including
     ``kvflow store ls`` and ``stats``: run it again).
     """
-    if _scheme(url) == "local" and model is None:
+    if _scheme(url) != "mooncake" and model is None:
         backend = _open_local(url)
         try:
             return {"removed": await backend.clear(), "failed": 0}
@@ -220,7 +227,7 @@ async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
             await backend.aclose()
     inventory = await read_inventory(url, sizes=False)
     keys = [o.key for o in inventory.of_model(model) if o.key is not None and o.kind != "other"]
-    backend = _open_local(url) if inventory.backend == "local" else _open_mooncake(url)
+    backend = _open_mooncake(url) if inventory.backend == "mooncake" else _open_local(url)
     try:
         done = await backend.remove(keys) if keys else []
     finally:
@@ -273,13 +280,17 @@ def _print_objects(objects: Sequence[StoredObject]) -> None:
 
 def add_store_parser(sub: Any) -> None:
     """The ``store`` command and its subcommands (on the ``kvflow`` parser's subparsers)."""
-    store = sub.add_parser("store", help="see what a KV store holds, and clear it (local://, mooncake://)")
+    store = sub.add_parser(
+        "store", help="see what a KV store holds, and clear it (local://, arena://, mooncake://)"
+    )
     actions = store.add_subparsers(dest="action", required=True)
     stats = actions.add_parser("stats", help="capacity, bytes used, objects; per model and layout")
     ls = actions.add_parser("ls", help="list the objects (KV blocks and profile announcements)")
     clear = actions.add_parser("clear", help="remove objects: all kvflow objects, or one model's")
     for parser in (stats, ls, clear):
-        parser.add_argument("url", help="store URL: local:///path or mooncake://HOST:PORT[?metrics_port=N]")
+        parser.add_argument(
+            "url", help="store URL: local:///path, arena:///path or mooncake://HOST:PORT[?metrics_port=N]"
+        )
         parser.add_argument("--json", action="store_true", help="print one JSON document")
     for parser in (ls, clear):
         parser.add_argument(

@@ -26,9 +26,9 @@ import attrs
 from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
-from kvflow.backends.arena.store import ArenaFile, key_hashes
+from kvflow.backends.arena.store import ArenaFile, key_hashes, stored_geometry
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
-from kvflow.errors import PoolClosedError
+from kvflow.errors import ConfigError, PoolClosedError
 from kvflow.regions import gather, scatter
 
 __all__ = ["ArenaBackend", "ArenaConfig"]
@@ -64,6 +64,21 @@ class ArenaBackend:
     @classmethod
     def from_url(cls, url: str) -> ArenaBackend:
         return cls(ArenaConfig.from_url(url))
+
+    @classmethod
+    def attach(cls, url: str) -> ArenaBackend:
+        """The store ``url`` names, cut as it was made whatever capacity and slot the URL gives; a
+        ConfigError when there is none (for tools that look at a store: nothing is created)."""
+        config = ArenaConfig.from_url(url)
+        geometry = stored_geometry(config.path)
+        if geometry is None:
+            raise ConfigError(
+                f"there is no arena store at {config.path} (nothing to show or clear); check the URL"
+            )
+        cut = attrs.evolve(
+            config, capacity_bytes=geometry.rows * geometry.slot_bytes, slot_bytes=geometry.slot_bytes
+        )
+        return cls(cut)
 
     @property
     def max_batch(self) -> int:
@@ -104,7 +119,7 @@ class ArenaBackend:
                 await pacer.tick()
             async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
                 for i, row in claimed.items():
-                    self._arena.publish(row, objects[i].nbytes)
+                    self._arena.publish(row, objects[i].nbytes, objects[i].key)
                     results[i] = PutStatus.STORED
                 claimed.clear()
         except TimeoutError as exc:
@@ -196,6 +211,26 @@ class ArenaBackend:
         hashes = key_hashes(keys)
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             return self._arena.remove(hashes)
+
+    async def list_objects(self) -> list[tuple[str | None, int]]:
+        """Every object in the store: ``(key, bytes)``, the key None where it was too long to keep
+        (over 254 bytes)."""
+        self._check_open()
+        async with self._arena.lock.held(SHARED, self.config.lock_timeout_s):
+            return self._arena.listing()
+
+    async def usage(self) -> int:
+        """Bytes of the objects in the store (their sizes, not their slots)."""
+        self._check_open()
+        async with self._arena.lock.held(SHARED, self.config.lock_timeout_s):
+            return self._arena.used_bytes()
+
+    async def clear(self) -> int:
+        """Remove every object (of every model, and the profile book's); return how many. Slots
+        being written are left to their writers."""
+        self._check_open()
+        async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+            return self._arena.clear()
 
     async def aclose(self) -> None:
         """Close; the arena is unmapped once the puts and gets still running have returned."""

@@ -1,6 +1,7 @@
 """The arena file: one pre-allocated region of fixed-size slots and the table that says what each holds.
 
-``<dir>/arena`` is a header page, a table with one row per slot, and the slots. Every process maps
+``<dir>/arena`` is a header page, a table with one row per slot, the keys (for listing the store:
+the table names a key by its hash), and the slots. Every process maps
 the whole file (``MAP_SHARED | MAP_POPULATE``): its pages are allocated once, when the store is
 created, so a put copies into memory that is already there, at memcpy speed, instead of asking the
 kernel for new pages as a file per object does.
@@ -47,7 +48,18 @@ from kvflow.backends.local.format import WriterId
 from kvflow.backends.local.safety import LOCK_NAME, Access, open_root, open_store_file, unusable_message
 from kvflow.errors import ConfigError
 
-__all__ = ["ARENA_NAME", "FREE", "READY", "WAYS", "WRITING", "ArenaFile", "Geometry", "key_hashes"]
+__all__ = [
+    "ARENA_NAME",
+    "FREE",
+    "KEY_BYTES",
+    "READY",
+    "WAYS",
+    "WRITING",
+    "ArenaFile",
+    "Geometry",
+    "key_hashes",
+    "stored_geometry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +70,8 @@ _VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, ways, slot bytes, sets, offset of the slots
 _PAGE = 4096
 WAYS = 64
+KEY_BYTES = 256  # per slot: the key's length (u16), then the key (utf-8), for listing the store
+_KEY_TOO_LONG = 0xFFFF
 
 FREE, WRITING, READY = 0, 1, 2
 # The table's columns.
@@ -66,6 +80,10 @@ _COLUMNS = 8
 _LAST = np.iinfo(np.int64).max  # sort key of a slot no claim may take (being written by a live process)
 
 Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
 
 
 def key_hashes(keys: Sequence[str]) -> Hashes:
@@ -93,8 +111,12 @@ class Geometry:
         return self.sets * self.ways
 
     @property
+    def keys_offset(self) -> int:
+        return _PAGE + _pages(self.rows * _COLUMNS * 8)
+
+    @property
     def data_offset(self) -> int:
-        return _PAGE + -(-self.rows * _COLUMNS * 8 // _PAGE) * _PAGE
+        return self.keys_offset + _pages(self.rows * KEY_BYTES)
 
     @property
     def file_bytes(self) -> int:
@@ -269,10 +291,36 @@ class ArenaFile:
         words[row] = WRITING
         words[_K0 * n + row], words[_K1 * n + row], words[_USED * n + row] = k0, k1, now
 
-    def publish(self, row: int, nbytes: int) -> None:
-        """Make a slot this process claimed readable, holding ``nbytes``."""
+    def publish(self, row: int, nbytes: int, key: str) -> None:
+        """Make a slot this process claimed readable, holding ``nbytes`` of ``key``'s object."""
         self._words[_NBYTES * self.geometry.rows + row] = nbytes
+        data = key.encode("utf-8", "surrogatepass")
+        at = self.geometry.keys_offset + row * KEY_BYTES
+        if len(data) <= KEY_BYTES - 2:
+            self._map[at : at + 2 + len(data)] = len(data).to_bytes(2, "little") + data
+        else:
+            self._map[at : at + 2] = _KEY_TOO_LONG.to_bytes(2, "little")
         self._words[row] = READY
+
+    def listing(self) -> list[tuple[str | None, int]]:
+        """Every published object: its key (None when too long to keep) and its size."""
+        table, found = self._table, []
+        for row in np.flatnonzero(table[_STATE] == READY).tolist():
+            at = self.geometry.keys_offset + row * KEY_BYTES
+            length = int.from_bytes(self._map[at : at + 2], "little")
+            key = (
+                None
+                if length > KEY_BYTES - 2
+                else self._map[at + 2 : at + 2 + length].decode("utf-8", "surrogatepass")
+            )
+            found.append((key, int(table[_NBYTES, row])))
+        return found
+
+    def clear(self) -> int:
+        """Free every published object; how many there were."""
+        ready = self._table[_STATE] == READY
+        self._table[_STATE][ready] = FREE
+        return int(ready.sum())
 
     def release(self, row: int) -> None:
         """Give back a slot this process claimed and will not publish."""
@@ -330,6 +378,24 @@ class _Queues:
         first = sets * ways
         for s, row0 in enumerate(first.tolist()):
             self._order[row0 // ways] = (row0 + order[s, ways - usable[s] :]).tolist()
+
+
+def stored_geometry(path: str) -> Geometry | None:
+    """How the arena in directory ``path`` is cut, read from its header; None when there is none."""
+    try:
+        fd = os.open(f"{path}/{ARENA_NAME}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(unusable_message(path, exc)) from exc
+    try:
+        data = os.pread(fd, _HEADER.size, 0)
+    finally:
+        os.close(fd)
+    if len(data) < _HEADER.size or data[:8] != _MAGIC:
+        raise ConfigError(f"{path}/{ARENA_NAME} is not a kvflow arena; remove it or give another directory")
+    _, _, ways, slot_bytes, sets, _ = _HEADER.unpack(data)
+    return Geometry(ways, slot_bytes, sets)
 
 
 def _open_or_create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
