@@ -17,6 +17,7 @@ runs in fresh processes, one after the other:
 - ``kvflow-async``: the same with ``load_async=true`` (the request waits while its load runs).
 - ``kvflow-arena``: kvflow's connector with the arena backend (one pre-allocated shared region of
   256 KiB slots, the size of this model's objects). Same two processes.
+- ``kvflow-arena-async``: the same with ``load_async=true``.
 - with ``--mooncake`` (inside a private network namespace: it starts a Mooncake master and a
   segment holder on 127.0.0.1): ``mooncake-store`` (vLLM's MooncakeStoreConnector, which loads
   asynchronously only) and ``kvflow-mooncake`` (kvflow over the same master).
@@ -243,7 +244,7 @@ def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | 
             "kv_connector_extra_config": {},
         }
     backend = f"local://{workdir / 'kvflow'}?capacity=2GiB"
-    if case == "kvflow-arena":
+    if case.startswith("kvflow-arena"):
         backend = f"arena://{workdir / 'kvflow-arena'}?capacity=1GiB&slot=256KiB"
     if case == "kvflow-mooncake":
         backend = f"mooncake://{master}?segment=0"  # the segment holder lends the memory
@@ -252,7 +253,7 @@ def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | 
         "kv_connector_module_path": "kvflow.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": backend, "load_async": case == "kvflow-async"},
+        "kv_connector_extra_config": {"backend": backend, "load_async": case.endswith("-async")},
     }
 
 
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = _tokens(0, args.doc_tokens)
         base = {"model": str(model), "doc": doc, "repeat": args.repeat}
         rows: dict[str, dict[str, Any]] = {}
-        cases = ["recompute", "example", "kvflow", "kvflow-async", "kvflow-arena"]
+        cases = ["recompute", "example", "kvflow", "kvflow-async", "kvflow-arena", "kvflow-arena-async"]
         if args.mooncake:
             cases += ["mooncake-store", "kvflow-mooncake"]
         if args.cases:

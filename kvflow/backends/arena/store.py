@@ -71,7 +71,8 @@ _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, ways, slot bytes, sets, o
 _PAGE = 4096
 WAYS = 64
 KEY_BYTES = 256  # per slot: the key's length (u16), then the key (utf-8), for listing the store
-_KEY_TOO_LONG = 0xFFFF
+_KEY_TOO_LONG = KEY_BYTES - 1  # a length no key is given: the key was not kept
+_LENGTH = [n.to_bytes(2, "little") for n in range(KEY_BYTES)]
 
 FREE, WRITING, READY = 0, 1, 2
 # The table's columns.
@@ -203,10 +204,13 @@ class ArenaFile:
     def _same_key(self, hashes: Hashes) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
         """Pairs (object index, row) whose row's key words equal the object's, in any state."""
         ways, sets = self.geometry.ways, self.geometry.sets
-        first = (hashes[:, 0] % np.uint64(sets)).astype(np.intp) * ways
-        k0 = self._table[_K0].reshape(sets, ways)[first // ways]
-        index, way = np.nonzero(k0 == hashes[:, :1])
-        rows = first[index] + way
+        k0 = np.ascontiguousarray(hashes[:, 0])
+        chosen = (k0 % np.uint64(sets)).astype(np.intp)
+        # (flatnonzero of the flat mask: np.nonzero of a 2-D one is many times slower)
+        index, way = np.divmod(
+            np.flatnonzero(self._table[_K0].reshape(sets, ways)[chosen] == k0[:, None]), ways
+        )
+        rows = chosen[index] * ways + way
         same = self._table[_K1][rows] == hashes[index, 1]
         return index[same], rows[same]
 
@@ -296,10 +300,10 @@ class ArenaFile:
         self._words[_NBYTES * self.geometry.rows + row] = nbytes
         data = key.encode("utf-8", "surrogatepass")
         at = self.geometry.keys_offset + row * KEY_BYTES
-        if len(data) <= KEY_BYTES - 2:
-            self._map[at : at + 2 + len(data)] = len(data).to_bytes(2, "little") + data
-        else:
-            self._map[at : at + 2] = _KEY_TOO_LONG.to_bytes(2, "little")
+        size = len(data)
+        if size <= KEY_BYTES - 2:
+            self._map[at + 2 : at + 2 + size] = data
+        self._map[at : at + 2] = _LENGTH[size if size <= KEY_BYTES - 2 else _KEY_TOO_LONG]
         self._words[row] = READY
 
     def listing(self) -> list[tuple[str | None, int]]:
@@ -371,13 +375,13 @@ class _Queues:
         state = arena._table[_STATE].reshape(-1, ways)[sets]
         rank = arena._table[_USED].reshape(-1, ways)[sets].astype(np.int64)
         rank[state == FREE] = -2
-        for s, w in zip(*np.nonzero(state == WRITING)):
-            rank[s, w] = -1 if not arena._alive(int(sets[s]) * ways + int(w)) else _LAST
+        for at in np.flatnonzero(state == WRITING).tolist():
+            s, w = divmod(at, ways)
+            rank[s, w] = -1 if not arena._alive(int(sets[s]) * ways + w) else _LAST
         order = np.argsort(-rank, axis=1, kind="stable")  # best last: popped first
-        usable = (rank < _LAST).sum(axis=1)
-        first = sets * ways
-        for s, row0 in enumerate(first.tolist()):
-            self._order[row0 // ways] = (row0 + order[s, ways - usable[s] :]).tolist()
+        rows = (sets[:, None] * ways + order).tolist()
+        for number, candidates, usable in zip(sets.tolist(), rows, (rank < _LAST).sum(axis=1).tolist()):
+            self._order[number] = candidates[ways - usable :]
 
 
 def stored_geometry(path: str) -> Geometry | None:
