@@ -26,7 +26,7 @@ import attrs
 from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
-from kvflow.backends.arena.store import ArenaFile, key_hashes, stored_geometry
+from kvflow.backends.arena.store import ArenaFile, Hashes, key_hashes, stored_geometry
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.errors import ConfigError, PoolClosedError
 from kvflow.regions import gather, scatter
@@ -175,22 +175,14 @@ class ArenaBackend:
         results = [GetStatus.FAILED] * len(objects)
         arena, now = self._arena, time.monotonic_ns()
         hashes = key_hashes([obj.key for obj in objects])
+        keys: list[list[int]] = hashes.tolist()
+        rows: list[int] = []
         done = 0
         try:
             while done < len(objects):
                 async with arena.lock.held(SHARED, self.config.lock_timeout_s):
-                    started = time.monotonic()
-                    for row in arena.find(hashes[done:]):
-                        obj = objects[done]
-                        if row < 0:
-                            results[done] = GetStatus.MISS
-                        elif arena.size(row) == obj.nbytes:
-                            scatter(arena.address(row), obj.addrs, obj.sizes)
-                            arena.touch(row, now)
-                            results[done] = GetStatus.HIT
-                        done += 1
-                        if time.monotonic() - started >= pacing.YIELD_EVERY_S:
-                            break
+                    rows = rows or arena.find(hashes)  # found once; checked again after a pause
+                    done = self._read(objects, hashes, keys, rows, done, results, now)
                 if done < len(objects):
                     await anyio.lowlevel.checkpoint()
         except TimeoutError as exc:
@@ -199,6 +191,36 @@ class ArenaBackend:
             self._stats.count_gets(objects, results)
             self._leave()
         return results
+
+    def _read(
+        self,
+        objects: Sequence[ObjectRef],
+        hashes: Hashes,
+        keys: list[list[int]],
+        rows: list[int],
+        done: int,
+        results: list[GetStatus],
+        now: int,
+    ) -> int:
+        """Copy objects out from ``done`` on until the loop has been held long enough (under the
+        shared lock); return how far it got. ``rows`` may have been found under an earlier hold of
+        the lock: a row that no longer holds its key is looked up again (a key found absent is a
+        MISS: it was absent when the get looked)."""
+        arena, started = self._arena, time.monotonic()
+        while done < len(objects):
+            obj, row = objects[done], rows[done]
+            if row >= 0 and not arena.holds(row, *keys[done]):  # taken by a put meanwhile
+                row = rows[done] = arena.find(hashes[done : done + 1])[0]
+            if row < 0:
+                results[done] = GetStatus.MISS
+            elif arena.size(row) == obj.nbytes:
+                scatter(arena.address(row), obj.addrs, obj.sizes)
+                arena.touch(row, now)
+                results[done] = GetStatus.HIT
+            done += 1
+            if time.monotonic() - started >= pacing.YIELD_EVERY_S:
+                break
+        return done
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()

@@ -142,6 +142,11 @@ class ArenaFile:
     _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
     _anchor: ctypes.c_char = attrs.field(init=False)
     base: int = attrs.field(init=False)  # address of the first slot
+    _slot: int = attrs.field(init=False)  # bytes per slot
+    _sizes_at: int = attrs.field(init=False)  # where the size and last-use columns start in _words
+    _used_at: int = attrs.field(init=False)
+    _k0_at: int = attrs.field(init=False)
+    _k1_at: int = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         rows = self.geometry.rows
@@ -151,6 +156,9 @@ class ArenaFile:
         self._words = memoryview(self._map)[_PAGE : _PAGE + rows * _COLUMNS * 8].cast("Q")
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
+        self._slot = self.geometry.slot_bytes
+        self._sizes_at, self._used_at = _NBYTES * rows, _USED * rows
+        self._k0_at, self._k1_at = _K0 * rows, _K1 * rows
 
     @classmethod
     def open(cls, config: ArenaConfig) -> ArenaFile:
@@ -194,10 +202,7 @@ class ArenaFile:
 
     def address(self, row: int) -> int:
         """Where slot ``row`` starts."""
-        return self.base + row * self.geometry.slot_bytes
-
-    def _at(self, column: int, row: int) -> int:
-        return column * self.geometry.rows + row
+        return self.base + row * self._slot
 
     # --- under the shared lock ------------------------------------------------------------------
 
@@ -223,12 +228,17 @@ class ArenaFile:
         result: list[int] = found.tolist()
         return result
 
+    def holds(self, row: int, k0: int, k1: int) -> bool:
+        """Whether slot ``row`` holds the published object of hash ``(k0, k1)``."""
+        words = self._words
+        return words[row] == READY and words[self._k0_at + row] == k0 and words[self._k1_at + row] == k1
+
     def size(self, row: int) -> int:
-        return self._words[self._at(_NBYTES, row)]
+        return self._words[self._sizes_at + row]
 
     def touch(self, row: int, now: int) -> None:
         """Record a use (a benign race under the shared lock: every writer writes a recent time)."""
-        self._words[self._at(_USED, row)] = now
+        self._words[self._used_at + row] = now
 
     def used_bytes(self) -> int:
         """Bytes of the published objects (their sizes, not their slots)."""
