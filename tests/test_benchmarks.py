@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import pytest
 
+from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.profiles import is_book_key
 from tests.backends.conftest import REQUIRE_ENV, mooncake_unusable_reason
@@ -102,6 +103,28 @@ def test_the_bench_leaves_no_kv_in_the_store_it_was_pointed_at(tmp_path: Path) -
 
     left = anyio.run(keys)
     assert left and all(key is not None and is_book_key(key) for key in left), left
+
+
+def test_the_bench_skips_what_an_arena_cannot_hold_and_says_so(tmp_path: Path) -> None:
+    """Objects larger than the arena's slots, and a 10k-block lookup in a store of fewer slots,
+    are left out and reported, not failed; the rest is measured and leaves no KV behind."""
+    url = f"arena://{tmp_path}/store?capacity=8MiB&slot=64KiB"  # 128 slots of 64 KiB
+    result = json.loads(ok(run("-m", "kvflow.cli", "bench", "--backend", url, "--quick", "--json")))
+    assert [row["object_kib"] for row in result["store_retrieve"]] == [64]
+    assert positive(result["store_retrieve"][0]["retrieve_vs_memcpy"])
+    assert result["skipped_sizes"] == [1 << 20] and result["objects_held"] == 128
+    assert result["lookup_10k_ms"] is None
+    out = ok(run("-m", "kvflow.cli", "bench", "--backend", url, "--quick"))
+    assert "objects of 1024 KiB: skipped" in out and "the store holds 128 objects" in out
+
+    async def kinds() -> list[bool]:
+        backend = ArenaBackend.attach(url)
+        try:
+            return [key is not None and is_book_key(key) for key, _ in await backend.list_objects()]
+        finally:
+            await backend.aclose()
+
+    assert all(anyio.run(kinds))  # only the profile announcements stay
 
 
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
