@@ -6,6 +6,7 @@ each test. Several OS processes share a store through :mod:`tests.backends.store
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -24,9 +25,9 @@ import kvflow.backends.arena.backend as arena
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends import open_backend, pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
-from kvflow.backends.arena.store import WAYS, key_hashes
+from kvflow.backends.arena.store import WAYS, KeyHashes, key_hashes
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
-from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.store_worker import Workers, content, read_all, regions
 
@@ -388,3 +389,51 @@ async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_ba
     assert backend.stats().evictions == 0
     assert await get_one(backend, "dying") == (GetStatus.HIT, bytes(filled("dying")))
     await backend.aclose()
+
+
+async def test_a_stuck_lock_holder_fails_calls_within_the_lock_timeout(store_dir: Path) -> None:
+    stuck = open_arena(store_dir)
+    backend = open_arena(store_dir, lock_timeout_s=0.05)
+    await put_all(backend, ["k"])
+    with stuck._arena.lock.held_blocking(arena.EXCLUSIVE, 1):  # another process, stopped in a section
+        started = time.monotonic()
+        assert await put_all(backend, ["new"]) == [PutStatus.FAILED]
+        assert (await get_one(backend, "k"))[0] is GetStatus.FAILED
+        with pytest.raises(BackendError, match="stopped or stuck kvflow process"):
+            await backend.exists(["k"])
+        with pytest.raises(BackendError):
+            await backend.remove(["k"])
+        assert time.monotonic() - started < 2
+    assert await backend.exists(["k", "new"]) == [True, False]
+    stats = backend.stats()
+    assert (stats.put_failures, stats.get_failures) == (1, 1)
+    await backend.aclose()
+    assert backend.stats() == stats  # still readable once closed
+    await stuck.aclose()
+
+
+async def test_closing_waits_for_a_lookup_that_waits_for_the_lock(store_dir: Path) -> None:
+    stuck, backend = open_arena(store_dir), open_arena(store_dir)
+    await put_all(backend, ["k"])
+    found: list[bool] = []
+
+    async def look() -> None:
+        found.extend(await backend.exists(["k"]))
+
+    fcntl.flock(stuck._arena.lock.fd, fcntl.LOCK_EX)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(look)
+        await anyio.sleep(0.01)  # the lookup is waiting for the lock
+        await backend.aclose()
+        fcntl.flock(stuck._arena.lock.fd, fcntl.LOCK_UN)
+    assert found == [True]  # answered from the arena, still mapped
+    await stuck.aclose()
+
+
+def test_remembered_key_hashes_are_the_computed_ones_and_stay_bounded() -> None:
+    hashes = KeyHashes(limit=4)
+    keys = ["a", "b", "a", "ключ"]
+    assert (hashes(keys) == key_hashes(keys)).all()
+    assert (hashes(keys) == key_hashes(keys)).all()  # from memory
+    assert (hashes(["d", "e"]) == key_hashes(["d", "e"])).all()  # 3 + 2 > 4: starts afresh
+    assert sorted(hashes._known) == ["d", "e"]

@@ -15,9 +15,10 @@ holds the loop for at most that plus one object's copy. See docs/arena-backend.m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -26,9 +27,9 @@ import attrs
 from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
-from kvflow.backends.arena.store import ArenaFile, Hashes, key_hashes, stored_geometry
+from kvflow.backends.arena.store import ArenaFile, Hashes, KeyHashes, stored_geometry
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
-from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import gather, scatter
 
 __all__ = ["ArenaBackend", "ArenaConfig"]
@@ -54,6 +55,7 @@ class ArenaBackend:
     _stats: BackendStats = attrs.field(init=False)
     _too_large_logged: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _hashes: KeyHashes = attrs.field(factory=KeyHashes, init=False)
     _busy: int = attrs.field(default=0, init=False)  # puts and gets running: the arena stays mapped
 
     def __attrs_post_init__(self) -> None:
@@ -97,8 +99,10 @@ class ArenaBackend:
         """Nothing to register: copies are plain ``memmove`` between mapped memory and the caller's."""
 
     def stats(self) -> BackendStats:
-        """Counters of this instance; ``used_bytes`` is the arena's, read from its table now."""
-        self._check_open()
+        """Counters of this instance; ``used_bytes`` is the arena's, read from its table now (once
+        closed: as last read)."""
+        if self._closed:
+            return self._stats
         self._stats.used_bytes = self._arena.used_bytes()
         self._stats.evictions = self._arena.evictions
         return self._stats
@@ -138,7 +142,7 @@ class ArenaBackend:
         fits = [i for i, obj in enumerate(objects) if obj.nbytes <= slot_bytes]
         if len(fits) < len(objects):
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
-        hashes = key_hashes([objects[i].key for i in fits])
+        hashes = self._hashes([objects[i].key for i in fits])
         now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             for i, got in zip(fits, self._arena.claim(hashes, now)):
@@ -174,7 +178,7 @@ class ArenaBackend:
         self._enter()
         results = [GetStatus.FAILED] * len(objects)
         arena, now = self._arena, time.monotonic_ns()
-        hashes = key_hashes([obj.key for obj in objects])
+        hashes = self._hashes([obj.key for obj in objects])
         keys: list[list[int]] = hashes.tolist()
         rows: list[int] = []
         done = 0
@@ -223,36 +227,44 @@ class ArenaBackend:
         return done
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
-        hashes = key_hashes(keys)
-        async with self._arena.lock.held(SHARED, self.config.lock_timeout_s):
-            return [row >= 0 for row in self._arena.find(hashes)]
+        hashes = self._hashes(keys)
+        async with self._locked(SHARED) as arena:
+            return arena.present(hashes)
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
-        hashes = key_hashes(keys)
-        async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-            return self._arena.remove(hashes)
+        hashes = self._hashes(keys)
+        async with self._locked(EXCLUSIVE) as arena:
+            return arena.remove(hashes)
 
     async def list_objects(self) -> list[tuple[str | None, int]]:
         """Every object in the store: ``(key, bytes)``, the key None where it was too long to keep
         (over 254 bytes)."""
-        self._check_open()
-        async with self._arena.lock.held(SHARED, self.config.lock_timeout_s):
-            return self._arena.listing()
+        async with self._locked(SHARED) as arena:
+            return arena.listing()
 
     async def usage(self) -> int:
         """Bytes of the objects in the store (their sizes, not their slots)."""
-        self._check_open()
-        async with self._arena.lock.held(SHARED, self.config.lock_timeout_s):
-            return self._arena.used_bytes()
+        async with self._locked(SHARED) as arena:
+            return arena.used_bytes()
 
     async def clear(self) -> int:
         """Remove every object (of every model, and the profile book's); return how many. Slots
         being written are left to their writers."""
-        self._check_open()
-        async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-            return self._arena.clear()
+        async with self._locked(EXCLUSIVE) as arena:
+            return arena.clear()
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, mode: int) -> AsyncIterator[ArenaFile]:
+        """The arena under the lock, for a body that does not await; BackendError after the lock
+        timeout (as the protocol asks of ``exists`` and ``remove``)."""
+        self._enter()
+        try:
+            async with self._arena.lock.held(mode, self.config.lock_timeout_s):
+                yield self._arena
+        except TimeoutError as exc:
+            raise BackendError(f"the arena store {self.root} cannot answer: {exc}") from exc
+        finally:
+            self._leave()
 
     async def aclose(self) -> None:
         """Close; the arena is unmapped once the puts and gets still running have returned."""

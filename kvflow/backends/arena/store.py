@@ -19,7 +19,9 @@ process of the host). Rows change only under the exclusive lock and are read und
 (:mod:`kvflow.backends.arena.lock`), so a reader never sees a slot change under it. A put claims a
 slot (WRITING, under the lock), copies without the lock, and publishes it (READY, under the lock); a
 writer that dies in between leaves a WRITING slot that is never read and that a later claim in its
-set takes back. A claim writes the owner, then the state, then the key: a process killed between
+set takes back. Beside the table, one byte per slot holds the low byte of its key's second word: a lookup
+compares those tags across its sets and reads the words of the matching rows only. A claim writes
+the owner, then the state, then the key: a process killed between
 any two of those writes leaves either the old object, whole, or a slot of a dead writer.
 
 Everything here is synchronous; the caller holds the right lock.
@@ -57,6 +59,7 @@ __all__ = [
     "WRITING",
     "ArenaFile",
     "Geometry",
+    "KeyHashes",
     "key_hashes",
     "stored_geometry",
 ]
@@ -89,8 +92,28 @@ def _pages(nbytes: int) -> int:
 
 def key_hashes(keys: Sequence[str]) -> Hashes:
     """The two words that name each key in the table (its xxh3-128 hash)."""
-    data = b"".join([xxhash.xxh3_128_digest(k.encode("utf-8", "surrogatepass")) for k in keys])
+    data = b"".join([_digest(k) for k in keys])
     return np.frombuffer(data, dtype="<u8").reshape(-1, 2)
+
+
+def _digest(key: str) -> bytes:
+    return xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
+
+
+@attrs.define
+class KeyHashes:
+    """:func:`key_hashes` remembering the digests of the last keys it was given (up to ``limit``;
+    then it starts afresh): a prefix is looked up many times (each scheduler step, then loaded)."""
+
+    limit: int = 1 << 17
+    _known: dict[str, bytes] = attrs.field(factory=dict)
+
+    def __call__(self, keys: Sequence[str]) -> Hashes:
+        known = self._known
+        if len(known) + len(keys) > self.limit:
+            known.clear()
+        digests = [known.get(k) or known.setdefault(k, _digest(k)) for k in keys]
+        return np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, 2)
 
 
 @attrs.frozen
@@ -112,8 +135,12 @@ class Geometry:
         return self.sets * self.ways
 
     @property
-    def keys_offset(self) -> int:
+    def tags_offset(self) -> int:
         return _PAGE + _pages(self.rows * _COLUMNS * 8)
+
+    @property
+    def keys_offset(self) -> int:
+        return self.tags_offset + _pages(self.rows)
 
     @property
     def data_offset(self) -> int:
@@ -139,6 +166,8 @@ class ArenaFile:
     me: WriterId = attrs.field(factory=WriterId.current)
     evictions: int = 0  # published objects whose slots this instance's claims took
     _table: npt.NDArray[np.uint64] = attrs.field(init=False)  # columns x rows
+    _tags: npt.NDArray[np.uint8] = attrs.field(init=False)  # per row: the low byte of its k1
+    _tag_bytes: memoryview = attrs.field(init=False)  # the same, to write one
     _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
     _anchor: ctypes.c_char = attrs.field(init=False)
     base: int = attrs.field(init=False)  # address of the first slot
@@ -154,6 +183,9 @@ class ArenaFile:
             _COLUMNS, rows
         )
         self._words = memoryview(self._map)[_PAGE : _PAGE + rows * _COLUMNS * 8].cast("Q")
+        tags = self.geometry.tags_offset
+        self._tags = np.frombuffer(self._map, dtype=np.uint8, count=rows, offset=tags)
+        self._tag_bytes = memoryview(self._map)[tags : tags + rows]
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
         self._slot = self.geometry.slot_bytes
@@ -194,7 +226,8 @@ class ArenaFile:
     def close(self) -> None:
         """Unmap the arena and close the descriptors (call once no copy is running)."""
         self._words.release()
-        del self._table, self._anchor
+        self._tag_bytes.release()
+        del self._table, self._tags, self._anchor
         self._map.close()
         for fd in (self.lock.fd, self._root_fd):
             with contextlib.suppress(OSError):
@@ -209,15 +242,24 @@ class ArenaFile:
     def _same_key(self, hashes: Hashes) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
         """Pairs (object index, row) whose row's key words equal the object's, in any state."""
         ways, sets = self.geometry.ways, self.geometry.sets
-        k0 = np.ascontiguousarray(hashes[:, 0])
+        k0, k1 = np.ascontiguousarray(hashes[:, 0]), np.ascontiguousarray(hashes[:, 1])
         chosen = (k0 % np.uint64(sets)).astype(np.intp)
-        # (flatnonzero of the flat mask: np.nonzero of a 2-D one is many times slower)
-        index, way = np.divmod(
-            np.flatnonzero(self._table[_K0].reshape(sets, ways)[chosen] == k0[:, None]), ways
-        )
+        # The one-byte tags of the sets first (an eighth of the bytes of a key word), then the
+        # words of the few rows whose tag matches. (flatnonzero of the flat mask: np.nonzero of a
+        # 2-D one is many times slower.)
+        tags = (k1 & np.uint64(0xFF)).astype(np.uint8)
+        index, way = np.divmod(np.flatnonzero(self._tags.reshape(sets, ways)[chosen] == tags[:, None]), ways)
         rows = chosen[index] * ways + way
-        same = self._table[_K1][rows] == hashes[index, 1]
+        same = (self._table[_K0][rows] == k0[index]) & (self._table[_K1][rows] == k1[index])
         return index[same], rows[same]
+
+    def present(self, hashes: Hashes) -> list[bool]:
+        """For each hash, whether its object is published."""
+        index, rows = self._same_key(hashes)
+        found = np.zeros(len(hashes), dtype=bool)
+        found[index[self._table[_STATE][rows] == READY]] = True
+        result: list[bool] = found.tolist()
+        return result
 
     def find(self, hashes: Hashes) -> list[int]:
         """For each hash, the row of its published object, or -1."""
@@ -304,6 +346,7 @@ class ArenaFile:
         words[_NS * n + row], words[_PID * n + row], words[_START * n + row] = me.namespace, me.pid, me.start
         words[row] = WRITING
         words[_K0 * n + row], words[_K1 * n + row], words[_USED * n + row] = k0, k1, now
+        self._tag_bytes[row] = k1 & 0xFF
 
     def publish(self, row: int, nbytes: int, key: str) -> None:
         """Make a slot this process claimed readable, holding ``nbytes`` of ``key``'s object."""
