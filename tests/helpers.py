@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Awaitable, Callable, Sequence
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 
 import anyio
 import attrs
@@ -20,6 +25,22 @@ BLOCK = 16
 def open_fds() -> int:
     """How many descriptors this process has open (to prove a call left none behind)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+@contextlib.contextmanager
+def bounded_shm(size: str = "256m") -> Iterator[Path]:
+    """A fresh directory on tmpfs, removed afterwards. As root it is a private tmpfs of ``size``, so
+    a store that takes more memory than a test meant (a bug, or a mutant) fails with ENOSPC instead
+    of filling the host's memory; elsewhere a directory under /dev/shm."""
+    path = Path(tempfile.mkdtemp(prefix="kvflow-test-", dir="/dev/shm"))
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
+    mounted = os.geteuid() == 0 and subprocess.run(mount, capture_output=True).returncode == 0
+    try:
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _rand(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:

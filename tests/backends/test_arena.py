@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.store_worker import Workers, content, read_all, regions
+from tests.helpers import bounded_shm
 
 KiB = 1 << 10
 SLOT = 16 * KiB
@@ -37,11 +37,8 @@ SLOT = 16 * KiB
 
 @pytest.fixture
 def store_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvflow-test-arena-", dir="/dev/shm"))
-    try:
+    with bounded_shm() as path:
         yield path / "store"
-    finally:
-        shutil.rmtree(path)
 
 
 def open_arena(path: Path, slots: int = 16, slot: int = SLOT, **kwargs: object) -> ArenaBackend:
@@ -213,7 +210,7 @@ def test_a_creator_that_died_leaves_nothing_in_the_way(store_dir: Path) -> None:
 
 
 def test_a_store_larger_than_its_filesystem_is_a_config_error(store_dir: Path) -> None:
-    total = shutil.disk_usage("/dev/shm").total  # beyond the size of the tmpfs: refused at once
+    total = shutil.disk_usage(store_dir.parent).total  # beyond the size of the tmpfs: refused at once
     with pytest.raises(ConfigError, match="no room"):
         open_arena(store_dir, slots=total // SLOT + 1024)
     assert list(store_dir.iterdir()) == [store_dir / "kvflow.lock"]

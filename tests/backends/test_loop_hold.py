@@ -13,12 +13,9 @@ not fail the test; a call that holds the loop does so every time.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from pathlib import Path
 from typing import TypeVar
 
 import anyio
@@ -34,6 +31,7 @@ from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.memory import MemoryBackend, MemoryConfig
 from kvflow.regions import buffer_address
+from tests.helpers import bounded_shm
 
 MiB = 1 << 20
 LIMIT_S = 0.004  # "about 2 ms" (1 ms measured on a quiet machine), with room for a busy shared one
@@ -70,8 +68,7 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         yield made
         await made.aclose()
         return
-    path = Path(tempfile.mkdtemp(prefix="kvflow-test-", dir="/dev/shm"))  # tmpfs, as in production
-    try:
+    with bounded_shm("1g") as path:  # tmpfs, as in production
         if request.param == "arena":  # room for one round: a slot per object, each a whole object
             count, size = request.node.callspec.params["count"], request.node.callspec.params["size"]
             slot = -(-size // 4096) * 4096
@@ -81,8 +78,6 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
             made = LocalBackend(LocalConfig(str(path / "store"), capacity_bytes=2 << 30))
         yield made
         await made.aclose()
-    finally:
-        shutil.rmtree(path)
 
 
 def refs(tag: str, bufs: list[bytearray]) -> list[ObjectRef]:
