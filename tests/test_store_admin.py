@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends.arena import ArenaBackend
-from kvflow.backends.base import ObjectRef
+from kvflow.backends.base import GetStatus, ObjectRef
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.backend import key_of_file_name
 from kvflow.backends.local.format import object_file_name
@@ -158,12 +158,16 @@ async def test_the_arena_lists_keys_sizes_and_keys_too_long_to_keep(tmp_path: Pa
     backend = ArenaBackend.from_url(f"arena://{tmp_path}/s?capacity=64KiB&slot=4KiB")
     try:
         data = bytearray(b"x" * 300)
-        long_key = "k" * 300  # over the 254 bytes a slot keeps of its key
-        objects = [ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in (("a/b c", 10), (long_key, 300))]
-        await backend.put(objects)
-        assert sorted(await backend.list_objects(), key=str) == sorted([("a/b c", 10), (None, 300)], key=str)
-        assert await backend.usage() == 310
-        assert await backend.clear() == 2
+        kept, too_long = "k" * 254, "k" * 255  # a slot keeps 254 bytes of its key
+        odd = "a\udcff"  # a lone surrogate: not UTF-8, but a str key all the same
+        sizes = {"a/b c": 10, kept: 20, too_long: 300, odd: 30}
+        await backend.put([ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in sizes.items()])
+        listed = sorted(await backend.list_objects(), key=str)
+        assert listed == sorted([("a/b c", 10), (kept, 20), (None, 300), (odd, 30)], key=str)
+        out = bytearray(30)
+        assert await backend.get([ObjectRef.of(odd, [buffer_address(out)], [30])]) == [GetStatus.HIT]
+        assert await backend.usage() == 360
+        assert await backend.clear() == 4
         assert await backend.list_objects() == [] and await backend.usage() == 0
     finally:
         await backend.aclose()

@@ -29,7 +29,7 @@ from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.store_worker import Workers, content, read_all, regions
-from tests.helpers import bounded_shm
+from tests.helpers import bounded_shm, open_fds
 
 KiB = 1 << 10
 SLOT = 16 * KiB
@@ -74,7 +74,8 @@ async def test_round_trip_of_scattered_regions_and_a_miss(store_dir: Path) -> No
     for key in keys:
         assert await get_one(backend, key, 5000) == (GetStatus.HIT, bytes(filled(key, 5000)))
     assert (await get_one(backend, "absent", 5000))[0] is GetStatus.MISS
-    assert await backend.exists(["k3", "absent", "k0"]) == [True, False, True]
+    found = await backend.exists(["k3", "absent", "k0"])
+    assert found == [True, False, True] and {type(f) for f in found} == {bool}
     stats = backend.stats()
     assert (stats.puts, stats.put_bytes, stats.hits, stats.misses) == (5, 25000, 5, 1)
     assert (stats.used_bytes, stats.capacity_bytes) == (25000, 16 * SLOT)
@@ -85,10 +86,11 @@ async def test_put_never_overwrites_and_a_size_mismatch_fails(store_dir: Path) -
     backend = open_arena(store_dir)
     assert await put_all(backend, ["k"]) == [PutStatus.STORED]
     other = bytearray(b"x" * SLOT)
-    assert await backend.put([obj("k", other), obj("k2", other), obj("k2", other)]) == [
+    assert await backend.put([obj("k", other), obj("k2", other), obj("k2", other), obj("k3", other)]) == [
         PutStatus.PRESENT,
         PutStatus.STORED,
-        PutStatus.PRESENT,  # the same key twice in one batch: stored once
+        PutStatus.PRESENT,  # the same key twice in one batch: stored once, and the batch goes on
+        PutStatus.STORED,
     ]
     assert await get_one(backend, "k") == (GetStatus.HIT, bytes(filled("k")))
     small = bytearray(100)
@@ -104,6 +106,7 @@ async def test_an_object_larger_than_a_slot_fails_and_says_what_to_do(
     big, fits = filled("big", SLOT + 1), filled("fits")
     with caplog.at_level(logging.ERROR):
         results = await backend.put([obj("big", big), obj("fits", fits), obj("big2", big)])
+        assert await backend.put([obj("big3", big)]) == [PutStatus.FAILED]
     assert results == [PutStatus.FAILED, PutStatus.STORED, PutStatus.FAILED]
     assert [r.getMessage() for r in caplog.records if "slot=" in r.getMessage()] != []
     assert len(caplog.records) == 1  # once per instance
@@ -159,11 +162,41 @@ async def test_every_slot_being_written_is_no_space(store_dir: Path) -> None:
     async with writer._arena.lock.held(arena.EXCLUSIVE, 1):
         claims = writer._arena.claim(key_hashes(["w0", "w1", "w2", "w3"]), time.monotonic_ns())
     assert all(isinstance(row, int) for row in claims)
-    assert await put_all(other, ["x"]) == [PutStatus.NO_SPACE]
-    assert await put_all(other, ["w2"]) == [PutStatus.PRESENT]  # a live writer is writing it
+    # a live writer is writing w2; every answer lets the batch go on
+    assert await put_all(other, ["x", "w2"]) == [PutStatus.NO_SPACE, PutStatus.PRESENT]
+    assert await put_all(other, ["w2", "x"]) == [PutStatus.PRESENT, PutStatus.NO_SPACE]
     assert await other.exists(["w2"]) == [False]  # not readable until published
     await writer.aclose()
     await other.aclose()
+
+
+async def fill_in_order(backend: ArenaBackend, keys: list[str]) -> None:
+    """Each key in its own put, so that each is used later than the one before."""
+    for key in keys:
+        assert await put_all(backend, [key]) == [PutStatus.STORED]
+
+
+async def test_a_batch_never_evicts_a_key_it_finds_present(store_dir: Path) -> None:
+    backend = open_arena(store_dir, slots=4)
+    await fill_in_order(backend, ["a", "b", "c", "d"])  # a is the least recently used
+    assert await put_all(backend, ["x", "a"]) == [PutStatus.STORED, PutStatus.PRESENT]
+    assert await backend.exists(["a", "b", "c", "d", "x"]) == [True, False, True, True, True]
+    assert await get_one(backend, "a") == (GetStatus.HIT, bytes(filled("a")))
+    await backend.aclose()
+
+
+async def test_every_slot_answers_for_its_key_and_a_freed_one_takes_it_again(store_dir: Path) -> None:
+    backend = open_arena(store_dir, slots=4)
+    keys = ["a", "b", "c", "d"]
+    await fill_in_order(backend, keys)  # every slot, the first one included
+    assert await put_all(backend, keys) == [PutStatus.PRESENT] * 4
+    assert await backend.remove(["d"]) == [True]
+    assert await put_all(backend, ["d"]) == [PutStatus.STORED]  # into its old slot: nothing evicted
+    assert backend.stats().evictions == 0
+    for key in keys:
+        assert await get_one(backend, key) == (GetStatus.HIT, bytes(filled(key)))
+    assert await backend.remove(keys) == [True] * 4
+    await backend.aclose()
 
 
 async def test_remove(store_dir: Path) -> None:
@@ -229,10 +262,30 @@ def test_the_store_is_private_and_never_opened_through_a_symlink(store_dir: Path
         open_arena(store_dir)
 
 
+def test_a_store_shared_with_a_group_gets_the_groups_modes(store_dir: Path) -> None:
+    group = str(os.getegid())  # a group this user is in
+    backend = ArenaBackend.from_url(f"arena://{store_dir}?capacity=64KiB&slot=16KiB&group={group}")
+    assert stat.S_IMODE(store_dir.stat().st_mode) == 0o2770
+    assert stat.S_IMODE((store_dir / "arena").stat().st_mode) == 0o660
+    assert (store_dir / "arena").stat().st_gid == os.getegid()
+    anyio.run(backend.aclose)
+
+
+def test_opening_and_closing_leaves_no_descriptor_open(store_dir: Path) -> None:
+    anyio.run(open_arena(store_dir).aclose)  # made once
+    before = open_fds()
+    for _ in range(3):
+        anyio.run(open_arena(store_dir).aclose)
+    assert open_fds() == before
+
+
 def test_urls() -> None:
     config = ArenaConfig.from_url("arena:///dev/shm/x?capacity=1GiB&slot=256KiB&lock_timeout=2")
     assert config == ArenaConfig("/dev/shm/x", 1 << 30, 256 * KiB, 2.0)
     assert ArenaConfig.from_url("arena://").path == f"/dev/shm/kvflow-arena-{os.geteuid()}"
+    assert ArenaConfig("/dev/shm/x", 1 << 30, 64 << 20).slot_bytes == 64 << 20  # the largest slot
+    with pytest.raises(ConfigError, match="multiple of 4KiB"):
+        ArenaConfig("/dev/shm/x", 1 << 30, "1MiB")  # type: ignore[arg-type]
     for url, problem in [
         ("arena:///dev/shm/x?slot=1000", "multiple of 4KiB"),
         ("arena:///dev/shm/x?slot=128MiB", "multiple of 4KiB from 4KiB to 64MiB"),
@@ -314,7 +367,9 @@ async def test_closing_waits_for_a_put_still_copying(store_dir: Path, checkpoint
         tg.start_soon(put)
         await anyio.lowlevel.checkpoint()
         await backend.aclose()  # the put is between two copies: the arena stays mapped
+        assert not backend._arena._map.closed
     assert results == [PutStatus.STORED] * 6
+    assert backend._arena._map.closed  # unmapped once the put returned
     with pytest.raises(PoolClosedError):
         await backend.get([obj("k0", bytearray(SLOT))])
     again = open_arena(store_dir)
@@ -434,3 +489,88 @@ def test_remembered_key_hashes_are_the_computed_ones_and_stay_bounded() -> None:
     assert (hashes(keys) == key_hashes(keys)).all()  # from memory
     assert (hashes(["d", "e"]) == key_hashes(["d", "e"])).all()  # 3 + 2 > 4: starts afresh
     assert sorted(hashes._known) == ["d", "e"]
+
+
+async def test_closing_during_two_calls_unmaps_after_the_last(
+    store_dir: Path, checkpoint_often: None
+) -> None:
+    backend = open_arena(store_dir)
+    await put_all(backend, ["k0", "k1", "k2"])
+    outcomes: list[object] = []
+
+    async def put() -> None:
+        outcomes.append(await put_all(backend, [f"p{i}" for i in range(4)]))
+
+    async def get() -> None:
+        outs = [bytearray(SLOT) for _ in range(3)]
+        outcomes.append(await backend.get([obj(f"k{i}", out) for i, out in enumerate(outs)]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        tg.start_soon(get)
+        await anyio.lowlevel.checkpoint()
+        await backend.aclose()
+        assert not backend._arena._map.closed
+    assert [PutStatus.STORED] * 4 in outcomes and [GetStatus.HIT] * 3 in outcomes
+    assert backend._arena._map.closed
+
+
+async def test_a_cancelled_put_gives_its_slots_back_even_while_the_lock_is_busy(
+    store_dir: Path, checkpoint_often: None
+) -> None:
+    backend, stuck = open_arena(store_dir, slots=4), open_arena(store_dir, slots=4)
+    with anyio.CancelScope() as scope:
+
+        async def cancel_while_locked() -> None:
+            await anyio.lowlevel.checkpoint()  # the put has claimed its slots and copies
+            fcntl.flock(stuck._arena.lock.fd, fcntl.LOCK_EX)
+            scope.cancel()
+            with anyio.CancelScope(shield=True):  # (this task is in the cancelled scope too)
+                await anyio.sleep(0.02)  # the cancelled put waits to give its slots back
+            fcntl.flock(stuck._arena.lock.fd, fcntl.LOCK_UN)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_while_locked)
+            await put_all(backend, ["a", "b", "c", "d"])
+    assert await put_all(backend, ["e", "f", "g", "h"]) == [PutStatus.STORED] * 4
+    assert backend.stats().evictions == 0
+    await backend.aclose()
+    await stuck.aclose()
+
+
+async def test_a_get_never_copies_a_slot_written_again_while_it_paused(
+    store_dir: Path, checkpoint_often: None
+) -> None:
+    """The get finds both slots, copies "a" and lets the loop run; meanwhile "k" is removed and a
+    writer in another process claims its slot for "k" again and stops before publishing it."""
+    backend = open_arena(store_dir, slots=4)
+    await fill_in_order(backend, ["a", "k", "b", "c"])
+    url = f"arena://{store_dir}?capacity={4 * SLOT}&slot={SLOT}"
+    workers = Workers([{"url": url, "writer": 1, "keys": ["k"], "size": SLOT, "pause": True}])
+    try:
+
+        async def rewrite_k() -> None:  # runs while the get is paused after its first object
+            assert await backend.remove(["k"]) == [True]
+            proc = workers.procs[0]
+            workers.wait_for(proc, "READY")
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            workers.wait_for(proc, "PAUSED")  # "k" claimed (its old slot) and copied, not published
+
+        outs = [bytearray(SLOT), bytearray(SLOT)]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rewrite_k)
+            results = await backend.get([obj("a", outs[0]), obj("k", outs[1])])
+    finally:
+        workers.kill_all()
+    assert results == [GetStatus.HIT, GetStatus.MISS]
+    assert outs[0] == filled("a")
+    await backend.aclose()
+
+
+def test_looking_at_a_short_file_that_is_not_an_arena_is_refused(store_dir: Path) -> None:
+    store_dir.mkdir(mode=0o700)
+    (store_dir / "arena").write_bytes(b"KVF")
+    with pytest.raises(ConfigError, match="is not a kvflow arena"):
+        ArenaBackend.attach(f"arena://{store_dir}")

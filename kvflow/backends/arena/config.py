@@ -61,7 +61,8 @@ class ArenaConfig:
 
     @capacity_bytes.validator
     def _capacity(self, _: attrs.Attribute[int], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < self.slot_bytes:
+        slot = self.slot_bytes if isinstance(self.slot_bytes, int) else _PAGE  # checked next
+        if isinstance(value, bool) or not isinstance(value, int) or value < slot:
             raise ConfigError(
                 f"capacity must be at least one slot ({self.slot_bytes} bytes), got {value!r}: e.g. "
                 "capacity=4GiB"

@@ -166,9 +166,9 @@ class ArenaFile:
     me: WriterId = attrs.field(factory=WriterId.current)
     evictions: int = 0  # published objects whose slots this instance's claims took
     _table: npt.NDArray[np.uint64] = attrs.field(init=False)  # columns x rows
+    _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
     _tags: npt.NDArray[np.uint8] = attrs.field(init=False)  # per row: the low byte of its k1
     _tag_bytes: memoryview = attrs.field(init=False)  # the same, to write one
-    _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
     _anchor: ctypes.c_char = attrs.field(init=False)
     base: int = attrs.field(init=False)  # address of the first slot
     _slot: int = attrs.field(init=False)  # bytes per slot
@@ -294,37 +294,33 @@ class ArenaFile:
         NO_SPACE (every slot of its set is being written).
 
         A key already published, or being written by a live process (or earlier in ``hashes``), is
-        PRESENT; a published one counts as used. Otherwise a claim takes, in order: a free slot of
-        the set, one whose writer died, the least recently used published one (counted in
-        :attr:`evictions`); never one this call claimed or found PRESENT.
+        PRESENT; a published one counts as used. A slot that held the key before (freed, or its
+        writer died) takes it again. Otherwise a claim takes, in order: a free slot of the set, one
+        whose writer died, the least recently used published one (counted in :attr:`evictions`);
+        never a slot this call claimed, nor one that holds (or held) another key of the call.
         """
         words, rows_total = self._words, self.geometry.rows
         index, rows = self._same_key(hashes)
         same = dict(zip(index.tolist(), rows.tolist()))
-        queues = _Queues(self, hashes)
+        queues = _Queues(self, hashes, taken=set(same.values()))
         seen: set[tuple[int, int]] = set()
         results: list[int | PutStatus] = []
         for i, (k0, k1) in enumerate(hashes.tolist()):
-            row = same.get(i, -1)
             if (k0, k1) in seen:
                 results.append(PutStatus.PRESENT)
                 continue
             seen.add((k0, k1))
+            row = same.get(i, -1)
             if row >= 0:
                 state = words[row]
                 if state == READY:
                     words[_USED * rows_total + row] = now
-                    queues.taken.add(row)
                     results.append(PutStatus.PRESENT)
                     continue
                 if state == WRITING and self._alive(row):
                     results.append(PutStatus.PRESENT)
                     continue
-                if state != FREE:  # its writer died: take its slot over
-                    queues.taken.add(row)
-                else:
-                    row = -1
-            if row < 0:
+            else:
                 row = queues.next(i)
                 if row < 0:
                     results.append(PutStatus.NO_SPACE)
@@ -402,7 +398,7 @@ class _Queues:
 
     arena: ArenaFile
     hashes: Hashes
-    taken: set[int] = attrs.field(factory=set)
+    taken: set[int]  # slots no claim of the call may be given
     _sets: npt.NDArray[np.intp] = attrs.field(init=False)
     _order: dict[int, list[int]] = attrs.field(init=False)
 
