@@ -158,16 +158,17 @@ async def test_the_arena_lists_keys_sizes_and_keys_too_long_to_keep(tmp_path: Pa
     backend = ArenaBackend.from_url(f"arena://{tmp_path}/s?capacity=64KiB&slot=4KiB")
     try:
         data = bytearray(b"x" * 300)
-        kept, too_long = "k" * 254, "k" * 255  # a slot keeps 254 bytes of its key
+        kept = "k" * 254  # a slot keeps 254 bytes of its key
         odd = "a\udcff"  # a lone surrogate: not UTF-8, but a str key all the same
-        sizes = {"a/b c": 10, kept: 20, too_long: 300, odd: 30}
+        sizes = {"a/b c": 10, kept: 20, odd: 30, "l" * 255: 40, "m" * 256: 50, "n" * 300: 60}
         await backend.put([ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in sizes.items()])
         listed = sorted(await backend.list_objects(), key=str)
-        assert listed == sorted([("a/b c", 10), (kept, 20), (None, 300), (odd, 30)], key=str)
+        expected = [("a/b c", 10), (kept, 20), (odd, 30), (None, 40), (None, 50), (None, 60)]
+        assert listed == sorted(expected, key=str)
         out = bytearray(30)
         assert await backend.get([ObjectRef.of(odd, [buffer_address(out)], [30])]) == [GetStatus.HIT]
-        assert await backend.usage() == 360
-        assert await backend.clear() == 4
+        assert await backend.usage() == 210
+        assert await backend.clear() == 6
         assert await backend.list_objects() == [] and await backend.usage() == 0
     finally:
         await backend.aclose()

@@ -236,10 +236,18 @@ def test_a_file_that_is_not_an_arena_is_refused(store_dir: Path) -> None:
 
 def test_a_creator_that_died_leaves_nothing_in_the_way(store_dir: Path) -> None:
     store_dir.mkdir(mode=0o700)
-    (store_dir / "arena.new").write_bytes(b"half made")
+    (store_dir / "arena.new").write_bytes(b"half made" * 100_000)  # larger than the arena to make
     backend = open_arena(store_dir)
     assert sorted(p.name for p in store_dir.iterdir()) == ["arena", "kvflow.lock"]
     anyio.run(backend.aclose)
+
+
+def test_a_truncated_arena_is_refused(store_dir: Path) -> None:
+    anyio.run(open_arena(store_dir).aclose)
+    arena_file = store_dir / "arena"
+    os.truncate(arena_file, arena_file.stat().st_size // 2)  # its header is whole
+    with pytest.raises(ConfigError, match="holds 16 slots of 16384 bytes"):
+        open_arena(store_dir)
 
 
 def test_a_store_larger_than_its_filesystem_is_a_config_error(store_dir: Path) -> None:
@@ -571,6 +579,6 @@ async def test_a_get_never_copies_a_slot_written_again_while_it_paused(
 
 def test_looking_at_a_short_file_that_is_not_an_arena_is_refused(store_dir: Path) -> None:
     store_dir.mkdir(mode=0o700)
-    (store_dir / "arena").write_bytes(b"KVF")
+    (store_dir / "arena").write_bytes(b"KVFARENA\x01")  # the magic, but not a whole header
     with pytest.raises(ConfigError, match="is not a kvflow arena"):
         ArenaBackend.attach(f"arena://{store_dir}")
