@@ -47,7 +47,14 @@ from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
 from kvflow.backends.base import PutStatus
 from kvflow.backends.local.format import WriterId
-from kvflow.backends.local.safety import LOCK_NAME, Access, open_root, open_store_file, unusable_message
+from kvflow.backends.local.safety import (
+    LOCK_NAME,
+    Access,
+    open_root,
+    open_store_file,
+    opening,
+    unusable_message,
+)
 from kvflow.errors import ConfigError
 
 __all__ = [
@@ -201,8 +208,7 @@ class ArenaFile:
         root = os.path.normpath(config.path)
         access = Access.of(config.group)
         geometry = Geometry.of(config)
-        fds: list[int] = []
-        try:
+        with opening(root) as fds:
             fds.append(open_root(root, access))
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
             lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
@@ -214,12 +220,6 @@ class ArenaFile:
                 flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
-        except BaseException as exc:
-            for fd in fds:
-                os.close(fd)
-            if isinstance(exc, OSError):
-                raise ConfigError(unusable_message(root, exc)) from exc
-            raise
         os.close(fds.pop())  # the map keeps the file
         return cls(root, geometry, lock, fds[0], mapped)
 

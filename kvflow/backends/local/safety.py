@@ -24,6 +24,7 @@ import logging
 import os
 import pwd
 import stat
+from collections.abc import Iterator
 
 import attrs
 
@@ -35,6 +36,7 @@ __all__ = [
     "StoreDirs",
     "open_root",
     "open_store_file",
+    "opening",
     "unusable_message",
     "user_name",
 ]
@@ -213,24 +215,32 @@ class StoreDirs:
         Raises ConfigError naming the path and what to do when it cannot be used safely.
         """
         root = os.path.normpath(path)
-        fds: list[int] = []
-        try:
+        with opening(root) as fds:
             fds.append(open_root(root, access))
             for name in ("objects", "tmp"):
                 fds.append(_open_dir(fds[0], name, f"{root}/{name}", access, may_fix=True))
             fds.append(_open_lock(fds[0], f"{root}/{LOCK_NAME}", access))
-        except BaseException as exc:
-            for fd in fds:
-                os.close(fd)
-            if isinstance(exc, OSError):
-                raise ConfigError(unusable_message(root, exc)) from exc
-            raise
         return cls(root, access, *fds)
 
     def close(self) -> None:
         for fd in (self.lock_fd, self.tmp_fd, self.objects_fd, self.root_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def opening(root: str) -> Iterator[list[int]]:
+    """A list for the descriptors a store at ``root`` opens: if opening fails they are all closed,
+    and an OSError becomes a ConfigError saying what to do."""
+    fds: list[int] = []
+    try:
+        yield fds
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, OSError):
+            raise ConfigError(unusable_message(root, exc)) from exc
+        raise
 
 
 def unusable_message(root: str, exc: OSError) -> str:
