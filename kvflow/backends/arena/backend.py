@@ -56,7 +56,7 @@ class ArenaBackend:
     _too_large_logged: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
     _hashes: KeyHashes = attrs.field(factory=KeyHashes, init=False)
-    _busy: int = attrs.field(default=0, init=False)  # puts and gets running: the arena stays mapped
+    _busy: int = attrs.field(default=0, init=False)  # calls running (or waiting for the lock): stay mapped
 
     def __attrs_post_init__(self) -> None:
         self._arena = ArenaFile.open(self.config)
