@@ -12,11 +12,12 @@ block only when every layer is present, and :meth:`~KVPool.layerwise_store` /
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
+from typing import Any
 
-import anyio
 import attrs
 
 from kvflow.backends import Backend, open_backend
@@ -31,6 +32,7 @@ from kvflow.profiles import Profile
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer import LoadJob, StoreJob, Transfer
+from kvflow.transfer.together import together
 
 __all__ = ["KVPool", "check_timeout"]
 
@@ -174,14 +176,17 @@ class KVPool:
         transfer = self._transfer
         job = StoreJob(transfer, transfer.plan([request]), on_released)
         deadline = transfer.deadline(timeout_s)
+
+        async def put_units() -> None:
+            await job.skip_present(deadline)  # reads no KV: may run before the event
+            await together([functools.partial(job.put, unit, deadline, after) for unit in transfer.units])
+
+        calls: list[Callable[[], Coroutine[Any, Any, object]]] = [put_units]
+        if transfer.book.due:  # beside the store: engines split otherwise find this one's objects through it
+            calls.append(functools.partial(transfer.book.announce, deadline))
         transfer.begin()
         try:
-            async with anyio.create_task_group() as tg:
-                # beside the store: engines split otherwise find this one's objects through it
-                tg.start_soon(transfer.book.announce, deadline)
-                await job.skip_present(deadline)  # reads no KV: may run before the event
-                for unit in transfer.units:
-                    tg.start_soon(job.put, unit, deadline, after)
+            await together(calls)
             return job.results()[0]
         finally:
             job.release_all()
@@ -196,9 +201,7 @@ class KVPool:
         deadline = transfer.deadline(timeout_s)
         transfer.begin()
         try:
-            async with anyio.create_task_group() as tg:
-                for unit in transfer.units:
-                    tg.start_soon(job.get, unit, deadline)
+            await together([functools.partial(job.get, unit, deadline) for unit in transfer.units])
             return job.results()[0]
         finally:
             await job.settle_all(deadline)  # staged: the copies into the cache are done

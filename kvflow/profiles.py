@@ -291,12 +291,17 @@ class ProfileBook:
                 self._slots[i] = None
         return [self._slots.get(i, None) if here else False for i, here in enumerate(present)]
 
+    @property
+    def due(self) -> bool:
+        """Whether :meth:`announce` would look at the store now (at most every ``ANNOUNCE_EVERY_S``)."""
+        return time.monotonic() - self._announced_at >= ANNOUNCE_EVERY_S
+
     async def announce(self, deadline: float) -> None:
         """Make sure the own profile is in the book (at most every ``ANNOUNCE_EVERY_S``)."""
-        if time.monotonic() - self._announced_at < ANNOUNCE_EVERY_S:
+        if not self.due:
             return
         async with self._lock:
-            if time.monotonic() - self._announced_at < ANNOUNCE_EVERY_S:
+            if not self.due:
                 return
             slots = await self._read(deadline)
             if slots is None:

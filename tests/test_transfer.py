@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -37,7 +38,11 @@ from kvflow.errors import BackendError, BackendUnavailableError, RequestError
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
 from kvflow.transfer import ByteBudget, run_batches
+from kvflow.transfer.together import together
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 R = TypeVar("R")
 BLOCKS = 12
@@ -321,6 +326,18 @@ async def test_an_unavailable_backend_fails_only_its_batch_and_batches_keep_thei
     assert results == ["ok", "failed", "ok"] and sizes == [1, 1, 1]
 
 
+async def test_each_batch_answers_land_on_its_own_objects_whatever_order_batches_end() -> None:
+    """Later batches end first: the answers still come back one per object, in input order."""
+
+    async def call(batch: Sequence[ObjectRef]) -> list[str]:
+        await anyio.sleep(0.01 * (7 - int(batch[0].key[1:])))
+        return [f"answer-{o.key}" for o in batch]
+
+    with anyio.fail_after(5):
+        results = await batched(7, call, max_batch=2)
+    assert results == [f"answer-k{i}" for i in range(7)]
+
+
 async def test_the_byte_budget_counts_every_holder() -> None:
     """Two calls hold 40 of 100 bytes each: a third that needs 40 waits until one gives its bytes
     back (the budget adds holders up; it does not keep only the last)."""
@@ -338,3 +355,90 @@ async def test_the_byte_budget_counts_every_holder() -> None:
         assert got == [] and budget.held == 80
         budget.release(first)
     assert got == [40] and budget.held == 80
+
+
+async def test_a_cancelled_waiter_leaves_the_others_waiting_for_the_next_release() -> None:
+    """A release wakes waiters only while some wait; one that gives up must not make the budget
+    forget the others, or they would wait forever."""
+    budget = ByteBudget(100)
+    held = await budget.acquire(100)
+    got: list[int] = []
+    gives_up = anyio.CancelScope()
+
+    async def waiter() -> None:
+        got.append(await budget.acquire(60))
+
+    async def impatient() -> None:
+        with gives_up:
+            await budget.acquire(60)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            tg.start_soon(impatient)
+            await anyio.wait_all_tasks_blocked()
+            gives_up.cancel()
+            await anyio.wait_all_tasks_blocked()
+            budget.release(held)
+    assert got == [60] and budget.held == 60
+
+
+# --- together: one call inline, several at once ---------------------------------------------------
+
+
+async def test_together_awaits_a_single_call_in_the_callers_own_task() -> None:
+    """Most pool calls move one unit: no task (and no task group) is made for it."""
+    ran_in: list[int] = []
+
+    async def call() -> None:
+        ran_in.append(anyio.get_current_task().id)
+
+    await together([call])
+    assert ran_in == [anyio.get_current_task().id]
+
+
+async def test_together_runs_several_calls_at_once() -> None:
+    """Each call waits for the other: run one after another they would never end."""
+    first, second = anyio.Event(), anyio.Event()
+
+    async def a() -> None:
+        first.set()
+        await second.wait()
+
+    async def b() -> None:
+        await first.wait()
+        second.set()
+
+    with anyio.fail_after(5):
+        await together([a, b])
+    assert first.is_set() and second.is_set()
+
+
+async def test_together_raises_a_failing_calls_own_error_and_cancels_the_rest() -> None:
+    """Callers catch the same error whether the call ran inline or beside others; two failures
+    at once stay a group."""
+    cancelled: list[bool] = []
+
+    async def fails() -> None:
+        await anyio.lowlevel.checkpoint()
+        raise BackendError("the store refused")
+
+    async def waits() -> None:
+        try:
+            await anyio.sleep(10)
+        except anyio.get_cancelled_exc_class():
+            cancelled.append(True)
+            raise
+
+    async def also_fails() -> None:
+        raise RequestError("malformed")
+
+    with anyio.fail_after(5):
+        with pytest.raises(BackendError, match="refused"):
+            await together([fails, waits])
+        assert cancelled == [True]
+        with pytest.raises(BackendError, match="refused"):
+            await together([fails])
+        with pytest.raises(ExceptionGroup) as group:
+            await together([fails, also_fails])
+    assert sorted(type(e).__name__ for e in group.value.exceptions) == ["BackendError", "RequestError"]

@@ -1,14 +1,16 @@
 """Batched backend calls: one result per object, in input order, faults turned into results.
 
-``run_batches`` splits a request's objects into backend-sized batches and runs them concurrently in
-a task group, holding the pool's byte budget so that the bytes in backend calls at once stay
-bounded. A batch whose call raises a store fault, or that has not finished by the deadline, gets the
-failure result for each of its objects; nothing is dropped. Programming errors (a misconfigured
-backend, a malformed request) are raised after every batch ended.
+``run_batches`` splits a request's objects into backend-sized batches and runs them concurrently
+(:func:`~kvflow.transfer.together.together`), holding the pool's byte budget so that the bytes in
+backend calls at once stay bounded. A batch whose call raises a store fault, or that has not
+finished by the deadline, gets the failure result for each of its objects; nothing is dropped.
+Programming errors (a misconfigured backend, a malformed request) are raised after every batch
+ended.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -20,6 +22,7 @@ import anyio
 from kvflow.backends.base import ObjectRef
 from kvflow.errors import BackendError, BackendUnavailableError, KVFlowError, RequestError
 from kvflow.transfer.budget import ByteBudget
+from kvflow.transfer.together import together
 
 __all__ = ["is_programming_error", "run_batches"]
 
@@ -75,9 +78,7 @@ async def run_batches(
             budget.release(held)
 
     with anyio.move_on_after(deadline - time.monotonic()) as scope:
-        async with anyio.create_task_group() as tg:
-            for start in range(0, len(objects), step):
-                tg.start_soon(one, start)
+        await together([functools.partial(one, start) for start in range(0, len(objects), step)])
     if scope.cancelled_caught:
         log.warning("backend calls for %d objects ran past their deadline", len(objects))
     if errors:

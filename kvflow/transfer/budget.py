@@ -18,6 +18,7 @@ class ByteBudget:
     limit: int
     _held: int = 0
     _changed: anyio.Event = attrs.field(factory=anyio.Event)
+    _waiting: int = 0  # tasks waiting in acquire (a release with none skips making a new event)
 
     @property
     def held(self) -> int:
@@ -28,11 +29,16 @@ class ByteBudget:
         need = min(nbytes, self.limit)
         while self._held + need > self.limit:
             changed = self._changed
-            await changed.wait()
+            self._waiting += 1
+            try:
+                await changed.wait()
+            finally:
+                self._waiting -= 1
         self._held += need
         return need
 
     def release(self, held: int) -> None:
         self._held -= held
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._waiting:
+            self._changed.set()
+            self._changed = anyio.Event()
