@@ -4,8 +4,11 @@ Objects live in uninitialised ``torch.uint8`` buffers owned by the backend (a ``
 zero its memory first, which costs as much as the copy itself). Copies run on the event loop in
 pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
 a millisecond (:mod:`kvflow.backends.pacing`), so no call holds the loop much longer than a millisecond.
+An object of one piece is put or got whole between two checkpoints, by a plain function: nothing
+else runs meanwhile, so it needs neither a reservation held across a pause nor a pin (most KV
+objects are this size, and a coroutine per object cost more than their copy's overhead).
 
-What stays true across those checkpoints:
+What stays true across the checkpoints of larger objects:
 
 - A put copies into a buffer nobody else can see and publishes it only when the copy is complete:
   a reader never sees a torn object. Two puts of one key may both copy; the first to publish wins,
@@ -70,10 +73,16 @@ class MemoryConfig:
 
 @attrs.define(eq=False)
 class _Entry:
-    """A published object's buffer and how many gets are reading it (pinned while > 0)."""
+    """A published object's buffer (its address and size kept as ints: a get reads them without a
+    call into torch) and how many gets are reading it (pinned while > 0)."""
 
     buf: torch.Tensor
+    addr: int = attrs.field(init=False)
+    nbytes: int = attrs.field(init=False)
     readers: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.addr, self.nbytes = self.buf.data_ptr(), self.buf.numel()
 
 
 @attrs.define
@@ -111,27 +120,30 @@ class MemoryBackend:
         return list(self._objects)
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        return await self._each(objects, self._put_one, self._stats.count_puts)
+        return await self._each(objects, self._put_now, self._put_one, self._stats.count_puts)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
-        return await self._each(objects, self._get_one, self._stats.count_gets)
+        return await self._each(objects, self._get_now, self._get_one, self._stats.count_gets)
 
     async def _each(
         self,
         objects: Sequence[ObjectRef],
-        one: Callable[[ObjectRef, Pacer], Awaitable[R]],
+        now: Callable[[ObjectRef], R],
+        paced: Callable[[ObjectRef, Pacer], Awaitable[R]],
         count: Callable[[Sequence[ObjectRef], Sequence[R]], None],
     ) -> list[R]:
-        """``one`` of each object in turn, letting the loop run between them; ``count`` the results
-        of those that ran (even when the call is cancelled part-way)."""
+        """Each object in turn: ``now`` for one that copies in one piece (no checkpoint inside, so
+        nothing can change under it), ``paced`` for a larger one; the loop runs between objects once
+        it has been held long enough. ``count`` the results of those that ran (even when the call is
+        cancelled part-way)."""
         self._check_open()
         results: list[R] = []
         pacer = Pacer()
         try:
-            for i, obj in enumerate(objects):
-                if i:
-                    await pacer.tick()
-                results.append(await one(obj, pacer))
+            for obj in objects:
+                if pacer.due():
+                    await pacer.pause()
+                results.append(now(obj) if obj.nbytes <= PIECE else await paced(obj, pacer))
         finally:
             count(objects[: len(results)], results)
         await anyio.lowlevel.checkpoint()
@@ -148,7 +160,7 @@ class MemoryBackend:
         for key in keys:
             entry = self._objects.pop(key, None)
             if entry is not None:
-                self._stats.used_bytes -= entry.buf.numel()
+                self._stats.used_bytes -= entry.nbytes
             removed.append(entry is not None)
         return removed
 
@@ -162,7 +174,25 @@ class MemoryBackend:
         if self._closed:
             raise PoolClosedError("the memory backend was closed; open a new one")
 
+    def _put_now(self, obj: ObjectRef) -> PutStatus:
+        """A put of an object copied in one piece, without a checkpoint."""
+        objects = self._objects
+        if obj.key in objects:
+            objects.move_to_end(obj.key)
+            return PutStatus.PRESENT
+        buf = self._reserve(obj.nbytes)
+        if buf is None:
+            return PutStatus.NO_SPACE
+        try:
+            gather(buf.data_ptr(), obj.addrs, obj.sizes)
+        except BaseException:
+            self._stats.used_bytes -= obj.nbytes
+            raise
+        objects[obj.key] = _Entry(buf)
+        return PutStatus.STORED
+
     async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
+        """A put of an object larger than one piece: reserved, copied with checkpoints, published."""
         objects = self._objects
         if obj.key in objects:
             objects.move_to_end(obj.key)
@@ -199,9 +229,9 @@ class MemoryBackend:
             if victim is None:
                 return None
             entry = self._objects.pop(victim)
-            stats.used_bytes -= entry.buf.numel()
+            stats.used_bytes -= entry.nbytes
             stats.evictions += 1
-            if recycled is None and entry.buf.numel() == nbytes:
+            if recycled is None and entry.nbytes == nbytes:
                 recycled = entry.buf  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
         stats.used_bytes += nbytes
         return recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
@@ -212,16 +242,28 @@ class MemoryBackend:
                 return key
         return None
 
-    async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
+    def _get_now(self, obj: ObjectRef) -> GetStatus:
+        """A get of an object copied in one piece, without a checkpoint (so it needs no pin)."""
         entry = self._objects.get(obj.key)
         if entry is None:
             return GetStatus.MISS
-        if entry.buf.numel() != obj.nbytes:
+        if entry.nbytes != obj.nbytes:
+            return GetStatus.FAILED
+        self._objects.move_to_end(obj.key)
+        scatter(entry.addr, obj.addrs, obj.sizes)
+        return GetStatus.HIT
+
+    async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
+        """A get of an object larger than one piece: its buffer pinned while copied with checkpoints."""
+        entry = self._objects.get(obj.key)
+        if entry is None:
+            return GetStatus.MISS
+        if entry.nbytes != obj.nbytes:
             return GetStatus.FAILED
         self._objects.move_to_end(obj.key)
         entry.readers += 1
         try:
-            await _copy(entry.buf.data_ptr(), obj, pacer, into_buffer=False)
+            await _copy(entry.addr, obj, pacer, into_buffer=False)
         finally:
             entry.readers -= 1
         return GetStatus.HIT
@@ -232,9 +274,6 @@ async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) ->
 
     Checks the clock after every 1 MiB (never after the last piece: the caller does).
     """
-    if obj.nbytes <= PIECE:  # one piece: no clock to check
-        (gather if into_buffer else scatter)(buf, obj.addrs, obj.sizes)
-        return
     offset = 0
     since_tick = 0
     for addr, size in zip(obj.addrs, obj.sizes):

@@ -27,7 +27,16 @@ class Pacer:
 
     last: float = attrs.field(factory=time.monotonic)
 
+    def due(self) -> bool:
+        """Whether the loop has been held long enough that the caller should :meth:`pause`."""
+        return time.monotonic() - self.last >= YIELD_EVERY_S
+
+    async def pause(self) -> None:
+        """Let the loop run other tasks now, and start counting again."""
+        await anyio.lowlevel.checkpoint()
+        self.last = time.monotonic()
+
     async def tick(self) -> None:
-        if time.monotonic() - self.last >= YIELD_EVERY_S:
-            await anyio.lowlevel.checkpoint()
-            self.last = time.monotonic()
+        """:meth:`pause` if it is :meth:`due`."""
+        if self.due():
+            await self.pause()

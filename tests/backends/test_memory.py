@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import random
 
 import anyio
@@ -143,6 +144,19 @@ async def test_eviction_never_takes_a_buffer_that_a_get_is_reading(checkpoint_of
     assert (stats.evictions, stats.used_bytes, stats.no_space, stats.puts) == (1, size, 1, 2)
     out = torch.zeros(size, dtype=torch.uint8)
     assert await backend.get([obj("b", out)]) == [GetStatus.HIT] and torch.equal(out, b)
+
+
+async def test_a_put_whose_copy_fails_gives_back_its_reservation() -> None:
+    """An object copied in one piece (no checkpoint) whose second region cannot be read: the error
+    reaches the caller and nothing of it stays (no key, no bytes counted)."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=MiB))
+    source = data("k", 64)
+    bad = ObjectRef("k", [source.data_ptr(), source.data_ptr()], [32, None], 64)  # type: ignore[list-item]
+    with pytest.raises(ctypes.ArgumentError):
+        await backend.put([bad])
+    assert backend.stats().used_bytes == 0 and await backend.exists(["k"]) == [False]
+    assert await backend.put([obj("k", source)]) == [PutStatus.STORED]
+    assert backend.stats().used_bytes == 64
 
 
 async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None) -> None:
