@@ -74,7 +74,9 @@ def test_bench_reports_ratios_against_memcpy() -> None:
     assert len(result["store_retrieve"]) == 2
     for row in result["store_retrieve"]:
         assert row["retrieve_vs_memcpy"] == pytest.approx(row["retrieve_gbps"] / row["memcpy_gbps"])
-        assert row["store_gbps"] > 0
+        assert row["store_vs_regions"] == pytest.approx(row["store_gbps"] / row["regions_gbps"])
+        assert row["retrieve_vs_regions"] == pytest.approx(row["retrieve_gbps"] / row["regions_gbps"])
+        assert row["store_gbps"] > 0 and row["regions_gbps"] > 0
     assert result["lookup_10k_ms"] > 0 and result["pipeline"]["store_us_per_block"] > 0
 
 

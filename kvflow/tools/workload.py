@@ -7,13 +7,23 @@ from __future__ import annotations
 import ctypes
 import random
 import time
+from collections.abc import Sequence
 
 import attrs
 import torch
 
 from kvflow.keys import hash_blocks
+from kvflow.layout import KVLayout
 
-__all__ = ["Geometry", "chat_workload", "expected_block", "fill_block", "make_kv_caches", "memcpy_gbps"]
+__all__ = [
+    "Geometry",
+    "chat_workload",
+    "expected_block",
+    "fill_block",
+    "make_kv_caches",
+    "memcpy_gbps",
+    "region_copy_gbps",
+]
 
 
 @attrs.frozen
@@ -112,3 +122,23 @@ def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> float:
             ctypes.memmove(dst_addr + i * chunk, src_addr + i * chunk, chunk)
         best = min(best, time.perf_counter() - start)
     return count * chunk / best / 1e9
+
+
+def region_copy_gbps(layout: KVLayout, block_ids: Sequence[int], *, repeat: int = 3) -> float:
+    """Best-of-``repeat`` throughput of the copies a store of these blocks must make and nothing
+    else: each block's regions (one per layer and plane) gathered back to back into a pre-faulted
+    buffer by a bare ``memmove`` loop. Beside :func:`memcpy_gbps` of whole objects it shows what the
+    cache's layout itself costs (a block's regions lie apart, one per layer)."""
+    sizes = layout.unit_sizes(None)
+    rows = layout.addrs_of(block_ids)
+    dst = torch.zeros(sum(sizes) * len(rows), dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        offset = dst.data_ptr()
+        start = time.perf_counter()
+        for row in rows:
+            for addr, size in zip(row, sizes):
+                ctypes.memmove(offset, addr, size)
+                offset += size
+        best = min(best, time.perf_counter() - start)
+    return dst.numel() / best / 1e9
