@@ -18,7 +18,6 @@ class ByteBudget:
     limit: int
     _held: int = 0
     _changed: anyio.Event = attrs.field(factory=anyio.Event)
-    _waiting: int = 0  # tasks waiting in acquire (a release with none skips making a new event)
 
     @property
     def held(self) -> int:
@@ -29,16 +28,12 @@ class ByteBudget:
         need = min(nbytes, self.limit)
         while self._held + need > self.limit:
             changed = self._changed
-            self._waiting += 1
-            try:
-                await changed.wait()
-            finally:
-                self._waiting -= 1
+            await changed.wait()
         self._held += need
         return need
 
     def release(self, held: int) -> None:
         self._held -= held
-        if self._waiting:
+        if self._changed.statistics().tasks_waiting:  # a new event only when one was waited on
             self._changed.set()
             self._changed = anyio.Event()
