@@ -174,32 +174,33 @@ class MemoryBackend:
         if self._closed:
             raise PoolClosedError("the memory backend was closed; open a new one")
 
-    def _put_now(self, obj: ObjectRef) -> PutStatus:
-        """A put of an object copied in one piece, without a checkpoint."""
-        objects = self._objects
-        if obj.key in objects:
-            objects.move_to_end(obj.key)
+    def _room(self, obj: ObjectRef) -> torch.Tensor | PutStatus:
+        """A reserved buffer for a put of ``obj``; PRESENT (a use, for LRU) or NO_SPACE instead."""
+        if obj.key in self._objects:
+            self._objects.move_to_end(obj.key)
             return PutStatus.PRESENT
         buf = self._reserve(obj.nbytes)
-        if buf is None:
-            return PutStatus.NO_SPACE
+        return PutStatus.NO_SPACE if buf is None else buf
+
+    def _put_now(self, obj: ObjectRef) -> PutStatus:
+        """A put of an object copied in one piece, without a checkpoint."""
+        buf = self._room(obj)
+        if isinstance(buf, PutStatus):
+            return buf
         try:
             gather(buf.data_ptr(), obj.addrs, obj.sizes)
         except BaseException:
             self._stats.used_bytes -= obj.nbytes
             raise
-        objects[obj.key] = _Entry(buf)
+        self._objects[obj.key] = _Entry(buf)
         return PutStatus.STORED
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
         """A put of an object larger than one piece: reserved, copied with checkpoints, published."""
         objects = self._objects
-        if obj.key in objects:
-            objects.move_to_end(obj.key)
-            return PutStatus.PRESENT
-        buf = self._reserve(obj.nbytes)
-        if buf is None:
-            return PutStatus.NO_SPACE
+        buf = self._room(obj)
+        if isinstance(buf, PutStatus):
+            return buf
         published = False
         try:
             await _copy(buf.data_ptr(), obj, pacer, into_buffer=True)
@@ -242,25 +243,29 @@ class MemoryBackend:
                 return key
         return None
 
-    def _get_now(self, obj: ObjectRef) -> GetStatus:
-        """A get of an object copied in one piece, without a checkpoint (so it needs no pin)."""
+    def _found(self, obj: ObjectRef) -> _Entry | GetStatus:
+        """The entry a get of ``obj`` reads (a use, for LRU); MISS, or FAILED for another size."""
         entry = self._objects.get(obj.key)
         if entry is None:
             return GetStatus.MISS
         if entry.nbytes != obj.nbytes:
             return GetStatus.FAILED
         self._objects.move_to_end(obj.key)
+        return entry
+
+    def _get_now(self, obj: ObjectRef) -> GetStatus:
+        """A get of an object copied in one piece, without a checkpoint (so it needs no pin)."""
+        entry = self._found(obj)
+        if isinstance(entry, GetStatus):
+            return entry
         scatter(entry.addr, obj.addrs, obj.sizes)
         return GetStatus.HIT
 
     async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
         """A get of an object larger than one piece: its buffer pinned while copied with checkpoints."""
-        entry = self._objects.get(obj.key)
-        if entry is None:
-            return GetStatus.MISS
-        if entry.nbytes != obj.nbytes:
-            return GetStatus.FAILED
-        self._objects.move_to_end(obj.key)
+        entry = self._found(obj)
+        if isinstance(entry, GetStatus):
+            return entry
         entry.readers += 1
         try:
             await _copy(entry.addr, obj, pacer, into_buffer=False)
