@@ -14,6 +14,7 @@ import torch
 
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
+from kvflow.regions import gather
 
 __all__ = [
     "Geometry",
@@ -127,18 +128,19 @@ def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> float:
 def region_copy_gbps(layout: KVLayout, block_ids: Sequence[int], *, repeat: int = 3) -> float:
     """Best-of-``repeat`` throughput of the copies a store of these blocks must make and nothing
     else: each block's regions (one per layer and plane) gathered back to back into a pre-faulted
-    buffer by a bare ``memmove`` loop. Beside :func:`memcpy_gbps` of whole objects it shows what the
-    cache's layout itself costs (a block's regions lie apart, one per layer)."""
+    buffer by :func:`kvflow.regions.gather` in a bare loop. Beside :func:`memcpy_gbps` of whole
+    objects it shows what the cache's layout itself costs (a block's regions lie apart, one per
+    layer)."""
     sizes = layout.unit_sizes(None)
     rows = layout.addrs_of(block_ids)
     dst = torch.zeros(sum(sizes) * len(rows), dtype=torch.uint8)
     best = float("inf")
+    nbytes = sum(sizes)
     for _ in range(repeat):
         offset = dst.data_ptr()
         start = time.perf_counter()
-        for row in rows:
-            for addr, size in zip(row, sizes):
-                ctypes.memmove(offset, addr, size)
-                offset += size
+        for row in rows:  # the backends' own gather, nothing around it
+            gather(offset, row, sizes)
+            offset += nbytes
         best = min(best, time.perf_counter() - start)
     return dst.numel() / best / 1e9
