@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvflow.errors import LayoutError
@@ -332,12 +333,16 @@ class KVLayout:
     def addrs_of(self, block_ids: Sequence[int], layer: int | None = None) -> list[list[int]]:
         """The region addresses of each block in ``block_ids``, over every layer or one ``layer``:
         :meth:`block_addrs` (or :meth:`layer_regions`) for many blocks in one vectorised step."""
+        rows: list[list[int]] = self.addr_rows(block_ids, layer).tolist()
+        return rows
+
+    def addr_rows(self, block_ids: Sequence[int], layer: int | None = None) -> npt.NDArray[np.int64]:
+        """:meth:`addrs_of` as an array: one row of region addresses per block."""
         planes = self.unit_planes(layer)
         bases = np.asarray([self._bases[p] for p in planes], dtype=np.int64)
         strides = np.asarray([self._strides[p] for p in planes], dtype=np.int64)
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, 1)
-        rows: list[list[int]] = (ids * strides + bases).tolist()
-        return rows
+        return ids * strides + bases
 
     def unit_sizes(self, layer: int | None) -> list[int]:
         """The region sizes of one block over every layer or one ``layer`` (shared: do not mutate)."""

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
-from kvflow.backends.base import ObjectRef, PutStatus
+from kvflow.backends.base import ObjectBatch, ObjectRef, PutStatus
 from kvflow.keys import hash_blocks
 from kvflow.profiles import is_book_key
 from kvflow.transfer.objects import BlockObjects
@@ -48,7 +48,10 @@ def test_every_slice_and_index_is_the_objects_built_one_by_one(
     expected = eager(keys, blocks, layer)
     assert len(lazy) == len(expected)
     assert list(lazy) == expected
-    assert lazy[part] == expected[part]
+    batch = lazy[part]
+    assert isinstance(batch, ObjectBatch)  # by column: no object per block
+    assert list(batch) == expected[part]
+    assert [batch[i] for i in range(len(batch))] == expected[part]
     if -len(expected) <= index < len(expected):
         assert lazy[index] == expected[index]
     else:
@@ -67,17 +70,17 @@ class OneCallAtATime(FaultyBackend):
     that returned before are freed."""
 
     lock: anyio.Lock = attrs.field(factory=anyio.Lock)
-    returned: list[list[weakref.ref[ObjectRef]]] = attrs.field(factory=list)
+    returned: list[weakref.ref[Sequence[ObjectRef]]] = attrs.field(factory=list)
     checked: int = 0
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         async with self.lock:
-            for refs in self.returned:
-                assert all(ref() is None for ref in refs), "a returned batch's objects are still alive"
+            for ref in self.returned:
+                assert ref() is None, "a returned batch's objects are still alive"
             self.checked += len(self.returned)
             results = await super().put(objects)
         if not any(is_book_key(o.key) for o in objects):
-            self.returned.append([weakref.ref(o) for o in objects])
+            self.returned.append(weakref.ref(objects))
         return results
 
 

@@ -14,7 +14,15 @@ from __future__ import annotations
 import importlib
 from urllib.parse import urlsplit
 
-from kvflow.backends.base import Backend, BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import (
+    Backend,
+    BackendCapabilities,
+    BackendStats,
+    GetStatus,
+    ObjectBatch,
+    ObjectRef,
+    PutStatus,
+)
 from kvflow.errors import ConfigError
 
 __all__ = [
@@ -23,6 +31,7 @@ __all__ = [
     "BackendCapabilities",
     "BackendStats",
     "GetStatus",
+    "ObjectBatch",
     "ObjectRef",
     "PutStatus",
     "open_backend",

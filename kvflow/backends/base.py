@@ -12,18 +12,24 @@ off the loop with ``anyio.to_thread.run_sync`` and a bounded ``CapacityLimiter``
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Protocol, overload, runtime_checkable
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "Backend",
     "BackendCapabilities",
     "BackendStats",
     "GetStatus",
+    "ObjectBatch",
     "ObjectRef",
     "PutStatus",
+    "keys_of",
+    "nbytes_of",
+    "some_of",
 ]
 
 
@@ -71,6 +77,74 @@ class ObjectRef:
 
 
 @attrs.frozen
+class ObjectBatch(Sequence[ObjectRef]):
+    """Objects of one shape, by column: ``keys[i]``'s regions start at the addresses ``addrs[i]``
+    (one ``int64`` row per object) and have the sizes ``sizes``, ``nbytes`` in all.
+
+    A put or get may receive one instead of a list (the transfer layer sends the objects of engine
+    blocks this way). It is a sequence of :class:`ObjectRef` for code that takes objects one by
+    one; a backend that copies in-process reads its columns instead, and copies the whole batch in
+    one native call (:func:`kvflow.regions.gather_objects`), with no Python per region.
+    """
+
+    keys: Sequence[str]
+    addrs: npt.NDArray[np.int64]
+    sizes: Sequence[int]
+    nbytes: int
+
+    def __attrs_post_init__(self) -> None:
+        if any(size < 0 for size in self.sizes):
+            raise ValueError(f"region sizes must be >= 0, got {list(self.sizes)}")
+        if self.addrs.shape != (len(self.keys), len(self.sizes)):
+            raise ValueError(
+                f"addresses of shape {self.addrs.shape} for {len(self.keys)} keys of "
+                f"{len(self.sizes)} regions"
+            )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, index: int) -> ObjectRef: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> ObjectBatch: ...
+
+    def __getitem__(self, index: int | slice) -> ObjectRef | ObjectBatch:
+        if isinstance(index, slice):
+            return ObjectBatch(self.keys[index], self.addrs[index], self.sizes, self.nbytes)
+        return ObjectRef(self.keys[index], self.addrs[index].tolist(), self.sizes, self.nbytes)
+
+    def __iter__(self) -> Iterator[ObjectRef]:
+        sizes, nbytes = self.sizes, self.nbytes
+        return (ObjectRef(k, row, sizes, nbytes) for k, row in zip(self.keys, self.addrs.tolist()))
+
+
+def keys_of(objects: Sequence[ObjectRef]) -> Sequence[str]:
+    """The objects' keys, in order (an :class:`ObjectBatch`'s column, without an ObjectRef each)."""
+    if isinstance(objects, ObjectBatch):
+        return objects.keys
+    return [obj.key for obj in objects]
+
+
+def nbytes_of(objects: Sequence[ObjectRef]) -> Sequence[int]:
+    """The objects' sizes in bytes, in order (for an :class:`ObjectBatch`, one size repeated)."""
+    if isinstance(objects, ObjectBatch):
+        return [objects.nbytes] * len(objects)
+    return [obj.nbytes for obj in objects]
+
+
+def some_of(objects: Sequence[ObjectRef], indices: Sequence[int]) -> Sequence[ObjectRef]:
+    """The objects at ``indices`` (increasing), in order; of an :class:`ObjectBatch`, a batch again."""
+    if len(indices) == len(objects):  # every one, in order: indices only grow
+        return objects
+    if isinstance(objects, ObjectBatch):
+        keys = objects.keys
+        return ObjectBatch([keys[i] for i in indices], objects.addrs[indices], objects.sizes, objects.nbytes)
+    return [objects[i] for i in indices]
+
+
+@attrs.frozen
 class BackendCapabilities:
     """What a backend can do beyond the protocol's minimum, so the transfer layer can choose a path.
 
@@ -108,10 +182,10 @@ class BackendStats:
     capacity_bytes: int = 0
 
     def count_puts(self, objects: Sequence[ObjectRef], results: Sequence[PutStatus]) -> None:
-        for obj, status in zip(objects, results):
+        for nbytes, status in zip(nbytes_of(objects), results):
             if status is PutStatus.STORED:
                 self.puts += 1
-                self.put_bytes += obj.nbytes
+                self.put_bytes += nbytes
             elif status is PutStatus.PRESENT:
                 self.present += 1
             elif status is PutStatus.NO_SPACE:
@@ -120,10 +194,10 @@ class BackendStats:
                 self.put_failures += 1
 
     def count_gets(self, objects: Sequence[ObjectRef], results: Sequence[GetStatus]) -> None:
-        for obj, status in zip(objects, results):
+        for nbytes, status in zip(nbytes_of(objects), results):
             if status is GetStatus.HIT:
                 self.hits += 1
-                self.hit_bytes += obj.nbytes
+                self.hit_bytes += nbytes
             elif status is GetStatus.MISS:
                 self.misses += 1
             else:

@@ -4,9 +4,10 @@ Objects live in uninitialised ``torch.uint8`` buffers owned by the backend (a ``
 zero its memory first, which costs as much as the copy itself). Copies run on the event loop in
 pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
 a millisecond (:mod:`kvflow.backends.pacing`), so no call holds the loop much longer than a millisecond.
-An object of one piece is put or got whole between two checkpoints, by a plain function: nothing
-else runs meanwhile, so it needs neither a reservation held across a pause nor a pin (most KV
-objects are this size, and a coroutine per object cost more than their copy's overhead).
+Objects of one piece are put or got whole between two checkpoints, a run of them (up to 1 MiB in
+all) by one native copy call (:func:`kvflow.regions.gather_objects`): nothing else runs meanwhile,
+so they need neither a reservation held across a pause nor a pin (most KV objects are this size,
+and a coroutine, or a ``memmove`` call per region, cost more than their copy).
 
 What stays true across the checkpoints of larger objects:
 
@@ -32,11 +33,20 @@ import anyio.lowlevel
 import attrs
 import torch
 
-from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
-from kvflow.backends.pacing import PIECE, Pacer
+from kvflow.backends.base import (
+    BackendCapabilities,
+    BackendStats,
+    GetStatus,
+    ObjectRef,
+    PutStatus,
+    keys_of,
+    nbytes_of,
+    some_of,
+)
+from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query
 from kvflow.errors import ConfigError, PoolClosedError
-from kvflow.regions import gather, scatter
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
 
@@ -120,30 +130,37 @@ class MemoryBackend:
         return list(self._objects)
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        return await self._each(objects, self._put_now, self._put_one, self._stats.count_puts)
+        return await self._each(objects, self._put_section, self._put_one, self._stats.count_puts)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
-        return await self._each(objects, self._get_now, self._get_one, self._stats.count_gets)
+        return await self._each(objects, self._get_section, self._get_one, self._stats.count_gets)
 
     async def _each(
         self,
         objects: Sequence[ObjectRef],
-        now: Callable[[ObjectRef], R],
+        section: Callable[[Sequence[ObjectRef], Sequence[str], Sequence[int]], list[R]],
         paced: Callable[[ObjectRef, Pacer], Awaitable[R]],
         count: Callable[[Sequence[ObjectRef], Sequence[R]], None],
     ) -> list[R]:
-        """Each object in turn: ``now`` for one that copies in one piece (no checkpoint inside, so
-        nothing can change under it), ``paced`` for a larger one; the loop runs between objects once
-        it has been held long enough. ``count`` the results of those that ran (even when the call is
-        cancelled part-way)."""
+        """The objects in turn: a run of one-piece objects of at most :data:`PIECE` bytes in all by
+        ``section`` (one copy call, no checkpoint inside, so nothing can change under it), a larger
+        object by ``paced``; the loop runs between them once it has been held long enough. ``count``
+        the results of those that ran (even when the call is cancelled part-way)."""
         self._check_open()
+        keys, sizes = keys_of(objects), nbytes_of(objects)
         results: list[R] = []
         pacer = Pacer()
         try:
-            for obj in objects:
+            start = 0
+            while start < len(sizes):
                 if pacer.due():
                     await pacer.pause()
-                results.append(now(obj) if obj.nbytes <= PIECE else await paced(obj, pacer))
+                end = run_end(sizes, start)
+                if sizes[start] > PIECE:
+                    results.append(await paced(objects[start], pacer))
+                else:
+                    results += section(objects[start:end], keys[start:end], sizes[start:end])
+                start = end
         finally:
             count(objects[: len(results)], results)
         await anyio.lowlevel.checkpoint()
@@ -174,31 +191,47 @@ class MemoryBackend:
         if self._closed:
             raise PoolClosedError("the memory backend was closed; open a new one")
 
-    def _room(self, obj: ObjectRef) -> torch.Tensor | PutStatus:
-        """A reserved buffer for a put of ``obj``; PRESENT (a use, for LRU) or NO_SPACE instead."""
-        if obj.key in self._objects:
-            self._objects.move_to_end(obj.key)
+    def _room(self, key: str, nbytes: int) -> torch.Tensor | PutStatus:
+        """A reserved buffer for a put of ``nbytes`` under ``key``; PRESENT (a use, for LRU) or
+        NO_SPACE instead."""
+        if key in self._objects:
+            self._objects.move_to_end(key)
             return PutStatus.PRESENT
-        buf = self._reserve(obj.nbytes)
+        buf = self._reserve(nbytes)
         return PutStatus.NO_SPACE if buf is None else buf
 
-    def _put_now(self, obj: ObjectRef) -> PutStatus:
-        """A put of an object copied in one piece, without a checkpoint."""
-        buf = self._room(obj)
-        if isinstance(buf, PutStatus):
-            return buf
+    def _put_section(
+        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
+    ) -> list[PutStatus]:
+        """Puts of objects copied in one call, without a checkpoint: each reserved, all copied, each
+        published (the second of one key twice is PRESENT)."""
+        results: list[PutStatus] = []
+        room: list[int] = []  # the objects that got a buffer
+        bufs: list[torch.Tensor] = []
+        for i, (key, nbytes) in enumerate(zip(keys, sizes)):
+            buf = self._room(key, nbytes)
+            results.append(buf if isinstance(buf, PutStatus) else PutStatus.STORED)
+            if not isinstance(buf, PutStatus):
+                room.append(i)
+                bufs.append(buf)
         try:
-            gather(buf.data_ptr(), obj.addrs, obj.sizes)
+            gather_objects([buf.data_ptr() for buf in bufs], some_of(objects, room))
         except BaseException:
-            self._stats.used_bytes -= obj.nbytes
+            self._stats.used_bytes -= sum(sizes[i] for i in room)
             raise
-        self._objects[obj.key] = _Entry(buf)
-        return PutStatus.STORED
+        stored = self._objects
+        for i, buf in zip(room, bufs):
+            if keys[i] in stored:
+                results[i] = PutStatus.PRESENT
+                self._stats.used_bytes -= sizes[i]
+            else:
+                stored[keys[i]] = _Entry(buf)
+        return results
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
         """A put of an object larger than one piece: reserved, copied with checkpoints, published."""
         objects = self._objects
-        buf = self._room(obj)
+        buf = self._room(obj.key, obj.nbytes)
         if isinstance(buf, PutStatus):
             return buf
         published = False
@@ -243,27 +276,38 @@ class MemoryBackend:
                 return key
         return None
 
-    def _found(self, obj: ObjectRef) -> _Entry | GetStatus:
-        """The entry a get of ``obj`` reads (a use, for LRU); MISS, or FAILED for another size."""
-        entry = self._objects.get(obj.key)
+    def _found(self, key: str, nbytes: int) -> _Entry | GetStatus:
+        """The entry a get of ``nbytes`` under ``key`` reads (a use, for LRU); MISS, or FAILED for
+        another size."""
+        entry = self._objects.get(key)
         if entry is None:
             return GetStatus.MISS
-        if entry.nbytes != obj.nbytes:
+        if entry.nbytes != nbytes:
             return GetStatus.FAILED
-        self._objects.move_to_end(obj.key)
+        self._objects.move_to_end(key)
         return entry
 
-    def _get_now(self, obj: ObjectRef) -> GetStatus:
-        """A get of an object copied in one piece, without a checkpoint (so it needs no pin)."""
-        entry = self._found(obj)
-        if isinstance(entry, GetStatus):
-            return entry
-        scatter(entry.addr, obj.addrs, obj.sizes)
-        return GetStatus.HIT
+    def _get_section(
+        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
+    ) -> list[GetStatus]:
+        """Gets of objects copied in one call, without a checkpoint (so they need no pin)."""
+        results: list[GetStatus] = []
+        hits: list[int] = []
+        addrs: list[int] = []
+        for i, (key, nbytes) in enumerate(zip(keys, sizes)):
+            entry = self._found(key, nbytes)
+            if isinstance(entry, GetStatus):
+                results.append(entry)
+            else:
+                results.append(GetStatus.HIT)
+                hits.append(i)
+                addrs.append(entry.addr)
+        scatter_objects(addrs, some_of(objects, hits))
+        return results
 
     async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
         """A get of an object larger than one piece: its buffer pinned while copied with checkpoints."""
-        entry = self._found(obj)
+        entry = self._found(obj.key, obj.nbytes)
         if isinstance(entry, GetStatus):
             return entry
         entry.readers += 1

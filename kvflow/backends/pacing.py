@@ -9,11 +9,12 @@ other transfers (or vLLM's scheduler waiting on a lookup) for more than about a 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import anyio.lowlevel
 import attrs
 
-__all__ = ["PIECE", "YIELD_EVERY_S", "Pacer"]
+__all__ = ["PIECE", "YIELD_EVERY_S", "Pacer", "run_end"]
 
 #: The longest a call holds the event loop between checkpoints (plus one piece).
 YIELD_EVERY_S = 0.0005
@@ -40,3 +41,13 @@ class Pacer:
         """:meth:`pause` if it is :meth:`due`."""
         if self.due():
             await self.pause()
+
+
+def run_end(sizes: Sequence[int], start: int) -> int:
+    """Where the run of objects from ``start`` that one copy call takes ends: as many as fit in
+    :data:`PIECE` bytes together, and at least one (an object larger than a piece runs alone)."""
+    end, total = start + 1, sizes[start]
+    while end < len(sizes) and total + sizes[end] <= PIECE:
+        total += sizes[end]
+        end += 1
+    return end

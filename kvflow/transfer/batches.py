@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import anyio
 
-from kvflow.backends.base import ObjectRef
+from kvflow.backends.base import ObjectRef, nbytes_of
 from kvflow.errors import BackendError, BackendUnavailableError, KVFlowError, RequestError
 from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.together import together
@@ -64,7 +64,7 @@ async def run_batches(
 
     async def one(start: int) -> None:
         batch = objects[start : start + step]
-        held = await budget.acquire(sum(o.nbytes for o in batch))
+        held = await budget.acquire(sum(nbytes_of(batch)))
         try:
             answers = await call(batch)
             if len(answers) != len(batch):

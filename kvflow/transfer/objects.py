@@ -1,11 +1,12 @@
-"""The objects of many engine blocks, made a batch at a time.
+"""The objects of many engine blocks, made a batch at a time, by column.
 
 A request of 100k blocks would otherwise build 100k :class:`ObjectRef`s (and their address lists)
 before the first backend call, and hold them all until the last one returns. Objects that live that
 long outlast the garbage collector's young generations, and enough of them make it scan the whole
 heap, again and again (measured with ``kvflow bench``: half of the pipeline's cost per block).
 :class:`BlockObjects` is the same sequence made lazily: :func:`kvflow.transfer.batches.run_batches`
-slices it once per batch, so each batch's objects live only through its backend call.
+slices it once per batch, and each slice is an :class:`ObjectBatch` (keys and one array of
+addresses, no object per block) that lives only through its backend call.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import overload
 
 import attrs
 
-from kvflow.backends.base import ObjectRef
+from kvflow.backends.base import ObjectBatch, ObjectRef
 from kvflow.layout import KVLayout
 
 __all__ = ["BlockObjects"]
@@ -46,19 +47,15 @@ class BlockObjects(Sequence[ObjectRef]):
     def __getitem__(self, index: int) -> ObjectRef: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[ObjectRef]: ...
+    def __getitem__(self, index: slice) -> ObjectBatch: ...
 
-    def __getitem__(self, index: int | slice) -> ObjectRef | list[ObjectRef]:
+    def __getitem__(self, index: int | slice) -> ObjectRef | ObjectBatch:
         if isinstance(index, slice):
-            return self._make(self.keys[index], self.block_ids[index])
-        return self._make([self.keys[index]], [self.block_ids[index]])[0]
+            return self._batch(self.keys[index], self.block_ids[index])
+        return self._batch([self.keys[index]], [self.block_ids[index]])[0]
 
     def __iter__(self) -> Iterator[ObjectRef]:
         return iter(self[:])
 
-    def _make(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[ObjectRef]:
-        sizes, nbytes = self._sizes, self._nbytes
-        return [
-            ObjectRef(k, addrs, sizes, nbytes)
-            for k, addrs in zip(keys, self.layout.addrs_of(block_ids, self.layer))
-        ]
+    def _batch(self, keys: Sequence[str], block_ids: Sequence[int]) -> ObjectBatch:
+        return ObjectBatch(keys, self.layout.addr_rows(block_ids, self.layer), self._sizes, self._nbytes)

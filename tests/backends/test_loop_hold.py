@@ -27,7 +27,7 @@ import kvflow.backends.local.backend as local
 import kvflow.backends.memory as memory
 from kvflow.backends import pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
-from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, nbytes_of
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.memory import MemoryBackend, MemoryConfig
 from kvflow.regions import buffer_address
@@ -124,14 +124,14 @@ async def test_at_most_one_piece_is_copied_between_turns(
     if isinstance(backend, MemoryBackend):
         monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
         monkeypatch.setattr(memory, "_memmove", metered(memory._memmove, lambda _d, _s, n: n))
-        for name in ("gather", "scatter"):  # objects of one piece are copied whole
+        for name in ("gather_objects", "scatter_objects"):  # runs of one-piece objects, one call each
             real = getattr(memory, name)
-            monkeypatch.setattr(memory, name, metered(real, lambda _b, _a, sizes: sum(sizes)))
+            monkeypatch.setattr(memory, name, metered(real, lambda _b, objects: sum(nbytes_of(objects))))
     elif isinstance(backend, ArenaBackend):  # an object is copied whole, with a turn after each
         monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
-        for name in ("gather", "scatter"):
+        for name in ("gather_objects", "scatter_objects"):
             real = getattr(arena, name)
-            monkeypatch.setattr(arena, name, metered(real, lambda _b, _a, sizes: sum(sizes)))
+            monkeypatch.setattr(arena, name, metered(real, lambda _b, objects: sum(nbytes_of(objects))))
     else:
         monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
         for name in ("write_from", "read_into"):

@@ -1,16 +1,17 @@
 from __future__ import annotations
 
-import ctypes
 import random
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 import torch
 
 import kvflow.backends.memory as memory
 from kvflow import GetStatus, MemoryBackend, PutStatus, open_backend
 from kvflow.backends import ObjectRef, pacing
+from kvflow.backends.base import ObjectBatch
 from kvflow.backends.memory import MemoryConfig
 
 
@@ -39,6 +40,52 @@ async def test_put_never_overwrites_and_size_mismatch_fails() -> None:
     small = torch.zeros(4, dtype=torch.uint8)
     assert await backend.get([obj("k", small)]) == [GetStatus.FAILED]
     assert torch.equal(small, torch.zeros(4, dtype=torch.uint8))
+
+
+async def test_one_key_twice_in_a_put_keeps_the_first_and_counts_it_once() -> None:
+    backend = MemoryBackend()
+    first, second = torch.ones(10, dtype=torch.uint8), torch.full((10,), 7, dtype=torch.uint8)
+    assert await backend.put([obj("k", first), obj("k", second)]) == [PutStatus.STORED, PutStatus.PRESENT]
+    out = torch.zeros(10, dtype=torch.uint8)
+    assert await backend.get([obj("k", out)]) == [GetStatus.HIT] and torch.equal(out, first)
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.puts, stats.present) == (10, 1, 1)
+
+
+def batch(cache: torch.Tensor, keys: list[str], blocks: list[int]) -> ObjectBatch:
+    """Objects by column: ``keys[i]`` is block ``blocks[i]`` of every layer of ``cache``
+    (layers x blocks x bytes), one region per layer."""
+    layers, _, size = cache.shape
+    strides = [cache[layer].data_ptr() for layer in range(layers)]
+    rows = [[base + block * size for base in strides] for block in blocks]
+    return ObjectBatch(
+        keys, np.asarray(rows, dtype=np.int64).reshape(len(keys), layers), [size] * layers, layers * size
+    )
+
+
+async def test_a_batch_by_column_round_trips_in_runs_with_misses_between() -> None:
+    """A batch larger than one run (1 MiB) whose keys are partly missing: every present object's
+    regions are filled, the missing ones' left alone, and the batch's sizes are counted."""
+    layers, blocks, size = 4, 64, 16 << 10  # 64 KiB objects: 16 per run
+    source = torch.randint(0, 256, (layers, blocks, size), dtype=torch.uint8)
+    backend = MemoryBackend()
+    keys = [f"b{i}" for i in range(blocks)]
+    stored = list(range(0, blocks, 3))
+    assert await backend.put(batch(source, [keys[i] for i in stored], stored)) == [PutStatus.STORED] * len(
+        stored
+    )
+    target = torch.zeros_like(source)
+    got = await backend.get(batch(target, keys, list(range(blocks))))
+    assert got == [GetStatus.HIT if i in stored else GetStatus.MISS for i in range(blocks)]
+    assert torch.equal(target[:, stored], source[:, stored])
+    missed = [i for i in range(blocks) if i not in stored]
+    assert not target[:, missed].any()
+    stats = backend.stats()
+    assert (stats.hits, stats.hit_bytes, stats.misses) == (
+        len(stored),
+        len(stored) * layers * size,
+        len(missed),
+    )
 
 
 async def test_lru_eviction_keeps_within_capacity() -> None:
@@ -146,17 +193,22 @@ async def test_eviction_never_takes_a_buffer_that_a_get_is_reading(checkpoint_of
     assert await backend.get([obj("b", out)]) == [GetStatus.HIT] and torch.equal(out, b)
 
 
-async def test_a_put_whose_copy_fails_gives_back_its_reservation() -> None:
-    """An object copied in one piece (no checkpoint) whose second region cannot be read: the error
-    reaches the caller and nothing of it stays (no key, no bytes counted)."""
+async def test_a_put_whose_copy_fails_gives_back_its_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Objects copied in one call (no checkpoint) whose copy fails: the error reaches the caller and
+    nothing of them stays (no key, no bytes counted); the next put has the room."""
     backend = MemoryBackend(MemoryConfig(capacity_bytes=MiB))
-    source = data("k", 64)
-    bad = ObjectRef("k", [source.data_ptr(), source.data_ptr()], [32, None], 64)  # type: ignore[list-item]
-    with pytest.raises(ctypes.ArgumentError):
-        await backend.put([bad])
-    assert backend.stats().used_bytes == 0 and await backend.exists(["k"]) == [False]
-    assert await backend.put([obj("k", source)]) == [PutStatus.STORED]
-    assert backend.stats().used_bytes == 64
+    sources = [data("a", 64), data("b", 96)]
+
+    def broken(_buffers: object, _objects: object) -> None:
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(memory, "gather_objects", broken)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        await backend.put([obj("a", sources[0]), obj("b", sources[1])])
+    assert backend.stats().used_bytes == 0 and await backend.exists(["a", "b"]) == [False, False]
+    monkeypatch.undo()
+    assert await backend.put([obj("a", sources[0]), obj("b", sources[1])]) == [PutStatus.STORED] * 2
+    assert backend.stats().used_bytes == 160
 
 
 async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None) -> None:

@@ -28,9 +28,18 @@ from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
 from kvflow.backends.arena.store import ArenaFile, Hashes, KeyHashes, stored_geometry
-from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import (
+    BackendCapabilities,
+    BackendStats,
+    GetStatus,
+    ObjectRef,
+    PutStatus,
+    keys_of,
+    nbytes_of,
+    some_of,
+)
+from kvflow.backends.copies import gather_objects, scatter_objects
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
-from kvflow.regions import gather, scatter
 
 __all__ = ["ArenaBackend", "ArenaConfig"]
 
@@ -114,16 +123,11 @@ class ArenaBackend:
         claimed: dict[int, int] = {}  # object index -> row, until published or given back
         try:
             await self._claim(objects, results, claimed)
-            pacer = pacing.Pacer()
-            for i, row in claimed.items():
-                obj = objects[i]
-                gather(self._arena.address(row), obj.addrs, obj.sizes)
-                if _mid_write_hook is not None:
-                    _mid_write_hook(row)
-                await pacer.tick()
+            await self._write(objects, claimed)
+            keys, sizes = keys_of(objects), nbytes_of(objects)
             async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
                 for i, row in claimed.items():
-                    self._arena.publish(row, objects[i].nbytes, objects[i].key)
+                    self._arena.publish(row, sizes[i], keys[i])
                     results[i] = PutStatus.STORED
                 claimed.clear()
         except TimeoutError as exc:
@@ -135,14 +139,30 @@ class ArenaBackend:
             self._leave()
         return results
 
+    async def _write(self, objects: Sequence[ObjectRef], claimed: dict[int, int]) -> None:
+        """Copy the claimed objects into their slots (without the lock: the slots are this put's),
+        a run of them (:func:`kvflow.backends.pacing.run_end`) per copy call."""
+        order, rows = list(claimed), list(claimed.values())
+        every = nbytes_of(objects)
+        sizes = [every[i] for i in order]
+        address, pacer, start = self._arena.address, pacing.Pacer(), 0
+        while start < len(order):
+            end = pacing.run_end(sizes, start)
+            gather_objects([address(row) for row in rows[start:end]], some_of(objects, order[start:end]))
+            if _mid_write_hook is not None:
+                _mid_write_hook(rows[start])
+            await pacer.tick()
+            start = end
+
     async def _claim(
         self, objects: Sequence[ObjectRef], results: list[PutStatus], claimed: dict[int, int]
     ) -> None:
         slot_bytes = self._arena.geometry.slot_bytes
-        fits = [i for i, obj in enumerate(objects) if obj.nbytes <= slot_bytes]
+        keys, sizes = keys_of(objects), nbytes_of(objects)
+        fits = [i for i, nbytes in enumerate(sizes) if nbytes <= slot_bytes]
         if len(fits) < len(objects):
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
-        hashes = self._hashes([objects[i].key for i in fits])
+        hashes = self._hashes([keys[i] for i in fits])
         now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             for i, got in zip(fits, self._arena.claim(hashes, now)):
@@ -178,15 +198,20 @@ class ArenaBackend:
         self._enter()
         results = [GetStatus.FAILED] * len(objects)
         arena, now = self._arena, time.monotonic_ns()
-        hashes = self._hashes([obj.key for obj in objects])
+        hashes = self._hashes(keys_of(objects))
         keys: list[list[int]] = hashes.tolist()
+        sizes = nbytes_of(objects)
         rows: list[int] = []
         done = 0
         try:
             while done < len(objects):
                 async with arena.lock.held(SHARED, self.config.lock_timeout_s):
                     rows = rows or arena.find(hashes)  # found once; checked again after a pause
-                    done = self._read(objects, hashes, keys, rows, done, results, now)
+                    started = time.monotonic()
+                    while True:  # runs until the loop has been held long enough
+                        done = self._read(objects, sizes, hashes, keys, rows, done, results, now)
+                        if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
+                            break
                 if done < len(objects):
                     await anyio.lowlevel.checkpoint()
         except TimeoutError as exc:
@@ -199,6 +224,7 @@ class ArenaBackend:
     def _read(
         self,
         objects: Sequence[ObjectRef],
+        sizes: Sequence[int],
         hashes: Hashes,
         keys: list[list[int]],
         rows: list[int],
@@ -206,25 +232,27 @@ class ArenaBackend:
         results: list[GetStatus],
         now: int,
     ) -> int:
-        """Copy objects out from ``done`` on until the loop has been held long enough (under the
-        shared lock); return how far it got. ``rows`` may have been found under an earlier hold of
-        the lock: a row that no longer holds its key is looked up again (a key found absent is a
-        MISS: it was absent when the get looked)."""
-        arena, started = self._arena, time.monotonic()
-        while done < len(objects):
-            obj, row = objects[done], rows[done]
-            if row >= 0 and not arena.holds(row, *keys[done]):  # taken by a put meanwhile
-                row = rows[done] = arena.find(hashes[done : done + 1])[0]
+        """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
+        one call, under the shared lock; return where the run ended. ``rows`` may have been found
+        under an earlier hold of the lock: a row that no longer holds its key is looked up again (a
+        key found absent is a MISS: it was absent when the get looked)."""
+        arena, end = self._arena, pacing.run_end(sizes, done)
+        hits: list[int] = []
+        for i in range(done, end):
+            row = rows[i]
+            if row >= 0 and not arena.holds(row, *keys[i]):  # taken by a put meanwhile
+                row = rows[i] = arena.find(hashes[i : i + 1])[0]
             if row < 0:
-                results[done] = GetStatus.MISS
-            elif arena.size(row) == obj.nbytes:
-                scatter(arena.address(row), obj.addrs, obj.sizes)
-                arena.touch(row, now)
-                results[done] = GetStatus.HIT
-            done += 1
-            if time.monotonic() - started >= pacing.YIELD_EVERY_S:
-                break
-        return done
+                results[i] = GetStatus.MISS
+            elif arena.size(row) == sizes[i]:
+                hits.append(i)
+        scatter_objects(
+            [arena.address(rows[i]) for i in hits], some_of(objects[done:end], [i - done for i in hits])
+        )
+        for i in hits:
+            arena.touch(rows[i], now)
+            results[i] = GetStatus.HIT
+        return end
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         hashes = self._hashes(keys)

@@ -1,0 +1,150 @@
+"""Region copies: each object's regions back to back in its buffer and back, one call per batch,
+for objects by column (ObjectBatch) and for lists of objects of any shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvflow.backends.base import ObjectBatch, ObjectRef, keys_of, nbytes_of, some_of
+from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.regions import copy_ragged, copy_rows, gather, scatter
+
+POOL = 4096  # bytes of the memory the regions lie in
+
+
+def regions(draw: st.DrawFn, count: int) -> tuple[list[int], list[int]]:
+    """``count`` regions (offsets into the pool, sizes), possibly overlapping each other."""
+    sizes = draw(st.lists(st.integers(0, 64), min_size=count, max_size=count))
+    offsets = [draw(st.integers(0, POOL - size)) for size in sizes]
+    return offsets, sizes
+
+
+@st.composite
+def ragged(draw: st.DrawFn) -> list[tuple[list[int], list[int]]]:
+    """Objects of different region counts and sizes."""
+    return [regions(draw, draw(st.integers(0, 5))) for _ in range(draw(st.integers(0, 6)))]
+
+
+@st.composite
+def columns(draw: st.DrawFn) -> tuple[list[list[int]], list[int]]:
+    """Objects of one shape: a row of offsets each, the sizes shared."""
+    count, width = draw(st.integers(0, 6)), draw(st.integers(0, 5))
+    sizes = draw(st.lists(st.integers(0, 64), min_size=width, max_size=width))
+    rows = [[draw(st.integers(0, POOL - size)) for size in sizes] for _ in range(count)]
+    return rows, sizes
+
+
+def pool() -> torch.Tensor:
+    return torch.randint(0, 256, (POOL,), dtype=torch.uint8)
+
+
+def reference(source: torch.Tensor, offsets: list[int], sizes: list[int]) -> bytes:
+    return b"".join(bytes(source[o : o + s].tolist()) for o, s in zip(offsets, sizes))
+
+
+def check_round_trip(
+    objects: list[ObjectRef] | ObjectBatch, offsets: list[list[int]], sizes: list[list[int]]
+) -> None:
+    source = SOURCE
+    buffers = [torch.full((max(1, sum(s)),), 7, dtype=torch.uint8) for s in sizes]
+    gather_objects([b.data_ptr() for b in buffers], objects)
+    for buf, offs, szs in zip(buffers, offsets, sizes):
+        assert bytes(buf[: sum(szs)].tolist()) == reference(source, offs, szs)
+    # scatter each buffer into a fresh pool at the same offsets: every region holds its bytes again
+    # (where regions overlap, the later one's, as a plain memmove loop leaves them)
+    before = source.clone()
+    source.zero_()
+    scatter_objects([b.data_ptr() for b in buffers], objects)
+    expected = torch.zeros_like(source)
+    for buf, offs, szs in zip(buffers, offsets, sizes):
+        at = 0
+        for o, s in zip(offs, szs):
+            expected[o : o + s] = buf[at : at + s]
+            at += s
+    assert torch.equal(source, expected)
+    source.copy_(before)
+
+
+SOURCE = pool()
+
+
+@settings(deadline=None)  # the first call loads the compiled copy loops
+@given(ragged())
+def test_a_list_of_objects_of_any_shapes_round_trips(shapes: list[tuple[list[int], list[int]]]) -> None:
+    base = SOURCE.data_ptr()
+    objects = [ObjectRef.of(f"k{i}", [base + o for o in offs], szs) for i, (offs, szs) in enumerate(shapes)]
+    check_round_trip(objects, [offs for offs, _ in shapes], [szs for _, szs in shapes])
+
+
+@settings(deadline=None)
+@given(columns(), st.sampled_from([slice(None), slice(None, None, 2), slice(1, None)]))
+def test_a_batch_by_column_round_trips_as_its_objects_would(
+    shape: tuple[list[list[int]], list[int]], part: slice
+) -> None:
+    rows, sizes = shape
+    base = SOURCE.data_ptr()
+    addrs = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(sizes)) + base
+    batch = ObjectBatch([f"k{i}" for i in range(len(rows))], addrs, sizes, sum(sizes))[part]
+    kept = rows[part]
+    check_round_trip(batch, kept, [sizes] * len(kept))
+    assert list(batch) == [ObjectRef.of(k, list(a), sizes) for k, a in zip(batch.keys, batch.addrs.tolist())]
+
+
+def test_one_object_copies_match_the_batched_ones() -> None:
+    source = pool()
+    base = source.data_ptr()
+    out = torch.zeros(30, dtype=torch.uint8)
+    gather(out.data_ptr(), [base + 100, base + 10], [20, 10])
+    assert bytes(out.tolist()) == reference(source, [100, 10], [20, 10])
+    target = torch.zeros_like(source)
+    scatter(out.data_ptr(), [target.data_ptr() + 5, target.data_ptr() + 50], [20, 10])
+    assert torch.equal(target[5:25], source[100:120]) and torch.equal(target[50:60], source[10:20])
+
+
+def test_as_many_buffers_as_objects() -> None:
+    obj = ObjectRef.of("k", [SOURCE.data_ptr()], [4])
+    with pytest.raises(ValueError, match="2 buffers for 1 objects"):
+        gather_objects([0, 0], [obj])
+    with pytest.raises(ValueError, match="0 buffers for 1 objects"):
+        scatter_objects([], [obj])
+
+
+def test_a_batch_checks_its_columns() -> None:
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) for 2 keys of 2 regions"):
+        ObjectBatch(["a", "b"], np.zeros((2, 3), dtype=np.int64), [1, 2], 3)
+    with pytest.raises(ValueError, match=r"sizes must be >= 0, got \[1, -2\]"):
+        ObjectBatch(["a"], np.zeros((1, 2), dtype=np.int64), [1, -2], -1)
+
+
+def test_the_copy_loops_refuse_columns_that_do_not_agree() -> None:
+    """The compiled loops read the arrays unchecked: a shape that does not agree never reaches them."""
+    one = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"shape \(1, 2\) for 1 buffers of 3 regions"):
+        copy_rows(one, np.zeros((1, 2), dtype=np.int64), np.zeros(3, dtype=np.int64), into_regions=True)
+    with pytest.raises(ValueError, match="1 buffers with 1 region counts \\(of 2 regions\\) for 1 addresses"):
+        copy_ragged(one, one + 2, one, one, into_regions=False)
+    with pytest.raises(ValueError, match="1 buffers with 2 region counts"):
+        copy_ragged(one, np.zeros(2, dtype=np.int64), one[:0], one[:0], into_regions=False)
+
+
+@settings(max_examples=50)
+@given(
+    st.integers(0, 6).flatmap(
+        lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n - 1), unique=True) if n else st.just([]))
+    )
+)
+def test_keys_sizes_and_some_of_a_batch_are_its_objects(case: tuple[int, list[int]]) -> None:
+    count, picked = case
+    picked.sort()
+    addrs = np.arange(count * 2, dtype=np.int64).reshape(count, 2)
+    batch = ObjectBatch([f"k{i}" for i in range(count)], addrs, [3, 4], 7)
+    as_list = list(batch)
+    assert keys_of(batch) == keys_of(as_list) == [f"k{i}" for i in range(count)]
+    assert nbytes_of(batch) == nbytes_of(as_list) == [7] * count
+    part = some_of(batch, picked)
+    assert isinstance(part, ObjectBatch)
+    assert list(part) == list(some_of(as_list, picked)) == [as_list[i] for i in picked]
