@@ -2,25 +2,26 @@
 
 :func:`gather` and :func:`scatter` copy one object with a ``memmove`` per region through ctypes.
 :func:`copy_rows` and :func:`copy_ragged` copy many objects' regions in one call of a compiled
-loop (numba, compiled once and cached on disk), which pays no Python per region: at the sizes of
-one block's layer (8-64 KiB regions) the ctypes call per region cost as much as the copy
-(:mod:`kvflow.backends.copies` feeds them a backend call's objects). Every copy releases the GIL
-while it runs. The caller guarantees every address is valid for its size
-for the duration of the call.
-"""
+loop (numba, :mod:`kvflow.copyloops`, compiled once and cached on disk), which pays no Python per
+region: at the sizes of one block's layer (8-64 KiB regions) the ctypes call per region cost as
+much as the copy (:mod:`kvflow.backends.copies` feeds them a backend call's objects). Every copy
+releases the GIL while it runs. The caller guarantees every address is valid for its size for
+the duration of the call."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["buffer_address", "copy_ragged", "copy_rows", "gather", "scatter"]
+if TYPE_CHECKING:
+    from kvflow.copyloops import Loops
+
+__all__ = ["buffer_address", "copy_ragged", "copy_rows", "gather", "scatter", "warm"]
 
 _memmove = ctypes.memmove
 
@@ -78,65 +79,19 @@ def copy_ragged(
     )
 
 
-@attrs.frozen
-class _Kernels:
-    """The compiled copy loops; each ``memmove``s between object ``i``'s buffer at ``starts[i]``
-    and its regions, back to back (into the regions when ``into_regions``, else out of them)."""
-
-    rows: Callable[[Addresses, Addresses, Addresses, bool], None]  # regions addrs[i, :], of sizes
-    ragged: Callable[[Addresses, Addresses, Addresses, Addresses, bool], None]  # counts[i] regions each
-
-
 @functools.cache
-def _kernels() -> _Kernels:
-    """The copy loops, compiled without the GIL (numba is imported, and the loops loaded from its
-    cache or compiled, at the first use)."""
-    import numba
-    from llvmlite import ir
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic
+def _kernels() -> Loops:
+    """The compiled copy loops (numba is imported, and the loops loaded from its on-disk cache or
+    compiled, at the first use: :func:`warm` does it ahead of time)."""
+    from kvflow.copyloops import compile_loops
 
-    @intrinsic  # type: ignore[untyped-decorator]
-    def memmove(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            to, frm, size = args
-            ptr = ir.IntType(8).as_pointer()
-            cgutils.raw_memmove(builder, builder.inttoptr(to, ptr), builder.inttoptr(frm, ptr), size, 1)
-            return context.get_dummy_value()
+    return compile_loops()
 
-        return types.void(types.int64, types.int64, types.int64), codegen
 
-    @numba.njit(  # type: ignore[untyped-decorator]
-        "void(int64[::1], int64[:, ::1], int64[::1], boolean)", nogil=True, cache=True
-    )
-    def rows(starts: Addresses, addrs: Addresses, sizes: Addresses, into_regions: bool) -> None:
-        for i in range(starts.shape[0]):  # pragma: no cover (compiled)
-            at = starts[i]
-            for j in range(sizes.shape[0]):
-                if into_regions:
-                    memmove(addrs[i, j], at, sizes[j])
-                else:
-                    memmove(at, addrs[i, j], sizes[j])
-                at += sizes[j]
-
-    @numba.njit(  # type: ignore[untyped-decorator]
-        "void(int64[::1], int64[::1], int64[::1], int64[::1], boolean)", nogil=True, cache=True
-    )
-    def ragged(
-        starts: Addresses, counts: Addresses, addrs: Addresses, sizes: Addresses, into_regions: bool
-    ) -> None:
-        k = 0
-        for i in range(starts.shape[0]):  # pragma: no cover (compiled)
-            at = starts[i]
-            for _ in range(counts[i]):
-                if into_regions:
-                    memmove(addrs[k], at, sizes[k])
-                else:
-                    memmove(at, addrs[k], sizes[k])
-                at += sizes[k]
-                k += 1
-
-    return _Kernels(rows, ragged)
+def warm() -> None:
+    """Import and load (or compile) the copy loops now, so that the first copy does not pay it on
+    the event loop (the memory and local backends call it as they open, off the loop)."""
+    _kernels()
 
 
 def buffer_address(buf: bytearray | memoryview) -> int:

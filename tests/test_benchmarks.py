@@ -127,6 +127,28 @@ def test_the_bench_skips_what_an_arena_cannot_hold_and_says_so(tmp_path: Path) -
     assert all(anyio.run(kinds))  # only the profile announcements stay
 
 
+def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Path) -> None:
+    """Every layer's time per object is reported for each size (the script fails if a round trip
+    returns other bytes), and the store it was pointed at keeps only the pools' announcements."""
+    url = f"arena://{tmp_path}/store?capacity=16MiB&slot=256KiB"
+    args = ["--backend", url, "--sizes", "64KiB,256KiB", "--batch", "8", "--calls", "2", "--repeat", "1"]
+    rows = json.loads(ok(run("benchmarks/per_object.py", *args, "--json")))
+    assert [(row["object_kib"], row["batch"], row["regions"]) for row in rows] == [(64, 8, 8), (256, 8, 8)]
+    layers = ["memcpy", "copy", "backend_get", "pool_retrieve", "pool_lookup", "backend_put", "pool_store"]
+    for row in rows:
+        assert all(positive(row[f"{name}_us"]) for name in layers), row
+
+    async def kinds() -> list[bool]:
+        backend = ArenaBackend.attach(url)
+        try:
+            return [key is not None and is_book_key(key) for key, _ in await backend.list_objects()]
+        finally:
+            await backend.aclose()
+
+    left = anyio.run(kinds)
+    assert left and all(left)
+
+
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = ok(

@@ -118,6 +118,37 @@ def test_a_batch_checks_its_columns() -> None:
         ObjectBatch(["a", "b"], np.zeros((2, 3), dtype=np.int64), [1, 2], 3)
     with pytest.raises(ValueError, match=r"sizes must be >= 0, got \[1, -2\]"):
         ObjectBatch(["a"], np.zeros((1, 2), dtype=np.int64), [1, -2], -1)
+    with pytest.raises(ValueError, match=r"nbytes 4 is not the sum of the region sizes \[1, 2\]"):
+        ObjectBatch(["a"], np.zeros((1, 2), dtype=np.int64), [1, 2], 4)
+
+
+def test_a_batch_is_compared_by_identity() -> None:
+    """Its address column is an array, which has no truth value: two batches are equal only when
+    they are one, and a batch can be hashed."""
+    batch = ObjectBatch(["a"], np.zeros((1, 1), dtype=np.int64), [1], 1)
+    twin = ObjectBatch(["a"], np.zeros((1, 1), dtype=np.int64), [1], 1)
+    assert batch == batch and batch != twin and len({batch, twin}) == 2
+
+
+@pytest.mark.parametrize(
+    ("addrs", "sizes", "nbytes"),
+    [([0, 0], [4], 4), ([0], [4, 4], 8), ([0], [4], 5), ([0, 0], [8, -4], 4)],
+    ids=["more addresses", "more sizes", "nbytes too small", "negative size"],
+)
+def test_a_list_copy_refuses_an_object_whose_fields_disagree(
+    addrs: list[int], sizes: list[int], nbytes: int
+) -> None:
+    """An object built with the plain constructor, unchecked: its buffer was sized by ``nbytes``
+    and its regions are paired by position, so a disagreement would copy out of bounds. Nothing is
+    copied; the error names the key."""
+    target = torch.zeros(16, dtype=torch.uint8)
+    base = target.data_ptr()
+    bad = ObjectRef("bad", [base + a for a in addrs], sizes, nbytes)
+    good = ObjectRef.of("good", [base], [4])
+    out = torch.full((32,), 7, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"object 'bad'.*do not agree"):
+        scatter_objects([out.data_ptr(), out.data_ptr() + 16], [good, bad])
+    assert torch.equal(target, torch.zeros(16, dtype=torch.uint8))
 
 
 def test_the_copy_loops_refuse_columns_that_do_not_agree() -> None:

@@ -76,7 +76,7 @@ class ObjectRef:
         return cls(key, addrs, sizes, sum(sizes))
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # compared by identity: its address column is an array
 class ObjectBatch(Sequence[ObjectRef]):
     """Objects of one shape, by column: ``keys[i]``'s regions start at the addresses ``addrs[i]``
     (one ``int64`` row per object) and have the sizes ``sizes``, ``nbytes`` in all.
@@ -84,7 +84,7 @@ class ObjectBatch(Sequence[ObjectRef]):
     A put or get may receive one instead of a list (the transfer layer sends the objects of engine
     blocks this way). It is a sequence of :class:`ObjectRef` for code that takes objects one by
     one; a backend that copies in-process reads its columns instead, and copies the whole batch in
-    one native call (:func:`kvflow.regions.gather_objects`), with no Python per region.
+    one native call (:func:`kvflow.backends.copies.gather_objects`), with no Python per region.
     """
 
     keys: Sequence[str]
@@ -100,6 +100,8 @@ class ObjectBatch(Sequence[ObjectRef]):
                 f"addresses of shape {self.addrs.shape} for {len(self.keys)} keys of "
                 f"{len(self.sizes)} regions"
             )
+        if self.nbytes != sum(self.sizes):
+            raise ValueError(f"nbytes {self.nbytes} is not the sum of the region sizes {list(self.sizes)}")
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -37,6 +37,11 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
     addrs: list[int] = []
     sizes: list[int] = []
     for obj in objects:
+        if len(obj.addrs) != len(obj.sizes) or sum(obj.sizes) != obj.nbytes or min(obj.sizes, default=0) < 0:
+            raise ValueError(
+                f"object {obj.key!r}: {len(obj.addrs)} addresses, sizes {list(obj.sizes)} and "
+                f"nbytes {obj.nbytes} do not agree (build it with ObjectRef.of)"
+            )
         addrs.extend(obj.addrs)
         sizes.extend(obj.sizes)
     counts = np.fromiter((len(obj.sizes) for obj in objects), dtype=np.int64, count=len(objects))

@@ -5,7 +5,7 @@ zero its memory first, which costs as much as the copy itself). Copies run on th
 pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
 a millisecond (:mod:`kvflow.backends.pacing`), so no call holds the loop much longer than a millisecond.
 Objects of one piece are put or got whole between two checkpoints, a run of them (up to 1 MiB in
-all) by one native copy call (:func:`kvflow.regions.gather_objects`): nothing else runs meanwhile,
+all) by one native copy call (:func:`kvflow.backends.copies.gather_objects`): nothing else runs meanwhile,
 so they need neither a reservation held across a pause nor a pin (most KV objects are this size,
 and a coroutine, or a ``memmove`` call per region, cost more than their copy).
 
@@ -33,6 +33,7 @@ import anyio.lowlevel
 import attrs
 import torch
 
+from kvflow import regions
 from kvflow.backends.base import (
     BackendCapabilities,
     BackendStats,
@@ -106,6 +107,7 @@ class MemoryBackend:
 
     def __attrs_post_init__(self) -> None:
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes)
+        regions.warm()  # the copy loops, loaded now rather than at the first put on the event loop
 
     @classmethod
     def from_url(cls, url: str) -> MemoryBackend:
@@ -206,15 +208,15 @@ class MemoryBackend:
         """Puts of objects copied in one call, without a checkpoint: each reserved, all copied, each
         published (the second of one key twice is PRESENT)."""
         results: list[PutStatus] = []
-        room: list[int] = []  # the objects that got a buffer
+        room: list[int] = []  # the objects that got a buffer (and hold a reservation)
         bufs: list[torch.Tensor] = []
-        for i, (key, nbytes) in enumerate(zip(keys, sizes)):
-            buf = self._room(key, nbytes)
-            results.append(buf if isinstance(buf, PutStatus) else PutStatus.STORED)
-            if not isinstance(buf, PutStatus):
-                room.append(i)
-                bufs.append(buf)
         try:
+            for i, (key, nbytes) in enumerate(zip(keys, sizes)):
+                buf = self._room(key, nbytes)
+                results.append(buf if isinstance(buf, PutStatus) else PutStatus.STORED)
+                if not isinstance(buf, PutStatus):
+                    room.append(i)
+                    bufs.append(buf)
             gather_objects([buf.data_ptr() for buf in bufs], some_of(objects, room))
         except BaseException:
             self._stats.used_bytes -= sum(sizes[i] for i in room)
@@ -267,8 +269,9 @@ class MemoryBackend:
             stats.evictions += 1
             if recycled is None and entry.nbytes == nbytes:
                 recycled = entry.buf  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
-        stats.used_bytes += nbytes
-        return recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
+        buf = recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
+        stats.used_bytes += nbytes  # counted once allocated: a failed allocation reserves nothing
+        return buf
 
     def _unpinned_lru(self) -> str | None:
         for key, entry in self._objects.items():  # pinned entries were moved to the end when pinned

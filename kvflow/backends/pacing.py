@@ -14,12 +14,15 @@ from collections.abc import Sequence
 import anyio.lowlevel
 import attrs
 
-__all__ = ["PIECE", "YIELD_EVERY_S", "Pacer", "run_end"]
+__all__ = ["PIECE", "RUN_OBJECTS", "YIELD_EVERY_S", "Pacer", "run_end"]
 
 #: The longest a call holds the event loop between checkpoints (plus one piece).
 YIELD_EVERY_S = 0.0005
 #: The most bytes copied (or hashed) between two looks at the clock.
 PIECE = 1 << 20
+#: The most objects copied by one call between two looks at the clock (each costs some Python
+#: before and after the copy, however small it is).
+RUN_OBJECTS = 256
 
 
 @attrs.define
@@ -45,9 +48,11 @@ class Pacer:
 
 def run_end(sizes: Sequence[int], start: int) -> int:
     """Where the run of objects from ``start`` that one copy call takes ends: as many as fit in
-    :data:`PIECE` bytes together, and at least one (an object larger than a piece runs alone)."""
+    :data:`PIECE` bytes together, at most :data:`RUN_OBJECTS` of them, and at least one (an object
+    larger than a piece runs alone)."""
     end, total = start + 1, sizes[start]
-    while end < len(sizes) and total + sizes[end] <= PIECE:
+    last = min(len(sizes), start + RUN_OBJECTS)
+    while end < last and total + sizes[end] <= PIECE:
         total += sizes[end]
         end += 1
     return end

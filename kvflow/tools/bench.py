@@ -126,7 +126,7 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
         "memcpy_gbps": memcpy,
         "store_vs_memcpy": store_gbps / memcpy,
         "retrieve_vs_memcpy": retrieve_gbps / memcpy,
-        # the same blocks' region copies by a bare loop: what the layout alone costs
+        # the same blocks' region copies in one bare call of the copy loop: what the layout alone costs
         "regions_gbps": regions,
         "store_vs_regions": store_gbps / regions,
         "retrieve_vs_regions": retrieve_gbps / regions,
@@ -237,7 +237,7 @@ def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool, plot: s
             f"{r['memcpy_gbps']:>11.2f} {r['store_vs_memcpy']:>12.2f} {r['retrieve_vs_memcpy']:>15.2f} "
             f"{r['regions_gbps']:>12.2f} {r['store_vs_regions']:>13.2f} {r['retrieve_vs_regions']:>16.2f}"
         )
-    print("(regions: the same blocks' region copies, one per layer, by a bare memmove loop)")
+    print("(regions: the same blocks' region copies, one per layer, by one bare call of the copy loop)")
     p = result["pipeline"]
     if result["skipped_sizes"]:
         sizes = ", ".join(f"{s >> 10} KiB" for s in result["skipped_sizes"])

@@ -21,6 +21,8 @@ from typing import TypeVar
 import anyio
 import anyio.lowlevel
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvflow.backends.arena.backend as arena
 import kvflow.backends.local.backend as local
@@ -159,3 +161,19 @@ async def test_at_most_one_piece_is_copied_between_turns(
     assert targets == sources
     assert copied >= 2 * count * size  # every byte went through the meter
     assert 0 < most <= (size if isinstance(backend, ArenaBackend) else MiB)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.sampled_from([0, 1, 4096, 300_000, MiB, MiB + 1]), min_size=1, max_size=700), st.data())
+def test_a_run_is_the_longest_that_fits_one_piece_and_the_object_cap(
+    sizes: list[int], data: st.DataObject
+) -> None:
+    """One copy call takes at least one object, then more while the bytes fit in a piece and the
+    count in :data:`~kvflow.backends.pacing.RUN_OBJECTS` (many tiny objects still cost Python each)."""
+    start = data.draw(st.integers(0, len(sizes) - 1))
+    end = pacing.run_end(sizes, start)
+    run = sizes[start:end]
+    assert 1 <= len(run) <= pacing.RUN_OBJECTS
+    assert len(run) == 1 or sum(run) <= pacing.PIECE
+    if end < len(sizes):  # it stopped because the next object would break a bound
+        assert len(run) == pacing.RUN_OBJECTS or sum(run) + sizes[end] > pacing.PIECE

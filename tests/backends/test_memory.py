@@ -211,6 +211,33 @@ async def test_a_put_whose_copy_fails_gives_back_its_reservation(monkeypatch: py
     assert backend.stats().used_bytes == 160
 
 
+async def test_a_put_whose_allocation_fails_gives_back_every_reservation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second object's buffer cannot be allocated: the error reaches the caller, and neither
+    object keeps bytes counted (the first had reserved its buffer already)."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=MiB))
+    sources = [data("a", 64), data("b", 96)]
+    allocate = torch.empty
+    calls = 0
+
+    def second_fails(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise MemoryError("out of host memory")
+        return allocate(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(memory.torch, "empty", second_fails)
+    with pytest.raises(MemoryError, match="out of host memory"):
+        await backend.put([obj("a", sources[0]), obj("b", sources[1])])
+    monkeypatch.undo()
+    assert calls == 2
+    assert backend.stats().used_bytes == 0 and await backend.exists(["a", "b"]) == [False, False]
+    assert await backend.put([obj("a", sources[0]), obj("b", sources[1])]) == [PutStatus.STORED] * 2
+    assert backend.stats().used_bytes == 160
+
+
 async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None) -> None:
     size = 16 * MiB
     backend = MemoryBackend(MemoryConfig(capacity_bytes=size))

@@ -24,6 +24,7 @@ import anyio
 import anyio.lowlevel
 import attrs
 
+from kvflow import regions
 from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
@@ -45,8 +46,9 @@ __all__ = ["ArenaBackend", "ArenaConfig"]
 
 logger = logging.getLogger(__name__)
 
-# Tests only: called with the slot's row once a put has copied its first object, before it
-# publishes it (a test process exits there, as a writer killed mid-put would).
+# Tests only: called with the first slot's row once a put has copied a run of objects (its first
+# run: the first object, or up to 1 MiB of them), before it publishes them (a test process exits
+# there, as a writer killed mid-put would).
 _mid_write_hook: Callable[[int], None] | None = None
 
 
@@ -71,6 +73,7 @@ class ArenaBackend:
         self._arena = ArenaFile.open(self.config)
         geometry = self._arena.geometry
         self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
+        regions.warm()  # the copy loops, loaded now rather than at the first put on the event loop
 
     @classmethod
     def from_url(cls, url: str) -> ArenaBackend:

@@ -1,0 +1,98 @@
+"""The compiled copy loops: loaded from numba's on-disk cache by the next process (not compiled
+again), compiled in memory where no cache directory is writable, and loaded by a backend as it
+opens rather than at its first copy on the event loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numba.core import caching
+
+from kvflow import regions
+from kvflow.backends.arena import ArenaBackend, ArenaConfig
+from kvflow.backends.base import Backend
+from kvflow.backends.memory import MemoryBackend
+from kvflow.copyloops import Loops, compile_loops
+
+# One process's use of the loops: which were loaded from the cache, which compiled.
+PROBE = """
+import json
+from kvflow.copyloops import compile_loops
+loops = compile_loops()
+print(json.dumps({name: [sum(getattr(fn.stats, kind).values()) for kind in ("cache_hits", "cache_misses")]
+                  for name, fn in (("rows", loops.rows), ("ragged", loops.ragged))}))
+"""
+
+
+def probe(cache_dir: Path) -> dict[str, list[int]]:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    counts: dict[str, list[int]] = json.loads(done.stdout)
+    return counts
+
+
+def copies(loops: Loops) -> None:
+    """Both loops copy two objects' regions out of ``source`` and back into ``target``."""
+    source = torch.arange(64, dtype=torch.uint8)
+    base, out, target = (
+        source.data_ptr(),
+        torch.zeros(16, dtype=torch.uint8),
+        torch.zeros(64, dtype=torch.uint8),
+    )
+    starts = np.array([out.data_ptr(), out.data_ptr() + 8], dtype=np.int64)
+    addrs = np.array([[base + 40, base + 2], [base + 10, base + 60]], dtype=np.int64)
+    sizes = np.array([5, 3], dtype=np.int64)
+    loops.rows(starts, addrs, sizes, False)
+    assert out.tolist() == [40, 41, 42, 43, 44, 2, 3, 4, 10, 11, 12, 13, 14, 60, 61, 62]
+    shift = target.data_ptr() - base
+    loops.ragged(starts, np.array([2, 2], dtype=np.int64), addrs.ravel() + shift, np.tile(sizes, 2), True)
+    assert torch.equal(target[[40, 2, 10, 60]], source[[40, 2, 10, 60]]) and int(target[20]) == 0
+
+
+def test_the_next_process_loads_the_loops_from_the_cache(tmp_path: Path) -> None:
+    assert probe(tmp_path) == {"rows": [0, 1], "ragged": [0, 1]}  # compiled, and saved
+    saved = sorted(tmp_path.rglob("*.nbc"))
+    assert saved
+    assert probe(tmp_path) == {"rows": [1, 0], "ragged": [1, 0]}  # loaded, not compiled
+    assert sorted(tmp_path.rglob("*.nbc")) == saved  # nothing more piled up
+
+
+def test_without_a_writable_cache_the_loops_compile_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only install without NUMBA_CACHE_DIR: numba finds no place for its cache and
+    refuses ``cache=True``; the loops are compiled without it and copy the same."""
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in numba 0.61
+    monkeypatch.setattr(impl, "_locator_classes", [])
+    loops = compile_loops()
+    assert not loops.cached
+    copies(loops)
+
+
+def test_cached_loops_copy() -> None:
+    loops = compile_loops()
+    assert loops.cached
+    copies(loops)
+
+
+@pytest.mark.parametrize("kind", ["memory", "arena"])
+async def test_a_backend_loads_the_loops_as_it_opens(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not at its first put, on the event loop, where numba's import and the load take a second."""
+    loaded: list[bool] = []
+    monkeypatch.setattr(regions, "warm", lambda: loaded.append(True))
+    if kind == "memory":
+        backend: Backend = MemoryBackend()
+    else:
+        backend = ArenaBackend(
+            ArenaConfig(str(tmp_path / "store"), capacity_bytes=1 << 20, slot_bytes=1 << 16)
+        )
+    assert loaded == [True]
+    await backend.aclose()
