@@ -113,7 +113,7 @@ async def measure(url: str, size: int, batch: int, regions: int, calls: int, rep
             stored.append(request)
             return request
 
-        gbps = memcpy_gbps(nbytes * batch, nbytes)
+        gbps = memcpy_gbps(nbytes * batch, nbytes, repeat=calls * repeat)  # as warm as the copies below
         return {
             "object_kib": nbytes / 1024,
             "batch": batch,

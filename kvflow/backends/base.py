@@ -184,26 +184,34 @@ class BackendStats:
     capacity_bytes: int = 0
 
     def count_puts(self, objects: Sequence[ObjectRef], results: Sequence[PutStatus]) -> None:
-        for nbytes, status in zip(nbytes_of(objects), results):
-            if status is PutStatus.STORED:
-                self.puts += 1
-                self.put_bytes += nbytes
-            elif status is PutStatus.PRESENT:
-                self.present += 1
-            elif status is PutStatus.NO_SPACE:
-                self.no_space += 1
-            else:
-                self.put_failures += 1
+        stored, present = results.count(PutStatus.STORED), results.count(PutStatus.PRESENT)
+        no_space = results.count(PutStatus.NO_SPACE)
+        self.puts += stored
+        self.put_bytes += _bytes_where(objects, results, PutStatus.STORED, stored)
+        self.present += present
+        self.no_space += no_space
+        self.put_failures += len(results) - stored - present - no_space
 
     def count_gets(self, objects: Sequence[ObjectRef], results: Sequence[GetStatus]) -> None:
-        for nbytes, status in zip(nbytes_of(objects), results):
-            if status is GetStatus.HIT:
-                self.hits += 1
-                self.hit_bytes += nbytes
-            elif status is GetStatus.MISS:
-                self.misses += 1
-            else:
-                self.get_failures += 1
+        hits, misses = results.count(GetStatus.HIT), results.count(GetStatus.MISS)
+        self.hits += hits
+        self.hit_bytes += _bytes_where(objects, results, GetStatus.HIT, hits)
+        self.misses += misses
+        self.get_failures += len(results) - hits - misses
+
+
+def _bytes_where(
+    objects: Sequence[ObjectRef], results: Sequence[PutStatus | GetStatus], status: object, count: int
+) -> int:
+    """The bytes of the objects whose result is ``status`` (``count`` of them), without a step per
+    object where every object counts or all are one size."""
+    if count == 0:
+        return 0
+    if isinstance(objects, ObjectBatch):
+        return objects.nbytes * count
+    if count == len(results):
+        return sum(obj.nbytes for obj in objects)
+    return sum(obj.nbytes for obj, result in zip(objects, results) if result is status)
 
 
 @runtime_checkable
