@@ -48,6 +48,15 @@ def positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+async def book_keys(url: str) -> list[bool]:
+    """For each object the arena store at ``url`` holds, whether it is a profile announcement."""
+    backend = ArenaBackend.attach(url)
+    try:
+        return [key is not None and is_book_key(key) for key, _ in await backend.list_objects()]
+    finally:
+        await backend.aclose()
+
+
 def test_topology_bench_reports_each_load_against_the_matched_one() -> None:
     result = json.loads(ok(run("-m", "kvflow.cli", "bench", "--topology", "--quick", "--json")))
     assert result["layers"] > 0 and result["blocks"] > 0 and result["bytes"] > 0
@@ -117,14 +126,7 @@ def test_the_bench_skips_what_an_arena_cannot_hold_and_says_so(tmp_path: Path) -
     out = ok(run("-m", "kvflow.cli", "bench", "--backend", url, "--quick"))
     assert "objects of 1024 KiB: skipped" in out and "the store holds 128 objects" in out
 
-    async def kinds() -> list[bool]:
-        backend = ArenaBackend.attach(url)
-        try:
-            return [key is not None and is_book_key(key) for key, _ in await backend.list_objects()]
-        finally:
-            await backend.aclose()
-
-    assert all(anyio.run(kinds))  # only the profile announcements stay
+    assert all(anyio.run(book_keys, url))  # only the profile announcements stay
 
 
 def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Path) -> None:
@@ -138,14 +140,7 @@ def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Pa
     for row in rows:
         assert all(positive(row[f"{name}_us"]) for name in layers), row
 
-    async def kinds() -> list[bool]:
-        backend = ArenaBackend.attach(url)
-        try:
-            return [key is not None and is_book_key(key) for key, _ in await backend.list_objects()]
-        finally:
-            await backend.aclose()
-
-    left = anyio.run(kinds)
+    left = anyio.run(book_keys, url)
     assert left and all(left)
 
 
