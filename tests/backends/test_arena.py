@@ -82,6 +82,24 @@ async def test_round_trip_of_scattered_regions_and_a_miss(store_dir: Path) -> No
     await backend.aclose()
 
 
+async def test_every_run_of_a_get_lands_on_its_own_objects_around_misses(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get copies a run of objects per call (here three); in the runs after the first, the hits
+    beside a miss or a size mismatch still get their own bytes, and the others stay untouched."""
+    monkeypatch.setattr(pacing, "RUN_OBJECTS", 3)
+    backend = open_arena(store_dir)
+    keys = [f"k{i}" for i in range(10)]
+    assert await put_all(backend, [k for k in keys if k != "k7"]) == [PutStatus.STORED] * 9
+    outs = [bytearray(SLOT - 1 if k == "k4" else SLOT) for k in keys]
+    expected = [GetStatus.HIT] * 10
+    expected[4], expected[7] = GetStatus.FAILED, GetStatus.MISS
+    assert await backend.get([obj(k, out) for k, out in zip(keys, outs)]) == expected
+    for key, out, status in zip(keys, outs, expected):
+        assert out == (filled(key) if status is GetStatus.HIT else bytearray(len(out))), key
+    await backend.aclose()
+
+
 async def test_put_never_overwrites_and_a_size_mismatch_fails(store_dir: Path) -> None:
     backend = open_arena(store_dir)
     assert await put_all(backend, ["k"]) == [PutStatus.STORED]
