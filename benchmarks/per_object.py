@@ -98,7 +98,9 @@ async def measure(url: str, size: int, batch: int, regions: int, calls: int, rep
         if got.hit_blocks != batch or not all(torch.equal(src[k], dst[k]) for k in src):
             raise RuntimeError("the pool's retrieve returned other bytes than were stored")
 
-        buffers = torch.empty(nbytes * batch, dtype=torch.uint8)
+        buffers = torch.ones(
+            nbytes * batch, dtype=torch.uint8
+        )  # written: never-touched pages read as the one zero page
         starts = (buffers.data_ptr() + nbytes * np.arange(batch, dtype=np.int64)).tolist()
         copied = objects(reader_rows, held)
 
