@@ -98,9 +98,8 @@ async def measure(url: str, size: int, batch: int, regions: int, calls: int, rep
         if got.hit_blocks != batch or not all(torch.equal(src[k], dst[k]) for k in src):
             raise RuntimeError("the pool's retrieve returned other bytes than were stored")
 
-        buffers = torch.ones(
-            nbytes * batch, dtype=torch.uint8
-        )  # written: never-touched pages read as the one zero page
+        # written (ones): pages never written read as the kernel's one zero page, always in cache
+        buffers = torch.ones(nbytes * batch, dtype=torch.uint8)
         starts = (buffers.data_ptr() + nbytes * np.arange(batch, dtype=np.int64)).tolist()
         copied = objects(reader_rows, held)
 

@@ -89,8 +89,8 @@ def _kernels() -> Loops:
 
 
 def warm() -> None:
-    """Import and load (or compile) the copy loops now, so that the first copy does not pay it on
-    the event loop (the memory and local backends call it as they open, off the loop)."""
+    """Import and load (or compile) the copy loops now, so that the first copy does not pay it in
+    the middle of a transfer (the memory and arena backends call it as they open)."""
     _kernels()
 
 
