@@ -38,6 +38,7 @@ from kvflow.backends.base import (
     BackendCapabilities,
     BackendStats,
     GetStatus,
+    ObjectBatch,
     ObjectRef,
     PutStatus,
     keys_of,
@@ -150,6 +151,7 @@ class MemoryBackend:
         the results of those that ran (even when the call is cancelled part-way)."""
         self._check_open()
         keys, sizes = keys_of(objects), nbytes_of(objects)
+        uniform = isinstance(objects, ObjectBatch)
         results: list[R] = []
         pacer = Pacer()
         try:
@@ -157,7 +159,7 @@ class MemoryBackend:
             while start < len(sizes):
                 if pacer.due():
                     await pacer.pause()
-                end = run_end(sizes, start)
+                end = run_end(sizes, start, uniform=uniform)
                 if sizes[start] > PIECE:
                     results.append(await paced(objects[start], pacer))
                 else:
@@ -293,18 +295,19 @@ class MemoryBackend:
     def _get_section(
         self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
     ) -> list[GetStatus]:
-        """Gets of objects copied in one call, without a checkpoint (so they need no pin)."""
-        results: list[GetStatus] = []
-        hits: list[int] = []
-        addrs: list[int] = []
-        for i, (key, nbytes) in enumerate(zip(keys, sizes)):
-            entry = self._found(key, nbytes)
-            if isinstance(entry, GetStatus):
-                results.append(entry)
-            else:
-                results.append(GetStatus.HIT)
-                hits.append(i)
-                addrs.append(entry.addr)
+        """Gets of objects copied in one call, without a checkpoint (so they need no pin): each
+        step over the whole run at once (a comprehension), not a call per object."""
+        stored = self._objects
+        entries = [stored.get(key) for key in keys]
+        results = [
+            GetStatus.MISS if entry is None else GetStatus.HIT if entry.nbytes == n else GetStatus.FAILED
+            for entry, n in zip(entries, sizes)
+        ]
+        hits = [i for i, result in enumerate(results) if result is GetStatus.HIT]
+        use = stored.move_to_end  # a use, for LRU
+        for i in hits:
+            use(keys[i])
+        addrs = [e.addr for e, result in zip(entries, results) if e is not None and result is GetStatus.HIT]
         scatter_objects(addrs, some_of(objects, hits))
         return results
 

@@ -46,10 +46,13 @@ class Pacer:
             await self.pause()
 
 
-def run_end(sizes: Sequence[int], start: int) -> int:
+def run_end(sizes: Sequence[int], start: int, *, uniform: bool = False) -> int:
     """Where the run of objects from ``start`` that one copy call takes ends: as many as fit in
     :data:`PIECE` bytes together, at most :data:`RUN_OBJECTS` of them, and at least one (an object
-    larger than a piece runs alone)."""
+    larger than a piece runs alone). ``uniform``: every size is the same (an
+    :class:`~kvflow.backends.base.ObjectBatch`'s), so the run's length is one division."""
+    if uniform:
+        return min(len(sizes), start + max(1, min(RUN_OBJECTS, PIECE // max(1, sizes[start]))))
     end, total = start + 1, sizes[start]
     last = min(len(sizes), start + RUN_OBJECTS)
     while end < last and total + sizes[end] <= PIECE:

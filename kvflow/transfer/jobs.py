@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 # Folding a block's per-unit put statuses: the worst one wins.
 _SEVERITY = {PutStatus.PRESENT: 0, PutStatus.STORED: 1, PutStatus.NO_SPACE: 2, PutStatus.FAILED: 3}
-_PUT_FAILURES = (PutStatus.NO_SPACE, PutStatus.FAILED)
 #: How often a copy still running on the device past its deadline is logged while it is waited for.
 _STUCK_LOG_S = 30.0
 #: How often a load waiting for a staging chunk looks again (chunks come back from other units'
@@ -81,17 +80,19 @@ class StoreJob:
     _keys: dict[Unit, list[str]] = attrs.field(init=False, factory=dict)
     _present: dict[Unit, list[bool]] = attrs.field(init=False, factory=dict)
     _statuses: dict[Unit, list[PutStatus]] = attrs.field(init=False, factory=dict)
+    _every: bool = attrs.field(init=False)
     _reading: set[Unit] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.owned = owned(self.plan.indices, self.transfer.parallel)
+        self._every = len(self.owned) == len(self.plan)  # owned is 0, 1, 2, ...: the plan's lists serve
         self._reading = set(self.transfer.units)
 
     def keys(self, unit: Unit) -> list[str]:
         """The keys of this rank's owned blocks for ``unit``."""
         keys = self._keys.get(unit)
         if keys is None:
-            hashes = [self.plan.hashes[j] for j in self.owned]
+            hashes = self.plan.hashes if self._every else [self.plan.hashes[j] for j in self.owned]
             keys = self._keys[unit] = self.transfer.keys(hashes, unit)
         return keys
 
@@ -112,9 +113,10 @@ class StoreJob:
         ``after``: the engine's event after the work that writes the blocks; no block is read
         before it completed (a device event: the copy stream waits for it on the device).
         """
-        present = self._present.get(unit) or [False] * len(self.owned)
+        n = len(self.owned)
+        present = self._present.get(unit) or [False] * n
         statuses = [PutStatus.PRESENT if p else PutStatus.FAILED for p in present]
-        todo = [k for k, p in enumerate(present) if not p]
+        todo = [k for k, p in enumerate(present) if not p] if True in present else list(range(n))
         try:
             if not todo:
                 return 0
@@ -122,18 +124,22 @@ class StoreJob:
                 if after is not None:
                     await poll_until(after.query, max(0.0, deadline - time.monotonic()), "the engine's event")
                 keys, block_ids = self.keys(unit), self.plan.block_ids
-                objects = self.transfer.objects(
-                    [keys[k] for k in todo], [block_ids[self.owned[k]] for k in todo], unit
-                )
-                results = await self.transfer.put(objects, deadline)
+                if len(todo) < n:
+                    keys = [keys[k] for k in todo]
+                if len(todo) < n or not self._every:
+                    block_ids = [block_ids[self.owned[k]] for k in todo]
+                results = await self.transfer.put(self.transfer.objects(keys, block_ids, unit), deadline)
             else:
                 results = await self._put_staged(unit, todo, deadline, after)
-            for k, status in zip(todo, results):
-                statuses[k] = status
-            return sum(1 for s in statuses if s in _PUT_FAILURES)
+            if len(todo) == n:
+                statuses[:] = results
+            else:
+                for k, status in zip(todo, results):
+                    statuses[k] = status
+            return _failures(statuses)
         except TimeoutError as exc:  # the engine's event never came: nothing was read
             log.warning("a store gives up: %s", exc)
-            return sum(1 for s in statuses if s in _PUT_FAILURES)
+            return _failures(statuses)
         finally:
             self._statuses[unit] = statuses
             self._released(unit)
@@ -210,9 +216,13 @@ class StoreJob:
             worst = list(done[0])
         else:
             worst = [max(column, key=_SEVERITY.__getitem__) for column in zip(*done)]
-        flat: list[PutStatus | None] = [None] * len(self.plan)
-        for j, status in zip(self.owned, worst):
-            flat[j] = status
+        flat: list[PutStatus | None]
+        if self._every:
+            flat = list(worst)
+        else:
+            flat = [None] * len(self.plan)
+            for j, status in zip(self.owned, worst):
+                flat[j] = status
         return [StoreResult(tuple(flat[a:b])) for a, b in self.plan.spans]
 
 
@@ -225,6 +235,7 @@ class LoadJob:
     transfer: Transfer
     plan: BlockPlan
     _order: list[int] = attrs.field(init=False)  # flat indices, rotated by rank
+    _unrotated: bool = attrs.field(init=False)  # _order is 0, 1, 2, ... (the first rank's)
     _status: list[GetStatus] = attrs.field(init=False)  # per flat block: HIT until a unit is not
     _done: set[Unit] = attrs.field(init=False, factory=set)
     # chunks whose copies into the cache may still run, oldest first, with the pool they go back to
@@ -235,6 +246,7 @@ class LoadJob:
 
     def __attrs_post_init__(self) -> None:
         self._order = self.transfer.load_order(len(self.plan))
+        self._unrotated = self._order == list(range(len(self.plan)))
         self._status = [GetStatus.HIT] * len(self.plan)
 
     async def get(self, unit: Unit, deadline: float) -> int:
@@ -243,23 +255,25 @@ class LoadJob:
         Staged, the unit's copies into the cache may still run when this returns: :meth:`ready`
         has their events, and :meth:`settle` waits for them (and must be called).
         """
-        status, plan = self._status, self.plan
-        todo = [j for j in self._order if status[j] is GetStatus.HIT]  # a failed block stays failed
-        keys = self.transfer.keys([plan.hashes[j] for j in todo], unit)
+        status, plan, order = self._status, self.plan, self._order
+        every = status.count(GetStatus.HIT) == len(status)
+        todo = order if every else [j for j in order if status[j] is GetStatus.HIT]  # failed stays failed
+        in_order = todo is order and self._unrotated  # flat order: the plan's own lists serve as they are
+        keys = self.transfer.keys(plan.hashes if in_order else [plan.hashes[j] for j in todo], unit)
         if self.transfer.staging is None:
-            objects = self.transfer.objects(keys, [plan.block_ids[j] for j in todo], unit)
-            results = await self.transfer.get(objects, deadline)
+            block_ids = plan.block_ids if in_order else [plan.block_ids[j] for j in todo]
+            results = await self.transfer.get(self.transfer.objects(keys, block_ids, unit), deadline)
         else:
             results = await self._get_staged(unit, todo, keys, deadline)
-        missed = [j for j, result in zip(todo, results) if result is not GetStatus.HIT]
-        for j, result in zip(todo, results):
-            if result is not GetStatus.HIT:
-                status[j] = result
-        if missed:
+        if results.count(GetStatus.HIT) != len(results):
+            missed = [j for j, result in zip(todo, results) if result is not GetStatus.HIT]
+            for j, result in zip(todo, results):
+                if result is not GetStatus.HIT:
+                    status[j] = result
             for j in await self._get_reshaped(unit, missed, deadline):
                 status[j] = GetStatus.HIT
         self._done.add(unit)
-        return sum(1 for s in status if s is not GetStatus.HIT)
+        return len(status) - status.count(GetStatus.HIT)
 
     async def _take(self, pool: StagingPool, deadline: float) -> Chunk | None:
         """A free chunk of ``pool``, finishing this job's oldest copies while every chunk is in use;
@@ -533,6 +547,11 @@ class LoadJob:
             RetrieveResult(tuple(self.plan.block_ids[a:b]), tuple(status[a:b]), block_size)
             for a, b in self.plan.spans
         ]
+
+
+def _failures(statuses: list[PutStatus]) -> int:
+    """How many of ``statuses`` did not store (no space or a failure)."""
+    return statuses.count(PutStatus.NO_SPACE) + statuses.count(PutStatus.FAILED)
 
 
 def _distinct(found: list[Source]) -> dict[str, int]:

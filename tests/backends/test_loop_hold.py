@@ -177,3 +177,19 @@ def test_a_run_is_the_longest_that_fits_one_piece_and_the_object_cap(
     assert len(run) == 1 or sum(run) <= pacing.PIECE
     if end < len(sizes):  # it stopped because the next object would break a bound
         assert len(run) == pacing.RUN_OBJECTS or sum(run) + sizes[end] > pacing.PIECE
+
+
+@settings(max_examples=200)
+@given(
+    st.sampled_from([0, 1, 4096, 65_536, 300_000, MiB - 1, MiB, MiB + 1]),
+    st.integers(1, 700),
+    st.data(),
+)
+def test_a_run_of_objects_of_one_size_ends_where_the_loop_would_end_it(
+    size: int, count: int, data: st.DataObject
+) -> None:
+    """An ObjectBatch's objects share one size: ``uniform=True`` finds the run's end by one
+    division, and it must be the end the object-by-object loop finds."""
+    sizes = [size] * count
+    start = data.draw(st.integers(0, count - 1))
+    assert pacing.run_end(sizes, start, uniform=True) == pacing.run_end(sizes, start)

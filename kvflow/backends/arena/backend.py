@@ -33,6 +33,7 @@ from kvflow.backends.base import (
     BackendCapabilities,
     BackendStats,
     GetStatus,
+    ObjectBatch,
     ObjectRef,
     PutStatus,
     keys_of,
@@ -148,9 +149,10 @@ class ArenaBackend:
         order, rows = list(claimed), list(claimed.values())
         every = nbytes_of(objects)
         sizes = [every[i] for i in order]
+        uniform = isinstance(objects, ObjectBatch)
         address, pacer, start = self._arena.address, pacing.Pacer(), 0
         while start < len(order):
-            end = pacing.run_end(sizes, start)
+            end = pacing.run_end(sizes, start, uniform=uniform)
             gather_objects([address(row) for row in rows[start:end]], some_of(objects, order[start:end]))
             if _mid_write_hook is not None:
                 _mid_write_hook(rows[start])
@@ -239,7 +241,7 @@ class ArenaBackend:
         one call, under the shared lock; return where the run ended. ``rows`` may have been found
         under an earlier hold of the lock: a row that no longer holds its key is looked up again (a
         key found absent is a MISS: it was absent when the get looked)."""
-        arena, end = self._arena, pacing.run_end(sizes, done)
+        arena, end = self._arena, pacing.run_end(sizes, done, uniform=isinstance(objects, ObjectBatch))
         hits: list[int] = []
         for i in range(done, end):
             row = rows[i]
