@@ -53,13 +53,11 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HAS
     except (TypeError, OverflowError) as exc:
         raise RequestError(f"tokens must be integers in the int64 range: {exc}") from exc
     width = block_size * 8
-    view = memoryview(packed)
+    sha256 = hashlib.sha256
     hashes: list[bytes] = []
     previous = parent
-    for start in range(0, len(packed) - width + 1, width):
-        digest = hashlib.sha256(previous)
-        digest.update(view[start : start + width])
-        previous = digest.digest()
+    for start in range(0, len(packed) - width + 1, width):  # one call per block: the loop is the cost
+        previous = sha256(previous + packed[start : start + width]).digest()
         hashes.append(previous)
     return hashes
 

@@ -77,6 +77,11 @@ def test_bench_reports_ratios_against_memcpy() -> None:
         assert row["store_vs_regions"] == pytest.approx(row["store_gbps"] / row["regions_gbps"])
         assert row["retrieve_vs_regions"] == pytest.approx(row["retrieve_gbps"] / row["regions_gbps"])
         assert row["store_gbps"] > 0 and row["regions_gbps"] > 0
+        # the floor adds the hash chain to the region copies: never faster than the copies alone
+        assert 0 < row["floor_gbps"] < row["regions_gbps"]
+        assert row["floor_vs_memcpy"] == pytest.approx(row["floor_gbps"] / row["memcpy_gbps"])
+        assert row["store_vs_floor"] == pytest.approx(row["store_gbps"] / row["floor_gbps"])
+        assert row["retrieve_vs_floor"] == pytest.approx(row["retrieve_gbps"] / row["floor_gbps"])
     assert result["lookup_10k_ms"] > 0 and result["pipeline"]["store_us_per_block"] > 0
 
 

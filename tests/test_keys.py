@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import hashlib
+import struct
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.errors import RequestError
-from kvflow.keys import BlockKey, KeyScope, block_keys, decode_key, encode_key, hash_blocks
+from kvflow.keys import ROOT_HASH, BlockKey, KeyScope, block_keys, decode_key, encode_key, hash_blocks
 
 tokens_st = st.lists(st.integers(0, 2**31), max_size=200)
 
@@ -33,6 +35,27 @@ def test_hashes_chain_on_the_prefix(tokens: list[int], block_size: int, data: st
     block = pos // block_size
     assert other[:block] == hashes[:block]
     assert all(a != b for a, b in zip(other[block:], hashes[block:]))
+
+
+@given(tokens_st, st.integers(1, 17))
+def test_each_hash_is_sha256_of_the_previous_and_the_blocks_tokens_as_int64(
+    tokens: list[int], block_size: int
+) -> None:
+    """The chain as every store already holds it: h_i = sha256(h_{i-1} || block i's tokens as
+    little-endian int64), from ROOT_HASH. Another definition would miss every stored object."""
+    expected, previous = [], ROOT_HASH
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        block = struct.pack(f"<{block_size}q", *tokens[start : start + block_size])
+        previous = hashlib.sha256(previous + block).digest()
+        expected.append(previous)
+    assert hash_blocks(tokens, block_size) == expected
+
+
+def test_the_chain_of_a_known_prompt_is_unchanged() -> None:
+    """Pinned: the hash of tokens 0..31 in blocks of 16 (any change of the chain changes it)."""
+    assert hash_blocks(list(range(32)), 16)[1].hex() == (
+        "823f04b1029b2a29cd4e5a7935bba3b9021a5572b821b9850dbedbcf1e7ea23d"
+    )
 
 
 def test_hash_is_independent_of_pythonhashseed() -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "make_kv_caches",
     "memcpy_gbps",
     "region_copy_gbps",
+    "hash_chain_s",
 ]
 
 
@@ -136,6 +137,19 @@ def region_copy_gbps(layout: KVLayout, block_ids: Sequence[int], *, repeat: int 
     dst = torch.zeros(nbytes * len(rows), dtype=torch.uint8)
     starts = dst.data_ptr() + nbytes * np.arange(len(rows), dtype=np.int64)
     return dst.numel() / _best_copy_s(starts, rows, sizes, repeat) / 1e9
+
+
+def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3) -> float:
+    """Best-of-``repeat`` seconds to hash ``tokens`` into their chain of block hashes
+    (:func:`kvflow.keys.hash_blocks`, sha256), the work every store and retrieve of a request named
+    by its tokens does before it can name an object. Beside :func:`region_copy_gbps` it gives the
+    floor of such a call: the copies its blocks need plus the hashes that name them."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        hash_blocks(tokens, block_size)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _best_copy_s(
