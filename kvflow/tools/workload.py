@@ -22,10 +22,10 @@ __all__ = [
     "chat_workload",
     "expected_block",
     "fill_block",
+    "hash_chain_s",
     "make_kv_caches",
     "memcpy_gbps",
     "region_copy_gbps",
-    "hash_chain_s",
 ]
 
 

@@ -183,9 +183,12 @@ class ArenaFile:
     _used_at: int = attrs.field(init=False)
     _k0_at: int = attrs.field(init=False)
     _k1_at: int = attrs.field(init=False)
+    _rows: int = attrs.field(init=False)  # the geometry's, kept: a property costs a call per object
+    _keys_at: int = attrs.field(init=False)  # where the kept keys start in the map
 
     def __attrs_post_init__(self) -> None:
-        rows = self.geometry.rows
+        rows = self._rows = self.geometry.rows
+        self._keys_at = self.geometry.keys_offset
         self._table = np.frombuffer(self._map, dtype="<u8", count=rows * _COLUMNS, offset=_PAGE).reshape(
             _COLUMNS, rows
         )
@@ -299,7 +302,7 @@ class ArenaFile:
         whose writer died, the least recently used published one (counted in :attr:`evictions`);
         never a slot this call claimed, nor one that holds (or held) another key of the call.
         """
-        words, rows_total = self._words, self.geometry.rows
+        words, rows_total = self._words, self._rows
         index, rows = self._same_key(hashes)
         same = dict(zip(index.tolist(), rows.tolist()))
         queues = _Queues(self, hashes, taken=set(same.values()))
@@ -332,13 +335,13 @@ class ArenaFile:
         return results
 
     def _alive(self, row: int) -> bool:
-        words, n = self._words, self.geometry.rows
+        words, n = self._words, self._rows
         return WriterId(words[_NS * n + row], words[_PID * n + row], words[_START * n + row]).is_alive(
             self.me
         )
 
     def _write_claim(self, row: int, k0: int, k1: int, now: int) -> None:
-        words, me, n = self._words, self.me, self.geometry.rows
+        words, me, n = self._words, self.me, self._rows
         words[_NS * n + row], words[_PID * n + row], words[_START * n + row] = me.namespace, me.pid, me.start
         words[row] = WRITING
         words[_K0 * n + row], words[_K1 * n + row], words[_USED * n + row] = k0, k1, now
@@ -346,9 +349,9 @@ class ArenaFile:
 
     def publish(self, row: int, nbytes: int, key: str) -> None:
         """Make a slot this process claimed readable, holding ``nbytes`` of ``key``'s object."""
-        self._words[_NBYTES * self.geometry.rows + row] = nbytes
+        self._words[self._sizes_at + row] = nbytes
         data = key.encode("utf-8", "surrogatepass")
-        at = self.geometry.keys_offset + row * KEY_BYTES
+        at = self._keys_at + row * KEY_BYTES
         size = len(data)
         if size <= KEY_BYTES - 2:
             self._map[at + 2 : at + 2 + size] = data
