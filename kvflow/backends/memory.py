@@ -85,16 +85,20 @@ class MemoryConfig:
 
 @attrs.define(eq=False)
 class _Entry:
-    """A published object's buffer (its address and size kept as ints: a get reads them without a
-    call into torch) and how many gets are reading it (pinned while > 0)."""
+    """An object's buffer (its address and size kept as ints: a copy reads them without a call
+    into torch) and how many gets are reading it (pinned while > 0). An evicted entry that no get
+    reads is given, whole, to the next put of its size."""
 
     buf: torch.Tensor
-    addr: int = attrs.field(init=False)
-    nbytes: int = attrs.field(init=False)
+    addr: int
+    nbytes: int
     readers: int = 0
 
-    def __attrs_post_init__(self) -> None:
-        self.addr, self.nbytes = self.buf.data_ptr(), self.buf.numel()
+    @classmethod
+    def new(cls, nbytes: int) -> _Entry:
+        """A fresh, uninitialised buffer of ``nbytes``."""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return cls(buf, buf.data_ptr(), nbytes)
 
 
 @attrs.define
@@ -195,14 +199,14 @@ class MemoryBackend:
         if self._closed:
             raise PoolClosedError("the memory backend was closed; open a new one")
 
-    def _room(self, key: str, nbytes: int) -> torch.Tensor | PutStatus:
-        """A reserved buffer for a put of ``nbytes`` under ``key``; PRESENT (a use, for LRU) or
+    def _room(self, key: str, nbytes: int) -> _Entry | PutStatus:
+        """A reserved entry for a put of ``nbytes`` under ``key``; PRESENT (a use, for LRU) or
         NO_SPACE instead."""
         if key in self._objects:
             self._objects.move_to_end(key)
             return PutStatus.PRESENT
-        buf = self._reserve(nbytes)
-        return PutStatus.NO_SPACE if buf is None else buf
+        entry = self._reserve(nbytes)
+        return PutStatus.NO_SPACE if entry is None else entry
 
     def _put_section(
         self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
@@ -211,57 +215,59 @@ class MemoryBackend:
         published (the second of one key twice is PRESENT)."""
         results: list[PutStatus] = []
         room: list[int] = []  # the objects that got a buffer (and hold a reservation)
-        bufs: list[torch.Tensor] = []
+        entries: list[_Entry] = []
         try:
             for i, (key, nbytes) in enumerate(zip(keys, sizes)):
-                buf = self._room(key, nbytes)
-                results.append(buf if isinstance(buf, PutStatus) else PutStatus.STORED)
-                if not isinstance(buf, PutStatus):
+                entry = self._room(key, nbytes)
+                if isinstance(entry, PutStatus):
+                    results.append(entry)
+                else:
+                    results.append(PutStatus.STORED)
                     room.append(i)
-                    bufs.append(buf)
-            gather_objects([buf.data_ptr() for buf in bufs], some_of(objects, room))
+                    entries.append(entry)
+            gather_objects([entry.addr for entry in entries], some_of(objects, room))
         except BaseException:
             self._stats.used_bytes -= sum(sizes[i] for i in room)
             raise
         stored = self._objects
-        for i, buf in zip(room, bufs):
+        for i, entry in zip(room, entries):
             if keys[i] in stored:
                 results[i] = PutStatus.PRESENT
                 self._stats.used_bytes -= sizes[i]
             else:
-                stored[keys[i]] = _Entry(buf)
+                stored[keys[i]] = entry
         return results
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
         """A put of an object larger than one piece: reserved, copied with checkpoints, published."""
         objects = self._objects
-        buf = self._room(obj.key, obj.nbytes)
-        if isinstance(buf, PutStatus):
-            return buf
+        entry = self._room(obj.key, obj.nbytes)
+        if isinstance(entry, PutStatus):
+            return entry
         published = False
         try:
-            await _copy(buf.data_ptr(), obj, pacer, into_buffer=True)
+            await _copy(entry.addr, obj, pacer, into_buffer=True)
             if self._closed:
                 return PutStatus.FAILED
             if obj.key in objects:  # another put published it while this one copied
                 return PutStatus.PRESENT
-            objects[obj.key] = _Entry(buf)
+            objects[obj.key] = entry
             published = True
             return PutStatus.STORED
         finally:
             if not published and not self._closed:
                 self._stats.used_bytes -= obj.nbytes
 
-    def _reserve(self, nbytes: int) -> torch.Tensor | None:
+    def _reserve(self, nbytes: int) -> _Entry | None:
         """Make room for ``nbytes`` (evicting unpinned LRU objects) and count them as used.
 
-        Returns a buffer of that size, a recycled victim's where one fits exactly, or None when
-        the bytes cannot fit (too large, or the rest of the budget is pinned or being written).
+        Returns an entry of that size, a recycled victim where one fits exactly, or None when the
+        bytes cannot fit (too large, or the rest of the budget is pinned or being written).
         """
         if nbytes > self.config.capacity_bytes:
             return None
         stats = self._stats
-        recycled: torch.Tensor | None = None
+        recycled: _Entry | None = None
         while stats.used_bytes + nbytes > self.config.capacity_bytes:
             victim = self._unpinned_lru()
             if victim is None:
@@ -270,10 +276,10 @@ class MemoryBackend:
             stats.used_bytes -= entry.nbytes
             stats.evictions += 1
             if recycled is None and entry.nbytes == nbytes:
-                recycled = entry.buf  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
-        buf = recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
+                recycled = entry  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
+        entry = recycled if recycled is not None else _Entry.new(nbytes)
         stats.used_bytes += nbytes  # counted once allocated: a failed allocation reserves nothing
-        return buf
+        return entry
 
     def _unpinned_lru(self) -> str | None:
         for key, entry in self._objects.items():  # pinned entries were moved to the end when pinned

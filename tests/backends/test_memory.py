@@ -296,3 +296,29 @@ async def test_concurrent_calls_keep_objects_whole_and_stats_exact(
     counted = (stats.puts, stats.present, stats.no_space, stats.hits, stats.misses)
     assert counted == tuple(tally.get(s, 0) for s in ("stored", "present", "no_space", "hit", "miss"))
     assert stats.put_failures == stats.get_failures == 0
+
+
+async def test_an_evicted_buffer_holds_the_next_object_of_its_size_whole() -> None:
+    """A put into a full store takes the least recently used object's buffer for an object of
+    the same size (no fresh allocation); what is read back is the new object, and the object that
+    stayed keeps its bytes."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * 4096))
+    a, b, c = data("a", 4096), data("b", 4096), data("c", 4096)
+    assert await backend.put([obj("a", a), obj("b", b)]) == [PutStatus.STORED] * 2
+    allocations = 0
+    allocate = torch.empty
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal allocations
+        allocations += 1
+        return allocate(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory.torch, "empty", counted)
+        assert await backend.put([obj("c", c)]) == [PutStatus.STORED]
+    assert allocations == 0  # a's buffer, recycled
+    out_b, out_c = torch.zeros_like(b), torch.zeros_like(c)
+    got = await backend.get([obj("a", torch.zeros_like(a)), obj("b", out_b), obj("c", out_c)])
+    assert got == [GetStatus.MISS, GetStatus.HIT, GetStatus.HIT]
+    assert torch.equal(out_b, b) and torch.equal(out_c, c)
+    assert backend.stats().evictions == 1 and backend.stats().used_bytes == 2 * 4096

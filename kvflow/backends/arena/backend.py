@@ -242,20 +242,17 @@ class ArenaBackend:
         under an earlier hold of the lock: a row that no longer holds its key is looked up again (a
         key found absent is a MISS: it was absent when the get looked)."""
         arena, end = self._arena, pacing.run_end(sizes, done, uniform=isinstance(objects, ObjectBatch))
-        hits: list[int] = []
+        for i in arena.moved(rows, keys, done, end):  # taken by a put meanwhile: look again
+            rows[i] = arena.find(hashes[i : i + 1])[0]
+        hits = arena.readable(rows, sizes, done, end)
         for i in range(done, end):
-            row = rows[i]
-            if row >= 0 and not arena.holds(row, *keys[i]):  # taken by a put meanwhile
-                row = rows[i] = arena.find(hashes[i : i + 1])[0]
-            if row < 0:
+            if rows[i] < 0:
                 results[i] = GetStatus.MISS
-            elif arena.size(row) == sizes[i]:
-                hits.append(i)
         scatter_objects(
             [arena.address(rows[i]) for i in hits], some_of(objects[done:end], [i - done for i in hits])
         )
+        arena.touch_all([rows[i] for i in hits], now)
         for i in hits:
-            arena.touch(rows[i], now)
             results[i] = GetStatus.HIT
         return end
 

@@ -273,17 +273,30 @@ class ArenaFile:
         result: list[int] = found.tolist()
         return result
 
-    def holds(self, row: int, k0: int, k1: int) -> bool:
-        """Whether slot ``row`` holds the published object of hash ``(k0, k1)``."""
-        words = self._words
-        return words[row] == READY and words[self._k0_at + row] == k0 and words[self._k1_at + row] == k1
+    def moved(self, rows: list[int], keys: list[list[int]], start: int, end: int) -> list[int]:
+        """The indices ``i`` in ``[start, end)`` whose row (found earlier, -1 for none) no longer
+        holds the published object of hash ``keys[i]``: a put took the slot meanwhile."""
+        words, k0_at, k1_at = self._words, self._k0_at, self._k1_at
+        return [
+            i
+            for i in range(start, end)
+            if (row := rows[i]) >= 0
+            and not (
+                words[row] == READY and words[k0_at + row] == keys[i][0] and words[k1_at + row] == keys[i][1]
+            )
+        ]
 
-    def size(self, row: int) -> int:
-        return self._words[self._sizes_at + row]
+    def readable(self, rows: list[int], sizes: Sequence[int], start: int, end: int) -> list[int]:
+        """The indices ``i`` in ``[start, end)`` whose row holds an object of ``sizes[i]`` bytes."""
+        words, at = self._words, self._sizes_at
+        return [i for i in range(start, end) if (row := rows[i]) >= 0 and words[at + row] == sizes[i]]
 
-    def touch(self, row: int, now: int) -> None:
-        """Record a use (a benign race under the shared lock: every writer writes a recent time)."""
-        self._words[self._used_at + row] = now
+    def touch_all(self, rows: list[int], now: int) -> None:
+        """Record a use of each row (a benign race under the shared lock: every writer writes a
+        recent time)."""
+        words, at = self._words, self._used_at
+        for row in rows:
+            words[at + row] = now
 
     def used_bytes(self) -> int:
         """Bytes of the published objects (their sizes, not their slots)."""
