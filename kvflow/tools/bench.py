@@ -201,7 +201,7 @@ async def run_bench(url: str, *, quick: bool, progress: bool) -> dict[str, Any]:
     cases = [(s, b) for s in sizes for b in batches if s * b <= (512 << 20) and s not in skipped]
     rows = []
     for size, batch in tqdm(cases, desc="bench", disable=not progress):
-        rows.append(await _store_retrieve(url, size, batch, repeat=2 if quick else 3))
+        rows.append(await _store_retrieve(url, size, batch, repeat=2 if quick else 5))
     first_ms = lookup_ms = None
     if holds is None or holds >= 10_000:
         first_ms, lookup_ms = await _lookup_ms(url, 10_000)
