@@ -130,8 +130,11 @@ class ArenaBackend:
             await self._write(objects, claimed)
             keys, sizes = keys_of(objects), nbytes_of(objects)
             async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-                for i, row in claimed.items():
-                    self._arena.publish(row, sizes[i], keys[i])
+                order = list(claimed)
+                self._arena.publish(
+                    list(claimed.values()), [sizes[i] for i in order], [keys[i] for i in order]
+                )
+                for i in order:
                     results[i] = PutStatus.STORED
                 claimed.clear()
         except TimeoutError as exc:

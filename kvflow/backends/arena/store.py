@@ -321,6 +321,8 @@ class ArenaFile:
         queues = _Queues(self, hashes, taken=set(same.values()))
         seen: set[tuple[int, int]] = set()
         results: list[int | PutStatus] = []
+        claimed: list[int] = []  # the indices given a row, and their rows: written together at the end
+        given: list[int] = []
         for i, (k0, k1) in enumerate(hashes.tolist()):
             if (k0, k1) in seen:
                 results.append(PutStatus.PRESENT)
@@ -343,8 +345,12 @@ class ArenaFile:
                     continue
                 if words[row] == READY:
                     self.evictions += 1
-            self._write_claim(row, k0, k1, now)
+            claimed.append(i)
+            given.append(row)
             results.append(row)
+        # No decision above read a row it gave out (queues never give a row twice, nor one that
+        # holds a key of the call), so the claims are written together, column by column.
+        self._write_claims(given, hashes[claimed], now)
         return results
 
     def _alive(self, row: int) -> bool:
@@ -353,23 +359,33 @@ class ArenaFile:
             self.me
         )
 
-    def _write_claim(self, row: int, k0: int, k1: int, now: int) -> None:
-        words, me, n = self._words, self.me, self._rows
-        words[_NS * n + row], words[_PID * n + row], words[_START * n + row] = me.namespace, me.pid, me.start
-        words[row] = WRITING
-        words[_K0 * n + row], words[_K1 * n + row], words[_USED * n + row] = k0, k1, now
-        self._tag_bytes[row] = k1 & 0xFF
+    def _write_claims(self, rows: list[int], hashes: Hashes, now: int) -> None:
+        """Make ``rows`` this process's, WRITING, for the keys of ``hashes`` (one row each): the
+        owner of every row first, then their state, then their keys, so a process killed between
+        two of those writes leaves each row holding its old object whole, or a dead writer's slot."""
+        if not rows:
+            return
+        table, me, at = self._table, self.me, np.asarray(rows, dtype=np.intp)
+        table[_NS, at], table[_PID, at], table[_START, at] = me.namespace, me.pid, me.start
+        table[_STATE, at] = WRITING
+        table[_K0, at], table[_K1, at], table[_USED, at] = hashes[:, 0], hashes[:, 1], now
+        self._tags[at] = (hashes[:, 1] & np.uint64(0xFF)).astype(np.uint8)
 
-    def publish(self, row: int, nbytes: int, key: str) -> None:
-        """Make a slot this process claimed readable, holding ``nbytes`` of ``key``'s object."""
-        self._words[self._sizes_at + row] = nbytes
-        data = key.encode("utf-8", "surrogatepass")
-        at = self._keys_at + row * KEY_BYTES
-        size = len(data)
-        if size <= KEY_BYTES - 2:
-            self._map[at + 2 : at + 2 + size] = data
-        self._map[at : at + 2] = _LENGTH[size if size <= KEY_BYTES - 2 else _KEY_TOO_LONG]
-        self._words[row] = READY
+    def publish(self, rows: list[int], sizes: list[int], keys: list[str]) -> None:
+        """Make slots this process claimed readable, ``rows[i]`` holding ``sizes[i]`` bytes of
+        ``keys[i]``'s object: every size and key is written before any row turns READY."""
+        if not rows:
+            return
+        at = np.asarray(rows, dtype=np.intp)
+        self._table[_NBYTES, at] = sizes
+        mapped = self._map
+        for row, key in zip(rows, keys):
+            data = key.encode("utf-8", "surrogatepass")
+            start, size = self._keys_at + row * KEY_BYTES, len(data)
+            if size <= KEY_BYTES - 2:
+                mapped[start + 2 : start + 2 + size] = data
+            mapped[start : start + 2] = _LENGTH[size if size <= KEY_BYTES - 2 else _KEY_TOO_LONG]
+        self._table[_STATE, at] = READY
 
     def listing(self) -> list[tuple[str | None, int]]:
         """Every published object: its key (None when too long to keep) and its size."""
