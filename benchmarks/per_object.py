@@ -1,7 +1,7 @@
 """Where a small object's time goes: each layer of a retrieve and a store timed alone, per object.
 
     python benchmarks/per_object.py [--backend URL] [--sizes 64KiB,256KiB] [--batch 64]
-                                    [--regions 8] [--calls 200] [--repeat 5] [--json]
+                                    [--regions 8] [--calls 200] [--repeat 5] [--hashes] [--json]
 
 For a batch of engine blocks whose objects are ``--regions`` regions of one size each (one per
 layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--repeat`` runs of
@@ -11,7 +11,9 @@ layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--
 - copy: the objects' region copies alone, the call a backend makes (:mod:`kvflow.backends.copies`);
 - backend get / put: the backend's own call with the batch (puts under new keys each call, into a
   store with room for about one batch, so every put evicts, as a cache in service does);
-- pool retrieve / store / lookup: :class:`kvflow.KVPool` calls for the same blocks.
+- pool retrieve / store / lookup: :class:`kvflow.KVPool` calls for the same blocks, named by
+  their tokens (the pool hashes them), or with ``--hashes`` by block hashes made beforehand, as
+  vLLM's connector names them (the pool's own work without the hash chain).
 
 Each layer's figure minus the one below it is what that layer adds. What was retrieved is checked
 against what was stored once, outside the timing. A store given by ``--backend`` (default
@@ -34,6 +36,7 @@ from kvflow import KVPool, KVRequest, PoolConfig
 from kvflow.backends import ObjectBatch, open_backend
 from kvflow.backends.copies import scatter_objects
 from kvflow.config import parse_size
+from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.tools.workload import memcpy_gbps
 
@@ -56,7 +59,9 @@ async def _per_object(calls: int, repeat: int, batch: int, call: Callable[[int],
     return best / calls / batch * 1e6
 
 
-async def measure(url: str, size: int, batch: int, regions: int, calls: int, repeat: int) -> dict[str, Any]:
+async def measure(
+    url: str, size: int, batch: int, regions: int, calls: int, repeat: int, by_hashes: bool = False
+) -> dict[str, Any]:
     src = _caches(size, regions, batch)
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     writer_layout, reader_layout = KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst)
@@ -67,7 +72,17 @@ async def measure(url: str, size: int, batch: int, regions: int, calls: int, rep
     writer = KVPool.create(PoolConfig(model=model), layout=writer_layout, backend=backend)
     reader = KVPool.create(PoolConfig(model=model), layout=reader_layout, backend=backend)
     ids = list(range(batch))
-    kept = KVRequest(block_ids=ids, tokens=range(BLOCK * batch))
+    kept = (
+        KVRequest(block_ids=ids, block_hashes=hash_blocks(range(BLOCK * batch), BLOCK))
+        if by_hashes
+        else KVRequest(block_ids=ids, tokens=range(BLOCK * batch))
+    )
+    # with --hashes, each store's new prompt named by hashes made before the timing
+    chains = (
+        [hash_blocks([i + 1, *range(1, BLOCK * batch)], BLOCK) for i in range(calls * repeat)]
+        if by_hashes
+        else []
+    )
     stored: list[KVRequest] = [kept]
     sizes = writer_layout.unit_sizes(None)
     writer_rows, reader_rows = writer_layout.addr_rows(ids), reader_layout.addr_rows(ids)
@@ -110,7 +125,11 @@ async def measure(url: str, size: int, batch: int, regions: int, calls: int, rep
             await backend.put(objects(writer_rows, keys(i)))
 
         def fresh(i: int) -> KVRequest:
-            request = KVRequest(block_ids=ids, tokens=[i + 1, *range(1, BLOCK * batch)])
+            request = (
+                KVRequest(block_ids=ids, block_hashes=chains[i])
+                if by_hashes
+                else KVRequest(block_ids=ids, tokens=[i + 1, *range(1, BLOCK * batch)])
+            )
             stored.append(request)
             return request
 
@@ -146,20 +165,22 @@ def main() -> None:
     parser.add_argument("--regions", type=int, default=8)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--hashes", action="store_true", help="name the pool's blocks by hashes, not tokens")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     rows = [
-        anyio.run(measure, args.backend, size, args.batch, args.regions, args.calls, args.repeat)
+        anyio.run(measure, args.backend, size, args.batch, args.regions, args.calls, args.repeat, args.hashes)
         for size in sizes
     ]
     if args.json:
         print(json.dumps(rows))
         return
+    named = "hashes" if args.hashes else "tokens"
     columns = ["memcpy", "copy", "backend_get", "pool_retrieve", "pool_lookup", "backend_put", "pool_store"]
     print(
         f"backend {args.backend}: us per object, batches of {args.batch},"
-        f" best of {args.repeat} x {args.calls} calls"
+        f" best of {args.repeat} x {args.calls} calls, blocks named by {named}"
     )
     print("  object regions " + " ".join(f"{c:>13}" for c in columns))
     for row in rows:

@@ -129,11 +129,14 @@ def test_the_bench_skips_what_an_arena_cannot_hold_and_says_so(tmp_path: Path) -
     assert all(anyio.run(book_keys, url))  # only the profile announcements stay
 
 
-def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Path) -> None:
+@pytest.mark.parametrize("named", ["tokens", "hashes"])
+def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Path, named: str) -> None:
     """Every layer's time per object is reported for each size (the script fails if a round trip
-    returns other bytes), and the store it was pointed at keeps only the pools' announcements."""
+    returns other bytes), and the store it was pointed at keeps only the pools' announcements,
+    whether the pool's requests name their blocks by tokens or by hashes."""
     url = f"arena://{tmp_path}/store?capacity=16MiB&slot=256KiB"
     args = ["--backend", url, "--sizes", "64KiB,256KiB", "--batch", "8", "--calls", "2", "--repeat", "1"]
+    args += ["--hashes"] if named == "hashes" else []
     rows = json.loads(ok(run("benchmarks/per_object.py", *args, "--json")))
     assert [(row["object_kib"], row["batch"], row["regions"]) for row in rows] == [(64, 8, 8), (256, 8, 8)]
     layers = ["memcpy", "copy", "backend_get", "pool_retrieve", "pool_lookup", "backend_put", "pool_store"]

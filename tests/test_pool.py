@@ -557,3 +557,26 @@ def test_a_kvformat_given_with_the_layout_must_be_the_layouts() -> None:
     other = KVLayout.from_kv_caches(LAYOUTS["flash_attn"]()).format(layout.heads)
     with pytest.raises(ConfigError, match="disagrees with the layout"):
         KVPool.create(PoolConfig(), layout=layout, format=other, backend=MemoryBackend())
+
+
+async def test_a_rank_stores_its_owned_blocks_beside_present_ones_from_the_right_engine_blocks() -> None:
+    """MLA over two ranks, engine blocks in shuffled order, some of rank 0's blocks already in
+    the store: rank 0 puts only its owned blocks that are missing, each from the engine block that
+    holds it (a mix-up of positions would store another block's KV under a key)."""
+    backend = MemoryBackend()
+    src = LAYOUTS["mla"]()
+    ids = [7, 3, 5, 1, 6, 0, 2, 4]
+    pool = make_pool(src, backend, tp_rank=0, tp_size=2, use_mla=True)
+    first = await pool.store(KVRequest(block_ids=ids[:3], tokens=TOKENS))  # blocks 0 and 2 are rank 0's
+    assert first.statuses == (PutStatus.STORED, None, PutStatus.STORED)
+    again = await pool.store(KVRequest(block_ids=ids, tokens=TOKENS))
+    mine = [owner(i, pool.parallel) == 0 for i in range(8)]
+    assert again.statuses == tuple(
+        None if not m else PutStatus.PRESENT if i < 3 else PutStatus.STORED for i, m in enumerate(mine)
+    )
+    dst = zeros_like_caches(src)
+    reader = make_pool(dst, backend, tp_rank=0, tp_size=2, use_mla=True)
+    for i in (i for i in range(8) if mine[i]):  # each owned block, read back alone into block 0
+        got = await reader.retrieve(KVRequest(block_ids=[0], tokens=TOKENS, block_offset=i))
+        assert got.hit_blocks == 1
+        assert block_bytes(dst["l1"], 0) == block_bytes(src["l1"], ids[i]), i
