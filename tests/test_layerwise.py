@@ -32,7 +32,7 @@ from kvflow import (
 )
 from kvflow.backends import ObjectRef
 from kvflow.events import CpuEvent, LayerEvents
-from kvflow.keys import decode_key
+from kvflow.keys import decode_key, hash_blocks
 from kvflow.layerwise import LayerOutcome, LayerwiseRetriever
 from kvflow.profiles import is_book_key
 from kvflow.sync_layerwise import _Step
@@ -669,3 +669,50 @@ async def test_each_layer_reports_exactly_the_blocks_it_could_not_move() -> None
         loaded = [(o.layer, o.failed) async for o in loader]
     assert loaded == [(0, 0), (1, 3), (2, 3)]
     assert loader.results()[0].hit_blocks == 5
+
+
+async def test_each_blocks_status_stays_its_own_when_layers_miss_different_blocks() -> None:
+    """Layer 0 of block 1 and layer 1 of block 3 are gone from the store: a layer-by-layer
+    retrieve fails exactly blocks 1 and 3 (a later layer loads only the blocks still whole, and
+    its answers must land on those blocks, not on the request's first ones)."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    ids = [5, 2, 7, 0, 6, 1, 4, 3]
+    await make_pool(src, backend).store(request(ids)[0])
+    hashes = hash_blocks(TOKENS, BLOCK)
+    wanted = {(0, hashes[1]), (1, hashes[3])}  # (first layer of the object, its block's hash)
+    gone = [
+        k for k in kv_keys(backend) if (decode_key(k).scope.layers[0], decode_key(k).block_hash) in wanted
+    ]
+    assert len(gone) == 2 and await backend.remove(gone) == [True, True]
+    dst = zeros_like_caches(src)
+    retriever = make_pool(dst, backend).layerwise_retrieve(request(ids))  # layer by layer, in turn
+    async with retriever:
+        outcomes = [outcome async for outcome in retriever]
+    assert [o.failed for o in outcomes] == [1, 2, 2]  # blocks failed so far, after each layer
+    (got,) = retriever.results()
+    assert got.failed_block_ids == (ids[1], ids[3])
+    assert [s is GetStatus.HIT for s in got.statuses] == [i not in (1, 3) for i in range(8)]
+    for i in (0, 2, 4, 5, 6, 7):  # every block reported loaded holds its bytes, every layer
+        assert all(block_bytes(dst[name], ids[i]) == block_bytes(src[name], ids[i]) for name in src)
+
+
+@attrs.define
+class FullForLayer1(ScriptedBackend):
+    """A store with no room for layer 1's objects: their puts report NO_SPACE."""
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        if 1 in self._layers(objects):
+            return [PutStatus.NO_SPACE] * len(objects)
+        return await self.inner.put(objects)
+
+
+async def test_a_layer_the_store_has_no_room_for_counts_its_blocks_failed() -> None:
+    """NO_SPACE is a failure to store: the layer's outcome counts every block of it, and no block
+    of the request is stored whole."""
+    pool = make_pool(LAYOUTS["vllm_cpu"](), FullForLayer1())
+    async with pool.layerwise_store(request(ALL), LayerEvents.completed(3)) as storer:
+        outcomes = {o.layer: o for o in [o async for o in storer]}
+    assert [outcomes[layer].failed for layer in range(3)] == [0, 8, 0]
+    (result,) = storer.results()
+    assert result.statuses == (PutStatus.NO_SPACE,) * 8 and result.failed_indices == tuple(ALL)

@@ -322,3 +322,29 @@ async def test_an_evicted_buffer_holds_the_next_object_of_its_size_whole() -> No
     assert got == [GetStatus.MISS, GetStatus.HIT, GetStatus.HIT]
     assert torch.equal(out_b, b) and torch.equal(out_c, c)
     assert backend.stats().evictions == 1 and backend.stats().used_bytes == 2 * 4096
+
+
+async def test_a_put_of_a_present_key_into_a_full_store_is_a_use_and_evicts_nothing() -> None:
+    """The store is full: putting a key it holds reports PRESENT, makes room for nothing (no
+    object is evicted for it) and counts as a use, so the next put evicts the other object."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * 4096))
+    a, b, c = data("a", 4096), data("b", 4096), data("c", 4096)
+    assert await backend.put([obj("a", a), obj("b", b)]) == [PutStatus.STORED] * 2
+    assert await backend.put([obj("a", a)]) == [PutStatus.PRESENT]
+    assert backend.stats().evictions == 0 and backend.stored_keys() == ["b", "a"]
+    assert await backend.put([obj("c", c)]) == [PutStatus.STORED]
+    assert backend.stored_keys() == ["a", "c"]  # b was the least recently used
+
+
+async def test_the_same_key_twice_in_one_put_is_stored_once_and_counted_once() -> None:
+    """Both copies are reserved and copied in one run; the second to publish finds the first and
+    reports PRESENT, and its reservation is given back: the store counts one object's bytes."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=MiB))
+    a = data("a", 4096)
+    assert await backend.put([obj("a", a), obj("b", data("b", 1024)), obj("a", a)]) == [
+        PutStatus.STORED,
+        PutStatus.STORED,
+        PutStatus.PRESENT,
+    ]
+    assert backend.stats().used_bytes == 4096 + 1024
+    assert backend.stats().puts == 2 and backend.stats().present == 1
