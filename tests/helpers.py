@@ -144,6 +144,9 @@ class FaultyBackend:
     calls: list[str] = attrs.field(factory=list)
     put_hook: Callable[[Sequence[ObjectRef]], Awaitable[None]] | None = None
     get_hook: Callable[[Sequence[ObjectRef]], Awaitable[None]] | None = None  # after the get moved the bytes
+    #: declared as the inner backend's is (True), the pool puts without asking exists() first; off
+    #: by default, so that a store's exists() can be faulted
+    put_checks_present: bool = False
 
     @property
     def max_batch(self) -> int:
@@ -151,7 +154,7 @@ class FaultyBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return self.inner.capabilities
+        return attrs.evolve(self.inner.capabilities, put_checks_present=self.put_checks_present)
 
     async def _fault(self, op: str) -> None:
         self.calls.append(op)

@@ -266,6 +266,30 @@ async def test_the_pool_skips_keys_that_exist_itself(layerwise: bool, staging: s
             assert block_bytes(entry, 5 + b) == first[name, b]  # the first store's bytes, kept
 
 
+@pytest.mark.parametrize("layerwise, staging", [(False, "never"), (True, "never"), (False, "always")])
+async def test_a_store_asks_exists_only_where_the_put_cannot_tell(layerwise: bool, staging: str) -> None:
+    """A backend whose put answers PRESENT itself (put_checks_present) gets one call per store
+    of whole blocks read from the cache, with the same answers and no overwrite; a layerwise or
+    staged store still asks exists() first (it skips a layer's put or a staging copy)."""
+    src = {k: v.clone() for k, v in LAYOUTS["vllm_cpu"]().items()}  # type: ignore[attr-defined]
+    first = {(name, b): block_bytes(entry, b) for name, entry in src.items() for b in range(3)}
+    backend = FaultyBackend(put_checks_present=True)
+    writer = pool(src, backend, staging=staging, layerwise=layerwise)
+    assert (await writer.store(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[0, 1, 2]))).stored == 3
+    for entry in src.values():
+        entry.add_(1.0)  # type: ignore[attr-defined]  # a put that copied the present blocks would show
+    again = await writer.store(KVRequest(tokens=TOKENS[: 8 * BLOCK], block_ids=list(range(8))))
+    assert again.statuses == (PutStatus.PRESENT,) * 3 + (PutStatus.STORED,) * 5
+    asked = layerwise or staging == "always"
+    assert backend.calls.count("exists") == (2 if asked else 0)
+    dst = zeros_like_caches(src)
+    got = await pool(dst, backend.inner).retrieve(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[5, 6, 7]))
+    assert got.hit_blocks == 3
+    for name, entry in dst.items():
+        for b in range(3):
+            assert block_bytes(entry, 5 + b) == first[name, b]  # the first store's bytes, kept
+
+
 async def test_a_store_that_cannot_ask_what_exists_puts_everything() -> None:
     """The documented fallback: no answer from exists() means "none present"."""
     src = LAYOUTS["vllm_cpu"]()

@@ -158,12 +158,17 @@ class BackendCapabilities:
     chunks) alive for as long as such a backend lives.
     ``max_object_bytes``: the largest object a put can store (None: no limit of its own); a pool
     whose objects are larger is refused when it is made.
+    ``put_checks_present``: a put of a key the store holds answers ``PRESENT`` without copying the
+    object, as cheaply as :meth:`Backend.exists` would have answered (an in-process table); a pool
+    then stores whole blocks with one backend call instead of an ``exists`` call and a put. A store
+    whose put moves the bytes before it can tell (a network store) leaves it False.
     """
 
     device_memory: bool = False
     ranged_reads: bool = False
     registers_memory: bool = False
     max_object_bytes: int | None = None
+    put_checks_present: bool = False
 
 
 @attrs.define

@@ -124,7 +124,7 @@ class MemoryBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities()
+        return BackendCapabilities(put_checks_present=True)
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Nothing to register: copies go straight through ``memmove``."""

@@ -101,7 +101,7 @@ class ArenaBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(max_object_bytes=self._arena.geometry.slot_bytes)
+        return BackendCapabilities(max_object_bytes=self._arena.geometry.slot_bytes, put_checks_present=True)
 
     @property
     def root(self) -> str:
