@@ -38,7 +38,7 @@ from kvflow.backends.copies import scatter_objects
 from kvflow.config import parse_size
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
-from kvflow.tools.workload import memcpy_gbps
+from kvflow.tools.baselines import memcpy_gbps
 
 BLOCK = 16  # tokens per block
 

@@ -82,6 +82,10 @@ def test_bench_reports_ratios_against_memcpy() -> None:
         assert row["floor_vs_memcpy"] == pytest.approx(row["floor_gbps"] / row["memcpy_gbps"])
         assert row["store_vs_floor"] == pytest.approx(row["store_gbps"] / row["floor_gbps"])
         assert row["retrieve_vs_floor"] == pytest.approx(row["retrieve_gbps"] / row["floor_gbps"])
+        for op in ("store", "retrieve"):  # the bare call does the floor's work and more
+            assert 0 < row[f"bare_{op}_gbps"] < row["floor_gbps"] * 1.5
+            assert row[f"bare_{op}_vs_memcpy"] == pytest.approx(row[f"bare_{op}_gbps"] / row["memcpy_gbps"])
+            assert row[f"{op}_vs_bare"] == pytest.approx(row[f"{op}_gbps"] / row[f"bare_{op}_gbps"])
     assert result["lookup_10k_ms"] > 0 and result["pipeline"]["store_us_per_block"] > 0
 
 

@@ -28,7 +28,7 @@ from kvflow.layout import KVLayout
 from kvflow.ownership import ParallelConfig
 from kvflow.pool import KVPool
 from kvflow.request import KVRequest
-from kvflow.tools.workload import memcpy_gbps
+from kvflow.tools.baselines import memcpy_gbps
 
 __all__ = ["run_topology_bench", "topology_main"]
 

@@ -21,14 +21,8 @@ from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.request import KVRequest
-from kvflow.tools.workload import (
-    Geometry,
-    block_matches,
-    chat_workload,
-    fill_block,
-    make_kv_caches,
-    memcpy_gbps,
-)
+from kvflow.tools.baselines import memcpy_gbps
+from kvflow.tools.workload import Geometry, block_matches, chat_workload, fill_block, make_kv_caches
 
 __all__ = ["DemoSummary", "run_demo"]
 

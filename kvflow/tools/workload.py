@@ -5,27 +5,18 @@ as a real model's would)."""
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Sequence
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvflow.keys import hash_blocks
-from kvflow.layout import KVLayout
-from kvflow.regions import copy_rows
 
 __all__ = [
     "Geometry",
     "chat_workload",
     "expected_block",
     "fill_block",
-    "hash_chain_s",
     "make_kv_caches",
-    "memcpy_gbps",
-    "region_copy_gbps",
 ]
 
 
@@ -108,59 +99,3 @@ def chat_workload(
 
 def request_hashes(tokens: list[int], block_size: int) -> list[bytes]:
     return hash_blocks(tokens, block_size)
-
-
-def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> float:
-    """Best-of-``repeat`` memcpy throughput copying ``nbytes`` in ``chunk``-byte copies between two
-    buffers of ``nbytes`` each (pre-faulted, so the figure is the copy alone, not page faults). The
-    copies are made by one call of the compiled copy loop (:func:`kvflow.regions.copy_rows`, one
-    region per chunk), so no Python call per chunk weighs on the figure at small chunks."""
-    chunk = max(1, min(chunk, nbytes))
-    count = max(1, nbytes // chunk)
-    src = torch.randint(0, 255, (chunk * count,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    offsets = chunk * np.arange(count, dtype=np.int64)
-    starts, addrs = dst.data_ptr() + offsets, (src.data_ptr() + offsets).reshape(-1, 1)
-    sizes = np.asarray([chunk], dtype=np.int64)
-    return count * chunk / _best_copy_s(starts, addrs, sizes, repeat) / 1e9
-
-
-def region_copy_gbps(layout: KVLayout, block_ids: Sequence[int], *, repeat: int = 3) -> float:
-    """Best-of-``repeat`` throughput of the copies a store of these blocks must make and nothing
-    else: each block's regions (one per layer and plane) gathered back to back into a pre-faulted
-    buffer, every block in one call of the compiled copy loop the backends use
-    (:func:`kvflow.regions.copy_rows`). Beside :func:`memcpy_gbps` of whole objects it shows what
-    the cache's layout itself costs (a block's regions lie apart, one per layer)."""
-    sizes = np.asarray(layout.unit_sizes(None), dtype=np.int64)
-    rows = layout.addr_rows(block_ids)
-    nbytes = int(sizes.sum())
-    dst = torch.zeros(nbytes * len(rows), dtype=torch.uint8)
-    starts = dst.data_ptr() + nbytes * np.arange(len(rows), dtype=np.int64)
-    return dst.numel() / _best_copy_s(starts, rows, sizes, repeat) / 1e9
-
-
-def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3) -> float:
-    """Best-of-``repeat`` seconds to hash ``tokens`` into their chain of block hashes
-    (:func:`kvflow.keys.hash_blocks`, sha256), the work every store and retrieve of a request named
-    by its tokens does before it can name an object. Beside :func:`region_copy_gbps` it gives the
-    floor of such a call: the copies its blocks need plus the hashes that name them."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        hash_blocks(tokens, block_size)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _best_copy_s(
-    starts: npt.NDArray[np.int64], rows: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], repeat: int
-) -> float:
-    """The shortest of ``repeat`` timed calls of the copy loop gathering ``rows`` into ``starts``
-    (one untimed call first: the loop is loaded or compiled at its first use)."""
-    copy_rows(starts, rows, sizes, into_regions=False)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        copy_rows(starts, rows, sizes, into_regions=False)
-        best = min(best, time.perf_counter() - start)
-    return best
