@@ -4,10 +4,11 @@ Objects live in uninitialised ``torch.uint8`` buffers owned by the backend (a ``
 zero its memory first, which costs as much as the copy itself). Copies run on the event loop in
 pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
 a millisecond (:mod:`kvflow.backends.pacing`), so no call holds the loop much longer than a millisecond.
-Objects of one piece are put or got whole between two checkpoints, a run of them (up to 1 MiB in
-all) by one native copy call (:func:`kvflow.backends.copies.gather_objects`): nothing else runs meanwhile,
-so they need neither a reservation held across a pause nor a pin (most KV objects are this size,
-and a coroutine, or a ``memmove`` call per region, cost more than their copy).
+Objects of one piece are put or got whole between two checkpoints, a run of them (up to 4 MiB in
+all, :data:`~kvflow.backends.pacing.RUN_BYTES`) by one native copy call
+(:func:`kvflow.backends.copies.gather_objects`): nothing else runs meanwhile, so they need neither
+a reservation held across a pause nor a pin (most KV objects are this size, and a coroutine, or a
+``memmove`` call per region, cost more than their copy).
 
 What stays true across the checkpoints of larger objects:
 
@@ -149,10 +150,11 @@ class MemoryBackend:
         paced: Callable[[ObjectRef, Pacer], Awaitable[R]],
         count: Callable[[Sequence[ObjectRef], Sequence[R]], None],
     ) -> list[R]:
-        """The objects in turn: a run of one-piece objects of at most :data:`PIECE` bytes in all by
-        ``section`` (one copy call, no checkpoint inside, so nothing can change under it), a larger
-        object by ``paced``; the loop runs between them once it has been held long enough. ``count``
-        the results of those that ran (even when the call is cancelled part-way)."""
+        """The objects in turn: a run from an object of one piece (at most :data:`PIECE` bytes), of
+        at most :data:`~kvflow.backends.pacing.RUN_BYTES` in all, by ``section`` (one copy call, no
+        checkpoint inside, so nothing can change under it), an object starting larger by ``paced``;
+        the loop runs between them once it has been held long enough. ``count`` the results of
+        those that ran (even when the call is cancelled part-way)."""
         self._check_open()
         keys, sizes = keys_of(objects), nbytes_of(objects)
         uniform = isinstance(objects, ObjectBatch)
@@ -163,12 +165,13 @@ class MemoryBackend:
             while start < len(sizes):
                 if pacer.due():
                     await pacer.pause()
-                end = run_end(sizes, start, uniform=uniform)
                 if sizes[start] > PIECE:
                     results.append(await paced(objects[start], pacer))
+                    start += 1
                 else:
+                    end = run_end(sizes, start, uniform=uniform)
                     results += section(objects[start:end], keys[start:end], sizes[start:end])
-                start = end
+                    start = end
         finally:
             count(objects[: len(results)], results)
         await anyio.lowlevel.checkpoint()

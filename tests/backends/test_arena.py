@@ -332,7 +332,7 @@ def test_urls() -> None:
 def checkpoint_often(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every call lets the other tasks run after each object (a run of copies is one object)."""
     monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
-    monkeypatch.setattr(pacing, "PIECE", 1)
+    monkeypatch.setattr(pacing, "RUN_BYTES", 1)
 
 
 async def test_a_get_never_reads_a_slot_that_a_put_takes_meanwhile(

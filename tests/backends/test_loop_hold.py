@@ -111,8 +111,9 @@ async def test_no_call_holds_the_loop(backend: Backend, count: int, size: int) -
 async def test_at_most_one_piece_is_copied_between_turns(
     backend: Backend, count: int, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the threshold at zero, every 1 MiB piece (the arena: every object) is followed by a turn
-    of the other tasks."""
+    """With the threshold at zero, every run of objects (at most RUN_BYTES, or one larger object)
+    and, within an object larger than a piece, every 1 MiB piece (the arena copies objects whole)
+    is followed by a turn of the other tasks."""
     copied = 0
 
     def metered(copy: Callable[..., T], nbytes: Callable[..., int]) -> Callable[..., T]:
@@ -160,23 +161,26 @@ async def test_at_most_one_piece_is_copied_between_turns(
         done = True
     assert targets == sources
     assert copied >= 2 * count * size  # every byte went through the meter
-    assert 0 < most <= (size if isinstance(backend, ArenaBackend) else MiB)
+    if size > pacing.PIECE:  # one object per copy call: whole in the arena, in pieces elsewhere
+        assert 0 < most <= (size if isinstance(backend, ArenaBackend) else pacing.PIECE)
+    else:  # runs of objects, one copy call each (the local backend copies each object apart)
+        assert 0 < most <= (size if isinstance(backend, LocalBackend) else pacing.RUN_BYTES)
 
 
 @settings(max_examples=200)
 @given(st.lists(st.sampled_from([0, 1, 4096, 300_000, MiB, MiB + 1]), min_size=1, max_size=700), st.data())
-def test_a_run_is_the_longest_that_fits_one_piece_and_the_object_cap(
+def test_a_run_is_the_longest_that_fits_the_run_bytes_and_the_object_cap(
     sizes: list[int], data: st.DataObject
 ) -> None:
-    """One copy call takes at least one object, then more while the bytes fit in a piece and the
+    """One copy call takes at least one object, then more while the bytes fit in RUN_BYTES and the
     count in :data:`~kvflow.backends.pacing.RUN_OBJECTS` (many tiny objects still cost Python each)."""
     start = data.draw(st.integers(0, len(sizes) - 1))
     end = pacing.run_end(sizes, start)
     run = sizes[start:end]
     assert 1 <= len(run) <= pacing.RUN_OBJECTS
-    assert len(run) == 1 or sum(run) <= pacing.PIECE
+    assert len(run) == 1 or sum(run) <= pacing.RUN_BYTES
     if end < len(sizes):  # it stopped because the next object would break a bound
-        assert len(run) == pacing.RUN_OBJECTS or sum(run) + sizes[end] > pacing.PIECE
+        assert len(run) == pacing.RUN_OBJECTS or sum(run) + sizes[end] > pacing.RUN_BYTES
 
 
 @settings(max_examples=200)
