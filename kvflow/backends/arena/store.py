@@ -425,24 +425,25 @@ class ArenaFile:
 class _Queues:
     """The slots each set may give to a claim, best first: free, a dead writer's, least recently used.
 
-    Ordered for every set of the call at once, when the first claim in it needs one.
+    Chosen for every set of the call at once, when the first claim in it needs one: as many per
+    set as the call has objects in it (the best of the set's 64, not all of them in order).
     """
 
     arena: ArenaFile
     hashes: Hashes
     taken: set[int]  # slots no claim of the call may be given
-    _sets: npt.NDArray[np.intp] = attrs.field(init=False)
+    _sets: list[int] = attrs.field(init=False)
     _order: dict[int, list[int]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._sets = (self.hashes[:, 0] % np.uint64(self.arena.geometry.sets)).astype(np.intp)
+        self._sets = (self.hashes[:, 0] % np.uint64(self.arena.geometry.sets)).astype(np.intp).tolist()
         self._order = {}
 
     def next(self, i: int) -> int:
         """The next slot that claim ``i`` may take, or -1."""
         if not self._order:
             self._sort()
-        order = self._order[int(self._sets[i])]
+        order = self._order[self._sets[i]]
         while order:
             row = order.pop()
             if row not in self.taken:
@@ -452,17 +453,26 @@ class _Queues:
 
     def _sort(self) -> None:
         arena, ways = self.arena, self.arena.geometry.ways
-        sets = np.unique(self._sets)
+        sets, counts = np.unique(np.asarray(self._sets, dtype=np.intp), return_counts=True)
         state = arena._table[_STATE].reshape(-1, ways)[sets]
         rank = arena._table[_USED].reshape(-1, ways)[sets].astype(np.int64)
         rank[state == FREE] = -2
         for at in np.flatnonzero(state == WRITING).tolist():
             s, w = divmod(at, ways)
             rank[s, w] = -1 if not arena._alive(int(sets[s]) * ways + w) else _LAST
-        order = np.argsort(-rank, axis=1, kind="stable")  # best last: popped first
-        rows = (sets[:, None] * ways + order).tolist()
-        for number, candidates, usable in zip(sets.tolist(), rows, (rank < _LAST).sum(axis=1).tolist()):
-            self._order[number] = candidates[ways - usable :]
+        if self.taken:  # rows that hold (or held) a key of the call are never given
+            held = np.fromiter(self.taken, dtype=np.intp, count=len(self.taken))
+            at = np.minimum(np.searchsorted(sets, held // ways), len(sets) - 1)
+            mine = sets[at] == held // ways
+            rank[at[mine], held[mine] % ways] = _LAST
+        need = int(counts.max())
+        # Ascending rank, ties to the higher way (a stable sort of the reversed row), the first
+        # ``need`` of each set; kept best last, as they are popped.
+        best = ways - 1 - np.argsort(rank[:, ::-1], axis=1, kind="stable")[:, :need]
+        usable = np.minimum((rank < _LAST).sum(axis=1), need).tolist()
+        rows = (sets[:, None] * ways + best).tolist()
+        for number, candidates, n in zip(sets.tolist(), rows, usable):
+            self._order[number] = candidates[n - 1 :: -1] if n else []
 
 
 def stored_geometry(path: str) -> Geometry | None:
