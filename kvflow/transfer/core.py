@@ -376,20 +376,24 @@ class Transfer:
         if not rest:
             return offset * block
         namespaces = [block_keys(s, rest) for s in self.profile.scopes()]
-        found = await self.exists([k for keys in namespaces for k in keys], deadline)
+        keys = namespaces[0] if len(namespaces) == 1 else [k for keys in namespaces for k in keys]
+        found = await self.exists(keys, deadline)
         if found is None:
             return offset * block  # the engine recomputes the rest; the failure was logged
         n = len(rest)
-        # a block is held when every namespace holds it (one list slice per namespace)
-        held = [all(t) for t in zip(*(found[k * n : (k + 1) * n] for k in range(len(namespaces))))]
-        if not all(held):
-            first = held.index(False)
-            more = await self._held_elsewhere(
-                fine, [offset + i for i in range(first, n) if not held[i]], deadline
-            )
-            held = [h or (offset + i) in more for i, h in enumerate(held)]
-        hits = held.index(False) if False in held else n
-        return (offset + hits) * block
+        # A block is held when every namespace holds it: the leading blocks up to the first that
+        # any namespace misses (one scan in C per namespace) ...
+        parts = [found[k * n : (k + 1) * n] for k in range(len(namespaces))]
+        first = min((part.index(False) for part in parts if False in part), default=n)
+        if first == n:
+            return (offset + n) * block
+        # ... and from there on, those held in every namespace or whole under another profile.
+        held = [all(t) for t in zip(*(part[first:] for part in parts))]
+        more = await self._held_elsewhere(
+            fine, [offset + first + i for i, h in enumerate(held) if not h], deadline
+        )
+        held = [h or (offset + first + i) in more for i, h in enumerate(held)]
+        return (offset + first + (held.index(False) if False in held else len(held))) * block
 
     async def _held_elsewhere(self, fine: list[bytes], indices: list[int], deadline: float) -> set[int]:
         """Which of the prompt's blocks ``indices`` another profile in the store holds whole."""
