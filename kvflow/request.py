@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Iterable
+from typing import cast
 
 import attrs
 
@@ -43,7 +44,10 @@ def _index(value: object, what: str) -> int:
 def _block_ids(values: Iterable[object]) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)):
         raise RequestError(f"block_ids must be a sequence of integers, got {values!r}")
-    ids = tuple(_index(v, "a block id") for v in values)
+    given = tuple(values)
+    ids = cast("tuple[int, ...]", given) if set(map(type, given)) <= {int} else ()  # checked in C
+    if len(ids) != len(given) or min(ids, default=0) < 0:  # numpy or torch integers, or a bad one
+        ids = tuple(_index(v, "a block id") for v in given)
     if len(set(ids)) != len(ids):
         twice = sorted(b for b, n in Counter(ids).items() if n > 1)
         raise RequestError(
@@ -65,9 +69,10 @@ def _hashes(values: Iterable[bytes] | None) -> tuple[bytes, ...] | None:
     if values is None:
         return None
     hashes = values if isinstance(values, tuple) else tuple(values)
-    for h in hashes:
-        if not isinstance(h, bytes) or not h:
-            raise RequestError(f"block hashes must be non-empty bytes, got {h!r}")
+    if not (set(map(type, hashes)) <= {bytes} and all(hashes)):  # checks in C; the rest one by one
+        for h in hashes:
+            if not isinstance(h, bytes) or not h:
+                raise RequestError(f"block hashes must be non-empty bytes, got {h!r}")
     return hashes
 
 

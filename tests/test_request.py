@@ -30,7 +30,15 @@ def test_block_ids_are_checked_against_the_cache_and_for_type() -> None:
             Hashing(layout.block_size, layout.block_size),
             layout.num_blocks,
         )
-    for bad, message in (([-1], ">= 0"), ([True], "integer"), ([1.0], "integer"), (["2"], "integer")):
+    for bad, message in (
+        ([-1], ">= 0"),
+        ([True], "integer"),
+        ([1.0], "integer"),
+        (["2"], "integer"),
+        ([0, 4, -3, 2], "got -3"),  # anywhere in the list, named
+        ([0, 1, False], "got False"),
+        ([np.int64(1), -2], "got -2"),
+    ):
         with pytest.raises(RequestError, match=message):
             KVRequest(block_ids=bad, tokens=TOKENS)
 
@@ -50,8 +58,14 @@ def test_numpy_and_torch_integers_become_ints() -> None:
 def test_a_request_names_its_prompt_and_pickles() -> None:
     with pytest.raises(RequestError, match="tokens or block_hashes"):
         KVRequest(block_ids=[0])
-    with pytest.raises(RequestError, match="non-empty bytes"):
-        KVRequest(block_hashes=[b""])
+    for hashes, named in (([b""], "b''"), ([b"a", "b"], "'b'"), ([b"a", b"b", b""], "b''")):
+        with pytest.raises(RequestError, match=f"non-empty bytes, got {named}"):
+            KVRequest(block_hashes=hashes)
+
+    class Digest(bytes):
+        pass
+
+    assert KVRequest(block_hashes=[Digest(b"a"), b"b"]).block_hashes == (b"a", b"b")  # a subclass is bytes
     with pytest.raises(RequestError, match="token ids"):
         KVRequest(tokens="hello")  # type: ignore[arg-type]
     request = KVRequest(

@@ -95,12 +95,12 @@ class BlockPlan:
                     f"blocks {first}..{end - 1} of the prompt requested, but it has {len(got)} full "
                     f"blocks of {hashing.block_size} tokens"
                 )
-            for block_id in request.block_ids:
-                if block_id >= num_blocks:
-                    raise RequestError(
-                        f"block id {block_id} is out of range: the KV cache has {num_blocks} blocks "
-                        f"(0..{num_blocks - 1})"
-                    )
+            if max(request.block_ids, default=-1) >= num_blocks:  # one pass in C; then name the first
+                block_id = next(b for b in request.block_ids if b >= num_blocks)
+                raise RequestError(
+                    f"block id {block_id} is out of range: the KV cache has {num_blocks} blocks "
+                    f"(0..{num_blocks - 1})"
+                )
             start = len(hashes)
             hashes.extend(got[first:end])
             block_ids.extend(request.block_ids)
