@@ -242,6 +242,19 @@ class Overwriting(FaultyBackend):
         return await self.inner.put(objects)
 
 
+async def assert_first_bytes_kept(
+    src: dict[str, object], store: object, first: dict[tuple[str, int], bytes]
+) -> None:
+    """The prompt's blocks 0..2 load from ``store`` as ``first`` holds them (a put that overwrote
+    them with later bytes would show)."""
+    dst = zeros_like_caches(src)
+    got = await pool(dst, store).retrieve(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[5, 6, 7]))
+    assert got.hit_blocks == 3
+    for name, entry in dst.items():
+        for b in range(3):
+            assert block_bytes(entry, 5 + b) == first[name, b]
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize("staging", ["never", "always"])
 async def test_the_pool_skips_keys_that_exist_itself(layerwise: bool, staging: str) -> None:
@@ -258,12 +271,7 @@ async def test_the_pool_skips_keys_that_exist_itself(layerwise: bool, staging: s
     assert again.statuses == (PutStatus.PRESENT,) * 3 + (PutStatus.STORED,) * 5
     assert len(backend.put_keys) == 8 * units  # only the 5 new blocks were put
     assert sorted({block_index(k) for k in backend.put_keys[3 * units :]}) == list(range(3, 8))
-    dst = zeros_like_caches(src)
-    got = await pool(dst, backend.inner).retrieve(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[5, 6, 7]))
-    assert got.hit_blocks == 3
-    for name, entry in dst.items():
-        for b in range(3):
-            assert block_bytes(entry, 5 + b) == first[name, b]  # the first store's bytes, kept
+    await assert_first_bytes_kept(src, backend.inner, first)
 
 
 @pytest.mark.parametrize("layerwise, staging", [(False, "never"), (True, "never"), (False, "always")])
@@ -282,12 +290,7 @@ async def test_a_store_asks_exists_only_where_the_put_cannot_tell(layerwise: boo
     assert again.statuses == (PutStatus.PRESENT,) * 3 + (PutStatus.STORED,) * 5
     asked = layerwise or staging == "always"
     assert backend.calls.count("exists") == (2 if asked else 0)
-    dst = zeros_like_caches(src)
-    got = await pool(dst, backend.inner).retrieve(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_ids=[5, 6, 7]))
-    assert got.hit_blocks == 3
-    for name, entry in dst.items():
-        for b in range(3):
-            assert block_bytes(entry, 5 + b) == first[name, b]  # the first store's bytes, kept
+    await assert_first_bytes_kept(src, backend.inner, first)
 
 
 async def test_a_store_that_cannot_ask_what_exists_puts_everything() -> None:

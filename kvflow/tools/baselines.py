@@ -26,7 +26,7 @@ from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
 
-__all__ = ["bare_call_s", "hash_chain_s", "memcpy_gbps", "region_copy_gbps"]
+__all__ = ["bare_call_s", "best_s", "hash_chain_s", "memcpy_gbps", "region_copy_gbps"]
 
 
 def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> float:
@@ -63,7 +63,7 @@ def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3) -> 
     (:func:`kvflow.keys.hash_blocks`, sha256), the work every store and retrieve of a request named
     by its tokens does before it can name an object. Beside :func:`region_copy_gbps` it gives the
     floor of such a call: the copies its blocks need plus the hashes that name them."""
-    return _best_s(lambda: hash_blocks(tokens, block_size), repeat)
+    return best_s(lambda: hash_blocks(tokens, block_size), repeat)
 
 
 def _best_copy_s(
@@ -71,7 +71,7 @@ def _best_copy_s(
 ) -> float:
     """The shortest of ``repeat`` timed calls of the copy loop gathering ``rows`` into ``starts``
     (the untimed first call loads or compiles the loop)."""
-    return _best_s(lambda: copy_rows(starts, rows, sizes, into_regions=False), repeat)
+    return best_s(lambda: copy_rows(starts, rows, sizes, into_regions=False), repeat)
 
 
 def bare_call_s(
@@ -103,12 +103,13 @@ def bare_call_s(
         starts = [index[key] for key in keys]
         copy_rows(np.asarray(starts, dtype=np.int64), target.addr_rows(block_ids), sizes, into_regions=True)
 
-    return _best_s(store, repeat), _best_s(retrieve, repeat)
+    return best_s(store, repeat), best_s(retrieve, repeat)
 
 
-def _best_s(call: Callable[[], object], repeat: int) -> float:
-    """The shortest of ``repeat`` timed calls (one untimed call first)."""
-    call()
+def best_s(call: Callable[[], object], repeat: int, *, warm: bool = True) -> float:
+    """The shortest of ``repeat`` timed calls of ``call`` (``warm``: one untimed call first)."""
+    if warm:
+        call()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()

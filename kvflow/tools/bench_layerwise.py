@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from kvflow.layout import KVLayout
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
 from kvflow.sync_layerwise import SyncLayerwisePool
+from kvflow.tools.baselines import best_s
 from kvflow.tools.workload import Geometry, make_kv_caches
 
 __all__ = ["layerwise_main", "run_layerwise_bench"]
@@ -44,15 +44,6 @@ def _random_bits(caches: dict[str, torch.Tensor]) -> None:
     for cache in caches.values():
         bits = cache.view(torch.int16)
         bits.copy_(torch.randint(-(2**15), 2**15, bits.shape, dtype=torch.int16, generator=gen))
-
-
-def _best(repeat: int, run: Callable[[], None]) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run_layerwise_bench(
@@ -89,7 +80,7 @@ def run_layerwise_bench(
             if whole.retrieve(request).hit_blocks != blocks:
                 raise RuntimeError("bench: the whole-block retrieve missed blocks")
 
-        load_s = _best(repeat, retrieve)
+        load_s = best_s(retrieve, repeat, warm=False)
         per_layer_s = compute_ms / 1e3 if compute_ms is not None else load_s / g.num_layers
 
         def compute() -> None:
@@ -109,12 +100,12 @@ def run_layerwise_bench(
             if engine.wait_for_save().failed_block_ids:
                 raise RuntimeError("bench: the layerwise retrieve missed blocks")
 
-        compute_s = _best(repeat, compute)
-        whole_s = _best(repeat, whole_then_compute)
-        layerwise_load_s = _best(repeat, lambda: layerwise(0.0))
+        compute_s = best_s(compute, repeat, warm=False)
+        whole_s = best_s(whole_then_compute, repeat, warm=False)
+        layerwise_load_s = best_s(lambda: layerwise(0.0), repeat, warm=False)
         for cache in dst.values():
             cache.zero_()
-        layerwise_s = _best(repeat, lambda: layerwise(per_layer_s))
+        layerwise_s = best_s(lambda: layerwise(per_layer_s), repeat, warm=False)
         verified = all(torch.equal(src[k].view(torch.int16), dst[k].view(torch.int16)) for k in src)
     finally:
         for closing in (whole, engine, whole_writer, writer):
