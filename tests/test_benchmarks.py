@@ -147,6 +147,24 @@ def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Pa
     assert left and all(left)
 
 
+def test_arena_copy_bench_reports_the_slot_copies_beside_kvflow_and_removes_its_store() -> None:
+    """Each size's row has the copies into and out of the arena's slots and kvflow's store and
+    retrieve as ratios of what they report (the script fails if a retrieve returns other bytes),
+    and its private store under /dev/shm is gone at the end."""
+    before = set(Path("/dev/shm").glob("kvflow-arena-copy-*"))
+    args = ["--sizes", "64KiB,256KiB", "--batch", "4", "--capacity", "16MiB", "--slot", "256KiB"]
+    args += ["--repeat", "2"]
+    rows = json.loads(ok(run("benchmarks/arena_copy.py", *args, "--json")))
+    assert [(row["object_kib"], row["batch"]) for row in rows] == [(64, 4), (256, 4)]
+    for row in rows:
+        for name in ("memcpy", "slots_in", "slots_out", "store", "retrieve"):
+            assert positive(row[f"{name}_gbps"]), row
+        assert row["slots_in_vs_memcpy"] == pytest.approx(row["slots_in_gbps"] / row["memcpy_gbps"])
+        assert row["store_vs_slots"] == pytest.approx(row["store_gbps"] / row["slots_in_gbps"])
+        assert row["retrieve_vs_slots"] == pytest.approx(row["retrieve_gbps"] / row["slots_out_gbps"])
+    assert set(Path("/dev/shm").glob("kvflow-arena-copy-*")) == before
+
+
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = ok(
