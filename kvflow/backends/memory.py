@@ -121,7 +121,10 @@ class MemoryBackend:
 
     @property
     def max_batch(self) -> int:
-        return 64
+        """Objects per call: a request of up to 256 blocks is one call, run inline (calls of 64
+        ran concurrently in a task group, 12-13% of a 256-block call of 64 KiB objects); the call
+        paces itself, so a larger one holds the loop no longer."""
+        return 256
 
     @property
     def capabilities(self) -> BackendCapabilities:
