@@ -91,16 +91,18 @@ def bare_call_s(
     prefix = "bare@model@meaning@order@b16@l0-1@h0-1@d0.1@p0.1@"
     block_size = source.block_size
 
+    def keys() -> list[str]:
+        return [prefix + h.hex() for h in hash_blocks(tokens, block_size)]
+
     def store() -> None:
-        keys = [prefix + h.hex() for h in hash_blocks(tokens, block_size)]
-        starts = [base + i * nbytes for i in range(len(keys))]
-        for key, start in zip(keys, starts):
+        named = keys()
+        starts = [base + i * nbytes for i in range(len(named))]
+        for key, start in zip(named, starts):
             index[key] = start
         copy_rows(np.asarray(starts, dtype=np.int64), source.addr_rows(block_ids), sizes, into_regions=False)
 
     def retrieve() -> None:
-        keys = [prefix + h.hex() for h in hash_blocks(tokens, block_size)]
-        starts = [index[key] for key in keys]
+        starts = [index[key] for key in keys()]
         copy_rows(np.asarray(starts, dtype=np.int64), target.addr_rows(block_ids), sizes, into_regions=True)
 
     return best_s(store, repeat), best_s(retrieve, repeat)

@@ -76,7 +76,10 @@ class Transfer:
     _scopes: dict[Unit, KeyScope] = attrs.field(factory=dict, init=False)
     _shapes: dict[Unit, UnitShape] = attrs.field(factory=dict, init=False)
     _budget: ByteBudget = attrs.field(init=False)
-    _puts_check: bool = attrs.field(init=False)
+    #: a store may put without asking ``exists`` first: the backend's put answers PRESENT for held
+    #: keys without copying them, and nothing is gained by knowing earlier (whole blocks read
+    #: straight from the cache: no staging copy and no per-layer unit to skip)
+    put_checks_present: bool = attrs.field(init=False)
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -84,7 +87,7 @@ class Transfer:
     def __attrs_post_init__(self) -> None:
         self._budget = ByteBudget(self.config.max_inflight_bytes)
         capable = self.backend.capabilities.put_checks_present
-        self._puts_check = capable and self.staging is None and not self.config.layerwise
+        self.put_checks_present = capable and self.staging is None and not self.config.layerwise
 
     @classmethod
     def open(
@@ -215,13 +218,6 @@ class Transfer:
                 await self.backend.aclose()
             if scope.cancelled_caught:
                 log.warning("the backend did not close within %.1f s; abandoning it", limit)
-
-    @property
-    def put_checks_present(self) -> bool:
-        """A store may put without asking ``exists`` first: the backend's put answers PRESENT for
-        held keys without copying them, and nothing is gained by knowing earlier (whole blocks,
-        read straight from the cache: no staging copy and no per-layer unit to skip)."""
-        return self._puts_check
 
     def deadline(self, timeout_s: float | None) -> float:
         """The deadline of a call given its ``timeout_s`` (default: the pool's), from now."""
