@@ -14,7 +14,11 @@ vLLM's CPU layout) it times, best of ``--repeat``, in GB/s:
   slots of the arena drawn at random, other ones each repetition. A claim takes a slot of the
   set the key hashes to, so a store's objects land spread over the whole region, in memory that
   is cold in the CPU caches and in the TLB (a 2 GiB region of 4 KiB pages): this is the copy a put
-  or get must make, where it must make it, with nothing else;
+  or get must make, where it must make it, with nothing else. Each is made as the backend makes
+  it: into slots with streaming stores, out of them with streaming stores only for a batch of at
+  least ``SCATTER_STREAM_BYTES`` (:mod:`kvflow.backends.copies`);
+- slots in, memmove: the copy into slots with ordinary stores instead, what the streaming
+  stores gain over it;
 - store / retrieve: ``KVPool`` calls over that store for the same blocks, a new prompt each
   repetition (a store that is full evicts at every put), then the last one read back repeatedly,
   as ``kvflow bench`` does.
@@ -39,6 +43,7 @@ import torch
 
 from kvflow import KVPool, KVRequest, PoolConfig
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
+from kvflow.backends.copies import SCATTER_STREAM_BYTES
 from kvflow.config import parse_size
 from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
@@ -73,8 +78,17 @@ async def measure(root: str, size: int, batch: int, capacity: int, slot: int, re
         into = iter([slots() for _ in range(repeat + 1)])  # other slots each time (one warm-up call)
         out_of = iter([slots() for _ in range(repeat + 1)])
         writer_rows, reader_rows = writer_layout.addr_rows(ids), reader_layout.addr_rows(ids)
-        slots_in_s = best_s(lambda: copy_rows(next(into), writer_rows, sizes, into_regions=False), repeat)
-        slots_out_s = best_s(lambda: copy_rows(next(out_of), reader_rows, sizes, into_regions=True), repeat)
+        into_plain = iter([slots() for _ in range(repeat + 1)])
+        out_stream = nbytes >= SCATTER_STREAM_BYTES  # as the backend's get decides
+        slots_in_s = best_s(
+            lambda: copy_rows(next(into), writer_rows, sizes, into_regions=False, stream=True), repeat
+        )
+        slots_out_s = best_s(
+            lambda: copy_rows(next(out_of), reader_rows, sizes, into_regions=True, stream=out_stream), repeat
+        )
+        memmove_s = best_s(
+            lambda: copy_rows(next(into_plain), writer_rows, sizes, into_regions=False), repeat
+        )
 
         model = f"arena-copy-{time.time_ns()}"
         writer = KVPool.create(PoolConfig(model=model), layout=writer_layout, backend=backend)
@@ -102,11 +116,13 @@ async def measure(root: str, size: int, batch: int, capacity: int, slot: int, re
             "memcpy_gbps": memcpy,
             "slots_in_gbps": nbytes / slots_in_s / 1e9,
             "slots_out_gbps": nbytes / slots_out_s / 1e9,
+            "slots_in_memmove_gbps": nbytes / memmove_s / 1e9,
             "store_gbps": nbytes / store_s / 1e9,
             "retrieve_gbps": nbytes / retrieve_s / 1e9,
         }
         row["slots_in_vs_memcpy"] = row["slots_in_gbps"] / memcpy
         row["slots_out_vs_memcpy"] = row["slots_out_gbps"] / memcpy
+        row["slots_in_memmove_vs_memcpy"] = row["slots_in_memmove_gbps"] / memcpy
         row["store_vs_memcpy"] = row["store_gbps"] / memcpy
         row["retrieve_vs_memcpy"] = row["retrieve_gbps"] / memcpy
         row["store_vs_slots"] = row["store_gbps"] / row["slots_in_gbps"]
@@ -147,6 +163,7 @@ def main() -> None:
         "retrieve_gbps",
         "slots_in_vs_memcpy",
         "slots_out_vs_memcpy",
+        "slots_in_memmove_vs_memcpy",
         "store_vs_slots",
         "retrieve_vs_slots",
     ]

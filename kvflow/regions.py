@@ -44,10 +44,14 @@ def scatter(src: int, addrs: Sequence[int], sizes: Sequence[int]) -> None:
         offset += size
 
 
-def copy_rows(starts: Addresses, addrs: Addresses, sizes: Addresses, *, into_regions: bool) -> None:
+def copy_rows(
+    starts: Addresses, addrs: Addresses, sizes: Addresses, *, into_regions: bool, stream: bool = False
+) -> None:
     """For each ``i``, copy between the buffer at ``starts[i]`` and the regions at ``addrs[i, :]``
     of the sizes ``sizes`` (one per column), back to back in the buffer: into the regions when
-    ``into_regions``, else out of them. One compiled loop, without the GIL."""
+    ``into_regions``, else out of them, with streaming stores when ``stream`` (for buffers not
+    read again soon, a store's own: :mod:`kvflow.copyloops`). One compiled loop, without the GIL;
+    buffers and regions must not overlap."""
     if addrs.shape != (len(starts), len(sizes)):
         raise ValueError(
             f"region addresses of shape {addrs.shape} for {len(starts)} buffers of {len(sizes)} regions"
@@ -57,11 +61,18 @@ def copy_rows(starts: Addresses, addrs: Addresses, sizes: Addresses, *, into_reg
         np.ascontiguousarray(addrs, dtype=np.int64),
         np.ascontiguousarray(sizes, dtype=np.int64),
         into_regions,
+        stream,
     )
 
 
 def copy_ragged(
-    starts: Addresses, counts: Addresses, addrs: Addresses, sizes: Addresses, *, into_regions: bool
+    starts: Addresses,
+    counts: Addresses,
+    addrs: Addresses,
+    sizes: Addresses,
+    *,
+    into_regions: bool,
+    stream: bool = False,
 ) -> None:
     """:func:`copy_rows` for rows of different lengths: buffer ``i`` goes with the next
     ``counts[i]`` regions of ``addrs`` and ``sizes`` (flat, every row's in turn)."""
@@ -76,6 +87,7 @@ def copy_ragged(
         np.ascontiguousarray(addrs, dtype=np.int64),
         np.ascontiguousarray(sizes, dtype=np.int64),
         into_regions,
+        stream,
     )
 
 

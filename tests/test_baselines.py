@@ -26,4 +26,3 @@ def test_the_bare_call_moves_every_block_from_source_to_target() -> None:
         assert torch.equal(dst[name][ids], src[name][ids])
         untouched = [b for b in range(8) if b not in ids]
         assert not dst[name][untouched].any()  # only the blocks asked for
-

@@ -157,9 +157,12 @@ def test_arena_copy_bench_reports_the_slot_copies_beside_kvflow_and_removes_its_
     rows = json.loads(ok(run("benchmarks/arena_copy.py", *args, "--json")))
     assert [(row["object_kib"], row["batch"]) for row in rows] == [(64, 4), (256, 4)]
     for row in rows:
-        for name in ("memcpy", "slots_in", "slots_out", "store", "retrieve"):
+        for name in ("memcpy", "slots_in", "slots_out", "slots_in_memmove", "store", "retrieve"):
             assert positive(row[f"{name}_gbps"]), row
         assert row["slots_in_vs_memcpy"] == pytest.approx(row["slots_in_gbps"] / row["memcpy_gbps"])
+        assert row["slots_in_memmove_vs_memcpy"] == pytest.approx(
+            row["slots_in_memmove_gbps"] / row["memcpy_gbps"]
+        )
         assert row["store_vs_slots"] == pytest.approx(row["store_gbps"] / row["slots_in_gbps"])
         assert row["retrieve_vs_slots"] == pytest.approx(row["retrieve_gbps"] / row["slots_out_gbps"])
     assert set(Path("/dev/shm").glob("kvflow-arena-copy-*")) == before

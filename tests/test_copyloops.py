@@ -50,10 +50,11 @@ def copies(loops: Loops) -> None:
     starts = np.array([out.data_ptr(), out.data_ptr() + 8], dtype=np.int64)
     addrs = np.array([[base + 40, base + 2], [base + 10, base + 60]], dtype=np.int64)
     sizes = np.array([5, 3], dtype=np.int64)
-    loops.rows(starts, addrs, sizes, False)
+    loops.rows(starts, addrs, sizes, False, False)
     assert out.tolist() == [40, 41, 42, 43, 44, 2, 3, 4, 10, 11, 12, 13, 14, 60, 61, 62]
     shift = target.data_ptr() - base
-    loops.ragged(starts, np.array([2, 2], dtype=np.int64), addrs.ravel() + shift, np.tile(sizes, 2), True)
+    counts = np.array([2, 2], dtype=np.int64)
+    loops.ragged(starts, counts, addrs.ravel() + shift, np.tile(sizes, 2), True, False)
     assert torch.equal(target[[40, 2, 10, 60]], source[[40, 2, 10, 60]]) and int(target[20]) == 0
 
 

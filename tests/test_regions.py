@@ -179,3 +179,66 @@ def test_keys_sizes_and_some_of_a_batch_are_its_objects(case: tuple[int, list[in
     part = some_of(batch, picked)
     assert isinstance(part, ObjectBatch)
     assert list(part) == list(some_of(as_list, picked)) == [as_list[i] for i in picked]
+
+
+@st.composite
+def streamed(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int]]:
+    """Buffers at any alignment and regions of sizes on either side of the streamed body (its
+    vectors of 32 bytes, steps of 128): where each buffer starts, each row's region offsets, sizes."""
+    width = draw(st.integers(1, 3))
+    sizes = draw(st.lists(st.integers(0, 700), min_size=width, max_size=width))
+    count = draw(st.integers(1, 4))
+    rows = [[draw(st.integers(0, POOL - size)) for size in sizes] for _ in range(count)]
+    starts = [draw(st.integers(0, 63)) + i * 2304 for i in range(count)]  # apart: 3 x 700 < 2304
+    return starts, rows, sizes
+
+
+@settings(deadline=None)
+@given(streamed(), st.booleans())
+def test_a_streamed_gather_writes_what_memmove_writes_and_nothing_around_it(
+    case: tuple[list[int], list[list[int]], list[int]], ragged_rows: bool
+) -> None:
+    """Streaming stores (:mod:`kvflow.copyloops`, used for every gather into a store's buffers)
+    copy head, aligned body and tail: for every alignment and size the buffers hold exactly the
+    bytes of a plain copy, and the bytes between and after them keep what was there."""
+    starts, rows, sizes = case
+    base, width = SOURCE.data_ptr(), len(sizes)
+    plain = torch.full((4 * 2304 + 64,), 7, dtype=torch.uint8)
+    fast = plain.clone()
+    addrs = np.asarray(rows, dtype=np.int64) + base
+    for out, stream in ((plain, False), (fast, True)):
+        at = out.data_ptr() + np.asarray(starts, dtype=np.int64)
+        if ragged_rows:
+            counts = np.full(len(rows), width, dtype=np.int64)
+            flat = np.tile(sizes, len(rows))
+            copy_ragged(at, counts, addrs.ravel(), flat, into_regions=False, stream=stream)
+        else:
+            copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), into_regions=False, stream=stream)
+    assert torch.equal(fast, plain)
+    for start, offs in zip(starts, rows):
+        assert bytes(fast[start : start + sum(sizes)].tolist()) == reference(SOURCE, offs, sizes)
+
+
+@settings(deadline=None)
+@given(streamed(), st.booleans())
+def test_a_streamed_scatter_writes_what_memmove_writes_and_nothing_around_it(
+    case: tuple[list[int], list[list[int]], list[int]], ragged_rows: bool
+) -> None:
+    """The same for a scatter into regions at any alignment (a large get streams into the engine's
+    cache; ``memmove``'s copy, the reference, is checked by the round trips above): regions that
+    overlap end holding the later one's bytes, as with ``memmove``."""
+    starts, rows, sizes = case
+    width = len(sizes)
+    source = torch.randint(0, 256, (4 * 2304 + 64,), dtype=torch.uint8)
+    at = source.data_ptr() + np.asarray(starts, dtype=np.int64)
+    plain = torch.full((POOL,), 7, dtype=torch.uint8)
+    fast = plain.clone()
+    for target, stream in ((plain, False), (fast, True)):
+        addrs = np.asarray(rows, dtype=np.int64) + target.data_ptr()
+        if ragged_rows:
+            counts = np.full(len(rows), width, dtype=np.int64)
+            flat = np.tile(sizes, len(rows))
+            copy_ragged(at, counts, addrs.ravel(), flat, into_regions=True, stream=stream)
+        else:
+            copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), into_regions=True, stream=stream)
+    assert torch.equal(fast, plain)

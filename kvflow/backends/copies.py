@@ -1,6 +1,12 @@
 """In-process copies of a backend call's objects: each object's regions to or from one buffer, the
 whole batch in one compiled call (:mod:`kvflow.regions`).
 
+A gather writes the store's own buffers with streaming stores (:mod:`kvflow.copyloops`): nobody
+reads a stored object again soon, so its lines need not be read first nor kept in the caches. A
+scatter writes the engine's cache the same way only when its call moves at least
+:data:`SCATTER_STREAM_BYTES`: a smaller load may stay in the caches for the kernels that read it
+next, a larger one would only evict itself.
+
 An :class:`~kvflow.backends.base.ObjectBatch` goes to the copy loop as the columns it already is;
 a list of objects of any shapes is first laid out flat.
 """
@@ -11,31 +17,42 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvflow.backends.base import ObjectBatch, ObjectRef
+from kvflow.backends.base import ObjectBatch, ObjectRef, nbytes_of
 from kvflow.regions import copy_ragged, copy_rows
 
-__all__ = ["gather_objects", "scatter_objects"]
+__all__ = ["SCATTER_STREAM_BYTES", "gather_objects", "scatter_objects", "scatter_streams"]
+
+# A quarter of the 32 MiB L3 of docs/benchmarks.md's VM: gets of 256 objects of 64 KiB (16 MiB)
+# ran 10-20% faster streamed; of 16 (1 MiB) 10% slower.
+SCATTER_STREAM_BYTES = 8 << 20
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
-    """Copy each object's regions back to back into the buffer at ``buffers[i]``."""
-    _copy(buffers, objects, into_regions=False)
+    """Copy each object's regions back to back into the buffer at ``buffers[i]`` (streamed)."""
+    _copy(buffers, objects, into_regions=False, stream=True)
 
 
-def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
-    """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order."""
-    _copy(buffers, objects, into_regions=True)
+def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef], *, stream: bool = False) -> None:
+    """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order (streamed when
+    ``stream``: pass :func:`scatter_streams` of the whole call)."""
+    _copy(buffers, objects, into_regions=True, stream=stream)
 
 
-def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions: bool) -> None:
+def scatter_streams(objects: Sequence[ObjectRef]) -> bool:
+    """Whether a get of ``objects`` writes the engine's cache with streaming stores."""
+    return sum(nbytes_of(objects)) >= SCATTER_STREAM_BYTES
+
+
+def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions: bool, stream: bool) -> None:
     if len(buffers) != len(objects):
         raise ValueError(f"{len(buffers)} buffers for {len(objects)} objects")
     starts = np.asarray(buffers, dtype=np.int64)
     if isinstance(objects, ObjectBatch):
-        copy_rows(starts, objects.addrs, np.asarray(objects.sizes), into_regions=into_regions)
+        sizes = np.asarray(objects.sizes)
+        copy_rows(starts, objects.addrs, sizes, into_regions=into_regions, stream=stream)
         return
     addrs: list[int] = []
-    sizes: list[int] = []
+    sizes_of: list[int] = []
     for obj in objects:
         if len(obj.addrs) != len(obj.sizes) or sum(obj.sizes) != obj.nbytes or min(obj.sizes, default=0) < 0:
             raise ValueError(
@@ -43,6 +60,8 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
                 f"nbytes {obj.nbytes} do not agree (build it with ObjectRef.of)"
             )
         addrs.extend(obj.addrs)
-        sizes.extend(obj.sizes)
+        sizes_of.extend(obj.sizes)
     counts = np.fromiter((len(obj.sizes) for obj in objects), dtype=np.int64, count=len(objects))
-    copy_ragged(starts, counts, np.asarray(addrs), np.asarray(sizes), into_regions=into_regions)
+    copy_ragged(
+        starts, counts, np.asarray(addrs), np.asarray(sizes_of), into_regions=into_regions, stream=stream
+    )

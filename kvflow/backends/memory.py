@@ -25,6 +25,7 @@ What stays true across the checkpoints of larger objects:
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -46,7 +47,7 @@ from kvflow.backends.base import (
     nbytes_of,
     some_of,
 )
-from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.copies import gather_objects, scatter_objects, scatter_streams
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query
 from kvflow.errors import ConfigError, PoolClosedError
@@ -87,8 +88,8 @@ class MemoryConfig:
 @attrs.define(eq=False)
 class _Entry:
     """An object's buffer (its address and size kept as ints: a copy reads them without a call
-    into torch) and how many gets are reading it (pinned while > 0). An evicted entry that no get
-    reads is given, whole, to the next put of its size."""
+    into torch) and how many gets are reading it (pinned while > 0). An entry evicted to make room
+    for a put is given, whole, to an object of its size in that put."""
 
     buf: torch.Tensor
     addr: int
@@ -144,7 +145,8 @@ class MemoryBackend:
         return await self._each(objects, self._put_section, self._put_one, self._stats.count_puts)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
-        return await self._each(objects, self._get_section, self._get_one, self._stats.count_gets)
+        section = functools.partial(self._get_section, stream=scatter_streams(objects))
+        return await self._each(objects, section, self._get_one, self._stats.count_gets)
 
     async def _each(
         self,
@@ -211,33 +213,34 @@ class MemoryBackend:
         if key in self._objects:
             self._objects.move_to_end(key)
             return PutStatus.PRESENT
-        entry = self._reserve(nbytes)
+        entry = self._reserve([nbytes])[0]
         return PutStatus.NO_SPACE if entry is None else entry
 
     def _put_section(
         self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
     ) -> list[PutStatus]:
-        """Puts of objects copied in one call, without a checkpoint: each reserved, all copied, each
-        published (the second of one key twice is PRESENT)."""
-        results: list[PutStatus] = []
-        room: list[int] = []  # the objects that got a buffer (and hold a reservation)
-        entries: list[_Entry] = []
+        """Puts of objects copied in one call, without a checkpoint: those not yet stored reserved
+        together, all copied, each published (the second of one key twice is PRESENT). Each step
+        runs over the whole run at once, not as a call per object."""
+        stored = self._objects
+        new = [i for i, key in enumerate(keys) if key not in stored]
+        results = [PutStatus.PRESENT] * len(keys)
+        if len(new) < len(keys):
+            for key in keys:
+                if key in stored:
+                    stored.move_to_end(key)  # a use, for LRU
+        reserved = self._reserve([sizes[i] for i in new])
+        room = [i for i, entry in zip(new, reserved) if entry is not None]
+        entries = [entry for entry in reserved if entry is not None]
         try:
-            for i, (key, nbytes) in enumerate(zip(keys, sizes)):
-                entry = self._room(key, nbytes)
-                if isinstance(entry, PutStatus):
-                    results.append(entry)
-                else:
-                    results.append(PutStatus.STORED)
-                    room.append(i)
-                    entries.append(entry)
             gather_objects([entry.addr for entry in entries], some_of(objects, room))
         except BaseException:
             self._stats.used_bytes -= sum(sizes[i] for i in room)
             raise
-        stored = self._objects
+        for i, entry in zip(new, reserved):
+            results[i] = PutStatus.NO_SPACE if entry is None else PutStatus.STORED
         for i, entry in zip(room, entries):
-            if keys[i] in stored:
+            if keys[i] in stored:  # the same key earlier in this run
                 results[i] = PutStatus.PRESENT
                 self._stats.used_bytes -= sizes[i]
             else:
@@ -264,34 +267,50 @@ class MemoryBackend:
             if not published and not self._closed:
                 self._stats.used_bytes -= obj.nbytes
 
-    def _reserve(self, nbytes: int) -> _Entry | None:
-        """Make room for ``nbytes`` (evicting unpinned LRU objects) and count them as used.
+    def _reserve(self, sizes: Sequence[int]) -> list[_Entry | None]:
+        """Make room for objects of ``sizes`` (evicting unpinned LRU objects, as many as all of
+        them need) and count those that fit as used.
 
-        Returns an entry of that size, a recycled victim where one fits exactly, or None when the
-        bytes cannot fit (too large, or the rest of the budget is pinned or being written).
+        Returns an entry per size, in order: a recycled victim where one of that size was evicted
+        for this call (its pages are faulted in already: a fresh buffer costs a page fault per
+        4 KiB), else a fresh buffer; None for an object that cannot fit (too large, or the rest of
+        the budget is pinned or being written).
         """
-        if nbytes > self.config.capacity_bytes:
-            return None
-        stats = self._stats
-        recycled: _Entry | None = None
-        while stats.used_bytes + nbytes > self.config.capacity_bytes:
-            victim = self._unpinned_lru()
-            if victim is None:
-                return None
-            entry = self._objects.pop(victim)
-            stats.used_bytes -= entry.nbytes
-            stats.evictions += 1
-            if recycled is None and entry.nbytes == nbytes:
-                recycled = entry  # reuse its pages: a fresh buffer costs a page fault per 4 KiB
-        entry = recycled if recycled is not None else _Entry.new(nbytes)
-        stats.used_bytes += nbytes  # counted once allocated: a failed allocation reserves nothing
-        return entry
+        capacity, stats = self.config.capacity_bytes, self._stats
+        victims = self._evict(stats.used_bytes + sum(n for n in sizes if n <= capacity) - capacity)
+        spare: dict[int, list[_Entry]] = {}
+        for victim in reversed(victims):  # popped from the end: the oldest first, as they were stored
+            spare.setdefault(victim.nbytes, []).append(victim)
+        entries: list[_Entry | None] = []
+        try:
+            for nbytes in sizes:
+                if stats.used_bytes + nbytes > capacity:
+                    entries.append(None)
+                    continue
+                recycled = spare.get(nbytes)
+                entries.append(recycled.pop() if recycled else _Entry.new(nbytes))
+                stats.used_bytes += nbytes  # counted once allocated: a failed allocation reserves nothing
+        except BaseException:
+            stats.used_bytes -= sum(entry.nbytes for entry in entries if entry is not None)
+            raise
+        return entries
 
-    def _unpinned_lru(self) -> str | None:
+    def _evict(self, excess: int) -> list[_Entry]:
+        """Evict unpinned objects, least recently used first, until ``excess`` bytes are freed or
+        none is left; the evicted entries."""
+        if excess <= 0:
+            return []
+        victims: list[str] = []
         for key, entry in self._objects.items():  # pinned entries were moved to the end when pinned
             if entry.readers == 0:
-                return key
-        return None
+                victims.append(key)
+                excess -= entry.nbytes
+                if excess <= 0:
+                    break
+        stats, evicted = self._stats, [self._objects.pop(key) for key in victims]
+        stats.used_bytes -= sum(entry.nbytes for entry in evicted)
+        stats.evictions += len(evicted)
+        return evicted
 
     def _found(self, key: str, nbytes: int) -> _Entry | GetStatus:
         """The entry a get of ``nbytes`` under ``key`` reads (a use, for LRU); MISS, or FAILED for
@@ -305,7 +324,7 @@ class MemoryBackend:
         return entry
 
     def _get_section(
-        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
+        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int], *, stream: bool
     ) -> list[GetStatus]:
         """Gets of objects copied in one call, without a checkpoint (so they need no pin): each
         step over the whole run at once (a comprehension), not a call per object."""
@@ -320,7 +339,7 @@ class MemoryBackend:
         for i in hits:
             use(keys[i])
         addrs = [e.addr for e, result in zip(entries, results) if e is not None and result is GetStatus.HIT]
-        scatter_objects(addrs, some_of(objects, hits))
+        scatter_objects(addrs, some_of(objects, hits), stream=stream)
         return results
 
     async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
