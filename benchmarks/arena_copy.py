@@ -15,8 +15,8 @@ vLLM's CPU layout) it times, best of ``--repeat``, in GB/s:
   set the key hashes to, so a store's objects land spread over the whole region, in memory that
   is cold in the CPU caches and in the TLB (a 2 GiB region of 4 KiB pages): this is the copy a put
   or get must make, where it must make it, with nothing else. Each is made as the backend makes
-  it: into slots with streaming stores, out of them with streaming stores only for a batch of at
-  least ``SCATTER_STREAM_BYTES`` (:mod:`kvflow.backends.copies`);
+  it: into slots with streaming stores, out of them with ordinary ones
+  (:mod:`kvflow.backends.copies`);
 - slots in, memmove: the copy into slots with ordinary stores instead, what the streaming
   stores gain over it;
 - store / retrieve: ``KVPool`` calls over that store for the same blocks, a new prompt each
@@ -43,7 +43,6 @@ import torch
 
 from kvflow import KVPool, KVRequest, PoolConfig
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
-from kvflow.backends.copies import SCATTER_STREAM_BYTES
 from kvflow.config import parse_size
 from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
@@ -79,13 +78,10 @@ async def measure(root: str, size: int, batch: int, capacity: int, slot: int, re
         out_of = iter([slots() for _ in range(repeat + 1)])
         writer_rows, reader_rows = writer_layout.addr_rows(ids), reader_layout.addr_rows(ids)
         into_plain = iter([slots() for _ in range(repeat + 1)])
-        out_stream = nbytes >= SCATTER_STREAM_BYTES  # as the backend's get decides
         slots_in_s = best_s(
             lambda: copy_rows(next(into), writer_rows, sizes, into_regions=False, stream=True), repeat
         )
-        slots_out_s = best_s(
-            lambda: copy_rows(next(out_of), reader_rows, sizes, into_regions=True, stream=out_stream), repeat
-        )
+        slots_out_s = best_s(lambda: copy_rows(next(out_of), reader_rows, sizes, into_regions=True), repeat)
         memmove_s = best_s(
             lambda: copy_rows(next(into_plain), writer_rows, sizes, into_regions=False), repeat
         )

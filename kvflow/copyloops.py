@@ -111,16 +111,14 @@ def _rows(starts: Addresses, addrs: Addresses, sizes: Addresses, into_regions: b
     for i in range(starts.shape[0]):  # pragma: no cover (compiled)
         at = starts[i]
         for j in range(sizes.shape[0]):
-            if into_regions and stream:
-                _stream(addrs[i, j], at, sizes[j])
-            elif into_regions:
+            if into_regions:
                 _memmove(addrs[i, j], at, sizes[j])
             elif stream:
                 _stream(at, addrs[i, j], sizes[j])
             else:
                 _memmove(at, addrs[i, j], sizes[j])
             at += sizes[j]
-    if stream:  # pragma: no cover (compiled)
+    if stream and not into_regions:  # pragma: no cover (compiled)
         _fence()
 
 
@@ -131,9 +129,7 @@ def _ragged(
     for i in range(starts.shape[0]):  # pragma: no cover (compiled)
         at = starts[i]
         for _ in range(counts[i]):
-            if into_regions and stream:
-                _stream(addrs[k], at, sizes[k])
-            elif into_regions:
+            if into_regions:
                 _memmove(addrs[k], at, sizes[k])
             elif stream:
                 _stream(at, addrs[k], sizes[k])
@@ -141,7 +137,7 @@ def _ragged(
                 _memmove(at, addrs[k], sizes[k])
             at += sizes[k]
             k += 1
-    if stream:  # pragma: no cover (compiled)
+    if stream and not into_regions:  # pragma: no cover (compiled)
         _fence()
 
 

@@ -217,28 +217,3 @@ def test_a_streamed_gather_writes_what_memmove_writes_and_nothing_around_it(
     assert torch.equal(fast, plain)
     for start, offs in zip(starts, rows):
         assert bytes(fast[start : start + sum(sizes)].tolist()) == reference(SOURCE, offs, sizes)
-
-
-@settings(deadline=None)
-@given(streamed(), st.booleans())
-def test_a_streamed_scatter_writes_what_memmove_writes_and_nothing_around_it(
-    case: tuple[list[int], list[list[int]], list[int]], ragged_rows: bool
-) -> None:
-    """The same for a scatter into regions at any alignment (a large get streams into the engine's
-    cache; ``memmove``'s copy, the reference, is checked by the round trips above): regions that
-    overlap end holding the later one's bytes, as with ``memmove``."""
-    starts, rows, sizes = case
-    width = len(sizes)
-    source = torch.randint(0, 256, (4 * 2304 + 64,), dtype=torch.uint8)
-    at = source.data_ptr() + np.asarray(starts, dtype=np.int64)
-    plain = torch.full((POOL,), 7, dtype=torch.uint8)
-    fast = plain.clone()
-    for target, stream in ((plain, False), (fast, True)):
-        addrs = np.asarray(rows, dtype=np.int64) + target.data_ptr()
-        if ragged_rows:
-            counts = np.full(len(rows), width, dtype=np.int64)
-            flat = np.tile(sizes, len(rows))
-            copy_ragged(at, counts, addrs.ravel(), flat, into_regions=True, stream=stream)
-        else:
-            copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), into_regions=True, stream=stream)
-    assert torch.equal(fast, plain)

@@ -3,9 +3,9 @@ whole batch in one compiled call (:mod:`kvflow.regions`).
 
 A gather writes the store's own buffers with streaming stores (:mod:`kvflow.copyloops`): nobody
 reads a stored object again soon, so its lines need not be read first nor kept in the caches. A
-scatter writes the engine's cache the same way only when its call moves at least
-:data:`SCATTER_STREAM_BYTES`: a smaller load may stay in the caches for the kernels that read it
-next, a larger one would only evict itself.
+scatter writes the engine's cache with ordinary stores: its kernels read the loaded KV next, and
+what is still in the caches they read faster (streamed loads of a 32 MiB prompt made no load faster
+and the forward after them slower in ``benchmarks/vllm_ttft.py``: docs/benchmarks.md, 2026-12-04).
 
 An :class:`~kvflow.backends.base.ObjectBatch` goes to the copy loop as the columns it already is;
 a list of objects of any shapes is first laid out flat.
@@ -17,14 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvflow.backends.base import ObjectBatch, ObjectRef, nbytes_of
+from kvflow.backends.base import ObjectBatch, ObjectRef
 from kvflow.regions import copy_ragged, copy_rows
 
-__all__ = ["SCATTER_STREAM_BYTES", "gather_objects", "scatter_objects", "scatter_streams"]
-
-# A quarter of the 32 MiB L3 of docs/benchmarks.md's VM: gets of 256 objects of 64 KiB (16 MiB)
-# ran 10-20% faster streamed; of 16 (1 MiB) 10% slower.
-SCATTER_STREAM_BYTES = 8 << 20
+__all__ = ["gather_objects", "scatter_objects"]
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
@@ -32,15 +28,9 @@ def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None
     _copy(buffers, objects, into_regions=False, stream=True)
 
 
-def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef], *, stream: bool = False) -> None:
-    """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order (streamed when
-    ``stream``: pass :func:`scatter_streams` of the whole call)."""
-    _copy(buffers, objects, into_regions=True, stream=stream)
-
-
-def scatter_streams(objects: Sequence[ObjectRef]) -> bool:
-    """Whether a get of ``objects`` writes the engine's cache with streaming stores."""
-    return sum(nbytes_of(objects)) >= SCATTER_STREAM_BYTES
+def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
+    """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order."""
+    _copy(buffers, objects, into_regions=True, stream=False)
 
 
 def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions: bool, stream: bool) -> None:

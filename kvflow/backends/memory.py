@@ -25,7 +25,6 @@ What stays true across the checkpoints of larger objects:
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -47,7 +46,7 @@ from kvflow.backends.base import (
     nbytes_of,
     some_of,
 )
-from kvflow.backends.copies import gather_objects, scatter_objects, scatter_streams
+from kvflow.backends.copies import gather_objects, scatter_objects
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query
 from kvflow.errors import ConfigError, PoolClosedError
@@ -145,8 +144,7 @@ class MemoryBackend:
         return await self._each(objects, self._put_section, self._put_one, self._stats.count_puts)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
-        section = functools.partial(self._get_section, stream=scatter_streams(objects))
-        return await self._each(objects, section, self._get_one, self._stats.count_gets)
+        return await self._each(objects, self._get_section, self._get_one, self._stats.count_gets)
 
     async def _each(
         self,
@@ -324,7 +322,7 @@ class MemoryBackend:
         return entry
 
     def _get_section(
-        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int], *, stream: bool
+        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
     ) -> list[GetStatus]:
         """Gets of objects copied in one call, without a checkpoint (so they need no pin): each
         step over the whole run at once (a comprehension), not a call per object."""
@@ -339,7 +337,7 @@ class MemoryBackend:
         for i in hits:
             use(keys[i])
         addrs = [e.addr for e, result in zip(entries, results) if e is not None and result is GetStatus.HIT]
-        scatter_objects(addrs, some_of(objects, hits), stream=stream)
+        scatter_objects(addrs, some_of(objects, hits))
         return results
 
     async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:

@@ -23,7 +23,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvflow.backends.copies import SCATTER_STREAM_BYTES
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
@@ -85,7 +84,7 @@ def bare_call_s(
     bare retrieve of them into ``target``'s (the same geometry), named by ``tokens``: the hash
     chain, a key text per block (a prefix and the hash in hex, as kvflow's), one dict insert or
     look-up per key, the blocks' addresses and one call of the copy loop between the cache and
-    pre-faulted slots (streamed where the backends' copies stream: :mod:`kvflow.backends.copies`).
+    pre-faulted slots (the store's streamed, as the backends' puts: :mod:`kvflow.backends.copies`).
     Nothing is checked or counted and the call never yields to a loop; what kvflow adds over it is
     everything a library does beyond that."""
     sizes = np.asarray(source.unit_sizes(None), dtype=np.int64)
@@ -95,7 +94,6 @@ def bare_call_s(
     index: dict[str, int] = {}
     prefix = "bare@model@meaning@order@b16@l0-1@h0-1@d0.1@p0.1@"
     block_size = source.block_size
-    streamed = nbytes * len(block_ids) >= SCATTER_STREAM_BYTES  # as a backend's get decides
 
     def keys() -> list[str]:
         return [prefix + h.hex() for h in hash_blocks(tokens, block_size)]
@@ -111,7 +109,7 @@ def bare_call_s(
     def retrieve() -> None:
         starts = [index[key] for key in keys()]
         rows = target.addr_rows(block_ids)
-        copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=True, stream=streamed)
+        copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=True)
 
     return best_s(store, repeat), best_s(retrieve, repeat)
 

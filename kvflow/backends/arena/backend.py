@@ -40,7 +40,7 @@ from kvflow.backends.base import (
     nbytes_of,
     some_of,
 )
-from kvflow.backends.copies import gather_objects, scatter_objects, scatter_streams
+from kvflow.backends.copies import gather_objects, scatter_objects
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 
 __all__ = ["ArenaBackend", "ArenaConfig"]
@@ -208,7 +208,7 @@ class ArenaBackend:
         arena, now = self._arena, time.monotonic_ns()
         hashes = self._hashes(keys_of(objects))
         keys: list[list[int]] = hashes.tolist()
-        sizes, stream = nbytes_of(objects), scatter_streams(objects)
+        sizes = nbytes_of(objects)
         rows: list[int] = []
         done = 0
         try:
@@ -217,9 +217,7 @@ class ArenaBackend:
                     rows = rows or arena.find(hashes)  # found once; checked again after a pause
                     started = time.monotonic()
                     while True:  # runs until the loop has been held long enough
-                        done = self._read(
-                            objects, sizes, hashes, keys, rows, done, results, now, stream=stream
-                        )
+                        done = self._read(objects, sizes, hashes, keys, rows, done, results, now)
                         if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
                             break
                 if done < len(objects):
@@ -241,8 +239,6 @@ class ArenaBackend:
         done: int,
         results: list[GetStatus],
         now: int,
-        *,
-        stream: bool,
     ) -> int:
         """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
         one call, under the shared lock; return where the run ended. ``rows`` may have been found
@@ -256,9 +252,7 @@ class ArenaBackend:
             if rows[i] < 0:
                 results[i] = GetStatus.MISS
         scatter_objects(
-            [arena.address(rows[i]) for i in hits],
-            some_of(objects[done:end], [i - done for i in hits]),
-            stream=stream,
+            [arena.address(rows[i]) for i in hits], some_of(objects[done:end], [i - done for i in hits])
         )
         arena.touch_all([rows[i] for i in hits], now)
         for i in hits:
