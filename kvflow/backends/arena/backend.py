@@ -97,7 +97,10 @@ class ArenaBackend:
 
     @property
     def max_batch(self) -> int:
-        return 64
+        """Objects per call: a request of up to 256 blocks is one claim, one copy pass and one
+        publish (calls of 64 ran in a task group, each paying the lock sections and the claim's
+        fixed cost); a claim of 256 holds the lock about 0.25 ms, and a call paces its copies."""
+        return 256
 
     @property
     def capabilities(self) -> BackendCapabilities:
