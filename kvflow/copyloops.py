@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from kvflow.compiled import compile_cached
+
 __all__ = ["Loops", "compile_loops"]
 
 Addresses = npt.NDArray[np.int64]
@@ -159,16 +161,10 @@ class Loops:
 def compile_loops(*, cache: bool = True) -> Loops:
     """The loops, compiled without the GIL: loaded from numba's on-disk cache (or compiled and
     saved there) when ``cache`` and a cache directory is writable, else compiled in memory."""
-    if cache:
-        try:
-            return _compile(cache=True)
-        except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
-            if "no locator available" not in str(exc):
-                raise
-    return _compile(cache=False)
+    return compile_cached(_compile, cache=cache)
 
 
-def _compile(*, cache: bool) -> Loops:
+def _compile(cache: bool) -> Loops:
     rows = numba.njit(_ROWS, nogil=True, cache=cache)(_rows)
     ragged = numba.njit(_RAGGED, nogil=True, cache=cache)(_ragged)
     return Loops(rows, ragged, cached=cache)

@@ -17,6 +17,8 @@ from numba.core import caching
 
 from kvflow import regions
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
+from kvflow.backends.arena import backend as arena_backend
+from kvflow.backends.arena.claims import compile_claims
 from kvflow.backends.base import Backend
 from kvflow.backends.memory import MemoryBackend
 from kvflow.copyloops import Loops, compile_loops
@@ -74,6 +76,7 @@ def test_without_a_writable_cache_the_loops_compile_in_memory(monkeypatch: pytes
     loops = compile_loops()
     assert not loops.cached
     copies(loops)
+    assert not compile_claims().cached  # the arena's claim, compiled the same way
 
 
 def test_cached_loops_copy() -> None:
@@ -87,13 +90,14 @@ async def test_a_backend_loads_the_loops_as_it_opens(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not at its first put, on the event loop, where numba's import and the load take a second."""
-    loaded: list[bool] = []
-    monkeypatch.setattr(regions, "warm", lambda: loaded.append(True))
+    loaded: list[str] = []
+    monkeypatch.setattr(regions, "warm", lambda: loaded.append("copy loops"))
+    monkeypatch.setattr(arena_backend, "claims", lambda: loaded.append("arena claim"))
     if kind == "memory":
         backend: Backend = MemoryBackend()
     else:
         backend = ArenaBackend(
             ArenaConfig(str(tmp_path / "store"), capacity_bytes=1 << 20, slot_bytes=1 << 16)
         )
-    assert loaded == [True]
+    assert loaded == (["copy loops"] if kind == "memory" else ["copy loops", "arena claim"])
     await backend.aclose()

@@ -26,6 +26,7 @@ import attrs
 
 from kvflow import regions
 from kvflow.backends import pacing
+from kvflow.backends.arena.claims import claims
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
 from kvflow.backends.arena.store import ArenaFile, Hashes, KeyHashes, stored_geometry
@@ -74,7 +75,8 @@ class ArenaBackend:
         self._arena = ArenaFile.open(self.config)
         geometry = self._arena.geometry
         self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
-        regions.warm()  # the copy loops, loaded now rather than at the first put on the event loop
+        regions.warm()  # the copy loops and the claim, loaded now rather than at the first put on the loop
+        claims()
 
     @classmethod
     def from_url(cls, url: str) -> ArenaBackend:

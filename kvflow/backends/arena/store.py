@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvflow.backends.arena.claims import NO_SPACE, PRESENT, claims
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
 from kvflow.backends.base import PutStatus
@@ -88,7 +89,7 @@ FREE, WRITING, READY = 0, 1, 2
 # The table's columns.
 _STATE, _NS, _PID, _START, _K0, _K1, _NBYTES, _USED = range(8)
 _COLUMNS = 8
-_LAST = np.iinfo(np.int64).max  # sort key of a slot no claim may take (being written by a live process)
+_STATUS: dict[int, int | PutStatus] = {PRESENT: PutStatus.PRESENT, NO_SPACE: PutStatus.NO_SPACE}
 
 Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
 
@@ -185,6 +186,8 @@ class ArenaFile:
     _k1_at: int = attrs.field(init=False)
     _rows: int = attrs.field(init=False)  # the geometry's, kept: a property costs a call per object
     _keys_at: int = attrs.field(init=False)  # where the kept keys start in the map
+    _columns: tuple[npt.NDArray[np.uint64], ...] = attrs.field(init=False)  # the table's, one view each
+    _me_words: npt.NDArray[np.uint64] = attrs.field(init=False)  # ``me`` as the table writes it
 
     def __attrs_post_init__(self) -> None:
         rows = self._rows = self.geometry.rows
@@ -201,6 +204,8 @@ class ArenaFile:
         self._slot = self.geometry.slot_bytes
         self._sizes_at, self._used_at = _NBYTES * rows, _USED * rows
         self._k0_at, self._k1_at = _K0 * rows, _K1 * rows
+        self._columns = tuple(self._table[column] for column in range(_COLUMNS))
+        self._me_words = np.array([self.me.namespace, self.me.pid, self.me.start], dtype=np.uint64)
 
     @classmethod
     def open(cls, config: ArenaConfig) -> ArenaFile:
@@ -230,7 +235,7 @@ class ArenaFile:
         """Unmap the arena and close the descriptors (call once no copy is running)."""
         self._words.release()
         self._tag_bytes.release()
-        del self._table, self._tags, self._anchor
+        del self._table, self._tags, self._anchor, self._columns
         self._map.close()
         for fd in (self.lock.fd, self._root_fd):
             with contextlib.suppress(OSError):
@@ -314,44 +319,26 @@ class ArenaFile:
         writer died) takes it again. Otherwise a claim takes, in order: a free slot of the set, one
         whose writer died, the least recently used published one (counted in :attr:`evictions`);
         never a slot this call claimed, nor one that holds (or held) another key of the call.
+        Decided in one pass of compiled code (:mod:`kvflow.backends.arena.claims`).
         """
-        words, rows_total = self._words, self._rows
-        index, rows = self._same_key(hashes)
-        same = dict(zip(index.tolist(), rows.tolist()))
-        queues = _Queues(self, hashes, taken=set(same.values()))
-        seen: set[tuple[int, int]] = set()
-        results: list[int | PutStatus] = []
-        claimed: list[int] = []  # the indices given a row, and their rows: written together at the end
-        given: list[int] = []
-        for i, (k0, k1) in enumerate(hashes.tolist()):
-            if (k0, k1) in seen:
-                results.append(PutStatus.PRESENT)
-                continue
-            seen.add((k0, k1))
-            row = same.get(i, -1)
-            if row >= 0:
-                state = words[row]
-                if state == READY:
-                    words[_USED * rows_total + row] = now
-                    results.append(PutStatus.PRESENT)
-                    continue
-                if state == WRITING and self._alive(row):
-                    results.append(PutStatus.PRESENT)
-                    continue
-            else:
-                row = queues.next(i)
-                if row < 0:
-                    results.append(PutStatus.NO_SPACE)
-                    continue
-                if words[row] == READY:
-                    self.evictions += 1
-            claimed.append(i)
-            given.append(row)
-            results.append(row)
-        # No decision above read a row it gave out (queues never give a row twice, nor one that
+        if not len(hashes):
+            return []
+        compiled, columns = claims(), self._columns
+        state, ns, pid, start = columns[_STATE], columns[_NS], columns[_PID], columns[_START]
+        k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()  # copies: contiguous and writable, as compiled
+        sets = (k0 % np.uint64(self.geometry.sets)).astype(np.int64)
+        ways, me = self.geometry.ways, self._me_words
+        others = compiled.foreign(state, ns, pid, start, sets, ways, me).tolist()
+        dead = np.array([row for row in others if not self._alive(row)], dtype=np.int64)
+        rows = np.empty(len(hashes), dtype=np.int64)
+        self.evictions += compiled.claim(
+            *columns[:_NBYTES], columns[_USED], self._tags, k0, k1, sets, ways, np.uint64(now), me, dead, rows
+        )
+        given = rows >= 0
+        # No decision read a row it gave out (a row given once is never given again, nor one that
         # holds a key of the call), so the claims are written together, column by column.
-        self._write_claims(given, hashes[claimed], now)
-        return results
+        self._write_claims(rows[given], hashes[given], now)
+        return [_STATUS.get(row, row) for row in rows.tolist()]
 
     def _alive(self, row: int) -> bool:
         words, n = self._words, self._rows
@@ -359,13 +346,13 @@ class ArenaFile:
             self.me
         )
 
-    def _write_claims(self, rows: list[int], hashes: Hashes, now: int) -> None:
+    def _write_claims(self, at: npt.NDArray[np.int64], hashes: Hashes, now: int) -> None:
         """Make ``rows`` this process's, WRITING, for the keys of ``hashes`` (one row each): the
         owner of every row first, then their state, then their keys, so a process killed between
         two of those writes leaves each row holding its old object whole, or a dead writer's slot."""
-        if not rows:
+        if not len(at):
             return
-        table, me, at = self._table, self.me, np.asarray(rows, dtype=np.intp)
+        table, me = self._table, self.me
         table[_NS, at], table[_PID, at], table[_START, at] = me.namespace, me.pid, me.start
         table[_STATE, at] = WRITING
         table[_K0, at], table[_K1, at], table[_USED, at] = hashes[:, 0], hashes[:, 1], now
@@ -419,60 +406,6 @@ class ArenaFile:
             if removed[-1]:
                 self._words[row] = FREE
         return removed
-
-
-@attrs.define
-class _Queues:
-    """The slots each set may give to a claim, best first: free, a dead writer's, least recently used.
-
-    Chosen for every set of the call at once, when the first claim in it needs one: as many per
-    set as the call has objects in it (the best of the set's 64, not all of them in order).
-    """
-
-    arena: ArenaFile
-    hashes: Hashes
-    taken: set[int]  # slots no claim of the call may be given
-    _sets: list[int] = attrs.field(init=False)
-    _order: dict[int, list[int]] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._sets = (self.hashes[:, 0] % np.uint64(self.arena.geometry.sets)).astype(np.intp).tolist()
-        self._order = {}
-
-    def next(self, i: int) -> int:
-        """The next slot that claim ``i`` may take, or -1."""
-        if not self._order:
-            self._sort()
-        order = self._order[self._sets[i]]
-        while order:
-            row = order.pop()
-            if row not in self.taken:
-                self.taken.add(row)
-                return row
-        return -1
-
-    def _sort(self) -> None:
-        arena, ways = self.arena, self.arena.geometry.ways
-        sets, counts = np.unique(np.asarray(self._sets, dtype=np.intp), return_counts=True)
-        state = arena._table[_STATE].reshape(-1, ways)[sets]
-        rank = arena._table[_USED].reshape(-1, ways)[sets].astype(np.int64)
-        rank[state == FREE] = -2
-        for at in np.flatnonzero(state == WRITING).tolist():
-            s, w = divmod(at, ways)
-            rank[s, w] = -1 if not arena._alive(int(sets[s]) * ways + w) else _LAST
-        if self.taken:  # rows that hold (or held) a key of the call are never given
-            held = np.fromiter(self.taken, dtype=np.intp, count=len(self.taken))
-            at = np.minimum(np.searchsorted(sets, held // ways), len(sets) - 1)
-            mine = sets[at] == held // ways
-            rank[at[mine], held[mine] % ways] = _LAST
-        need = int(counts.max())
-        # Ascending rank, ties to the higher way (a stable sort of the reversed row), the first
-        # ``need`` of each set; kept best last, as they are popped.
-        best = ways - 1 - np.argsort(rank[:, ::-1], axis=1, kind="stable")[:, :need]
-        usable = np.minimum((rank < _LAST).sum(axis=1), need).tolist()
-        rows = (sets[:, None] * ways + best).tolist()
-        for number, candidates, n in zip(sets.tolist(), rows, usable):
-            self._order[number] = candidates[n - 1 :: -1] if n else []
 
 
 def stored_geometry(path: str) -> Geometry | None:
