@@ -101,9 +101,12 @@ def _kernels() -> Loops:
 
 
 def warm() -> None:
-    """Import and load (or compile) the copy loops now, so that the first copy does not pay it in
-    the middle of a transfer (the memory and arena backends call it as they open)."""
-    _kernels()
+    """Import and load (or compile) the copy loops now, and call them once on nothing, so that the
+    first copy does not pay it in the middle of a transfer (the memory and arena backends call it
+    as they open). numba's first call of any compiled function in a process takes about 10 ms."""
+    loops, none = _kernels(), np.zeros(0, dtype=np.int64)
+    loops.rows(none, none.reshape(0, 0), none, False, False)
+    loops.ragged(none, none, none, none, False, False)
 
 
 def buffer_address(buf: bytearray | memoryview) -> int:

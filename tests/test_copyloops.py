@@ -101,3 +101,19 @@ async def test_a_backend_loads_the_loops_as_it_opens(
         )
     assert loaded == (["copy loops"] if kind == "memory" else ["copy loops", "arena claim"])
     await backend.aclose()
+
+
+def test_warming_calls_each_loop_once_on_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba's first call in a process costs about 10 ms: a backend pays it as it opens, through
+    :func:`kvflow.regions.warm`, not in its first put on the event loop."""
+    calls: list[tuple[str, int]] = []
+
+    def rows(*args: np.ndarray | bool) -> None:
+        calls.append(("rows", sum(a.size for a in args if isinstance(a, np.ndarray))))
+
+    def ragged(*args: np.ndarray | bool) -> None:
+        calls.append(("ragged", sum(a.size for a in args if isinstance(a, np.ndarray))))
+
+    monkeypatch.setattr(regions, "_kernels", lambda: Loops(rows, ragged, cached=True))
+    regions.warm()
+    assert calls == [("rows", 0), ("ragged", 0)]
