@@ -18,6 +18,8 @@ runs in fresh processes, one after the other:
 - ``kvflow-arena``: kvflow's connector with the arena backend (one pre-allocated shared region of
   256 KiB slots, the size of this model's objects). Same two processes.
 - ``kvflow-arena-async``: the same with ``load_async=true``.
+- ``kvflow-arena-layerwise``: the same with ``layerwise=true``: each layer is stored and loaded as
+  its own objects, and the load of layer l+1 runs while layer l computes.
 - with ``--mooncake`` (inside a private network namespace: it starts a Mooncake master and a
   segment holder on 127.0.0.1): ``mooncake-store`` (vLLM's MooncakeStoreConnector, which loads
   asynchronously only) and ``kvflow-mooncake`` (kvflow over the same master).
@@ -281,7 +283,11 @@ def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | 
         "kv_connector_module_path": "kvflow.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": backend, "load_async": case.endswith("-async")},
+        "kv_connector_extra_config": {
+            "backend": backend,
+            "load_async": case.endswith("-async"),
+            "layerwise": case.endswith("-layerwise"),
+        },
     }
 
 
@@ -350,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         base = {"model": str(model), "doc": doc, "repeat": args.repeat}
         rows: dict[str, dict[str, Any]] = {}
         cases = ["recompute", "example", "kvflow", "kvflow-async", "kvflow-arena", "kvflow-arena-async"]
+        cases += ["kvflow-arena-layerwise"]
         if args.mooncake:
             cases += ["mooncake-store", "kvflow-mooncake"]
         if args.cases:

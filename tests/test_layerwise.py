@@ -716,3 +716,43 @@ async def test_a_layer_the_store_has_no_room_for_counts_its_blocks_failed() -> N
     assert [outcomes[layer].failed for layer in range(3)] == [0, 8, 0]
     (result,) = storer.results()
     assert result.statuses == (PutStatus.NO_SPACE,) * 8 and result.failed_indices == tuple(ALL)
+
+
+@attrs.define
+class SlowWholeBlocks(ScriptedBackend):
+    """Gets of whole-block objects (every layer in one) take ``whole_delay_s``."""
+
+    whole_delay_s: float = 0.0
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if any(decode_key(o.key).scope.layers[1] - decode_key(o.key).scope.layers[0] > 1 for o in objects
+               if not is_book_key(o.key)):  # fmt: skip
+            await anyio.sleep(self.whole_delay_s)
+        return await super().get(objects)
+
+
+async def test_a_layerwise_reader_of_whole_block_objects_loads_every_layer_with_layers_in_flight() -> None:
+    """Each layer takes its blocks from another profile's whole-block objects. While layer 2 looked
+    there (slowly), its blocks were marked missed, and layer 3, started then (its turn came when the
+    engine took layer 1), skipped them as failed: layer 3 was never loaded, yet layer 2's success
+    marked every block loaded again and the load reported every block a hit: an engine computing on
+    KV that was not there. Every layer must arrive, bit for bit, and the results say so."""
+    src = LAYOUTS["flash_attn"]()
+    src["l3"] = torch.randn_like(src["l0"])  # type: ignore[arg-type]
+    backend = SlowWholeBlocks(whole_delay_s=0.05)
+    writer = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    assert (await writer.store(KVRequest(block_ids=ALL, tokens=TOKENS))).stored == len(ALL)
+    dst = zeros_like_caches(src)
+    reader = make_pool(dst, backend)
+    outcomes = []
+    async with reader.layerwise_retrieve(request(ALL), depth=2) as loader:
+        async for outcome in loader:  # layers 0 and 1 end together; layer 2 starts as 0 is taken
+            outcomes.append((outcome.layer, outcome.failed))
+            await anyio.sleep(0.02)  # the engine computes layer 0: layer 2 is in its slow get
+    assert outcomes == [(layer, 0) for layer in range(4)]
+    assert loader.results()[0].hit_blocks == len(ALL)
+    for name in src:
+        for block in ALL:
+            assert block_bytes(dst[name], block) == block_bytes(src[name], block), (name, block)
+    await writer.aclose()
+    await reader.aclose()

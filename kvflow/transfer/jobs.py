@@ -270,12 +270,14 @@ class LoadJob:
         else:
             results = await self._get_staged(unit, todo, keys, deadline)
         if results.count(GetStatus.HIT) != len(results):
+            # A block is marked failed only once no profile had it: other units run meanwhile (a
+            # layerwise load keeps several layers in flight), and one that read a block as failed
+            # would skip it, never to load that unit of it.
             missed = [j for j, result in zip(todo, results) if result is not GetStatus.HIT]
+            filled = await self._get_reshaped(unit, missed, deadline)
             for j, result in zip(todo, results):
-                if result is not GetStatus.HIT:
+                if result is not GetStatus.HIT and j not in filled:
                     status[j] = result
-            for j in await self._get_reshaped(unit, missed, deadline):
-                status[j] = GetStatus.HIT
         self._done.add(unit)
         return len(status) - status.count(GetStatus.HIT)
 
