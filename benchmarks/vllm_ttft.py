@@ -19,7 +19,8 @@ runs in fresh processes, one after the other:
   256 KiB slots, the size of this model's objects). Same two processes.
 - ``kvflow-arena-async``: the same with ``load_async=true``.
 - ``kvflow-arena-layerwise``: the same with ``layerwise=true``: each layer is stored and loaded as
-  its own objects, and the load of layer l+1 runs while layer l computes.
+  its own objects, and the load of layer l+1 runs while layer l computes. In a store of its own
+  (sharing the other arena cases' store, it would load their whole-block objects layer by layer).
 - with ``--mooncake`` (inside a private network namespace: it starts a Mooncake master and a
   segment holder on 127.0.0.1): ``mooncake-store`` (vLLM's MooncakeStoreConnector, which loads
   asynchronously only) and ``kvflow-mooncake`` (kvflow over the same master).
@@ -274,8 +275,9 @@ def _transfer(case: str, workdir: Path, master: str | None) -> dict[str, Any] | 
             "kv_connector_extra_config": {},
         }
     backend = f"local://{workdir / 'kvflow'}?capacity=2GiB"
-    if case.startswith("kvflow-arena"):
-        backend = f"arena://{workdir / 'kvflow-arena'}?capacity=1GiB&slot=256KiB"
+    if case.startswith("kvflow-arena"):  # the layerwise case's own store: it would load the others'
+        store = "kvflow-arena-layerwise" if case.endswith("-layerwise") else "kvflow-arena"
+        backend = f"arena://{workdir / store}?capacity=1GiB&slot=256KiB"
     if case == "kvflow-mooncake":
         backend = f"mooncake://{master}?segment=0"  # the segment holder lends the memory
     return {
