@@ -15,6 +15,8 @@ import attrs
 import pytest
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow import (
     ConfigError,
@@ -756,3 +758,61 @@ async def test_a_layerwise_reader_of_whole_block_objects_loads_every_layer_with_
             assert block_bytes(dst[name], block) == block_bytes(src[name], block), (name, block)
     await writer.aclose()
     await reader.aclose()
+
+
+@attrs.define
+class JitteryBackend(ScriptedBackend):
+    """Each get waits 0, 1 or 4 ms first, at random (seeded): the layers' fetches interleave every way."""
+
+    jitter: random.Random = attrs.field(factory=random.Random)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        await anyio.sleep(self.jitter.choice((0, 0, 0.001, 0.004)))
+        return await super().get(objects)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    whole=st.sets(st.sampled_from(ALL)),
+    layered=st.sets(st.sampled_from(ALL)),
+    depth=st.integers(1, 4),
+    staged=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_layerwise_load_from_mixed_profiles_reports_exactly_the_blocks_it_loaded(
+    whole: set[int], layered: set[int], depth: int, staged: bool, seed: int
+) -> None:
+    """Some blocks stored by a whole-block engine, some by a layerwise one like the reader, some by
+    none; gets that take random times and an engine that takes random times per layer. A block is
+    reported loaded exactly when some profile holds it, and every block reported loaded holds the
+    writers' KV in every layer, bit for bit."""
+
+    async def run() -> None:
+        jitter = random.Random(seed)
+        src = LAYOUTS["flash_attn"]()
+        src["l3"] = torch.randn_like(src["l0"])  # type: ignore[arg-type]
+        backend = JitteryBackend(jitter=jitter)
+        for layerwise, blocks in ((False, whole), (True, layered)):
+            writer = KVPool.create(
+                PoolConfig(layerwise=layerwise), layout=KVLayout.from_kv_caches(src), backend=backend  # type: ignore[arg-type]
+            )
+            for block in blocks:  # one block a request: a store stores the prefix it is given
+                tokens = TOKENS[: (block + 1) * BLOCK]
+                await writer.store(KVRequest(block_ids=list(range(block + 1)), tokens=tokens))
+        dst = zeros_like_caches(src)
+        config = PoolConfig(layerwise=True, timeout_s=5.0)
+        if staged:
+            config = attrs.evolve(config, staging="always", staging_bytes=8 * 1024)
+        reader = KVPool.create(config, layout=KVLayout.from_kv_caches(dst), backend=backend)  # type: ignore[arg-type]
+        async with reader.layerwise_retrieve(request(ALL), depth=depth) as loader:
+            async for _ in loader:
+                await anyio.sleep(jitter.choice((0, 0.002)))  # the engine computes the layer
+        result = loader.results()[0]
+        await reader.aclose()
+        held = {b for b in ALL if any(b <= w for w in whole) or any(b <= lw for lw in layered)}
+        assert set(ALL) - set(result.failed_block_ids) == held
+        for block in held:
+            for name in src:
+                assert block_bytes(dst[name], block) == block_bytes(src[name], block), (name, block)
+
+    anyio.run(run)
