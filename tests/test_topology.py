@@ -14,13 +14,14 @@ import itertools
 import random
 
 import anyio
+import anyio.lowlevel
 import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
+from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig, RetrieveResult
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
 from tests.helpers import FencedBackend, kv_keys, kv_puts
@@ -266,7 +267,7 @@ async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None
     )
     assert await scheduler.lookup(KVRequest(tokens=list(range(TOKENS)))) == TOKENS
     for rank in readers:
-        got = await rank.pool.retrieve(request(rank))
+        got = await load(rank)
         assert got.failed_block_ids == (), (rank.tp_rank, rank.pp_rank)
         heads = model.rank_heads(reader.tp, rank.tp_rank)
         first, _ = reader.stage(rank.pp_rank)
@@ -279,6 +280,17 @@ async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None
                 assert torch.equal(v, model.v[layer, tokens, heads[0] : heads[1]]), (layer, i)
     assert kv_puts(backend) == expected_objects(model, writer)  # loading stored nothing
     assert backend.strays == []
+
+
+async def load(rank: Rank) -> RetrieveResult:
+    """Load the rank's blocks as its engine would: layer by layer, two layers in flight, where its
+    pool is layerwise (several layers then look in the writer's objects at once)."""
+    if not rank.engine.layerwise:
+        return await rank.pool.retrieve(request(rank))
+    async with rank.pool.layerwise_retrieve([request(rank)], depth=2) as loader:
+        async for _ in loader:
+            await anyio.lowlevel.checkpoint()
+    return loader.results()[0]
 
 
 def _kind_name(kind: str) -> str:
