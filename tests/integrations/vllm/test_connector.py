@@ -168,6 +168,22 @@ def test_loaded_kv_is_what_the_model_computes_with(
     assert run.outputs[1] != expected[1]
 
 
+def test_a_layerwise_engine_loads_what_a_whole_block_engine_stored(
+    first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Each layer out of the other profile's whole-block objects (docs/topology.md), exact tokens;
+    the blocks the layerwise engine computes it stores as its own per-layer objects."""
+    store = _copy_store(first_store[1], tmp_path)
+    counters = _folder(tmp_path, "counters")
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB", layerwise=True)
+    run = run_engine(_spec(tiny_model_dir, SECOND_ENGINE, transfer, counters))
+    assert run.outputs == reference.expected(SECOND_ENGINE)
+    assert run.cached_tokens == SECOND_ENGINE_CACHED
+    (moved,) = read_counters(counters).values()
+    assert moved["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS
+    assert moved["load_failed_blocks"] == 0
+
+
 def test_failed_loads_are_recomputed_with_the_recompute_policy(
     first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
