@@ -3,8 +3,9 @@
 A claim decides, for each key of a put, under the exclusive lock: present already (published, or
 being written by a live process, or earlier in the same put), a slot to write it in, or no space.
 Written in Python over numpy it cost about 3.5 us per object (0.21-0.23 ms of a 0.56-0.58 ms
-put of 64 objects of 64 KiB); here it is one pass of compiled code over the table's columns. Whether the writer
-of a slot being written is alive needs ``/proc``, which compiled code cannot read: the caller asks
+put of 64 objects of 64 KiB); here it is one pass of compiled code over the table's columns.
+Whether the writer of a slot being written is alive needs ``/proc``, which compiled code cannot
+read: the caller asks
 :func:`Claims.foreign` for the slots of other writers in the put's sets (almost always none),
 judges them, and passes the dead ones in.
 

@@ -332,8 +332,9 @@ class ArenaFile:
         dead = np.array([row for row in others if not self._alive(row)], dtype=np.int64)
         rows = np.empty(len(hashes), dtype=np.int64)
         self.evictions += compiled.claim(
-            *columns[:_NBYTES], columns[_USED], self._tags, k0, k1, sets, ways, np.uint64(now), me, dead, rows
-        )
+            state, ns, pid, start, columns[_K0], columns[_K1], columns[_USED], self._tags,
+            k0, k1, sets, ways, np.uint64(now), me, dead, rows,
+        )  # fmt: skip
         given = rows >= 0
         # No decision read a row it gave out (a row given once is never given again, nor one that
         # holds a key of the call), so the claims are written together, column by column.
@@ -347,7 +348,7 @@ class ArenaFile:
         )
 
     def _write_claims(self, at: npt.NDArray[np.int64], hashes: Hashes, now: int) -> None:
-        """Make ``rows`` this process's, WRITING, for the keys of ``hashes`` (one row each): the
+        """Make rows ``at`` this process's, WRITING, for the keys of ``hashes`` (one row each): the
         owner of every row first, then their state, then their keys, so a process killed between
         two of those writes leaves each row holding its old object whole, or a dead writer's slot."""
         if not len(at):
