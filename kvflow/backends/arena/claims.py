@@ -5,9 +5,8 @@ being written by a live process, or earlier in the same put), a slot to write it
 Written in Python over numpy it cost about 3.5 us per object (0.21-0.23 ms of a 0.56-0.58 ms
 put of 64 objects of 64 KiB); here it is one pass of compiled code over the table's columns.
 Whether the writer of a slot being written is alive needs ``/proc``, which compiled code cannot
-read: the caller asks
-:func:`Claims.foreign` for the slots of other writers in the put's sets (almost always none),
-judges them, and passes the dead ones in.
+read: the caller asks :func:`Claims.foreign` for the slots of other writers in the put's sets
+(almost always none), judges them, and passes the dead ones in.
 
 The functions read the table's columns (1-D views, one item per slot) and touch the last use of
 the published objects they find; the caller writes the claims themselves, in the order that keeps
