@@ -1,6 +1,6 @@
 """Compiling numba functions once per install: loaded from numba's on-disk cache in every later
 process, compiled in memory where no cache directory is writable (a read-only install with no
-``NUMBA_CACHE_DIR``). Used by :mod:`kvflow.copyloops` and :mod:`kvflow.backends.arena.claims`."""
+``NUMBA_CACHE_DIR``). Used by :mod:`kvflow.copyloops` and :mod:`kvflow.backends.arena.table`."""
 
 from __future__ import annotations
 

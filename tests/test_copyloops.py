@@ -18,7 +18,7 @@ from numba.core import caching
 from kvflow import regions
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.arena import backend as arena_backend
-from kvflow.backends.arena.claims import compile_claims
+from kvflow.backends.arena.table import compile_passes
 from kvflow.backends.base import Backend
 from kvflow.backends.memory import MemoryBackend
 from kvflow.copyloops import Loops, compile_loops
@@ -76,7 +76,7 @@ def test_without_a_writable_cache_the_loops_compile_in_memory(monkeypatch: pytes
     loops = compile_loops()
     assert not loops.cached
     copies(loops)
-    assert not compile_claims().cached  # the arena's claim, compiled the same way
+    assert not compile_passes().cached  # the arena's claim, compiled the same way
 
 
 def test_cached_loops_copy() -> None:
@@ -92,14 +92,14 @@ async def test_a_backend_loads_the_loops_as_it_opens(
     """Not at its first put, on the event loop, where numba's import and the load take a second."""
     loaded: list[str] = []
     monkeypatch.setattr(regions, "warm", lambda: loaded.append("copy loops"))
-    monkeypatch.setattr(arena_backend, "claims", lambda: loaded.append("arena claim"))
+    monkeypatch.setattr(arena_backend, "passes", lambda: loaded.append("arena table"))
     if kind == "memory":
         backend: Backend = MemoryBackend()
     else:
         backend = ArenaBackend(
             ArenaConfig(str(tmp_path / "store"), capacity_bytes=1 << 20, slot_bytes=1 << 16)
         )
-    assert loaded == (["copy loops"] if kind == "memory" else ["copy loops", "arena claim"])
+    assert loaded == (["copy loops"] if kind == "memory" else ["copy loops", "arena table"])
     await backend.aclose()
 
 

@@ -23,13 +23,14 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 import anyio
 import anyio.lowlevel
 import attrs
+import numpy as np
 
 from kvflow import regions
 from kvflow.backends import pacing
-from kvflow.backends.arena.claims import claims
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
-from kvflow.backends.arena.store import ArenaFile, Hashes, KeyHashes, stored_geometry
+from kvflow.backends.arena.store import ArenaFile, KeyHashes, Query, stored_geometry
+from kvflow.backends.arena.table import passes
 from kvflow.backends.base import (
     BackendCapabilities,
     BackendStats,
@@ -76,7 +77,7 @@ class ArenaBackend:
         geometry = self._arena.geometry
         self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
         regions.warm()  # the copy loops and the claim, loaded now rather than at the first put on the loop
-        claims()
+        passes()
 
     @classmethod
     def from_url(cls, url: str) -> ArenaBackend:
@@ -211,18 +212,15 @@ class ArenaBackend:
         self._enter()
         results = [GetStatus.FAILED] * len(objects)
         arena, now = self._arena, time.monotonic_ns()
-        hashes = self._hashes(keys_of(objects))
-        keys: list[list[int]] = hashes.tolist()
         sizes = nbytes_of(objects)
-        rows: list[int] = []
+        query = arena.query(self._hashes(keys_of(objects)), sizes)
         done = 0
         try:
             while done < len(objects):
                 async with arena.lock.held(SHARED, self.config.lock_timeout_s):
-                    rows = rows or arena.find(hashes)  # found once; checked again after a pause
                     started = time.monotonic()
                     while True:  # runs until the loop has been held long enough
-                        done = self._read(objects, sizes, hashes, keys, rows, done, results, now)
+                        done = self._read(objects, sizes, query, done, results, now)
                         if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
                             break
                 if done < len(objects):
@@ -238,30 +236,26 @@ class ArenaBackend:
         self,
         objects: Sequence[ObjectRef],
         sizes: Sequence[int],
-        hashes: Hashes,
-        keys: list[list[int]],
-        rows: list[int],
+        query: Query,
         done: int,
         results: list[GetStatus],
         now: int,
     ) -> int:
         """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
-        one call, under the shared lock; return where the run ended. ``rows`` may have been found
-        under an earlier hold of the lock: a row that no longer holds its key is looked up again (a
-        key found absent is a MISS: it was absent when the get looked)."""
+        one call, under the shared lock; return where the run ended. Slots found under an earlier
+        hold of the lock are checked again (:meth:`ArenaFile.locate`); a key found absent is a MISS:
+        it was absent when the get looked."""
         arena, end = self._arena, pacing.run_end(sizes, done, uniform=isinstance(objects, ObjectBatch))
-        for i in arena.moved(rows, keys, done, end):  # taken by a put meanwhile: look again
-            rows[i] = arena.find(hashes[i : i + 1])[0]
-        hits = arena.readable(rows, sizes, done, end)
-        for i in range(done, end):
-            if rows[i] < 0:
+        arena.locate(query, done, end, now)
+        rows = query.rows[done:end]
+        hits = np.flatnonzero(query.found[done:end])
+        for i, row in enumerate(rows.tolist(), done):
+            if row < 0:
                 results[i] = GetStatus.MISS
-        scatter_objects(
-            [arena.address(rows[i]) for i in hits], some_of(objects[done:end], [i - done for i in hits])
-        )
-        arena.touch_all([rows[i] for i in hits], now)
-        for i in hits:
-            results[i] = GetStatus.HIT
+        addresses = arena.base + rows[hits] * arena.geometry.slot_bytes
+        scatter_objects(addresses.tolist(), some_of(objects[done:end], hits.tolist()))
+        for i in hits.tolist():
+            results[done + i] = GetStatus.HIT
         return end
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -43,9 +43,9 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvflow.backends.arena.claims import NO_SPACE, PRESENT, claims
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
+from kvflow.backends.arena.table import NO_SPACE, PRESENT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
 from kvflow.backends.local.format import WriterId
 from kvflow.backends.local.safety import (
@@ -68,6 +68,7 @@ __all__ = [
     "ArenaFile",
     "Geometry",
     "KeyHashes",
+    "Query",
     "key_hashes",
     "stored_geometry",
 ]
@@ -278,30 +279,29 @@ class ArenaFile:
         result: list[int] = found.tolist()
         return result
 
-    def moved(self, rows: list[int], keys: list[list[int]], start: int, end: int) -> list[int]:
-        """The indices ``i`` in ``[start, end)`` whose row (found earlier, -1 for none) no longer
-        holds the published object of hash ``keys[i]``: a put took the slot meanwhile."""
-        words, k0_at, k1_at = self._words, self._k0_at, self._k1_at
-        return [
-            i
-            for i in range(start, end)
-            if (row := rows[i]) >= 0
-            and not (
-                words[row] == READY and words[k0_at + row] == keys[i][0] and words[k1_at + row] == keys[i][1]
-            )
-        ]
+    def query(self, hashes: Hashes, sizes: Sequence[int]) -> Query:
+        """A get of the objects of these hashes and sizes, none looked for yet (:meth:`locate`)."""
+        k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()  # copies: contiguous and writable, as compiled
+        return Query(
+            k0,
+            k1,
+            (k0 % np.uint64(self.geometry.sets)).astype(np.int64),
+            np.asarray(sizes, dtype=np.int64),
+            np.full(len(k0), UNKNOWN, dtype=np.int64),
+            np.zeros(len(k0), dtype=np.bool_),
+        )
 
-    def readable(self, rows: list[int], sizes: Sequence[int], start: int, end: int) -> list[int]:
-        """The indices ``i`` in ``[start, end)`` whose row holds an object of ``sizes[i]`` bytes."""
-        words, at = self._words, self._sizes_at
-        return [i for i in range(start, end) if (row := rows[i]) >= 0 and words[at + row] == sizes[i]]
-
-    def touch_all(self, rows: list[int], now: int) -> None:
-        """Record a use of each row (a benign race under the shared lock: every writer writes a
-        recent time)."""
-        words, at = self._words, self._used_at
-        for row in rows:
-            words[at + row] = now
+    def locate(self, query: Query, start: int, end: int, now: int) -> None:
+        """Fill ``query.rows`` and ``query.found`` for its objects in ``[start, end)``: each one's
+        published slot (-1: none), looked for again where a slot found under an earlier hold of the
+        lock no longer holds its key; found where the slot holds an object of the size asked for
+        (a use, for LRU: a benign race under the shared lock, every writer writes a recent time)."""
+        c = self._columns
+        passes().locate(
+            c[_STATE], c[_K0], c[_K1], c[_NBYTES], c[_USED], self._tags,
+            query.k0, query.k1, query.sets, self.geometry.ways, query.sizes, start, end, np.uint64(now),
+            query.rows, query.found,
+        )  # fmt: skip
 
     def used_bytes(self) -> int:
         """Bytes of the published objects (their sizes, not their slots)."""
@@ -319,11 +319,11 @@ class ArenaFile:
         writer died) takes it again. Otherwise a claim takes, in order: a free slot of the set, one
         whose writer died, the least recently used published one (counted in :attr:`evictions`);
         never a slot this call claimed, nor one that holds (or held) another key of the call.
-        Decided in one pass of compiled code (:mod:`kvflow.backends.arena.claims`).
+        Decided in one pass of compiled code (:mod:`kvflow.backends.arena.table`).
         """
         if not len(hashes):
             return []
-        compiled, columns = claims(), self._columns
+        compiled, columns = passes(), self._columns
         state, ns, pid, start = columns[_STATE], columns[_NS], columns[_PID], columns[_START]
         k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()  # copies: contiguous and writable, as compiled
         sets = (k0 % np.uint64(self.geometry.sets)).astype(np.int64)
@@ -407,6 +407,18 @@ class ArenaFile:
             if removed[-1]:
                 self._words[row] = FREE
         return removed
+
+
+@attrs.define
+class Query:
+    """The objects of one get, and what :meth:`ArenaFile.locate` found of them so far."""
+
+    k0: npt.NDArray[np.uint64]  # each key's hash words
+    k1: npt.NDArray[np.uint64]
+    sets: npt.NDArray[np.int64]  # the set each key lives in
+    sizes: npt.NDArray[np.int64]  # the bytes each object must have
+    rows: npt.NDArray[np.int64]  # each key's slot; -1: none; UNKNOWN: not looked for yet
+    found: npt.NDArray[np.bool_]  # the slot holds an object of that size
 
 
 def stored_geometry(path: str) -> Geometry | None:

@@ -1,17 +1,21 @@
-"""The arena's claim, compiled: which slot each object of a put takes (:meth:`ArenaFile.claim`).
+"""The arena table's compiled passes: the claim of a put and the look-up of a get.
 
-A claim decides, for each key of a put, under the exclusive lock: present already (published, or
-being written by a live process, or earlier in the same put), a slot to write it in, or no space.
-Written in Python over numpy it cost about 3.5 us per object (0.21-0.23 ms of a 0.56-0.58 ms
-put of 64 objects of 64 KiB); here it is one pass of compiled code over the table's columns.
-Whether the writer of a slot being written is alive needs ``/proc``, which compiled code cannot
-read: the caller asks :func:`Claims.foreign` for the slots of other writers in the put's sets
-(almost always none), judges them, and passes the dead ones in.
+:func:`Passes.claim` (:meth:`ArenaFile.claim`) decides, for each key of a put, under the exclusive
+lock: present already (published, or being written by a live process, or earlier in the same
+put), a slot to write it in, or no space. Written in Python over numpy it cost about 3.5 us per
+object (0.21-0.23 ms of a 0.56-0.58 ms put of 64 objects of 64 KiB); here it is one pass of
+compiled code over the table's columns. Whether the writer of a slot being written is alive needs
+``/proc``, which compiled code cannot read: the caller asks :func:`Passes.foreign` for the slots
+of other writers in the put's sets (almost always none), judges them, and passes the dead ones in.
+The caller writes the claims themselves, in the order that keeps a killed writer's slots safe
+(:meth:`ArenaFile._write_claims`).
 
-The functions read the table's columns (1-D views, one item per slot) and touch the last use of
-the published objects they find; the caller writes the claims themselves, in the order that keeps
-a killed writer's slots safe (:meth:`ArenaFile._write_claims`). Loaded from numba's on-disk cache
-(:mod:`kvflow.compiled`).
+:func:`Passes.locate` (:meth:`ArenaFile.locate`) finds, under the shared lock, the published
+slot of each key of a get, checks a slot found before a pause still holds its key, and says which
+hold an object of the size asked for (a use, for LRU).
+
+Both read the table's columns (1-D views, one item per slot) and touch the last use of the
+published objects they find. Loaded from numba's on-disk cache (:mod:`kvflow.compiled`).
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import numpy.typing as npt
 
 from kvflow.compiled import compile_cached
 
-__all__ = ["NO_SPACE", "PRESENT", "Claims", "claims"]
+__all__ = ["NO_SPACE", "PRESENT", "UNKNOWN", "Passes", "compile_passes", "passes"]
 
 Column = npt.NDArray[np.uint64]
 Rows = npt.NDArray[np.int64]
 
-PRESENT = -1  # what :func:`Claims.claim` writes for a key present already
+PRESENT = -1  # what :func:`Passes.claim` writes for a key present already
 NO_SPACE = -2  # ... and for one whose set has no slot to give
+UNKNOWN = -2  # a get's row not looked for yet (:func:`Passes.locate`)
 _FREE, _WRITING, _READY = np.uint64(0), np.uint64(1), np.uint64(2)
 _LAST = np.iinfo(np.int64).max  # the rank of a slot no claim may take
 _TAG = np.uint64(0xFF)
@@ -148,39 +153,85 @@ def _claim(
     return evictions
 
 
+def _locate(
+    state: Column,
+    key0: Column,
+    key1: Column,
+    nbytes: Column,
+    used: Column,
+    tags: npt.NDArray[np.uint8],
+    k0: Column,
+    k1: Column,
+    sets: Rows,
+    ways: int,
+    sizes: Rows,
+    start: int,
+    end: int,
+    now: np.uint64,
+    rows: Rows,
+    found: npt.NDArray[np.bool_],
+) -> None:  # pragma: no cover (compiled)
+    """For each key ``i`` in ``[start, end)``: ``rows[i]`` = the published slot of the key, or -1
+    (looked for where ``rows[i]`` is ``UNKNOWN``, or where the slot it names no longer holds the
+    key, published: a put took it meanwhile); ``found[i]`` = whether that slot holds an object of
+    ``sizes[i]`` bytes, whose last use becomes ``now``."""
+    for i in range(start, end):
+        row = rows[i]
+        if row >= 0 and not (state[row] == _READY and key0[row] == k0[i] and key1[row] == k1[i]):
+            row = UNKNOWN
+        if row == UNKNOWN:
+            row = -1
+            tag = np.uint8(k1[i] & _TAG)
+            for r in range(sets[i] * ways, (sets[i] + 1) * ways):
+                if tags[r] == tag and key0[r] == k0[i] and key1[r] == k1[i] and state[r] == _READY:
+                    row = r
+        rows[i] = row
+        found[i] = row >= 0 and np.int64(nbytes[row]) == sizes[i]
+        if found[i]:
+            used[row] = now
+
+
 _COLUMN = "uint64[::1]"
 _FOREIGN = f"int64[::1]({', '.join([_COLUMN] * 4)}, int64[::1], int64, uint64[::1])"
 _CLAIM = (
     f"int64({', '.join([_COLUMN] * 7)}, uint8[::1], {_COLUMN}, {_COLUMN}, int64[::1], int64, uint64, "
     "uint64[::1], int64[::1], int64[::1])"
 )
+_LOCATE = (
+    f"void({', '.join([_COLUMN] * 5)}, uint8[::1], {_COLUMN}, {_COLUMN}, int64[::1], int64, int64[::1], "
+    "int64, int64, uint64, int64[::1], boolean[::1])"
+)
 
 
 @attrs.frozen
-class Claims:
-    """The compiled functions: ``foreign(state, ns, pid, start, sets, ways, me)`` and
-    ``claim(state, ns, pid, start, key0, key1, used, tags, k0, k1, sets, ways, now, me, dead, out)``."""
+class Passes:
+    """The compiled functions: ``foreign(state, ns, pid, start, sets, ways, me)``,
+    ``claim(state, ns, pid, start, key0, key1, used, tags, k0, k1, sets, ways, now, me, dead, out)``
+    and ``locate(state, key0, key1, nbytes, used, tags, k0, k1, sets, ways, sizes, start, end, now,
+    rows, found)``."""
 
     foreign: Callable[..., Rows]
     claim: Callable[..., int]
+    locate: Callable[..., None]
     cached: bool
 
 
-def compile_claims(*, cache: bool = True) -> Claims:
+def compile_passes(*, cache: bool = True) -> Passes:
     """The functions, loaded from numba's on-disk cache (or compiled and saved there), else compiled
     in memory."""
     return compile_cached(_compile, cache=cache)
 
 
-def _compile(cache: bool) -> Claims:
+def _compile(cache: bool) -> Passes:
     import numba  # here: its import takes half a second
 
     foreign = numba.njit(_FOREIGN, cache=cache)(_foreign)
     claim = numba.njit(_CLAIM, cache=cache)(_claim)
-    return Claims(foreign, claim, cached=cache)
+    locate = numba.njit(_LOCATE, cache=cache)(_locate)
+    return Passes(foreign, claim, locate, cached=cache)
 
 
 @functools.cache
-def claims() -> Claims:
+def passes() -> Passes:
     """The compiled functions, loaded at the first use (the arena backend loads them as it opens)."""
-    return compile_claims()
+    return compile_passes()

@@ -1,11 +1,12 @@
-"""The arena's compiled claim (:mod:`kvflow.backends.arena.claims`) against a plain model of the rule.
+"""The arena table's compiled passes (:mod:`kvflow.backends.arena.table`) against plain models.
 
 Tables are drawn at random (slots free, being written by this process, by a live or a dead other
 writer, or published; keys that collide in their tag byte) with puts of keys drawn from the same
 few, repeats included. The model is the rule as :meth:`ArenaFile.claim` states it, one key at a
 time; the compiled claim must give the same slot, PRESENT or NO_SPACE for every key, the same
-evictions and the same touched last uses. The arena's own tests (tests/backends/test_arena.py)
-check the claim through real puts.
+evictions and the same touched last uses. A get's look-up is checked the same way, with rows
+found under an earlier hold of the lock that may have gone stale. The arena's own tests
+(tests/backends/test_arena.py) check both through real puts and gets.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvflow.backends.arena.claims import NO_SPACE, PRESENT, claims
+from kvflow.backends.arena.table import NO_SPACE, PRESENT, UNKNOWN, passes
 
 FREE, WRITING, READY = 0, 1, 2
 ME = (7, 100, 5)  # namespace, pid, start of the claiming process
@@ -117,7 +118,7 @@ def compiled(table: Table, put: list[tuple[int, int]], dead: list[int]) -> tuple
     k1 = np.array([k[1] for k in put], dtype=np.uint64)
     sets = (k0 % np.uint64(table.sets)).astype(np.int64)
     out = np.full(len(put), -99, dtype=np.int64)
-    evictions = claims().claim(
+    evictions = passes().claim(
         c["state"], c["ns"], c["pid"], c["start"], c["key0"], c["key1"], c["used"], c["tags"],
         k0, k1, sets, table.ways, np.uint64(NOW), np.array(ME, dtype=np.uint64),
         np.array(dead, dtype=np.int64), out,
@@ -128,7 +129,7 @@ def compiled(table: Table, put: list[tuple[int, int]], dead: list[int]) -> tuple
 def foreign(table: Table, put: list[tuple[int, int]]) -> list[int]:
     c = table.columns()
     sets = np.array([k[0] % table.sets for k in put], dtype=np.int64)
-    found = claims().foreign(
+    found = passes().foreign(
         c["state"], c["ns"], c["pid"], c["start"], sets, table.ways, np.array(ME, dtype=np.uint64)
     )
     return sorted(found.tolist())
@@ -154,3 +155,50 @@ def test_a_full_set_of_live_writers_is_no_space_and_a_dead_ones_slot_is_taken() 
     table = Table(1, 2, [WRITING, WRITING], [OTHER_ALIVE, OTHER_DEAD], keys, [0, 0])
     assert compiled(table, [a_key(1, 3, 0)], dead=[])[0] == [NO_SPACE]  # the dead writer not yet judged
     assert compiled(table, [a_key(1, 3, 0), a_key(1, 4, 0)], dead=[1])[0] == [1, NO_SPACE]
+
+
+Lookup = tuple[Table, list[int], list[tuple[int, int]], list[int], list[int], int, int]
+
+
+@st.composite
+def lookups(draw: st.DrawFn) -> Lookup:
+    """A table with sizes, a get's keys and sizes, the rows an earlier hold of the lock found for
+    them (right, stale, none, or not looked for yet) and the run ``[start, end)`` to look at."""
+    table, keys = draw(cases())
+    nbytes = [draw(st.sampled_from([100, 200])) for _ in table.state]
+    sizes = [draw(st.sampled_from([100, 200])) for _ in keys]
+    rows = [draw(st.sampled_from([UNKNOWN, -1, *range(table.sets * table.ways)])) for _ in keys]
+    start = draw(st.integers(0, len(keys) - 1))
+    end = draw(st.integers(start + 1, len(keys)))
+    return table, nbytes, keys, sizes, rows, start, end
+
+
+@settings(max_examples=400, deadline=None)
+@given(lookups())
+def test_the_compiled_lookup_finds_published_slots_and_checks_stale_ones(case: Lookup) -> None:
+    table, nbytes, keys, sizes, rows, start, end = case
+    # The model: a row found earlier stands while it still holds its key, published; otherwise
+    # the key's published slot is looked for; found where the slot holds an object of that size.
+    want_rows, want_found, want_used = list(rows), [False] * len(keys), list(table.used)
+    for i in range(start, end):
+        row = rows[i]
+        if row == UNKNOWN or (row >= 0 and (table.state[row] != READY or table.key[row] != keys[i])):
+            s = keys[i][0] % table.sets
+            held = [r for r in range(s * table.ways, (s + 1) * table.ways) if table.key[r] == keys[i]]
+            row = max((r for r in held if table.state[r] == READY), default=-1)
+        want_rows[i] = row
+        want_found[i] = row >= 0 and nbytes[row] == sizes[i]
+        if want_found[i]:
+            want_used[row] = NOW
+    c = table.columns()
+    k0 = np.array([k[0] for k in keys], dtype=np.uint64)
+    k1 = np.array([k[1] for k in keys], dtype=np.uint64)
+    got_rows, got_found = np.array(rows, dtype=np.int64), np.zeros(len(keys), dtype=np.bool_)
+    passes().locate(
+        c["state"], c["key0"], c["key1"], np.array(nbytes, dtype=np.uint64), c["used"], c["tags"],
+        k0, k1, (k0 % np.uint64(table.sets)).astype(np.int64), table.ways, np.array(sizes, dtype=np.int64),
+        start, end, np.uint64(NOW), got_rows, got_found,
+    )  # fmt: skip
+    assert got_rows.tolist() == want_rows
+    assert got_found.tolist() == want_found
+    assert c["used"].tolist() == want_used
