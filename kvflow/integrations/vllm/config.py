@@ -29,6 +29,10 @@ Keys (all optional; docs/vllm.md has the same table with examples):
                         load to end before reporting the step (default 0.002). While a request waits
                         for its load vLLM runs steps back to back; without this wait they hold the
                         GIL and starve kvflow's loop thread (docs/benchmarks.md). 0: never wait.
+``load_idle_wait_s``    the same in a step that computes nothing (every request waits): up to this
+                        long for the first pending load to end (default 0.05), so that a request
+                        whose load ends within it runs in the next step instead of one later. A new
+                        request arriving meanwhile waits as long.
 ``max_inflight_bytes``  bytes in backend calls at once per process (size text or int; default 1GiB).
 ``save_decode_blocks``  also store blocks completed while decoding (default false: prompt blocks only).
 ``staging``             move blocks through host staging buffers: ``auto`` (a GPU/NPU cache over a
@@ -57,7 +61,7 @@ __all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole"]
 
 DEFAULT_BACKEND = "local://"
 
-_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "load_wait_s")
+_FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "load_wait_s", "load_idle_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")
 _TEXTS = ("backend", "lookup_backend", "model_id", "staging")
 _SIZES = ("max_inflight_bytes", "staging_bytes")
@@ -145,6 +149,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = attrs.field(default=2.0, validator=_positive)
     lookup_wait_s: float = attrs.field(default=0.05, validator=_positive)
     load_wait_s: float = attrs.field(default=0.002, validator=_not_negative)
+    load_idle_wait_s: float = attrs.field(default=0.05, validator=_not_negative)
     max_inflight_bytes: int = attrs.field(default=1 << 30, validator=_positive_int)
     save_decode_blocks: bool = False
     staging: str = attrs.field(default="auto", validator=_choice("auto", "always", "never"))

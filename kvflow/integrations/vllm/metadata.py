@@ -34,6 +34,8 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     the step ends no kvflow transfer reads its blocks any more.
     ``save_tokens``: with KV events on, the tokens of each save's blocks (one entry per save, in
     order), which the workers put in the events of the blocks they stored; else empty.
+    ``idle``: the step computes no token (every request it has waits, for instance for its load):
+    a worker may wait longer for asynchronous loads in it (``ConnectorConfig.load_idle_wait_s``).
     """
 
     step: int = 0
@@ -41,6 +43,7 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     async_loads: tuple[KVRequest, ...] = ()
     saves: tuple[KVRequest, ...] = ()
     save_tokens: tuple[tuple[int, ...], ...] = attrs.field(default=())
+    idle: bool = False
 
     @save_tokens.validator
     def _one_per_save(self, _: object, value: tuple[tuple[int, ...], ...]) -> None:

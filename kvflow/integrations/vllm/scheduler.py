@@ -252,7 +252,12 @@ class SchedulerSide:
         if self.config.kv_events and saves:
             tokens = tuple(self._save_tokens(span) for span in saves)
         return KVFlowConnectorMetadata(
-            step=step, loads=tuple(loads), async_loads=async_loads, saves=tuple(saves), save_tokens=tokens
+            step=step,
+            loads=tuple(loads),
+            async_loads=async_loads,
+            saves=tuple(saves),
+            save_tokens=tokens,
+            idle=not any(scheduled.values()),
         )
 
     def _save_tokens(self, span: KVRequest) -> tuple[int, ...]:

@@ -81,6 +81,7 @@ class WorkerSide:
     _async_loads: dict[str, _AsyncLoad] = attrs.field(factory=dict, init=False)
     _load_errors: set[int] = attrs.field(factory=set, init=False)
     _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
+    _idle: bool = attrs.field(default=False, init=False)  # this step computes nothing
     _puts: list[_Put] = attrs.field(factory=list, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
@@ -130,6 +131,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KVFlowConnectorMetadata) -> None:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""
         steps = self._steps
+        self._idle = meta.idle
         for span in meta.async_loads:
             if steps is None:
                 self._load_errors.update(span.block_ids)
@@ -212,12 +214,16 @@ class WorkerSide:
         self._count_puts()
         if self._watch is not None:
             self._watch.poll()
-        if self._async_loads and self.config.load_wait_s > 0:
-            # Steps run back to back while a request waits for its load, each holding the GIL;
-            # waiting here lends it to kvflow's loop thread (ConnectorConfig.load_wait_s).
+        # Steps run back to back while a request waits for its load, each holding the GIL;
+        # waiting here lends it to kvflow's loop thread (ConnectorConfig.load_wait_s), and in a
+        # step that computes nothing, a load that ends meanwhile is reported in this step rather
+        # than the next (ConnectorConfig.load_idle_wait_s).
+        wait_s = self.config.load_idle_wait_s if self._idle else self.config.load_wait_s
+        self._idle = False  # one step's
+        if self._async_loads and wait_s > 0:
             concurrent.futures.wait(
                 [load.future for load in self._async_loads.values()],
-                timeout=self.config.load_wait_s,
+                timeout=wait_s,
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
         return None, self._harvest_async_loads() or None

@@ -98,6 +98,10 @@ class FakeSchedulerOutput:
     preempted_req_ids: set[str] | None = None
 
 
+#: A step that computes a token of a request the connector does not know: not idle.
+BUSY = FakeSchedulerOutput(num_scheduled_tokens={"another": 1})
+
+
 # -- an engine of two sides over one local store ----------------------------------------------------
 
 
@@ -753,12 +757,35 @@ def test_a_step_waits_up_to_load_wait_s_for_an_asynchronous_load_and_reports_it_
 ) -> None:
     """While a request waits for its load vLLM runs steps back to back; the worker waits in
     ``get_finished`` (lending the GIL to kvflow's loop) and reports the load as soon as it ended."""
-    sides: Sides = open_sides(load_async=True, load_wait_s=30.0)
+    sides: Sides = open_sides(load_async=True, load_wait_s=30.0, load_idle_wait_s=0.0)
     _stored_r1(sides)
     loading = FakeRequest("r2", TOKENS)
     assert sides.admit(loading, [9, 10, 11]) == (12, True)
-    (sent,) = sides.step(FakeSchedulerOutput())  # the step that sends the load waits for it
+    (sent,) = sides.step(BUSY)  # the step that sends the load (and computes another request) waits
     assert sent == (None, {"r2"})
+    assert sides.workers[0].counters.loaded_blocks == 3
+
+
+def test_a_step_that_computes_nothing_waits_up_to_load_idle_wait_s_and_one_that_computes_does_not(
+    open_sides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a step where every request waits, waiting for the load delays nobody: the worker waits
+    up to ``load_idle_wait_s`` and reports the load in that step, and the request runs in the next
+    (not one later). A step that computes other requests waits only ``load_wait_s``."""
+    import tests.integrations.vllm.recording_connector as recording  # registers slow-local://
+
+    monkeypatch.setenv(recording.PUT_DELAY_ENV, "0")
+    monkeypatch.setenv(recording.GET_DELAY_ENV, "0.3")
+    sides: Sides = open_sides(
+        load_async=True, load_wait_s=0.0, load_idle_wait_s=30.0, backend=f"slow-local://{tmp_path}/store"
+    )
+    _stored_r1(sides)
+    loading = FakeRequest("r2", TOKENS)
+    assert sides.admit(loading, [9, 10, 11]) == (12, True)
+    (sent,) = sides.step(BUSY)  # sends the load; computes another request: does not wait for it
+    assert sent == (None, None)
+    (idle,) = sides.step(FakeSchedulerOutput())  # computes nothing: waits for the load
+    assert idle == (None, {"r2"})
     assert sides.workers[0].counters.loaded_blocks == 3
 
 
@@ -767,3 +794,7 @@ def test_load_wait_s_is_read_from_the_extra_config_and_must_not_be_negative() ->
     assert ConnectorConfig.from_extra_config({}).load_wait_s == 0.002
     with pytest.raises(ConfigError, match=r"load_wait_s.*>= 0"):
         ConnectorConfig.from_extra_config({"load_wait_s": -1})
+    assert ConnectorConfig.from_extra_config({"load_idle_wait_s": 0.5}).load_idle_wait_s == 0.5
+    assert ConnectorConfig.from_extra_config({}).load_idle_wait_s == 0.05
+    with pytest.raises(ConfigError, match=r"load_idle_wait_s.*>= 0"):
+        ConnectorConfig.from_extra_config({"load_idle_wait_s": -1})
