@@ -125,6 +125,23 @@ def _copy_store(store: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _second_engine(
+    stored: Path, reference: Reference, model: Path, tmp_path: Path, **extra: Any
+) -> tuple[Mapping[str, int], Path]:
+    """SECOND_ENGINE in a new process over a copy of the first engine's store: exact tokens, every
+    external hit loaded; returns its counters and the store."""
+    store = _copy_store(stored, tmp_path)
+    counters = _folder(tmp_path, "counters")
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB", **extra)
+    run = run_engine(_spec(model, SECOND_ENGINE, transfer, counters))
+    assert run.outputs == reference.expected(SECOND_ENGINE)
+    assert run.cached_tokens == SECOND_ENGINE_CACHED
+    (moved,) = read_counters(counters).values()
+    assert moved["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS
+    assert moved["load_failed_blocks"] == 0
+    return moved, store
+
+
 def test_first_engine_matches_reference_and_stores_every_full_prompt_block(
     first_store: tuple[EngineRun, Path], reference: Reference
 ) -> None:
@@ -138,15 +155,7 @@ def test_second_engine_in_a_new_process_loads_what_the_first_stored(
     first_store: tuple[EngineRun, Path], reference: Reference, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """External hits, exact tokens, and no load of what vLLM's own prefix cache already holds."""
-    store = _copy_store(first_store[1], tmp_path)
-    counters = _folder(tmp_path, "counters")
-    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB")
-    run = run_engine(_spec(tiny_model_dir, SECOND_ENGINE, transfer, counters))
-    assert run.outputs == reference.expected(SECOND_ENGINE)
-    assert run.cached_tokens == SECOND_ENGINE_CACHED
-    (moved,) = read_counters(counters).values()
-    assert moved["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS
-    assert moved["load_failed_blocks"] == 0
+    moved, store = _second_engine(first_store[1], reference, tiny_model_dir, tmp_path)
     assert moved["stored_blocks"] == SECOND_ENGINE_STORED_BLOCKS and moved["present_blocks"] == 0
     assert len(local_objects(store)) == FIRST_ENGINE_STORED_BLOCKS + SECOND_ENGINE_STORED_BLOCKS
 
@@ -173,15 +182,7 @@ def test_a_layerwise_engine_loads_what_a_whole_block_engine_stored(
 ) -> None:
     """Each layer out of the other profile's whole-block objects (docs/topology.md), exact tokens;
     the blocks the layerwise engine computes it stores as its own per-layer objects."""
-    store = _copy_store(first_store[1], tmp_path)
-    counters = _folder(tmp_path, "counters")
-    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB", layerwise=True)
-    run = run_engine(_spec(tiny_model_dir, SECOND_ENGINE, transfer, counters))
-    assert run.outputs == reference.expected(SECOND_ENGINE)
-    assert run.cached_tokens == SECOND_ENGINE_CACHED
-    (moved,) = read_counters(counters).values()
-    assert moved["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS
-    assert moved["load_failed_blocks"] == 0
+    _second_engine(first_store[1], reference, tiny_model_dir, tmp_path, layerwise=True)
 
 
 def test_failed_loads_are_recomputed_with_the_recompute_policy(
