@@ -93,6 +93,7 @@ _COLUMNS = 8
 _STATUS: dict[int, int | PutStatus] = {PRESENT: PutStatus.PRESENT, NO_SPACE: PutStatus.NO_SPACE}
 
 Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
+Words = npt.NDArray[np.uint64]  # one word of each key
 
 
 def _pages(nbytes: int) -> int:
@@ -177,14 +178,9 @@ class ArenaFile:
     _table: npt.NDArray[np.uint64] = attrs.field(init=False)  # columns x rows
     _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
     _tags: npt.NDArray[np.uint8] = attrs.field(init=False)  # per row: the low byte of its k1
-    _tag_bytes: memoryview = attrs.field(init=False)  # the same, to write one
     _anchor: ctypes.c_char = attrs.field(init=False)
     base: int = attrs.field(init=False)  # address of the first slot
     _slot: int = attrs.field(init=False)  # bytes per slot
-    _sizes_at: int = attrs.field(init=False)  # where the size and last-use columns start in _words
-    _used_at: int = attrs.field(init=False)
-    _k0_at: int = attrs.field(init=False)
-    _k1_at: int = attrs.field(init=False)
     _rows: int = attrs.field(init=False)  # the geometry's, kept: a property costs a call per object
     _keys_at: int = attrs.field(init=False)  # where the kept keys start in the map
     _columns: tuple[npt.NDArray[np.uint64], ...] = attrs.field(init=False)  # the table's, one view each
@@ -199,12 +195,9 @@ class ArenaFile:
         self._words = memoryview(self._map)[_PAGE : _PAGE + rows * _COLUMNS * 8].cast("Q")
         tags = self.geometry.tags_offset
         self._tags = np.frombuffer(self._map, dtype=np.uint8, count=rows, offset=tags)
-        self._tag_bytes = memoryview(self._map)[tags : tags + rows]
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
         self._slot = self.geometry.slot_bytes
-        self._sizes_at, self._used_at = _NBYTES * rows, _USED * rows
-        self._k0_at, self._k1_at = _K0 * rows, _K1 * rows
         self._columns = tuple(self._table[column] for column in range(_COLUMNS))
         self._me_words = np.array([self.me.namespace, self.me.pid, self.me.start], dtype=np.uint64)
 
@@ -235,7 +228,6 @@ class ArenaFile:
     def close(self) -> None:
         """Unmap the arena and close the descriptors (call once no copy is running)."""
         self._words.release()
-        self._tag_bytes.release()
         del self._table, self._tags, self._anchor, self._columns
         self._map.close()
         for fd in (self.lock.fd, self._root_fd):
@@ -281,11 +273,11 @@ class ArenaFile:
 
     def query(self, hashes: Hashes, sizes: Sequence[int]) -> Query:
         """A get of the objects of these hashes and sizes, none looked for yet (:meth:`locate`)."""
-        k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()  # copies: contiguous and writable, as compiled
+        k0, k1, sets = self._hash_words(hashes)
         return Query(
             k0,
             k1,
-            (k0 % np.uint64(self.geometry.sets)).astype(np.int64),
+            sets,
             np.asarray(sizes, dtype=np.int64),
             np.full(len(k0), UNKNOWN, dtype=np.int64),
             np.zeros(len(k0), dtype=np.bool_),
@@ -325,8 +317,7 @@ class ArenaFile:
             return []
         compiled, columns = passes(), self._columns
         state, ns, pid, start = columns[_STATE], columns[_NS], columns[_PID], columns[_START]
-        k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()  # copies: contiguous and writable, as compiled
-        sets = (k0 % np.uint64(self.geometry.sets)).astype(np.int64)
+        k0, k1, sets = self._hash_words(hashes)
         ways, me = self.geometry.ways, self._me_words
         others = compiled.foreign(state, ns, pid, start, sets, ways, me).tolist()
         dead = np.array([row for row in others if not self._alive(row)], dtype=np.int64)
@@ -340,6 +331,12 @@ class ArenaFile:
         # holds a key of the call), so the claims are written together, column by column.
         self._write_claims(rows[given], hashes[given], now)
         return [_STATUS.get(row, row) for row in rows.tolist()]
+
+    def _hash_words(self, hashes: Hashes) -> tuple[Words, Words, npt.NDArray[np.int64]]:
+        """Each key's two hash words (contiguous, writable copies, as the compiled passes take them)
+        and the set it lives in."""
+        k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()
+        return k0, k1, (k0 % np.uint64(self.geometry.sets)).astype(np.int64)
 
     def _alive(self, row: int) -> bool:
         words, n = self._words, self._rows
