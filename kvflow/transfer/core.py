@@ -74,6 +74,8 @@ class Transfer:
     staging: StagingPool | None = None
     _scratch: StagingPool | None = attrs.field(default=None, init=False)
     _scopes: dict[Unit, KeyScope] = attrs.field(factory=dict, init=False)
+    #: the scopes a lookup asks for: every namespace the engine's ranks load from (made once)
+    _lookup_scopes: list[KeyScope] = attrs.field(init=False)
     _shapes: dict[Unit, UnitShape] = attrs.field(factory=dict, init=False)
     _budget: ByteBudget = attrs.field(init=False)
     #: a store may put without asking ``exists`` first: the backend's put answers PRESENT for held
@@ -86,6 +88,7 @@ class Transfer:
 
     def __attrs_post_init__(self) -> None:
         self._budget = ByteBudget(self.config.max_inflight_bytes)
+        self._lookup_scopes = list(self.profile.scopes())
         capable = self.backend.capabilities.put_checks_present
         self.put_checks_present = capable and self.staging is None and not self.config.layerwise
 
@@ -371,7 +374,7 @@ class Transfer:
         rest = hashes[offset:]
         if not rest:
             return offset * block
-        namespaces = [block_keys(s, rest) for s in self.profile.scopes()]
+        namespaces = [block_keys(s, rest) for s in self._lookup_scopes]
         keys = namespaces[0] if len(namespaces) == 1 else [k for keys in namespaces for k in keys]
         found = await self.exists(keys, deadline)
         if found is None:

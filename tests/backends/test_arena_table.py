@@ -5,7 +5,8 @@ writer, or published; keys that collide in their tag byte) with puts of keys dra
 few, repeats included. The model is the rule as :meth:`ArenaFile.claim` states it, one key at a
 time; the compiled claim must give the same slot, PRESENT or NO_SPACE for every key, the same
 evictions and the same touched last uses. A get's look-up is checked the same way, with rows
-found under an earlier hold of the lock that may have gone stale. The arena's own tests
+found under an earlier hold of the lock that may have gone stale, and a lookup's find (each key's
+published slot, nothing touched) too. The arena's own tests
 (tests/backends/test_arena.py) check both through real puts and gets.
 """
 
@@ -202,3 +203,26 @@ def test_the_compiled_lookup_finds_published_slots_and_checks_stale_ones(case: L
     assert got_rows.tolist() == want_rows
     assert got_found.tolist() == want_found
     assert c["used"].tolist() == want_used
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_the_compiled_find_gives_each_keys_published_slot_and_touches_nothing(
+    case: tuple[Table, list[tuple[int, int]]],
+) -> None:
+    table, keys = case
+    want = []
+    for key in keys:
+        s = key[0] % table.sets
+        held = [r for r in range(s * table.ways, (s + 1) * table.ways) if table.key[r] == key]
+        want.append(max((r for r in held if table.state[r] == READY), default=-1))
+    c = table.columns()
+    k0 = np.array([k[0] for k in keys], dtype=np.uint64)
+    k1 = np.array([k[1] for k in keys], dtype=np.uint64)
+    rows = np.full(len(keys), -99, dtype=np.int64)
+    passes().find(
+        c["state"], c["key0"], c["key1"], c["tags"], k0, k1, (k0 % np.uint64(table.sets)).astype(np.int64),
+        table.ways, rows,
+    )  # fmt: skip
+    assert rows.tolist() == want
+    assert c["used"].tolist() == table.used

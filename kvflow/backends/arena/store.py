@@ -240,36 +240,22 @@ class ArenaFile:
 
     # --- under the shared lock ------------------------------------------------------------------
 
-    def _same_key(self, hashes: Hashes) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-        """Pairs (object index, row) whose row's key words equal the object's, in any state."""
-        ways, sets = self.geometry.ways, self.geometry.sets
-        k0, k1 = np.ascontiguousarray(hashes[:, 0]), np.ascontiguousarray(hashes[:, 1])
-        chosen = (k0 % np.uint64(sets)).astype(np.intp)
-        # The one-byte tags of the sets first (an eighth of the bytes of a key word), then the
-        # words of the few rows whose tag matches. (flatnonzero of the flat mask: np.nonzero of a
-        # 2-D one is many times slower.)
-        tags = (k1 & np.uint64(0xFF)).astype(np.uint8)
-        index, way = np.divmod(np.flatnonzero(self._tags.reshape(sets, ways)[chosen] == tags[:, None]), ways)
-        rows = chosen[index] * ways + way
-        same = (self._table[_K0][rows] == k0[index]) & (self._table[_K1][rows] == k1[index])
-        return index[same], rows[same]
-
     def present(self, hashes: Hashes) -> list[bool]:
         """For each hash, whether its object is published."""
-        index, rows = self._same_key(hashes)
-        found = np.zeros(len(hashes), dtype=bool)
-        found[index[self._table[_STATE][rows] == READY]] = True
-        result: list[bool] = found.tolist()
+        result: list[bool] = (self._find(hashes) >= 0).tolist()
         return result
 
     def find(self, hashes: Hashes) -> list[int]:
         """For each hash, the row of its published object, or -1."""
-        index, rows = self._same_key(hashes)
-        ready = self._table[_STATE][rows] == READY
-        found = np.full(len(hashes), -1, dtype=np.intp)
-        found[index[ready]] = rows[ready]
-        result: list[int] = found.tolist()
+        result: list[int] = self._find(hashes).tolist()
         return result
+
+    def _find(self, hashes: Hashes) -> npt.NDArray[np.int64]:
+        k0, k1, sets = self._hash_words(hashes)
+        rows = np.empty(len(k0), dtype=np.int64)
+        c = self._columns
+        passes().find(c[_STATE], c[_K0], c[_K1], self._tags, k0, k1, sets, self.geometry.ways, rows)
+        return rows
 
     def query(self, hashes: Hashes, sizes: Sequence[int]) -> Query:
         """A get of the objects of these hashes and sizes, none looked for yet (:meth:`locate`)."""

@@ -1,4 +1,4 @@
-"""The arena table's compiled passes: the claim of a put and the look-up of a get.
+"""The arena table's compiled passes: the claim of a put, the look-up of a get and of a lookup.
 
 :func:`Passes.claim` (:meth:`ArenaFile.claim`) decides, for each key of a put, under the exclusive
 lock: present already (published, or being written by a live process, or earlier in the same
@@ -12,7 +12,8 @@ The caller writes the claims themselves, in the order that keeps a killed writer
 
 :func:`Passes.locate` (:meth:`ArenaFile.locate`) finds, under the shared lock, the published
 slot of each key of a get, checks a slot found before a pause still holds its key, and says which
-hold an object of the size asked for (a use, for LRU).
+hold an object of the size asked for (a use, for LRU). :func:`Passes.find` (:meth:`ArenaFile.find`,
+``exists`` and ``remove``) finds each key's published slot and touches nothing.
 
 Both read the table's columns (1-D views, one item per slot) and touch the last use of the
 published objects they find. Loaded from numba's on-disk cache (:mod:`kvflow.compiled`).
@@ -191,6 +192,27 @@ def _locate(
             used[row] = now
 
 
+def _find(
+    state: Column,
+    key0: Column,
+    key1: Column,
+    tags: npt.NDArray[np.uint8],
+    k0: Column,
+    k1: Column,
+    sets: Rows,
+    ways: int,
+    rows: Rows,
+) -> None:  # pragma: no cover (compiled)
+    """``rows[i]`` = the published slot of key ``(k0[i], k1[i])`` (the last way, if several), or -1."""
+    for i in range(k0.shape[0]):
+        row = -1
+        tag = np.uint8(k1[i] & _TAG)
+        for r in range(sets[i] * ways, (sets[i] + 1) * ways):
+            if tags[r] == tag and key0[r] == k0[i] and key1[r] == k1[i] and state[r] == _READY:
+                row = r
+        rows[i] = row
+
+
 _COLUMN = "uint64[::1]"
 _FOREIGN = f"int64[::1]({', '.join([_COLUMN] * 4)}, int64[::1], int64, uint64[::1])"
 _CLAIM = (
@@ -202,17 +224,20 @@ _LOCATE = (
     "int64, int64, uint64, int64[::1], boolean[::1])"
 )
 
+_FIND = f"void({', '.join([_COLUMN] * 3)}, uint8[::1], {_COLUMN}, {_COLUMN}, int64[::1], int64, int64[::1])"
+
 
 @attrs.frozen
 class Passes:
     """The compiled functions: ``foreign(state, ns, pid, start, sets, ways, me)``,
     ``claim(state, ns, pid, start, key0, key1, used, tags, k0, k1, sets, ways, now, me, dead, out)``
-    and ``locate(state, key0, key1, nbytes, used, tags, k0, k1, sets, ways, sizes, start, end, now,
-    rows, found)``."""
+    ``locate(state, key0, key1, nbytes, used, tags, k0, k1, sets, ways, sizes, start, end, now,
+    rows, found)`` and ``find(state, key0, key1, tags, k0, k1, sets, ways, rows)``."""
 
     foreign: Callable[..., Rows]
     claim: Callable[..., int]
     locate: Callable[..., None]
+    find: Callable[..., None]
     cached: bool
 
 
@@ -228,7 +253,8 @@ def _compile(cache: bool) -> Passes:
     foreign = numba.njit(_FOREIGN, cache=cache)(_foreign)
     claim = numba.njit(_CLAIM, cache=cache)(_claim)
     locate = numba.njit(_LOCATE, cache=cache)(_locate)
-    return Passes(foreign, claim, locate, cached=cache)
+    find = numba.njit(_FIND, cache=cache)(_find)
+    return Passes(foreign, claim, locate, find, cached=cache)
 
 
 @functools.cache
