@@ -240,6 +240,33 @@ async def test_a_store_releases_its_blocks_before_its_put_ends(chunks: int, expe
     assert seen_released == expected
 
 
+async def test_a_store_copies_the_next_chunk_out_of_the_cache_while_it_puts_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Five chunks' worth of blocks through three chunks of two objects, on a device whose copies
+    land late: every chunk's put starts only once the next chunk's copies were queued (on a GPU
+    the copy stream runs beside the put), but the last one's. What is stored is the cache's bytes."""
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 2 * 4096)
+    src = LAYOUTS["vllm_cpu"]()
+    device = late_device()
+    queued: list[int] = []  # copies out of the cache queued when each put started
+
+    async def record(objects: Sequence[ObjectRef]) -> None:
+        queued.append(device.gathers)
+
+    writer = pool(src, FaultyBackend(put_hook=record), staged(staging_bytes=3 * 2 * 4096), device)
+    stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    per_chunk = len(src)  # one copy per layer
+    assert stored.stored == 10
+    assert queued == [2 * per_chunk, 3 * per_chunk, 4 * per_chunk, 5 * per_chunk, 5 * per_chunk]
+    backend = writer._transfer.backend
+    dst = zeros_like_caches(src)
+    got = await pool(dst, backend, staged()).retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert got.hit_blocks == 10 and same_blocks(src, dst, list(zip(SRC_IDS, DST_IDS)))
+    staging = writer._transfer.staging
+    assert staging is not None and staging.in_use == 0 and staging.allocations == 3
+
+
 async def test_a_store_by_layers_releases_its_blocks_once_the_last_layer_is_copied_out() -> None:
     """A pool that moves KV layer by layer stores a request one layer at a time through its one
     chunk: the blocks are released once the last layer is in staging, before that layer's put."""
@@ -525,7 +552,8 @@ async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copie
     op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two chunks of two objects and copies that take 0.3 s on the device. The store is cancelled
-    as its first copy out of the cache starts; the load when its second chunk's get starts (its
+    as its first copy out of the cache starts (it sees it at its next await, once its second chunk
+    is copying: a chunk is put while the next one copies); the load when its second chunk's get starts (its
     first chunk's copy into the cache still running) and that get never ends. Every chunk comes
     back, none before its copy completed (the device could still be writing it), and the store
     releases the cache."""
@@ -569,7 +597,8 @@ async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copie
     assert scope.cancelled_caught
     assert staging.in_use == 0 and early and not any(early)
     if op == "store":
-        assert released == [1] and device.gathers == len(src)  # one chunk: one copy per layer
+        # two of the five chunks copied out (one is put while the next copies), then it stopped
+        assert released == [1] and device.gathers == 2 * len(src)
     else:
         assert backend.calls.count("get") == 2
         assert same_blocks(src, caches, list(zip(SRC_IDS[:2], DST_IDS[:2])))  # the first chunk landed

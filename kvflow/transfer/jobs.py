@@ -151,24 +151,49 @@ class StoreJob:
     async def _put_staged(
         self, unit: Unit, todo: list[int], deadline: float, after: DeviceEvent | None
     ) -> list[PutStatus]:
+        """Copy ``todo``'s blocks out of the cache a chunk at a time and put each chunk, one chunk
+        behind: chunk ``k`` is put while chunk ``k + 1`` is copied out (on a device the copy stream
+        runs beside the put, which reads host memory), unless staging has no chunk to spare."""
         transfer = self.transfer
         staging = transfer.staging
         assert staging is not None
         shape, layout, keys = transfer.shape(unit), transfer.require_layout(), self.keys(unit)
-        results: list[PutStatus] = []
+        capacity = shape.capacity
+        results = [PutStatus.FAILED] * len(todo)
         copied = 0
-        for start in range(0, len(todo), shape.capacity):
-            part = todo[start : start + shape.capacity]
-            chunk = None
-            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                chunk = await staging.take()
-            if chunk is None:  # staging stayed full until the deadline: these objects fail
-                log.warning("no staging chunk came free in time; %d objects not stored", len(todo) - start)
-                results += [PutStatus.FAILED] * (len(todo) - start)
-                break
+        pending: list[tuple[int, Chunk]] = []  # chunks copying out, oldest first, with their start
+
+        async def put_oldest() -> None:
+            nonlocal copied
+            start, chunk = pending.pop(0)
             try:
-                if after is not None:
-                    await staging.device.copies_wait_for(after, max(0.0, deadline - time.monotonic()))
+                await _copied(chunk, deadline)
+                part = todo[start : start + capacity]
+                copied += len(part)
+                if copied == len(todo):
+                    self._released(unit)  # the cache's blocks are no longer read
+                objects = shape.objects(chunk.buffer, [keys[k] for k in part])
+                results[start : start + len(part)] = await transfer.put(objects, deadline)
+            finally:
+                staging.give_back(chunk)
+
+        if after is not None:  # on a device the copy stream waits (once: later copies queue behind)
+            await staging.device.copies_wait_for(after, max(0.0, deadline - time.monotonic()))
+        try:
+            for start in range(0, len(todo), capacity):
+                part = todo[start : start + capacity]
+                chunk = staging.try_take()
+                if chunk is None and pending:  # none to spare: put the one copied out first
+                    await put_oldest()
+                    chunk = staging.try_take()
+                if chunk is None:
+                    with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                        chunk = await staging.take()
+                if chunk is None:  # staging stayed full until the deadline: these objects fail
+                    log.warning(
+                        "no staging chunk came free in time; %d objects not stored", len(todo) - start
+                    )
+                    break
                 try:
                     gather(
                         staging.device,
@@ -177,16 +202,18 @@ class StoreJob:
                         chunk,
                         [self.plan.block_ids[self.owned[k]] for k in part],
                     )
-                    await _copied(chunk, deadline)
                 except Exception as exc:  # a device error: these objects fail, nothing was written
+                    staging.give_back(chunk)
                     log.warning("copying %d blocks out of the KV cache failed: %r", len(part), exc)
-                    results += [PutStatus.FAILED] * len(part)
                     continue
-                copied += len(part)
-                if copied == len(todo):
-                    self._released(unit)  # the cache's blocks are no longer read
-                results += await transfer.put(shape.objects(chunk.buffer, [keys[k] for k in part]), deadline)
-            finally:
+                pending.append((start, chunk))
+                if len(pending) > 1:
+                    await put_oldest()
+            while pending:
+                await put_oldest()
+        finally:
+            for _, chunk in pending:  # a put raised, or the store was cancelled
+                await _copied(chunk, deadline)
                 staging.give_back(chunk)
         return results
 
