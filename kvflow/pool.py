@@ -172,9 +172,25 @@ class KVPool:
         once, on this loop, as soon as the blocks are no longer read (copied out to staging, or
         stored), possibly before the store ends; the engine may then reuse them.
         """
+        results = await self.store_many([request], after=after, on_released=on_released, timeout_s=timeout_s)
+        return results[0]
+
+    async def store_many(
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        after: DeviceEvent | None = None,
+        on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[StoreResult]:
+        """:meth:`store` of several requests (an engine step's) in one call, one result per request
+        in order: their blocks go to the backend together, in calls of up to its batch size, so the
+        fixed cost of a call is paid once for all of them. ``on_released`` is called once, when no
+        block of any of them is read any more. A block two requests share is put once (the
+        later one reads ``PRESENT``)."""
         check_timeout(timeout_s)
         transfer = self._transfer
-        job = StoreJob(transfer, transfer.plan([request]), on_released)
+        job = StoreJob(transfer, transfer.plan(requests), on_released)
         deadline = transfer.deadline(timeout_s)
 
         async def put_units() -> None:
@@ -187,7 +203,7 @@ class KVPool:
         transfer.begin()
         try:
             await together(calls)
-            return job.results()[0]
+            return job.results()
         finally:
             job.release_all()
             transfer.end()
@@ -195,14 +211,22 @@ class KVPool:
     async def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
         """Load the request's blocks into its ``block_ids``; every rank loads every block of its
         namespace. Missing or failed blocks are reported (``failed_block_ids``), never raised."""
+        return (await self.retrieve_many([request], timeout_s=timeout_s))[0]
+
+    async def retrieve_many(
+        self, requests: Sequence[KVRequest], *, timeout_s: float | None = None
+    ) -> list[RetrieveResult]:
+        """:meth:`retrieve` of several requests (an engine step's) in one call, one result per
+        request in order: their blocks come from the backend together, in calls of up to its
+        batch size. The requests must not share a destination block."""
         check_timeout(timeout_s)
         transfer = self._transfer
-        job = LoadJob(transfer, transfer.plan([request]))
+        job = LoadJob(transfer, transfer.plan(requests))
         deadline = transfer.deadline(timeout_s)
         transfer.begin()
         try:
             await together([functools.partial(job.get, unit, deadline) for unit in transfer.units])
-            return job.results()[0]
+            return job.results()
         finally:
             await job.settle_all(deadline)  # staged: the copies into the cache are done
             transfer.end()

@@ -10,7 +10,7 @@ TimeoutError only when the loop did not deliver that answer in time.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -123,6 +123,28 @@ class SyncPool:
         """Start :meth:`KVPool.retrieve`. Do not reuse the request's blocks before the future is
         done: a get may write them until then."""
         return self._submit(lambda t: self._pool.retrieve(request, timeout_s=t), timeout_s)
+
+    def submit_store_many(
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        after: DeviceEvent | None = None,
+        on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> CallFuture[list[StoreResult]]:
+        """Start :meth:`KVPool.store_many` (an engine step's stores in one call), as
+        :meth:`submit_store`; the future's answer is one result per request, in order."""
+        return self._submit(
+            lambda t: self._pool.store_many(requests, after=after, on_released=on_released, timeout_s=t),
+            timeout_s,
+        )
+
+    def submit_retrieve_many(
+        self, requests: Sequence[KVRequest], *, timeout_s: float | None = None
+    ) -> CallFuture[list[RetrieveResult]]:
+        """Start :meth:`KVPool.retrieve_many` (an engine step's loads in one call), as
+        :meth:`submit_retrieve`; the future's answer is one result per request, in order."""
+        return self._submit(lambda t: self._pool.retrieve_many(requests, timeout_s=t), timeout_s)
 
     def lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Blocking lookup; TimeoutError when no answer came by its timeout (plus the grace)."""

@@ -78,7 +78,7 @@ def test_scale_bench_reports_per_block_costs_and_request_rates() -> None:
             assert positive(row[f"{op}_us_per_block"]), (row, op)
     many = result["many_requests"]
     assert many["requests"] > 1 and many["blocks_per_request"] > 0
-    for op in ("store", "retrieve"):
+    for op in ("store", "retrieve", "store_in_steps", "retrieve_in_steps"):
         blocks = many[f"{op}_requests_per_s"] * many["blocks_per_request"]
         assert many[f"{op}_blocks_per_s"] == pytest.approx(blocks)
 

@@ -580,3 +580,50 @@ async def test_a_rank_stores_its_owned_blocks_beside_present_ones_from_the_right
         got = await reader.retrieve(KVRequest(block_ids=[0], tokens=TOKENS, block_offset=i))
         assert got.hit_blocks == 1
         assert block_bytes(dst["l1"], 0) == block_bytes(src["l1"], ids[i]), i
+
+
+@pytest.mark.parametrize(
+    "config",
+    [PoolConfig(), PoolConfig(layerwise=True), PoolConfig(staging="always", staging_bytes=3 * 4096)],
+    ids=["whole blocks", "layerwise", "staged"],
+)
+async def test_many_requests_in_one_call_move_as_they_would_one_by_one(config: PoolConfig) -> None:
+    """Three requests in one store call and one retrieve call (an engine step's): one already held
+    in part, two sharing their first blocks (put once: the later reads PRESENT), one from a block
+    offset; and a fourth, never stored, in the retrieve. Each gets its own result and its own
+    bytes, and the objects go to the backend in batches across the requests."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(put_checks_present=True)  # batches of at most 4 objects
+    writer = KVPool.create(config, layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    shared = [5, *TOKENS[1:]]
+    held = KVRequest(block_ids=[0, 1, 2], tokens=TOKENS[: 3 * BLOCK])
+    assert (await writer.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))).stored == 1
+    backend.calls.clear()
+    requests = [
+        held,
+        KVRequest(block_ids=[3, 4], tokens=shared[: 2 * BLOCK]),
+        KVRequest(block_ids=[5, 6, 7], tokens=shared[: 3 * BLOCK]),
+        KVRequest(block_ids=[8], tokens=[9, *TOKENS[1 : 3 * BLOCK]], block_offset=2),
+    ]
+    stored = await writer.store_many(requests)
+    P, S = PutStatus.PRESENT, PutStatus.STORED
+    assert [r.statuses for r in stored] == [(P, S, S), (S, S), (P, P, S), (S,)]
+    units = len(src) if config.layerwise else 1
+    # 7-9 objects of each unit in batches of up to 4: fewer puts than one call per request needs
+    assert backend.calls.count("put") < 4 * units
+    assert await writer.store_many([]) == []
+
+    dst = zeros_like_caches(src)
+    reader = KVPool.create(config, layout=KVLayout.from_kv_caches(dst), backend=backend)  # type: ignore[arg-type]
+    wanted = [
+        KVRequest(block_ids=[0, 1, 2], tokens=TOKENS[: 3 * BLOCK]),
+        KVRequest(block_ids=[3, 4, 5], tokens=shared[: 3 * BLOCK]),
+        KVRequest(block_ids=[6], tokens=[9, *TOKENS[1 : 3 * BLOCK]], block_offset=2),
+        KVRequest(block_ids=[7, 8], tokens=[8, *TOKENS[1 : 2 * BLOCK]]),  # never stored
+    ]
+    loaded = await reader.retrieve_many(wanted)
+    assert [r.hit_blocks for r in loaded] == [3, 3, 1, 0]
+    assert loaded[3].failed_block_ids == (7, 8)
+    pairs = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (7, 5), (8, 6)]
+    assert all(block_bytes(dst[n], d) == block_bytes(src[n], s) for s, d in pairs for n in src)
+    assert all(not dst[n][7:9].any() for n in dst)  # a miss writes nothing

@@ -4,7 +4,9 @@
   request of 1000 new blocks is stored, retrieved and looked up. Time per block should stay flat
   as the store grows.
 - **many requests**: 256 requests of 8 blocks each stored, then retrieved, all at once (one task
-  each, as a serving engine's concurrent requests), reported as requests and blocks per second.
+  and one pool call each, as a serving engine's concurrent requests), and again in steps of 16
+  requests, each step one :meth:`~kvflow.KVPool.store_many` / :meth:`~kvflow.KVPool.retrieve_many`
+  call (as the vLLM connector moves a step's requests); reported as requests and blocks per second.
 
 Small objects (16 KiB: 4 layers of 4 KiB) so that the per-block work, not the copy, dominates.
 """
@@ -28,6 +30,7 @@ __all__ = ["run_scale_bench", "scale_main"]
 
 _BLOCK = 16
 _WORK = 1000  # blocks of the request timed at each store size
+_STEP = 16  # requests per call in the many-requests run's steps
 
 
 def _pool(url: str, blocks: int, model: str) -> tuple[KVPool, Any]:
@@ -77,21 +80,43 @@ async def _per_block_us(url: str, held: int) -> dict[str, float]:
 async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, float]:
     pool, backend = _pool(url, requests * blocks, f"bench-many-{time.time_ns()}")
 
-    def request(r: int) -> KVRequest:
+    def request(r: int, salt: int) -> KVRequest:
         ids = range(r * blocks, (r + 1) * blocks)
-        return KVRequest(block_ids=ids, tokens=[r, *range(1, blocks * _BLOCK)])
+        return KVRequest(block_ids=ids, tokens=[salt, r, *range(2, blocks * _BLOCK)])
 
-    out: dict[str, float] = {"requests": requests, "blocks_per_request": blocks}
-    for op in ("store", "retrieve"):
-        start = time.perf_counter()
+    async def concurrent(op: str, batch: list[KVRequest]) -> list[Any]:
+        results: list[Any] = [None] * len(batch)
+
+        async def one(i: int) -> None:
+            call = pool.store if op == "store" else pool.retrieve
+            results[i] = await call(batch[i])
+
         async with anyio.create_task_group() as tg:
-            for r in range(requests):
-                tg.start_soon(pool.store if op == "store" else pool.retrieve, request(r))
-        seconds = time.perf_counter() - start
-        out[f"{op}_requests_per_s"] = requests / seconds
-        out[f"{op}_blocks_per_s"] = requests * blocks / seconds
-    for r in range(requests):  # leave nothing in the store
-        await pool.remove(request(r))
+            for i in range(len(batch)):
+                tg.start_soon(one, i)
+        return results
+
+    async def in_steps(op: str, batch: list[KVRequest]) -> list[Any]:
+        call = pool.store_many if op == "store" else pool.retrieve_many
+        results: list[Any] = []
+        for start in range(0, len(batch), _STEP):
+            results += await call(batch[start : start + _STEP])
+        return results
+
+    out: dict[str, float] = {"requests": requests, "blocks_per_request": blocks, "step_requests": _STEP}
+    for salt, (way, run) in enumerate((("", concurrent), ("_in_steps", in_steps))):
+        batch = [request(r, salt) for r in range(requests)]
+        for op in ("store", "retrieve"):
+            start = time.perf_counter()
+            results = await run(op, batch)
+            seconds = time.perf_counter() - start
+            moved = [r.stored if op == "store" else r.hit_blocks for r in results]
+            if moved != [blocks] * requests:
+                raise RuntimeError(f"bench: a {op} of the many-requests run missed blocks")
+            out[f"{op}{way}_requests_per_s"] = requests / seconds
+            out[f"{op}{way}_blocks_per_s"] = requests * blocks / seconds
+        for one in batch:  # leave nothing in the store
+            await pool.remove(one)
     await backend.aclose()
     return out
 
@@ -124,6 +149,11 @@ def scale_main(url: str, *, as_json: bool, quick: bool) -> int:
     stores, loads = many["store_requests_per_s"], many["retrieve_requests_per_s"]
     print(
         f"{many['requests']:.0f} concurrent requests of {many['blocks_per_request']:.0f} blocks: "
+        f"store {stores:,.0f} req/s, retrieve {loads:,.0f} req/s"
+    )
+    stores, loads = many["store_in_steps_requests_per_s"], many["retrieve_in_steps_requests_per_s"]
+    print(
+        f"  the same in steps of {many['step_requests']:.0f} requests, one call each: "
         f"store {stores:,.0f} req/s, retrieve {loads:,.0f} req/s"
     )
     return 0

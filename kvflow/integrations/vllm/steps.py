@@ -13,8 +13,9 @@ engine), except the blocks of an asynchronous load, which vLLM holds until every
 - :class:`BlockSteps`: ``load`` gets every block of the step's loads and waits for them, so the
   forward reads complete blocks; ``finish`` stores the blocks the step computed and waits until
   the stores have read them: copied out to host staging (a device cache), or put (a host cache).
-  The outcome holds the stores' results as they ended by then (a staged put may still run: its
-  result is counted when the next step ends). With ``wait_stored`` (a ``kv_producer``: a decode
+  Each moves all of the step's requests in one pool call. The outcome holds the stores' results
+  as they ended by then (a staged put may still run: its result is counted when the next step
+  ends). With ``wait_stored`` (a ``kv_producer``: a decode
   engine looks the blocks up as soon as the request's output is out) ``finish`` also waits for
   staged puts, so every store has ended when the step does.
 - :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
@@ -131,6 +132,27 @@ def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
     return future
 
 
+def _each(
+    future: concurrent.futures.Future[list[StoreResult]], count: int
+) -> list[concurrent.futures.Future[StoreResult]]:
+    """A future per request of a call that stores ``count`` requests, resolved when it ends: its
+    own result, or the call's error."""
+    each: list[concurrent.futures.Future[StoreResult]] = [concurrent.futures.Future() for _ in range(count)]
+
+    def resolve(done: concurrent.futures.Future[list[StoreResult]]) -> None:
+        error = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
+        if error is None and len(done.result()) != count:
+            error = BackendError(f"a store of {count} requests answered {len(done.result())} results")
+        for i, one in enumerate(each):
+            if error is not None:
+                one.set_exception(error)
+            else:
+                one.set_result(done.result()[i])
+
+    future.add_done_callback(resolve)
+    return each
+
+
 def device_needs_event(device: torch.device) -> bool:
     """Whether KV on ``device`` is written asynchronously to the host (GPU and NPU streams)."""
     return device.type != "cpu"
@@ -145,13 +167,15 @@ class BlockSteps:
     _load_failed: bool = attrs.field(default=False, init=False)
 
     def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
-        """Load every block now; the results (the caller records them at once)."""
-        futures = []
-        for span in spans:
-            watch = Stopwatch()
-            future = self.pool.submit_retrieve(span)
-            futures.append((span, future, watch.watch(future)))
-        loaded = tuple((span, wait_ended(future, "load"), watch.seconds) for span, future, watch in futures)
+        """Load every block now, the step's loads in one call; the results (the caller records
+        them at once)."""
+        watch = Stopwatch()
+        future = self.pool.submit_retrieve_many(spans)
+        watch.watch(future)
+        results: Sequence[RetrieveResult | None] | None = wait_ended(future, "load")
+        if results is None:  # the call failed as a whole: every load of the step failed
+            results = [None] * len(spans)
+        loaded = tuple((span, result, watch.seconds) for span, result in zip(spans, results))
         self._load_failed = self._load_failed or StepOutcome(loaded).load_failed
         return loaded
 
@@ -167,26 +191,25 @@ class BlockSteps:
         failed, self._load_failed = self._load_failed, False
         if failed:
             return StepOutcome(dropped=tuple(saves))
+        if not saves:
+            return StepOutcome()
         written = None
         layout = self.pool.layout
         assert layout is not None  # a worker's pool has its KV caches
-        if saves and device_needs_event(layout.device):
+        if device_needs_event(layout.device):
             # The host returns from the forward before the device finishes it: order the reads.
             written = make_event(layout.device)
             written.record()
-        stores = []
-        for span in saves:
-            released, watch = threading.Event(), Stopwatch()
-            future = self.pool.submit_store(span, after=written, on_released=released.set)
-            stores.append((span, released, future, watch.watch(future)))
-        for _, released, future, _ in stores:  # once copied out, vLLM may reuse the blocks
-            wait_released(released, future)
+        # The step's stores in one call: one plan and batched backend calls for every request.
+        released, watch = threading.Event(), Stopwatch()
+        future = self.pool.submit_store_many(saves, after=written, on_released=released.set)
+        watch.watch(future)
+        wait_released(released, future)  # once copied out, vLLM may reuse the blocks
         if self.pool.device is None or self.wait_stored:
             # Direct puts: released means stored, the result follows at once. A producer waits
             # for staged puts too: its request's output must not leave before its blocks are in.
-            for _, _, future, _ in stores:
-                wait_ended(future, "store")
-        return StepOutcome(stores=tuple((span, future, watch) for span, _, future, watch in stores))
+            wait_ended(future, "store")
+        return StepOutcome(stores=tuple(zip(saves, _each(future, len(saves)), [watch] * len(saves))))
 
     def close(self) -> None:
         self.pool.close()

@@ -384,6 +384,53 @@ def test_stores_end_inside_their_step_so_finished_requests_hold_no_blocks(open_s
     ]
 
 
+def test_a_steps_stores_and_loads_of_several_requests_each_go_in_one_call(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests prefilled in one step are stored by one pool call, and two that load in one
+    step are loaded by one; each request's blocks are counted and land where they belong."""
+    calls: list[tuple[str, int]] = []
+    store_many, retrieve_many = SyncPool.submit_store_many, SyncPool.submit_retrieve_many
+
+    def stores(pool: SyncPool, requests: Any, **kwargs: Any) -> Any:
+        calls.append(("store", len(requests)))
+        return store_many(pool, requests, **kwargs)
+
+    def loads(pool: SyncPool, requests: Any, **kwargs: Any) -> Any:
+        calls.append(("load", len(requests)))
+        return retrieve_many(pool, requests, **kwargs)
+
+    monkeypatch.setattr(SyncPool, "submit_store_many", stores)
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", loads)
+    sides: Sides = open_sides()
+    other = [7, *TOKENS[1:]]  # another prompt: other blocks
+    first, second = FakeRequest("r1", TOKENS), FakeRequest("r2", other)
+    sides.admit(first, [1, 2, 3, 4])
+    sides.admit(second, [5, 6, 7, 8])
+    sides.step(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r1", ([1, 2, 3, 4],), 0), FakeNewRequest("r2", ([5, 6, 7, 8],), 0)],
+            num_scheduled_tokens={"r1": len(TOKENS), "r2": len(other)},
+        )
+    )
+    assert calls == [("store", 2)] and sides.workers[0].counters.stored_blocks == 6
+    calls.clear()
+    again, again_other = FakeRequest("r3", TOKENS), FakeRequest("r4", other)
+    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
+    assert sides.admit(again_other, [13, 14, 15, 16]) == (12, False)
+    sides.step(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r3", ([9, 10, 11, 12],), 12), FakeNewRequest("r4", ([13, 14, 15, 16],), 12)],
+            num_scheduled_tokens={"r3": 2, "r4": 2},
+        )
+    )
+    assert calls == [("load", 2)] and sides.workers[0].counters.loaded_blocks == 6
+    cache = sides.caches[0]
+    for src, dst in zip((1, 2, 3, 5, 6, 7), (9, 10, 11, 13, 14, 15)):
+        assert all(torch.equal(s, d) for s, d in zip(_block(cache, src), _block(cache, dst)))
+    assert not torch.equal(_block(cache, 1)[0], _block(cache, 5)[0])  # a swap of the two would show
+
+
 def test_every_rank_stores_only_its_own_blocks_and_ends_with_the_step(open_sides: Any) -> None:
     """TP=2 with one KV head: block i is stored by rank i % 2 alone; a one-block request leaves
     rank 1 with nothing to store."""
