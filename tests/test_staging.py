@@ -836,3 +836,80 @@ async def test_a_layer_is_handed_out_with_the_event_of_a_copy_another_layer_fini
             layer = {names[outcome.layer]: src[names[outcome.layer]]}
             assert same_blocks(layer, dst, list(zip(SRC_IDS, DST_IDS))), outcome.layer
     assert layer0_gets == [4, 4, 2] and loader.results()[0].hit_blocks == 10
+
+
+# -- a copy that fails part-way: the copies queued before the error still run -------------------
+
+TOKENS_P = list(range(100, 100 + BLOCK))  # prompt A of the tests below
+TOKENS_Q = list(range(900, 900 + BLOCK))  # prompt B
+
+
+@attrs.define(eq=False)
+class LazyDevice(LateDevice):
+    """A :class:`LateDevice` whose copies into the cache read their host rows when they run, not
+    when issued, as an asynchronous host-to-device copy reads pinned memory when its DMA runs."""
+
+    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        self.scatters += 1
+        if self.fail_scatter or self.scatters - 1 in self.fail_scatter_calls:
+            raise RuntimeError("injected device error in a copy into the cache")
+        index = index.clone()
+        self._queued.append(lambda: target.index_copy_(0, index, rows))
+
+
+def staged_one_chunk() -> PoolConfig:
+    return PoolConfig(staging="always", staging_bytes=4096)  # one chunk of one whole block (3 KiB)
+
+
+async def test_a_store_whose_copy_out_fails_part_way_never_leaks_into_a_later_load() -> None:
+    """The engine's pool stores block 5 (prompt A) through its one staging chunk; the copy out of
+    the cache fails at the second layer, the first layer's copy still queued on the copy stream.
+    The same pool then loads prompt B (stored earlier by another engine) into block 7 through that
+    chunk: the backend writes B into the chunk, the copy into the cache is queued after the stale
+    copy out, which overwrites the chunk's first layer with A's block 5 before it is read. The load
+    reports block 7 loaded: its first layer must be B's, not A's."""
+    other = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    writer = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(other), backend=backend)
+    assert (await writer.store(KVRequest(block_ids=[2], tokens=TOKENS_Q))).stored == 1
+
+    mine = LAYOUTS["vllm_cpu"]()
+    device = LazyDevice(torch.device("cpu"), max_delay_s=0.0, fail_gather_calls={1})  # its second layer
+    pool = KVPool.create(
+        staged_one_chunk(), layout=KVLayout.from_kv_caches(mine), backend=backend, device=device
+    )
+    stored = await pool.store(KVRequest(block_ids=[5], tokens=TOKENS_P))
+    assert stored.failed_indices == (0,)  # the device error is reported
+
+    got = await pool.retrieve(KVRequest(block_ids=[7], tokens=TOKENS_Q))
+    assert got.statuses == (GetStatus.HIT,)
+    for name in mine:
+        assert block_bytes(mine[name], 7) == block_bytes(other[name], 2), f"{name} of block 7 is not B's"
+
+
+async def test_a_load_whose_copy_in_fails_part_way_writes_nothing_after_it_returned() -> None:
+    """A load of prompt B into block 7 fails at the second layer's copy into the cache (the first
+    layer's copy queued). It reports block 7 failed and returns; the engine recomputes block 7.
+    The pool then loads prompt A into block 4 through the same chunk: when its copies run, the
+    stale first-layer copy runs too, now reading A's bytes, into block 7. Nothing kvflow does after
+    a retrieve returned may write that retrieve's blocks."""
+    other = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    writer = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(other), backend=backend)
+    assert (await writer.store(KVRequest(block_ids=[2], tokens=TOKENS_Q))).stored == 1
+    assert (await writer.store(KVRequest(block_ids=[3], tokens=TOKENS_P))).stored == 1
+
+    mine = LAYOUTS["vllm_cpu"]()
+    device = LazyDevice(torch.device("cpu"), max_delay_s=0.0, fail_scatter_calls={1})
+    pool = KVPool.create(
+        staged_one_chunk(), layout=KVLayout.from_kv_caches(mine), backend=backend, device=device
+    )
+    got = await pool.retrieve(KVRequest(block_ids=[7], tokens=TOKENS_Q))
+    assert got.failed_block_ids == (7,)
+    recomputed = {name: mine[name][7].clone() for name in mine}  # type: ignore[index]
+    # (the engine's recompute: block 7 keeps these bytes)
+    assert (await pool.retrieve(KVRequest(block_ids=[4], tokens=TOKENS_P))).hit_blocks == 1
+    for name in mine:
+        assert torch.equal(mine[name][7], recomputed[name]), (
+            f"{name}: block 7 written after its load returned"
+        )  # type: ignore[index]

@@ -425,3 +425,69 @@ def test_a_reader_with_one_small_staging_chunk_loads_the_writers_kv_round_by_rou
     up and down, pipeline splits, layerwise on either side, staged or not; the reader's staging
     holds one object at a time, so every load of another profile's objects takes many rounds."""
     anyio.run(share, Model.draw(HEADS[heads], 13), writer, reader, 17)
+
+
+# -- a reader of another block size packs several blocks' objects into one chunk ----------------
+# Writer blocks of 12 tokens, reader blocks of 8 (hash_tokens 4): reader block 1 needs writer
+# objects 0 and 1, block 2 object 1, block 4 objects 2 and 3, ... With a chunk of three writer
+# objects the second chunk starts at reader block 4, which needs object 2 (placed in the first
+# chunk) and object 3: the packing must count both again, or it places four objects' addresses
+# in a chunk of three and the backend writes past the chunk's end.
+
+STRADDLE_LAYERS, STRADDLE_HEADS, STRADDLE_D = 2, 2, 4
+STRADDLE_TOKENS = 96  # 8 writer blocks of 12, 12 reader blocks of 8
+
+
+def straddle_model() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(STRADDLE_LAYERS, STRADDLE_TOKENS, STRADDLE_HEADS, STRADDLE_D, generator=gen),
+        torch.randn(STRADDLE_LAYERS, STRADDLE_TOKENS, STRADDLE_HEADS, STRADDLE_D, generator=gen),
+    )
+
+
+def straddle_caches(block: int, blocks: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {
+        f"model.layers.{layer}.attn": (
+            torch.full((blocks, block, STRADDLE_HEADS, STRADDLE_D), float("nan")),
+            torch.full((blocks, block, STRADDLE_HEADS, STRADDLE_D), float("nan")),
+        )
+        for layer in range(STRADDLE_LAYERS)
+    }
+
+
+def straddle_config(**kw: object) -> PoolConfig:
+    return PoolConfig(model="m", hash_tokens=4, **kw)  # type: ignore[arg-type]
+
+
+async def test_a_reshaped_load_of_straddling_blocks_never_addresses_past_its_chunk() -> None:
+    k, v = straddle_model()
+    backend = FencedBackend()
+    wblock, rblock = 12, 8
+    n_w, n_r = STRADDLE_TOKENS // wblock, STRADDLE_TOKENS // rblock
+    src = straddle_caches(wblock, n_w)
+    for layer, (kc, vc) in enumerate(src.values()):
+        for i in range(n_w):
+            kc[i].copy_(k[layer, i * wblock : (i + 1) * wblock])
+            vc[i].copy_(v[layer, i * wblock : (i + 1) * wblock])
+    writer = KVPool.create(straddle_config(), layout=KVLayout.from_kv_caches(src), backend=backend)
+    stored = await writer.store(KVRequest(tokens=list(range(STRADDLE_TOKENS)), block_ids=list(range(n_w))))
+    assert stored.ok
+    object_bytes = (
+        2 * STRADDLE_LAYERS * wblock * STRADDLE_HEADS * STRADDLE_D * 4
+    )  # one writer object: every layer's K and V
+
+    dst = straddle_caches(rblock, n_r)
+    reader = KVPool.create(
+        straddle_config(staging_bytes=3 * object_bytes),  # the scratch chunk: three writer objects
+        layout=KVLayout.from_kv_caches(dst),
+        backend=backend,
+        parallel=ParallelConfig(),
+    )
+    got = await reader.retrieve(KVRequest(tokens=list(range(STRADDLE_TOKENS)), block_ids=list(range(n_r))))
+    assert backend.strays == [], f"{len(backend.strays)} regions outside the registered chunk"
+    assert got.failed_block_ids == ()
+    for layer, (kc, vc) in enumerate(dst.values()):
+        for i in range(n_r):
+            assert torch.equal(kc[i], k[layer, i * rblock : (i + 1) * rblock])
+            assert torch.equal(vc[i], v[layer, i * rblock : (i + 1) * rblock])

@@ -203,8 +203,11 @@ class StoreJob:
                         [self.plan.block_ids[self.owned[k]] for k in part],
                     )
                 except Exception as exc:  # a device error: these objects fail, nothing was written
-                    staging.give_back(chunk)
                     log.warning("copying %d blocks out of the KV cache failed: %r", len(part), exc)
+                    try:
+                        await _copied(chunk, deadline)  # copies queued before the error still write it
+                    finally:
+                        staging.give_back(chunk)
                     continue
                 pending.append((start, chunk))
                 if len(pending) > 1:
@@ -422,6 +425,7 @@ class LoadJob:
             if used + need > pool.chunk_bytes and batches[-1]:
                 batches.append([])
                 used, placed = 0, set()
+                need = sum(sizes.values())  # a new chunk holds none of them yet
             batches[-1].append(j)
             used += need
             placed |= {s.key for s in found}
@@ -432,12 +436,16 @@ class LoadJob:
                 break
             offsets: dict[str, int] = {}
             refs: list[ObjectRef] = []
-            base = chunk.buffer.data_ptr()
+            base, at = chunk.buffer.data_ptr(), 0
             for j in batch:
                 for s in wanted[j]:
                     if s.key not in offsets:
-                        offsets[s.key] = at = sum(r.nbytes for r in refs)
+                        offsets[s.key] = at
                         refs.append(ObjectRef(s.key, [base + at], [s.nbytes], s.nbytes))
+                        at += s.nbytes
+            if at > pool.chunk_bytes:  # the packing above is wrong: never let a get write past the chunk
+                pool.give_back(chunk)
+                raise AssertionError(f"a batch of {at} bytes was packed for a chunk of {pool.chunk_bytes}")
             try:
                 got = dict(zip(offsets, await self.transfer.get(refs, deadline)))
             except BaseException:
@@ -497,19 +505,21 @@ class LoadJob:
             ]
             try:
                 with pool.device.on_copy_stream():
-                    if rows:
-                        copy_rows(
-                            transfer.require_layout(),
-                            [plan.block_ids[batch[r]] for r in rows],
-                            rows,
-                            first_layer=transfer.stage_layers[0],
-                            layers=layers,
-                            heads=transfer.heads,
-                            profile=profile,
-                            buffer=chunk.buffer,
-                            regions=list(zip(offsets, scopes, sizes)),
-                        )
-                    chunk.copied = pool.device.record()
+                    try:
+                        if rows:
+                            copy_rows(
+                                transfer.require_layout(),
+                                [plan.block_ids[batch[r]] for r in rows],
+                                rows,
+                                first_layer=transfer.stage_layers[0],
+                                layers=layers,
+                                heads=transfer.heads,
+                                profile=profile,
+                                buffer=chunk.buffer,
+                                regions=list(zip(offsets, scopes, sizes)),
+                            )
+                    finally:  # after an error too: the copies queued before it still read the chunk
+                        chunk.copied = pool.device.record()
                 filled.update(batch[r] for r in rows)
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
@@ -530,19 +540,21 @@ class LoadJob:
         layout = transfer.require_layout()
         block = transfer.format.block_size
         with pool.device.on_copy_stream():
-            for j in blocks:
-                copy_into(
-                    layout,
-                    self.plan.block_ids[j],
-                    first_token=self.plan.indices[j] * block,
-                    first_layer=transfer.stage_layers[0],
-                    layers=layers,
-                    heads=transfer.heads,
-                    profile=profile,
-                    buffer=chunk.buffer,
-                    placed=[(offsets[s.key], s) for s in wanted[j]],
-                )
-            chunk.copied = pool.device.record()
+            try:
+                for j in blocks:
+                    copy_into(
+                        layout,
+                        self.plan.block_ids[j],
+                        first_token=self.plan.indices[j] * block,
+                        first_layer=transfer.stage_layers[0],
+                        layers=layers,
+                        heads=transfer.heads,
+                        profile=profile,
+                        buffer=chunk.buffer,
+                        placed=[(offsets[s.key], s) for s in wanted[j]],
+                    )
+            finally:  # after an error too: the copies queued before it still read the chunk
+                chunk.copied = pool.device.record()
 
     def _issued(self, unit: Unit, chunk: Chunk, home: StagingPool) -> None:
         """``unit``'s copies into the cache from ``chunk`` were issued: keep the chunk until they

@@ -143,12 +143,15 @@ def gather(
     device: Device, layout: KVLayout, shape: UnitShape, chunk: Chunk, block_ids: Sequence[int]
 ) -> None:
     """Copy ``block_ids``' unit into the chunk's first rows, one batched copy per plane, on the
-    copy stream; ``chunk.copied`` completes when they are done."""
+    copy stream; ``chunk.copied`` completes when they are done (recorded even when a copy
+    raises: the chunk is not reused before the copies queued before the error completed)."""
     with device.on_copy_stream():
-        index = device.index(list(block_ids))
-        for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
-            device.gather_rows(layout.plane_views[plane], index, region[: len(block_ids)])
-        chunk.copied = device.record()
+        try:
+            index = device.index(list(block_ids))
+            for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
+                device.gather_rows(layout.plane_views[plane], index, region[: len(block_ids)])
+        finally:  # after an error too: the planes queued before it still copy into the chunk
+            chunk.copied = device.record()
 
 
 def scatter(
@@ -161,14 +164,18 @@ def scatter(
 ) -> None:
     """Copy the chunk's ``rows`` into the cache blocks ``block_ids`` (``block_ids[j]`` gets row
     ``rows[j]``), one batched copy per plane, on the copy stream; ``chunk.copied`` completes when
-    they are done."""
+    they are done (recorded even when a copy raises, as for :func:`gather`)."""
     with device.on_copy_stream():
-        if rows:
-            index = device.index(list(block_ids))
-            picked = (
-                None if list(rows) == list(range(len(rows))) else torch.tensor(list(rows), dtype=torch.long)
-            )
-            for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
-                source = region[: len(rows)] if picked is None else region.index_select(0, picked)
-                device.scatter_rows(layout.plane_views[plane], index, source)
-        chunk.copied = device.record()
+        try:
+            if rows:
+                index = device.index(list(block_ids))
+                picked = (
+                    None
+                    if list(rows) == list(range(len(rows)))
+                    else torch.tensor(list(rows), dtype=torch.long)
+                )
+                for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
+                    source = region[: len(rows)] if picked is None else region.index_select(0, picked)
+                    device.scatter_rows(layout.plane_views[plane], index, source)
+        finally:  # after an error too: the planes queued before it still read the chunk
+            chunk.copied = device.record()
