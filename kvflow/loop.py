@@ -49,14 +49,29 @@ class CallFuture(concurrent.futures.Future[T]):
     def __init__(self, answer_by: float) -> None:
         super().__init__()
         self.answer_by = answer_by
+        #: set once the call itself has ended on the loop (or will never run). A cancelled future
+        #: is done at once, while its call may still run to its end (a copy on the device, a
+        #: backend call that does not return when cancelled) and touch its blocks until then.
+        self.ended = threading.Event()
 
 
-def wait_answer(future: CallFuture[T]) -> T:
-    """Block until the call answers; after ``future.answer_by`` cancel it and raise TimeoutError."""
+def wait_answer(future: CallFuture[T], *, holds_blocks: bool = False) -> T:
+    """Block until the call answers; after ``future.answer_by`` cancel it and raise TimeoutError.
+
+    ``holds_blocks``: the call reads or writes the caller's KV blocks (a store, a retrieve). Then a
+    cancelled call is given :data:`ANSWER_GRACE_S` more to really end, and a TimeoutError that
+    says "stuck" means it did not: its blocks may still be read or written, so they must not be
+    reused (restart the pool)."""
     try:
         return future.result(max(0.0, future.answer_by - time.monotonic()))
     except concurrent.futures.TimeoutError:
         future.cancel()
+        if holds_blocks and not future.ended.wait(ANSWER_GRACE_S):
+            raise TimeoutError(
+                "a kvflow transfer is stuck: it did not end within its timeout, nor once cancelled (a "
+                "copy on the device or a backend call that does not return), so do not reuse its "
+                "blocks, which it may still read or write: restart the pool"
+            ) from None
         raise TimeoutError(
             "kvflow did not answer within its timeout: its loop thread is held up (a backend call "
             "that blocks?); the call was cancelled"
@@ -115,6 +130,7 @@ class LoopThread:
             loop.call_soon_threadsafe(self._notify)
         except RuntimeError:  # the loop closed meanwhile
             future.cancel()
+            future.ended.set()
             raise PoolClosedError("the kvflow loop thread has stopped; open a new pool") from None
         return future
 
@@ -159,6 +175,7 @@ class LoopThread:
                 orphans, self._pending = self._pending, set()
             for future in orphans:  # submitted, but the loop ended before they ran
                 future.cancel()
+                future.ended.set()
 
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
@@ -187,6 +204,14 @@ class LoopThread:
         self._notify()
 
     async def _call(
+        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], future: CallFuture[T]
+    ) -> None:
+        try:
+            await self._run_call(fn, args, future)
+        finally:
+            future.ended.set()
+
+    async def _run_call(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], future: CallFuture[T]
     ) -> None:
         loop = asyncio.get_running_loop()

@@ -153,12 +153,14 @@ class SyncPool:
     def store(
         self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
     ) -> StoreResult:
-        """Blocking store; TimeoutError when no answer came by its timeout (plus the grace)."""
-        return wait_answer(self.submit_store(request, after=after, timeout_s=timeout_s))
+        """Blocking store; TimeoutError when no answer came by its timeout (plus the grace), one
+        that says "stuck" when the store did not end once cancelled either (do not reuse the
+        blocks then: :func:`kvflow.loop.wait_answer`)."""
+        return wait_answer(self.submit_store(request, after=after, timeout_s=timeout_s), holds_blocks=True)
 
     def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
-        """Blocking retrieve; TimeoutError when no answer came by its timeout (plus the grace)."""
-        return wait_answer(self.submit_retrieve(request, timeout_s=timeout_s))
+        """Blocking retrieve; TimeoutError as :meth:`store`'s."""
+        return wait_answer(self.submit_retrieve(request, timeout_s=timeout_s), holds_blocks=True)
 
     def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Blocking :meth:`KVPool.remove`: delete this rank's objects of the prompt's blocks."""

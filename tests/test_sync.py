@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -8,10 +9,14 @@ from collections.abc import Sequence
 import anyio
 import attrs
 import pytest
+import torch
 
-from kvflow import KVLayout, KVRequest, MemoryBackend, PoolClosedError, PoolConfig, SyncPool
-from kvflow.loop import ANSWER_GRACE_S
-from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, zeros_like_caches
+from kvflow import GetStatus, KVLayout, KVRequest, MemoryBackend, PoolClosedError, PoolConfig, SyncPool
+from kvflow.backends import ObjectRef
+from kvflow.loop import ANSWER_GRACE_S, wait_answer
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
+from tests.test_chaos import ChaosBackend
+from tests.test_staging import StuckDevice
 
 TOKENS = list(range(BLOCK * 6))
 
@@ -128,3 +133,63 @@ def test_stop_cancels_a_call_that_was_given_up_on() -> None:
     pool.close(timeout_s=0.2)  # the pool gives up waiting; stopping the loop cancels the put
     assert time.monotonic() - start < 5
     assert stuck.done()
+
+
+def test_a_store_given_up_on_never_publishes_what_the_engine_writes_after_it_gave_up() -> None:
+    """A staged store (0.2 s timeout) whose copy out of the cache the device finishes at 2 s: the
+    caller gets TimeoutError once the store ended, its deadline past, and the engine writes another
+    request's KV into the block; the copy read the block before that, and no put starts after
+    the deadline, so the store publishes nothing under the prompt's key."""
+    caches = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    config = PoolConfig(staging="always", staging_bytes=4096, timeout_s=0.2)
+    request = KVRequest(block_ids=[3], tokens=TOKENS[:BLOCK])
+    kept = ChaosBackend(backend, random.Random(0), faults=False)  # passes calls through, never closes it
+    sync = SyncPool.open(
+        config,
+        layout=KVLayout.from_kv_caches(caches),
+        backend=kept,  # type: ignore[arg-type]
+        device=StuckDevice(torch.device("cpu"), delay_s=2.0),
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="held up"):  # it ended within the grace: not stuck
+            sync.store(request)
+        for name in caches:  # the engine reuses block 3 for another request
+            caches[name][3].fill_(7.0)  # type: ignore[index]
+        time.sleep(max(0.0, started + 2.5 - time.monotonic()))  # the device is done by now
+    finally:
+        sync.close(timeout_s=5)
+    check = zeros_like_caches(caches)
+    reader = SyncPool.open(layout=KVLayout.from_kv_caches(check), backend=backend)  # type: ignore[arg-type]
+    try:
+        assert kv_keys(backend) == []  # no KV object at all
+        assert reader.retrieve(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])).failed_block_ids == (0,)
+    finally:
+        reader.close()
+
+
+def test_a_blocking_transfer_that_does_not_end_once_cancelled_says_it_is_stuck() -> None:
+    """A get that ignores cancellation for 3 s: the blocking retrieve gives up at its timeout plus
+    the grace, cancels, waits the grace again for the call to end, and then says the call is
+    stuck (its blocks may still be written) instead of letting the caller reuse them unawares."""
+
+    @attrs.define
+    class StuckGets(FaultyBackend):
+        async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(3.0)
+            return await super().get(objects)
+
+    src = LAYOUTS["vllm_cpu"]()
+    backend = StuckGets()
+    sync = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    try:
+        assert sync.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])).stored == 1
+        future = sync.submit_retrieve(KVRequest(block_ids=[1], tokens=TOKENS[:BLOCK]), timeout_s=0.1)
+        with pytest.raises(TimeoutError, match="stuck"):
+            wait_answer(future, holds_blocks=True)
+        assert future.cancelled() and not future.ended.is_set()  # done for the caller, still running
+        assert future.ended.wait(10)  # it ends once the get returns
+    finally:
+        sync.close(timeout_s=10)

@@ -3,7 +3,8 @@
 ``run_batches`` splits a request's objects into backend-sized batches and runs them concurrently
 (:func:`~kvflow.transfer.together.together`), holding the pool's byte budget so that the bytes in
 backend calls at once stay bounded. A batch whose call raises a store fault, or that has not
-finished by the deadline, gets the failure result for each of its objects; nothing is dropped.
+finished by the deadline, gets the failure result for each of its objects; nothing is dropped, and
+no call starts once the deadline has passed.
 Programming errors (a misconfigured backend, a malformed request) are raised after every batch
 ended.
 """
@@ -55,6 +56,12 @@ async def run_batches(
     """
     results: list[R] = [failed] * len(objects)
     if not objects:
+        return results
+    if time.monotonic() >= deadline:
+        # No call starts late: a store whose caller has given up must not publish the blocks,
+        # which the engine may already be writing again (and a backend call that never yields
+        # would run whole before any cancellation reached it).
+        log.warning("backend calls for %d objects not started: their deadline passed", len(objects))
         return results
     size = max(1, max_batch)
     # Spread objects over batches of near-equal size so no batch is tiny.
