@@ -218,10 +218,10 @@ class KVPool:
     ) -> list[RetrieveResult]:
         """:meth:`retrieve` of several requests (an engine step's) in one call, one result per
         request in order: their blocks come from the backend together, in calls of up to its
-        batch size. The requests must not share a destination block."""
+        batch size. No two of them may name one destination block (RequestError)."""
         check_timeout(timeout_s)
         transfer = self._transfer
-        job = LoadJob(transfer, transfer.plan(requests))
+        job = LoadJob(transfer, transfer.plan(requests, loads=True))
         deadline = transfer.deadline(timeout_s)
         transfer.begin()
         try:
@@ -285,7 +285,9 @@ class KVPool:
         self._require_layerwise()
         check_timeout(timeout_s)
         transfer = self._transfer
-        return LayerwiseRetriever(transfer, transfer.plan(requests), _timeout(self, timeout_s), depth)
+        return LayerwiseRetriever(
+            transfer, transfer.plan(requests, loads=True), _timeout(self, timeout_s), depth
+        )
 
     def _require_layerwise(self) -> None:
         if not self.config.layerwise:

@@ -627,3 +627,30 @@ async def test_many_requests_in_one_call_move_as_they_would_one_by_one(config: P
     pairs = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (7, 5), (8, 6)]
     assert all(block_bytes(dst[n], d) == block_bytes(src[n], s) for s, d in pairs for n in src)
     assert all(not dst[n][7:9].any() for n in dst)  # a miss writes nothing
+
+
+async def test_a_load_of_several_requests_refuses_two_that_name_one_destination_block() -> None:
+    """One get would write the block twice, and a failed second copy would spoil what the first
+    reported loaded: a retrieve of several requests, and the layerwise retriever, refuse them
+    before anything moves. A store may read one block for two requests."""
+    src = LAYOUTS["vllm_cpu"]()
+    pool = make_pool(src)
+    first = KVRequest(block_ids=[3], tokens=TOKENS[:BLOCK])
+    second = KVRequest(block_ids=[3, 6], tokens=TOKENS[: 2 * BLOCK])
+    stored = await pool.store_many([first, second])
+    assert [r.statuses for r in stored] == [(PutStatus.STORED,), (PutStatus.PRESENT, PutStatus.STORED)]
+    dst = zeros_like_caches(src)
+    reader = make_pool(dst, pool.backend)
+    refused = "block id 3 is the destination of two requests of one load"
+    with pytest.raises(RequestError, match=refused):
+        await reader.retrieve_many([first, second])
+    layerwise = KVPool.create(
+        PoolConfig(layerwise=True), layout=KVLayout.from_kv_caches(dst), backend=MemoryBackend()
+    )
+    with pytest.raises(RequestError, match=refused):
+        layerwise.layerwise_retrieve([first, second])
+    assert all(not t.any() for t in dst.values())  # nothing moved
+    assert [
+        r.hit_blocks
+        for r in await reader.retrieve_many([first, KVRequest(block_ids=[4, 6], tokens=TOKENS[: 2 * BLOCK])])
+    ] == [1, 2]

@@ -281,9 +281,10 @@ class Transfer:
             raise ConfigError("this pool has no registered KV caches; create it with a layout")
         return self.layout
 
-    def plan(self, requests: Sequence[KVRequest]) -> BlockPlan:
-        """Validate requests against the cache; RequestError before anything moves."""
-        return BlockPlan.build(requests, self.hashing, self.require_layout().num_blocks)
+    def plan(self, requests: Sequence[KVRequest], *, loads: bool = False) -> BlockPlan:
+        """Validate requests against the cache (``loads``: into it, each block by one request
+        only); RequestError before anything moves."""
+        return BlockPlan.build(requests, self.hashing, self.require_layout().num_blocks, loads=loads)
 
     def objects(self, keys: Sequence[str], block_ids: Sequence[int], unit: Unit) -> BlockObjects:
         """``keys[i]`` holds ``unit`` of engine block ``block_ids[i]`` (made a batch at a time)."""

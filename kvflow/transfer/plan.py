@@ -66,8 +66,13 @@ class BlockPlan:
     fine: tuple[list[bytes], ...]
 
     @classmethod
-    def build(cls, requests: Sequence[KVRequest], hashing: Hashing, num_blocks: int) -> BlockPlan:
-        """Check every request against the cache (``num_blocks``) and the pool's block size.
+    def build(
+        cls, requests: Sequence[KVRequest], hashing: Hashing, num_blocks: int, *, loads: bool = False
+    ) -> BlockPlan:
+        """Check every request against the cache (``num_blocks``) and the pool's block size;
+        ``loads``: the requests are loaded, so no two of them may name one destination block (one
+        get would write it twice, and a failed second copy would spoil what the first reported
+        loaded).
 
         Raises RequestError before anything moves. Pure; safe from any thread.
         """
@@ -108,6 +113,15 @@ class BlockPlan:
             origins.extend([r] * (end - first))
             fine.append(prompt)
             spans.append((start, len(hashes)))
+        if loads and len(requests) > 1 and len(set(block_ids)) < len(block_ids):
+            taken: set[int] = set()
+            for block_id in block_ids:
+                if block_id in taken:
+                    raise RequestError(
+                        f"block id {block_id} is the destination of two requests of one load; load "
+                        "each block into one request's blocks only"
+                    )
+                taken.add(block_id)
         return cls(tuple(requests), tuple(spans), hashes, block_ids, indices, origins, tuple(fine))
 
     def __len__(self) -> int:
