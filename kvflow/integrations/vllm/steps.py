@@ -50,7 +50,7 @@ from kvflow.results import RetrieveResult, StoreResult
 from kvflow.sync import SyncPool
 from kvflow.sync_layerwise import SyncLayerwisePool
 
-__all__ = ["STILL_RUNNING_LOG_S", "BlockSteps", "LayerwiseSteps", "StepOutcome", "wait_ended"]
+__all__ = ["STILL_RUNNING_LOG_S", "BlockSteps", "LayerwiseSteps", "StepOutcome", "each_result", "wait_ended"]
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +132,16 @@ def _completed(result: StoreResult) -> concurrent.futures.Future[StoreResult]:
     return future
 
 
-def _each(
-    future: concurrent.futures.Future[list[StoreResult]], count: int
-) -> list[concurrent.futures.Future[StoreResult]]:
-    """A future per request of a call that stores ``count`` requests, resolved when it ends: its
-    own result, or the call's error."""
-    each: list[concurrent.futures.Future[StoreResult]] = [concurrent.futures.Future() for _ in range(count)]
+def each_result(future: concurrent.futures.Future[list[T]], count: int) -> list[concurrent.futures.Future[T]]:
+    """A future per request of a call that moves ``count`` requests, resolved when the call ends
+    (never before: a request's blocks are in use until then): its own result, or the call's
+    error."""
+    each: list[concurrent.futures.Future[T]] = [concurrent.futures.Future() for _ in range(count)]
 
-    def resolve(done: concurrent.futures.Future[list[StoreResult]]) -> None:
+    def resolve(done: concurrent.futures.Future[list[T]]) -> None:
         error = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
         if error is None and len(done.result()) != count:
-            error = BackendError(f"a store of {count} requests answered {len(done.result())} results")
+            error = BackendError(f"a call of {count} requests answered {len(done.result())} results")
         for i, one in enumerate(each):
             if error is not None:
                 one.set_exception(error)
@@ -209,7 +208,7 @@ class BlockSteps:
             # Direct puts: released means stored, the result follows at once. A producer waits
             # for staged puts too: its request's output must not leave before its blocks are in.
             wait_ended(future, "store")
-        return StepOutcome(stores=tuple(zip(saves, _each(future, len(saves)), [watch] * len(saves))))
+        return StepOutcome(stores=tuple(zip(saves, each_result(future, len(saves)), [watch] * len(saves))))
 
     def close(self) -> None:
         self.pool.close()

@@ -35,7 +35,13 @@ from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
 from kvflow.integrations.vllm.events import KVFlowKVEvents, stored_events
 from kvflow.integrations.vllm.health import StoreWatch
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
-from kvflow.integrations.vllm.steps import STILL_RUNNING_LOG_S, BlockSteps, LayerwiseSteps, StepOutcome
+from kvflow.integrations.vllm.steps import (
+    STILL_RUNNING_LOG_S,
+    BlockSteps,
+    LayerwiseSteps,
+    StepOutcome,
+    each_result,
+)
 from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.integrations.vllm.topology import EngineShape, check_layer_names
 from kvflow.layout import KVCacheEntry, KVLayout
@@ -52,7 +58,7 @@ log = logging.getLogger(__name__)
 @attrs.define(eq=False)
 class _AsyncLoad:
     span: KVRequest
-    future: CallFuture[RetrieveResult]
+    future: concurrent.futures.Future[RetrieveResult]
     deadline: float  # after it, a load still running is logged (and keeps its blocks until it ends)
     watch: Stopwatch
 
@@ -132,15 +138,18 @@ class WorkerSide:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""
         steps = self._steps
         self._idle = meta.idle
-        for span in meta.async_loads:
+        if meta.async_loads:
+            # The step's asynchronous loads in one call; each request's future resolves when it ended.
+            spans = list(meta.async_loads)
+            batch: CallFuture[list[RetrieveResult]] = CallFuture(time.monotonic())
             if steps is None:
-                self._load_errors.update(span.block_ids)
-                future: CallFuture[RetrieveResult] = CallFuture(time.monotonic())
-                future.set_exception(RuntimeError("no KV caches registered"))
+                self._load_errors.update(b for span in spans for b in span.block_ids)
+                batch.set_exception(RuntimeError("no KV caches registered"))
             else:
-                future = steps.pool.submit_retrieve(span)
-            watch = Stopwatch().watch(future)
-            self._async_loads[span.request_id] = _AsyncLoad(span, future, future.answer_by, watch)
+                batch = steps.pool.submit_retrieve_many(spans)
+            for span, future in zip(spans, each_result(batch, len(spans))):
+                watch = Stopwatch().watch(future)
+                self._async_loads[span.request_id] = _AsyncLoad(span, future, batch.answer_by, watch)
         if meta.loads:
             if steps is None:
                 self._load_errors.update(b for span in meta.loads for b in span.block_ids)
@@ -306,7 +315,7 @@ class WorkerSide:
         """Wait (bounded) for transfers in flight, then close the pool."""
         futures: list[concurrent.futures.Future[Any]] = [load.future for load in self._async_loads.values()]
         futures += [put.future for put in self._puts]
-        limit = max([load.future.answer_by for load in self._async_loads.values()], default=0.0)
+        limit = max([load.deadline for load in self._async_loads.values()], default=0.0)
         limit = max(limit, time.monotonic() + self.config.timeout_s if self._puts else 0.0)
         if futures:
             concurrent.futures.wait(futures, timeout=max(0.0, limit - time.monotonic()))

@@ -431,6 +431,40 @@ def test_a_steps_stores_and_loads_of_several_requests_each_go_in_one_call(
     assert not torch.equal(_block(cache, 1)[0], _block(cache, 5)[0])  # a swap of the two would show
 
 
+def test_a_steps_asynchronous_loads_of_several_requests_go_in_one_call(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests whose asynchronous loads start in one step are loaded by one pool call; each
+    is reported received once it ended, with its own blocks in place."""
+    sizes: list[int] = []
+    retrieve_many = SyncPool.submit_retrieve_many
+
+    def loads(pool: SyncPool, requests: Any, **kwargs: Any) -> Any:
+        sizes.append(len(requests))
+        return retrieve_many(pool, requests, **kwargs)
+
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", loads)
+    sides: Sides = open_sides(load_async=True)
+    other = [7, *TOKENS[1:]]
+    for name, tokens, blocks in (("r1", TOKENS, [1, 2, 3, 4]), ("r2", other, [5, 6, 7, 8])):
+        stored = FakeRequest(name, tokens)
+        sides.admit(stored, blocks)
+        _prefill(sides, stored, blocks)
+        sides.scheduler.request_finished(stored)
+    assert sides.admit(FakeRequest("r3", TOKENS), [9, 10, 11, 12]) == (12, True)
+    assert sides.admit(FakeRequest("r4", other), [13, 14, 15, 16]) == (12, True)
+    received: set[str] = set()
+    deadline = time.monotonic() + 10
+    while received != {"r3", "r4"}:
+        for _, recving in sides.step(FakeSchedulerOutput()):
+            received |= recving or set()
+        assert time.monotonic() < deadline
+    assert sizes == [2] and sides.workers[0].counters.loaded_blocks == 6
+    cache = sides.caches[0]
+    for src, dst in zip((1, 2, 3, 5, 6, 7), (9, 10, 11, 13, 14, 15)):
+        assert all(torch.equal(s, d) for s, d in zip(_block(cache, src), _block(cache, dst)))
+
+
 def test_every_rank_stores_only_its_own_blocks_and_ends_with_the_step(open_sides: Any) -> None:
     """TP=2 with one KV head: block i is stored by rank i % 2 alone; a one-block request leaves
     rank 1 with nothing to store."""
@@ -649,7 +683,7 @@ def test_an_overdue_asynchronous_load_is_not_reported_until_its_get_ends(
     sides: Sides = open_sides(load_async=True)
     _stored_r1(sides)
     held: CallFuture[Any] = CallFuture(float("inf"))
-    monkeypatch.setattr(SyncPool, "submit_retrieve", lambda pool, span: held)
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", lambda pool, spans: held)
     loading = FakeRequest("r2", TOKENS)
     assert sides.admit(loading, [9, 10, 11]) == (12, True)
     (worker,) = sides.workers
@@ -705,7 +739,7 @@ def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
     sides.step(FakeSchedulerOutput(preempted_req_ids={"r"}))  # its blocks are freed
 
     held: CallFuture[Any] = CallFuture(float("inf"))
-    monkeypatch.setattr(SyncPool, "submit_retrieve", lambda pool, span: held)
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", lambda pool, spans: held)
     deadline = time.monotonic() + 10
     while (answer := sides.admit(request, [1, 2, 3])) == (None, False):
         assert time.monotonic() < deadline
