@@ -336,10 +336,11 @@ class ArenaFile:
         two of those writes leaves each row holding its old object whole, or a dead writer's slot."""
         if not len(at):
             return
-        table, me = self._table, self.me
-        table[_NS, at], table[_PID, at], table[_START, at] = me.namespace, me.pid, me.start
+        table = self._table
+        table[_NS : _START + 1, at] = self._me_words[:, None]  # the owner's three words
         table[_STATE, at] = WRITING
-        table[_K0, at], table[_K1, at], table[_USED, at] = hashes[:, 0], hashes[:, 1], now
+        table[_K0 : _K1 + 1, at] = hashes.T
+        table[_USED, at] = now
         self._tags[at] = (hashes[:, 1] & np.uint64(0xFF)).astype(np.uint8)
 
     def publish(self, rows: list[int], sizes: list[int], keys: list[str]) -> None:
