@@ -794,7 +794,9 @@ def test_a_layerwise_load_from_mixed_profiles_reports_exactly_the_blocks_it_load
         backend = JitteryBackend(jitter=jitter)
         for layerwise, blocks in ((False, whole), (True, layered)):
             writer = KVPool.create(
-                PoolConfig(layerwise=layerwise), layout=KVLayout.from_kv_caches(src), backend=backend  # type: ignore[arg-type]
+                PoolConfig(layerwise=layerwise),
+                layout=KVLayout.from_kv_caches(src),
+                backend=backend,  # type: ignore[arg-type]
             )
             for block in blocks:  # one block a request: a store stores the prefix it is given
                 tokens = TOKENS[: (block + 1) * BLOCK]
