@@ -708,15 +708,24 @@ def test_a_transfer_is_waited_for_past_its_deadline() -> None:
     assert time.monotonic() - started >= 0.25
 
 
-def test_an_async_load_whose_blocks_failed_is_stored_again_after_the_recompute(open_sides: Any) -> None:
-    """Blocks evicted between lookup and an asynchronous load are recomputed, then stored again."""
+@pytest.mark.parametrize("reported", ["with the last", "a step before the last"])
+def test_an_async_load_whose_blocks_failed_is_stored_again_after_the_recompute(
+    open_sides: Any, reported: str
+) -> None:
+    """Blocks evicted between lookup and an asynchronous load are recomputed, then stored again,
+    also when the worker whose load failed reported it steps before the last worker finished
+    (vLLM reports the request received only then, the failed block when its worker reports it)."""
     sides: Sides = open_sides(load_async=True)
     _stored_r1(sides)
     loading = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
     assert sides.admit(loading, [9, 10, 11, 12, 13, 14]) == (12, True)
     sides.step(FakeSchedulerOutput(), report=False)
     # every worker finished receiving; block 10 (the request's block 1) did not load
-    sides.scheduler.update_connector_output({"r2"}, {10}, set(), [])
+    if reported == "with the last":
+        sides.scheduler.update_connector_output({"r2"}, {10}, set(), [])
+    else:
+        sides.scheduler.update_connector_output(set(), {10}, set(), [])
+        sides.scheduler.update_connector_output({"r2"}, set(), set(), [])
     sides.scheduler.update_state_after_alloc(loading, FakeBlocks([9, 10, 11, 12, 13, 14]), 0)  # type: ignore[arg-type]
     recompute = sides.scheduler.build_connector_meta(
         FakeSchedulerOutput(
