@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
+from kvflow.backends.mooncake.calls import distinct_rounds
 from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
 from kvflow.backends.mooncake.health import HealthGate
 from kvflow.backends.mooncake.native import NativeStore
@@ -85,6 +86,15 @@ def prefix() -> str:
 
 
 # -- configuration (no master needed) -------------------------------------------------------------
+
+
+def test_a_get_asks_for_each_key_once_per_native_call() -> None:
+    """Round n holds the n-th copy of each key, in the objects' order; no round names a key twice."""
+    keys = ["a", "b", "a", "c", "a", "b"]
+    objects = [ObjectRef.of(k, [4096 * i], [8]) for i, k in enumerate(keys)]
+    assert distinct_rounds(objects) == [[0, 1, 3], [2, 5], [4]]
+    assert distinct_rounds(objects[:2]) == [[0, 1]]
+    assert distinct_rounds([]) == []
 
 
 def test_url_sets_every_option() -> None:
@@ -392,6 +402,34 @@ async def test_miss_exists_and_duplicate_puts(
         await anyio.sleep(0.5)
     assert await unchecked.exists([a.key, b1.key]) == [False, True]
     assert await backend.get([contiguous(a.key, dst, 0, 10_000)]) == [GetStatus.MISS]
+
+
+@pytest.mark.mooncake
+async def test_the_same_key_twice_in_one_get_fills_both_objects(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    """A load of several requests asks for a block they share once per request, into each one's
+    blocks: every copy must arrive (one native call is never given a key twice), registered
+    memory and staging alike."""
+    backend = mooncake_backends(mooncake_master.url(segment="16MiB", staging="1MiB"))
+    keys = prefix()
+    src = Slab(64 << 10, seed=6).register(backend)
+    dst, unregistered = Slab(64 << 10, fill=0xAB).register(backend), Slab(64 << 10, fill=0xAB)
+    a, b = contiguous(f"{keys}a", src, 0, 10_000), contiguous(f"{keys}b", src, 20_000, 7_000)
+    assert await backend.put([a, b]) == [PutStatus.STORED] * 2
+    for into in (dst, unregistered):
+        got = await backend.get(
+            [
+                contiguous(a.key, into, 0, 10_000),
+                contiguous(b.key, into, 10_000, 7_000),
+                contiguous(a.key, into, 20_000, 10_000),
+                contiguous(a.key, into, 40_000, 10_000),
+            ]
+        )
+        assert got == [GetStatus.HIT] * 4
+        for at in (0, 20_000, 40_000):
+            assert bytes(into.buf[at : at + 10_000]) == src.read(a), at
+        assert bytes(into.buf[10_000:17_000]) == src.read(b)
 
 
 class CountingStore:

@@ -41,6 +41,7 @@ from kvflow.backends.mooncake.admin import ClusterUsage, fetch, parse_keys, pars
 from kvflow.backends.mooncake.calls import (
     check_objects,
     dedupe,
+    distinct_rounds,
     get_chunk,
     get_results,
     put_chunk,
@@ -288,16 +289,20 @@ class MooncakeBackend:
         return results
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
-        """Fill each object's regions; ``MISS`` leaves them untouched."""
+        """Fill each object's regions; ``MISS`` leaves them untouched. A key asked for twice fills
+        both objects (in separate native calls: :func:`~kvflow.backends.mooncake.calls.distinct_rounds`)."""
         self._check_open()
         check_objects(objects)
         results = [GetStatus.FAILED] * len(objects)
         store = await self._usable_store()
         if store is not None:
-            for chunk in self._plan(objects, range(len(objects))):
-                outcome = await self._in_chunk(chunk, lambda c: get_chunk(store, objects, c))
-                if outcome is not None:
-                    self._note_failures("get", get_results(objects, chunk, outcome, results))
+            for indices in distinct_rounds(objects):
+                for chunk in self._plan(objects, indices):
+                    outcome = await self._in_chunk(chunk, lambda c: get_chunk(store, objects, c))
+                    if outcome is not None:
+                        self._note_failures("get", get_results(objects, chunk, outcome, results))
+                    if not self._health.healthy:
+                        break
                 if not self._health.healthy:
                     break
         self._stats.count_gets(objects, results)

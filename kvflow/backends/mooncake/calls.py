@@ -60,6 +60,22 @@ def dedupe(objects: Sequence[ObjectRef]) -> tuple[list[int], list[tuple[int, int
     return list(first.values()), repeats
 
 
+def distinct_rounds(objects: Sequence[ObjectRef]) -> list[list[int]]:
+    """Indices of ``objects`` in rounds whose keys are distinct: round ``n`` holds the ``n``-th
+    occurrence of each key. Mooncake's batch get given a key twice reports both copies arrived but
+    fills only one (measured: ``tests/backends/test_mooncake.py``), so a get runs round by round;
+    almost always there is one round, every object."""
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = []
+    for i, obj in enumerate(objects):
+        n = seen.get(obj.key, 0)
+        seen[obj.key] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(i)
+    return rounds
+
+
 # -- worker thread ------------------------------------------------------------------------------
 
 
