@@ -224,7 +224,8 @@ class Backend(Protocol):
     """What the pool needs from a store. Call every method from the pool's event loop.
 
     ``put`` never overwrites: a key that exists is reported ``PRESENT``. ``get`` never returns a torn
-    or partial object as a ``HIT``. ``exists`` raises :class:`kvflow.errors.BackendError` (usually
+    or partial object as a ``HIT``, and fills every object it reports ``HIT``, also when a call
+    names a key more than once (a load of several requests sharing a prefix). ``exists`` raises :class:`kvflow.errors.BackendError` (usually
     :class:`~kvflow.errors.BackendUnavailableError`) when it cannot answer; ``put`` and ``get``
     report per-key ``FAILED`` results instead of raising for failures of the store itself.
     """
