@@ -1,0 +1,50 @@
+"""What every embedded backend promises beyond its own tests (kvflow.backends.base.Backend); the
+Mooncake backend has the same checks against a real master (tests/backends/test_mooncake.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvflow.backends import GetStatus, ObjectRef, PutStatus, open_backend
+from tests.helpers import bounded_shm
+
+
+@pytest.fixture(params=["memory", "local", "arena"])
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "memory":
+        yield "memory://?capacity=1MiB"
+        return
+    with bounded_shm("16m") as path:
+        yield f"{request.param}://{path}/store?capacity=1MiB" + (
+            "&slot=16KiB" if request.param == "arena" else ""
+        )
+
+
+def region(buffer: torch.Tensor, key: str, at: int, nbytes: int) -> ObjectRef:
+    return ObjectRef.of(key, [buffer.data_ptr() + at], [nbytes])
+
+
+async def test_a_get_that_names_a_key_several_times_fills_every_object(url: str) -> None:
+    """A load of several requests that share a prefix asks for one object into each request's
+    blocks: every copy reported HIT must arrive."""
+    backend = open_backend(url)
+    try:
+        src = torch.randint(0, 256, (32 << 10,), dtype=torch.uint8)
+        dst = torch.full((64 << 10,), 0xAB, dtype=torch.uint8)
+        a, b = region(src, "a", 0, 10_000), region(src, "b", 16 << 10, 7_000)
+        assert await backend.put([a, b]) == [PutStatus.STORED] * 2
+        gets = [
+            region(dst, "a", 0, 10_000),
+            region(dst, "b", 10_000, 7_000),
+            region(dst, "a", 20_000, 10_000),
+            region(dst, "a", 40_000, 10_000),
+        ]
+        assert await backend.get(gets) == [GetStatus.HIT] * 4
+        for at in (0, 20_000, 40_000):
+            assert torch.equal(dst[at : at + 10_000], src[:10_000]), at
+        assert torch.equal(dst[10_000:17_000], src[16 << 10 : (16 << 10) + 7_000])
+    finally:
+        await backend.aclose()
