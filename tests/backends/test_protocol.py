@@ -48,3 +48,17 @@ async def test_a_get_that_names_a_key_several_times_fills_every_object(url: str)
         assert torch.equal(dst[10_000:17_000], src[16 << 10 : (16 << 10) + 7_000])
     finally:
         await backend.aclose()
+
+
+async def test_a_put_that_names_a_key_twice_stores_the_first_and_reports_the_second_present(url: str) -> None:
+    """A store of several requests that share a prefix puts one key for each of them."""
+    backend = open_backend(url)
+    try:
+        src = torch.randint(0, 256, (32 << 10,), dtype=torch.uint8)
+        puts = [region(src, "a", 0, 10_000), region(src, "a", 16 << 10, 10_000)]
+        assert await backend.put(puts) == [PutStatus.STORED, PutStatus.PRESENT]
+        dst = torch.zeros(10_000, dtype=torch.uint8)
+        assert await backend.get([region(dst, "a", 0, 10_000)]) == [GetStatus.HIT]
+        assert torch.equal(dst, src[:10_000])
+    finally:
+        await backend.aclose()
