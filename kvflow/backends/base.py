@@ -225,9 +225,10 @@ class Backend(Protocol):
 
     ``put`` never overwrites: a key that exists is reported ``PRESENT``. ``get`` never returns a torn
     or partial object as a ``HIT``, and fills every object it reports ``HIT``, also when a call
-    names a key more than once (a load of several requests sharing a prefix). ``exists`` raises :class:`kvflow.errors.BackendError` (usually
-    :class:`~kvflow.errors.BackendUnavailableError`) when it cannot answer; ``put`` and ``get``
-    report per-key ``FAILED`` results instead of raising for failures of the store itself.
+    names a key more than once (a load of several requests sharing a prefix). ``exists`` raises
+    :class:`kvflow.errors.BackendError` (usually :class:`~kvflow.errors.BackendUnavailableError`)
+    when it cannot answer; ``put`` and ``get`` report per-key ``FAILED`` results instead of raising
+    for failures of the store itself.
     """
 
     @property
