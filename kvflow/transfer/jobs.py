@@ -33,7 +33,7 @@ from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.plan import BlockPlan
 from kvflow.transfer.reshape import Source, copy_into, copy_rows, sources
-from kvflow.transfer.staging import Chunk, StagingPool, gather, scatter
+from kvflow.transfer.staging import Chunk, StagingPool, copying, gather, scatter
 
 __all__ = ["LoadJob", "StoreJob"]
 
@@ -504,22 +504,19 @@ class LoadJob:
                 if all(got[k * len(batch) + r] is GetStatus.HIT for k in range(len(sizes)))
             ]
             try:
-                with pool.device.on_copy_stream():
-                    try:
-                        if rows:
-                            copy_rows(
-                                transfer.require_layout(),
-                                [plan.block_ids[batch[r]] for r in rows],
-                                rows,
-                                first_layer=transfer.stage_layers[0],
-                                layers=layers,
-                                heads=transfer.heads,
-                                profile=profile,
-                                buffer=chunk.buffer,
-                                regions=list(zip(offsets, scopes, sizes)),
-                            )
-                    finally:  # after an error too: the copies queued before it still read the chunk
-                        chunk.copied = pool.device.record()
+                with copying(pool.device, chunk):
+                    if rows:
+                        copy_rows(
+                            transfer.require_layout(),
+                            [plan.block_ids[batch[r]] for r in rows],
+                            rows,
+                            first_layer=transfer.stage_layers[0],
+                            layers=layers,
+                            heads=transfer.heads,
+                            profile=profile,
+                            buffer=chunk.buffer,
+                            regions=list(zip(offsets, scopes, sizes)),
+                        )
                 filled.update(batch[r] for r in rows)
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
@@ -539,22 +536,19 @@ class LoadJob:
         transfer = self.transfer
         layout = transfer.require_layout()
         block = transfer.format.block_size
-        with pool.device.on_copy_stream():
-            try:
-                for j in blocks:
-                    copy_into(
-                        layout,
-                        self.plan.block_ids[j],
-                        first_token=self.plan.indices[j] * block,
-                        first_layer=transfer.stage_layers[0],
-                        layers=layers,
-                        heads=transfer.heads,
-                        profile=profile,
-                        buffer=chunk.buffer,
-                        placed=[(offsets[s.key], s) for s in wanted[j]],
-                    )
-            finally:  # after an error too: the copies queued before it still read the chunk
-                chunk.copied = pool.device.record()
+        with copying(pool.device, chunk):
+            for j in blocks:
+                copy_into(
+                    layout,
+                    self.plan.block_ids[j],
+                    first_token=self.plan.indices[j] * block,
+                    first_layer=transfer.stage_layers[0],
+                    layers=layers,
+                    heads=transfer.heads,
+                    profile=profile,
+                    buffer=chunk.buffer,
+                    placed=[(offsets[s.key], s) for s in wanted[j]],
+                )
 
     def _issued(self, unit: Unit, chunk: Chunk, home: StagingPool) -> None:
         """``unit``'s copies into the cache from ``chunk`` were issued: keep the chunk until they

@@ -20,7 +20,8 @@ polled, so the loop never waits for the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import anyio
 import attrs
@@ -32,7 +33,7 @@ from kvflow.errors import ConfigError
 from kvflow.events import DeviceEvent
 from kvflow.layout import KVLayout
 
-__all__ = ["Chunk", "StagingPool", "UnitShape"]
+__all__ = ["Chunk", "StagingPool", "UnitShape", "copying"]
 
 #: The largest chunk; a pool of more bytes has more chunks (more batches move at once).
 MAX_CHUNK_BYTES = 32 << 20
@@ -139,19 +140,27 @@ class StagingPool:
         self._returned = anyio.Event()
 
 
+@contextlib.contextmanager
+def copying(device: Device, chunk: Chunk) -> Iterator[None]:
+    """Issue the enclosed copies to or from ``chunk`` on the copy stream; ``chunk.copied`` is
+    recorded after them, also when one raises: the copies queued before the error still run, so
+    the chunk must not be reused before that event completed."""
+    with device.on_copy_stream():
+        try:
+            yield
+        finally:
+            chunk.copied = device.record()
+
+
 def gather(
     device: Device, layout: KVLayout, shape: UnitShape, chunk: Chunk, block_ids: Sequence[int]
 ) -> None:
     """Copy ``block_ids``' unit into the chunk's first rows, one batched copy per plane, on the
-    copy stream; ``chunk.copied`` completes when they are done (recorded even when a copy
-    raises: the chunk is not reused before the copies queued before the error completed)."""
-    with device.on_copy_stream():
-        try:
-            index = device.index(list(block_ids))
-            for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
-                device.gather_rows(layout.plane_views[plane], index, region[: len(block_ids)])
-        finally:  # after an error too: the planes queued before it still copy into the chunk
-            chunk.copied = device.record()
+    copy stream; ``chunk.copied`` completes when they are done (:func:`copying`)."""
+    with copying(device, chunk):
+        index = device.index(list(block_ids))
+        for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
+            device.gather_rows(layout.plane_views[plane], index, region[: len(block_ids)])
 
 
 def scatter(
@@ -164,18 +173,13 @@ def scatter(
 ) -> None:
     """Copy the chunk's ``rows`` into the cache blocks ``block_ids`` (``block_ids[j]`` gets row
     ``rows[j]``), one batched copy per plane, on the copy stream; ``chunk.copied`` completes when
-    they are done (recorded even when a copy raises, as for :func:`gather`)."""
-    with device.on_copy_stream():
-        try:
-            if rows:
-                index = device.index(list(block_ids))
-                picked = (
-                    None
-                    if list(rows) == list(range(len(rows)))
-                    else torch.tensor(list(rows), dtype=torch.long)
-                )
-                for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
-                    source = region[: len(rows)] if picked is None else region.index_select(0, picked)
-                    device.scatter_rows(layout.plane_views[plane], index, source)
-        finally:  # after an error too: the planes queued before it still read the chunk
-            chunk.copied = device.record()
+    they are done (:func:`copying`)."""
+    with copying(device, chunk):
+        if rows:
+            index = device.index(list(block_ids))
+            picked = (
+                None if list(rows) == list(range(len(rows))) else torch.tensor(list(rows), dtype=torch.long)
+            )
+            for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
+                source = region[: len(rows)] if picked is None else region.index_select(0, picked)
+                device.scatter_rows(layout.plane_views[plane], index, source)

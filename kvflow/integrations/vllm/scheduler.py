@@ -90,10 +90,10 @@ class SchedulerSide:
     _pending_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _pending_async: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _async_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)  # until finished_recving
-    # Blocks (or whole requests) of asynchronous loads in flight that some worker already reported
-    # failed: a worker reports its failures as its own load ends, maybe steps before the last one.
+    # Blocks of asynchronous loads in flight that some worker already reported failed (every block
+    # of a request reported failed whole): a worker reports its failures as its own load ends,
+    # maybe steps before the last one.
     _async_bad: dict[str, set[int]] = attrs.field(factory=dict, init=False)
-    _async_failed: set[str] = attrs.field(factory=set, init=False)
     _trust: BlockTrust = attrs.field(factory=BlockTrust, init=False)
     _reports: Counter[int] = attrs.field(factory=Counter, init=False)  # step -> workers that settled it
     _step: int = attrs.field(default=0, init=False)
@@ -314,20 +314,18 @@ class SchedulerSide:
         for step in sorted(s for s in set(settled_steps) if self._reports[s] >= workers):
             del self._reports[step]
             self._trust.settle(step, bad)
-        for req_id, running in self._async_loads.items():  # kept until every worker ended the load
-            if req_id in failed:
-                self._async_failed.add(req_id)
-            elif bad:
-                self._async_bad.setdefault(req_id, set()).update(bad.intersection(running.block_ids))
+        if bad or failed:  # kept until every worker ended the load
+            for req_id, running in self._async_loads.items():
+                reported = set(running.block_ids) if req_id in failed else bad.intersection(running.block_ids)
+                if reported:
+                    self._async_bad.setdefault(req_id, set()).update(reported)
         judged_bad = bool(bad or failed)
         for req_id in finished_recving or ():
             load = self._async_loads.pop(req_id, None)
             if load is not None:
-                earlier = self._async_bad.pop(req_id, set())
-                whole = req_id in failed or req_id in self._async_failed
-                self._async_failed.discard(req_id)
-                self._trust.load_ended(load, load.block_ids if whole else bad | earlier)
-                judged_bad = judged_bad or whole or bool(earlier)
+                reported = self._async_bad.pop(req_id, set())
+                self._trust.load_ended(load, reported)
+                judged_bad = judged_bad or bool(reported)
         if judged_bad:
             for tracked in self._requests.values():
                 # vLLM recomputes every request that reads a failed block from that block on; the

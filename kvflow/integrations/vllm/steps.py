@@ -15,9 +15,9 @@ engine), except the blocks of an asynchronous load, which vLLM holds until every
   the stores have read them: copied out to host staging (a device cache), or put (a host cache).
   Each moves all of the step's requests in one pool call. The outcome holds the stores' results
   as they ended by then (a staged put may still run: its result is counted when the next step
-  ends). With ``wait_stored`` (a ``kv_producer``: a decode
-  engine looks the blocks up as soon as the request's output is out) ``finish`` also waits for
-  staged puts, so every store has ended when the step does.
+  ends). With ``wait_stored`` (a ``kv_producer``: a decode engine looks the blocks up as soon as
+  the request's output is out) ``finish`` also waits for staged puts, so every store has ended
+  when the step does.
 - :class:`LayerwiseSteps`: one object per block and layer, through :class:`kvflow.SyncLayerwisePool`.
   ``load`` starts a layerwise retriever that fetches layer l+1 while layer l computes;
   ``wait_for_layer`` blocks until a layer is in place; the first ``save_layer`` starts a layerwise

@@ -141,9 +141,10 @@ class WorkerSide:
         if meta.async_loads:
             # The step's asynchronous loads in one call; each request's future resolves when it ended.
             spans = list(meta.async_loads)
-            batch: CallFuture[list[RetrieveResult]] = CallFuture(time.monotonic())
+            batch: CallFuture[list[RetrieveResult]]
             if steps is None:
                 self._load_errors.update(b for span in spans for b in span.block_ids)
+                batch = CallFuture(time.monotonic())
                 batch.set_exception(RuntimeError("no KV caches registered"))
             else:
                 batch = steps.pool.submit_retrieve_many(spans)
