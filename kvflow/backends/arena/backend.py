@@ -29,7 +29,7 @@ from kvflow import regions
 from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
-from kvflow.backends.arena.store import ArenaFile, KeyHashes, Query, stored_geometry
+from kvflow.backends.arena.store import ArenaFile, KeyHashes, Query, key_hashes, stored_geometry
 from kvflow.backends.arena.table import passes
 from kvflow.backends.base import (
     BackendCapabilities,
@@ -159,10 +159,11 @@ class ArenaBackend:
         every = nbytes_of(objects)
         sizes = [every[i] for i in order]
         uniform = isinstance(objects, ObjectBatch)
-        address, pacer, start = self._arena.address, pacing.Pacer(), 0
+        arena, pacer, start = self._arena, pacing.Pacer(), 0
+        slots = (arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes).tolist()
         while start < len(order):
             end = pacing.run_end(sizes, start, uniform=uniform)
-            gather_objects([address(row) for row in rows[start:end]], some_of(objects, order[start:end]))
+            gather_objects(slots[start:end], some_of(objects, order[start:end]))
             if _mid_write_hook is not None:
                 _mid_write_hook(rows[start])
             await pacer.tick()
@@ -176,7 +177,7 @@ class ArenaBackend:
         fits = [i for i, nbytes in enumerate(sizes) if nbytes <= slot_bytes]
         if len(fits) < len(objects):
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
-        hashes = self._hashes([keys[i] for i in fits])
+        hashes = key_hashes([keys[i] for i in fits])  # new keys, mostly: not remembered
         now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             for i, got in zip(fits, self._arena.claim(hashes, now)):
