@@ -93,7 +93,7 @@ class ObjectBatch(Sequence[ObjectRef]):
     nbytes: int
 
     def __attrs_post_init__(self) -> None:
-        if any(size < 0 for size in self.sizes):
+        if min(self.sizes, default=0) < 0:
             raise ValueError(f"region sizes must be >= 0, got {list(self.sizes)}")
         if self.addrs.shape != (len(self.keys), len(self.sizes)):
             raise ValueError(
