@@ -70,7 +70,7 @@ async def run_batches(
     errors: list[Exception] = []
 
     async def one(start: int) -> None:
-        batch = objects if step >= len(objects) else objects[start : start + step]
+        batch = objects[start : start + step]  # of BlockObjects: an ObjectBatch, made now
         held = await budget.acquire(sum(nbytes_of(batch)))
         try:
             answers = await call(batch)
