@@ -94,3 +94,23 @@ async def test_the_objects_of_a_batch_are_gone_once_its_call_returned() -> None:
     assert results.statuses == (PutStatus.STORED,) * BLOCKS
     assert len(backend.returned) == -(-BLOCKS // backend.max_batch) and backend.checked >= 2
     await pool.aclose()
+
+
+@pytest.mark.parametrize("blocks", [3, BLOCKS], ids=["one call", "several calls"])
+async def test_backends_receive_the_objects_of_blocks_by_column(blocks: int) -> None:
+    """Every put and get of whole blocks reaches the backend as an ObjectBatch (keys and one
+    address array), also when the request fits one call: an in-process backend copies a batch in
+    one native call, and a plain sequence of objects sends it down its per-object path (a request
+    passed on unsliced once made stores three times slower)."""
+    seen: list[type] = []
+
+    async def record(objects: Sequence[ObjectRef]) -> None:
+        seen.append(type(objects))
+
+    backend = FaultyBackend(put_hook=record, get_hook=record)
+    pool = KVPool.create(PoolConfig(model="m"), layout=LAYOUT, backend=backend)
+    request = KVRequest(block_ids=range(blocks), block_hashes=hash_blocks(list(range(blocks * BLOCK)), BLOCK))
+    assert (await pool.store(request)).stored == blocks
+    assert (await pool.retrieve(request)).hit_blocks == blocks
+    assert len(seen) == 2 * -(-blocks // backend.max_batch) and set(seen) == {ObjectBatch}
+    await pool.aclose()
