@@ -151,6 +151,16 @@ class _Step:
         )
 
 
+def _check_named(requests: Sequence[KVRequest]) -> None:
+    """A step's results are by request id (:class:`StepResult`): requests without one would share
+    the empty id, and all but one's results would be lost (its failed blocks with them)."""
+    if len(requests) > 1 and not all(request.request_id for request in requests):
+        raise RequestError(
+            "a step of several requests needs a request_id on each (its results are by id); "
+            "set KVRequest.request_id"
+        )
+
+
 async def _drive_load(step: _Step, loader: LayerwiseRetriever) -> None:
     error: Exception | None = None
     try:
@@ -239,10 +249,12 @@ class SyncLayerwisePool(SyncPool):
     def start_load(self, requests: Sequence[KVRequest]) -> None:
         """Start loading ``requests``' blocks, layer 0 first. Once per step, before the forward.
 
-        Raises RequestError for a malformed request (nothing is loaded then).
+        Raises RequestError for a malformed request, or for several of which one has no
+        ``request_id`` (the step's result is by id); nothing is loaded then.
         """
         if not requests:
             return
+        _check_named(requests)
         step = self._current()
         if step.loader is not None:
             raise RequestError("start_load was already called in this step; pass all its requests at once")
@@ -252,9 +264,11 @@ class SyncLayerwisePool(SyncPool):
 
     def start_store(self, requests: Sequence[KVRequest]) -> None:
         """Store ``requests``' owned blocks as the step's layers are saved. Once per step, before its
-        first :meth:`save_layer`. Raises RequestError for a malformed request."""
+        first :meth:`save_layer`. Raises RequestError for a malformed request, or for several of
+        which one has no ``request_id``."""
         if not requests:
             return
+        _check_named(requests)
         step = self._current()
         if step.storer is not None:
             raise RequestError("start_store was already called in this step; pass all its requests at once")
@@ -293,9 +307,13 @@ class SyncLayerwisePool(SyncPool):
         timeout = self._timeout if timeout_s is None else timeout_s
         arrived = step.wait_layer(layer, timeout)
         if isinstance(arrived, LayerOutcome):
-            for event in arrived.ready:  # staged copies into the cache: the engine's stream waits
-                self._device.wait_current(event, timeout)
-            return arrived.ok
+            try:
+                for event in arrived.ready:  # staged copies into the cache: the engine's stream waits
+                    self._device.wait_current(event, timeout)
+            except TimeoutError:  # a host wait (no device stream) ran out: the layer may not be there
+                arrived = None
+            else:
+                return arrived.ok
         if arrived is None:
             step.load_timed_out = True
             log.warning("layer %d was not loaded in time; the step's loaded blocks count as failed", layer)

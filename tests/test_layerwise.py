@@ -623,6 +623,30 @@ def test_misuse_is_refused_with_a_clear_error() -> None:
         kv.wait_for_save(timeout_s=5)
 
 
+def test_a_step_of_several_requests_reports_each_ones_failed_blocks() -> None:
+    """A step's result is by request id: a step of several requests needs an id on each (without
+    one, all but one request's results, and the blocks it must recompute, would be lost), and
+    with them each request's missing blocks are reported failed beside another's hits."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    absent = list(range(5000, 5000 + BLOCK * 2))
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])))
+    with make_engine(zeros_like_caches(src), backend) as kv:
+        unnamed = [
+            KVRequest(block_ids=[0, 1], tokens=absent),
+            KVRequest(block_ids=[4, 5], tokens=TOKENS[: 2 * BLOCK]),
+        ]
+        with pytest.raises(RequestError, match="request_id on each"):
+            kv.start_load(unnamed)
+        with pytest.raises(RequestError, match="request_id on each"):
+            kv.start_store(unnamed)
+        kv.start_load([attrs.evolve(unnamed[0], request_id="a"), attrs.evolve(unnamed[1], request_id="b")])
+        assert forward(kv) == [False] * kv.num_layers
+        result = kv.wait_for_save(timeout_s=5)
+    assert result.failed_block_ids == {0, 1}
+    assert result.loaded["a"].hit_blocks == 0 and result.loaded["b"].hit_blocks == 2
+
+
 def test_the_layerwise_bench_verifies_its_load_and_reports_every_ratio(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -325,6 +325,31 @@ def test_the_synchronous_layerwise_face_waits_for_each_layers_copies() -> None:
         assert kv.wait_for_save().loaded["r"].hit_blocks == 10
 
 
+def test_a_layer_whose_copies_into_the_cache_outlast_the_wait_fails_the_steps_loads() -> None:
+    """``wait_for_layer_load`` returns False (it does not raise) when a layer's staged copies
+    into the cache have not completed within its timeout, and the step then reports every loaded
+    block failed: the engine computed without that layer."""
+    from kvflow import SyncLayerwisePool
+
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    anyio.run(
+        lambda: pool(src, backend, staged(layerwise=True)).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    )
+    dst = zeros_like_caches(src)
+    device = LateDevice(torch.device("cpu"))
+    device.rng.uniform = lambda a, b: 0.5  # type: ignore[method-assign]  # every copy lands 0.5 s late
+    with SyncLayerwisePool.open(
+        staged(layerwise=True), layout=KVLayout.from_kv_caches(dst), backend=backend, device=device
+    ) as kv:
+        kv.start_load([KVRequest(request_id="r", block_ids=DST_IDS, tokens=TOKENS)])
+        assert kv.wait_for_layer_load(0, timeout_s=0.05) is False
+        assert all(kv.wait_for_layer_load(layer) is False for layer in range(1, kv.num_layers))
+        result = kv.wait_for_save(timeout_s=5)
+    assert result.failed_block_ids == frozenset(DST_IDS)
+    assert result.loaded["r"].hit_blocks == 0
+
+
 @attrs.define
 class ScribblingBackend(FaultyBackend):
     """Gets write junk into their regions, then report FAILED (the first half) or MISS."""
