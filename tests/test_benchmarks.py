@@ -168,6 +168,19 @@ def test_arena_copy_bench_reports_the_slot_copies_beside_kvflow_and_removes_its_
     assert set(Path("/dev/shm").glob("kvflow-arena-copy-*")) == before
 
 
+def test_arena_put_stages_bench_times_each_stage_within_the_put_and_removes_its_store() -> None:
+    """Each stage's median is positive and no longer than the call it is part of (the script fails
+    if a put stores less than every object), and its private store is gone at the end."""
+    before = set(Path("/dev/shm").glob("kvflow-put-stages-*"))
+    stages = json.loads(ok(run("benchmarks/arena_put_stages.py", "--batch", "8", "--puts", "40", "--json")))
+    assert all(
+        positive(stages[name]) for name in ("claim", "claim section", "copy", "write", "publish", "put")
+    )
+    assert stages["claim"] <= stages["claim section"] <= stages["put"]
+    assert stages["copy"] <= stages["write"] <= stages["put"] and stages["publish"] <= stages["put"]
+    assert set(Path("/dev/shm").glob("kvflow-put-stages-*")) == before
+
+
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = ok(
