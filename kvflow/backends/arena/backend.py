@@ -248,13 +248,18 @@ class ArenaBackend:
         it was absent when the get looked."""
         arena, end = self._arena, pacing.run_end(sizes, done, uniform=isinstance(objects, ObjectBatch))
         arena.locate(query, done, end, now)
-        rows = query.rows[done:end]
-        hits = np.flatnonzero(query.found[done:end])
+        rows, found = query.rows[done:end], query.found[done:end]
+        run = objects if end - done == len(objects) else objects[done:end]
+        if found.all():  # the usual case: one copy call, no Python per object
+            scatter_objects((arena.base + rows * arena.geometry.slot_bytes).tolist(), run)
+            results[done:end] = [GetStatus.HIT] * (end - done)
+            return end
+        hits = np.flatnonzero(found)
         for i, row in enumerate(rows.tolist(), done):
             if row < 0:
                 results[i] = GetStatus.MISS
         addresses = arena.base + rows[hits] * arena.geometry.slot_bytes
-        scatter_objects(addresses.tolist(), some_of(objects[done:end], hits.tolist()))
+        scatter_objects(addresses.tolist(), some_of(run, hits.tolist()))
         for i in hits.tolist():
             results[done + i] = GetStatus.HIT
         return end
