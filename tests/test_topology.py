@@ -52,6 +52,30 @@ class Engine:
         first = sum(self.pp_layers[:pp_rank])
         return first, first + self.pp_layers[pp_rank]
 
+    def parallel(self, tp_rank: int, pp_rank: int, heads: int) -> ParallelConfig:
+        """The layout of one rank, for a model of ``heads`` KV heads (0: MLA)."""
+        return ParallelConfig(
+            tp_rank=tp_rank,
+            tp_size=self.tp,
+            num_kv_heads=heads or None,
+            use_mla=heads == 0,
+            pp_rank=pp_rank,
+            pp_size=self.pp,
+            pp_layers=self.pp_layers,
+        )
+
+    def config(self, **more: object) -> PoolConfig:
+        """Its pools' configuration: every engine hashes prompts by 4 tokens, so they name blocks
+        alike whatever their block size."""
+        return PoolConfig(
+            model="m",
+            layerwise=self.layerwise,
+            hash_tokens=4,
+            staging=self.staging,
+            staging_bytes=self.staging_bytes,
+            **more,  # type: ignore[arg-type]
+        )
+
 
 @attrs.frozen(eq=False)
 class Model:
@@ -135,6 +159,12 @@ def fill(
     size = _block_size(kind, cache)
     k = model.k[layer, tokens : tokens + size, heads[0] : heads[1]]
     v = model.v[layer, tokens : tokens + size, heads[0] : heads[1]]
+    write_block(kind, cache, n, k, v)
+
+
+def write_block(kind: str, cache: object, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write ``k`` and ``v`` (``[tokens, heads, columns]``; MLA: the latent, twice) into cache
+    block ``n``."""
     if kind == "mla_tuple":
         nope, rope = cache  # type: ignore[misc]
         nope[n].copy_(k[..., :NOPE])
@@ -203,22 +233,7 @@ def open_rank(
                     i * engine.block_size,
                     heads,
                 )
-    parallel = ParallelConfig(
-        tp_rank=tp_rank,
-        tp_size=engine.tp,
-        num_kv_heads=model.heads or None,
-        use_mla=model.heads == 0,
-        pp_rank=pp_rank,
-        pp_size=engine.pp,
-        pp_layers=engine.pp_layers,
-    )
-    config = PoolConfig(
-        model="m",
-        layerwise=engine.layerwise,
-        hash_tokens=4,
-        staging=engine.staging,
-        staging_bytes=engine.staging_bytes,
-    )
+    parallel, config = engine.parallel(tp_rank, pp_rank, model.heads), engine.config()
     layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
     return Rank(
         engine,

@@ -23,15 +23,25 @@ import attrs
 import pytest
 import torch
 
-from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
+from kvflow import ConfigError, KVLayout, KVPool, KVRequest
 from kvflow.backends import ObjectRef
-from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, PutStatus
+from kvflow.backends.base import GetStatus
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
-from tests.test_topology import GQA_KINDS, HEAD_SIZE, LAYERS, NOPE, ROPE, Engine, block_kv, empty_cache, read
+from tests.helpers import FaultyBackend
+from tests.test_topology import (
+    GQA_KINDS,
+    HEAD_SIZE,
+    LAYERS,
+    NOPE,
+    ROPE,
+    Engine,
+    empty_cache,
+    read,
+    write_block,
+)
 
 TOKENS = 32
-HASH_TOKENS = 4  # every engine's block size is a multiple: they name blocks alike
 
 
 def prompt_kv(tokens: Sequence[int], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,37 +66,17 @@ def rank_heads(heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
     return group * per_rank, (group + 1) * per_rank
 
 
-def fill_block(kind: str, cache: object, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write ``k`` and ``v`` (``[tokens, heads, width]``) into cache block ``n``."""
-    if kind == "mla_tuple":
-        nope, rope = cache  # type: ignore[misc]
-        nope[n].copy_(k[..., :NOPE])
-        rope[n].copy_(k[..., NOPE:])
-        return
-    dst_k, dst_v = block_kv(kind, cache, n)  # type: ignore[arg-type]
-    dst_k.copy_(k)
-    dst_v.copy_(v)
-
-
 @attrs.define(eq=False)
-class FlakyGets:
+class FlakyGets(FaultyBackend):
     """A memory backend whose KV gets fail at random with probability ``p``: a whole call raises,
     or an object copied is reported FAILED. The profile book's calls never fail."""
 
-    inner: MemoryBackend
-    rng: random.Random
+    rng: random.Random = attrs.field(factory=random.Random)
     p: float = 0.0
 
     @property
     def max_batch(self) -> int:
         return 3  # many calls per load, some failing
-
-    @property
-    def capabilities(self) -> BackendCapabilities:
-        return attrs.evolve(self.inner.capabilities, put_checks_present=False)
-
-    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        return await self.inner.put(objects)
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         book = bool(objects) and all(is_book_key(o.key) for o in objects)
@@ -97,21 +87,6 @@ class FlakyGets:
         if book:
             return got
         return [GetStatus.FAILED if g is GetStatus.HIT and self.rng.random() < self.p else g for g in got]
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self.inner.exists(keys)
-
-    async def remove(self, keys: Sequence[str]) -> list[bool]:
-        return await self.inner.remove(keys)
-
-    def register_memory(self, addr: int, nbytes: int) -> None:
-        pass
-
-    def stats(self) -> BackendStats:
-        return self.inner.stats()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @attrs.define(eq=False)
@@ -154,24 +129,8 @@ def open_rank(
         for p, (k, v) in enumerate(kvs if filled else []):
             for i, n in enumerate(block_ids[p]):
                 span = slice(i * engine.block_size, (i + 1) * engine.block_size)
-                fill_block(engine.kind, cache, n, k[layer, span, lo:hi], v[layer, span, lo:hi])
-    parallel = ParallelConfig(
-        tp_rank=tp_rank,
-        tp_size=engine.tp,
-        num_kv_heads=heads or None,
-        use_mla=heads == 0,
-        pp_rank=pp_rank,
-        pp_size=engine.pp,
-        pp_layers=engine.pp_layers,
-    )
-    config = PoolConfig(
-        model="m",
-        layerwise=engine.layerwise,
-        hash_tokens=HASH_TOKENS,
-        staging=engine.staging,
-        staging_bytes=engine.staging_bytes,
-        timeout_s=5,
-    )
+                write_block(engine.kind, cache, n, k[layer, span, lo:hi], v[layer, span, lo:hi])
+    parallel, config = engine.parallel(tp_rank, pp_rank, heads), engine.config(timeout_s=5)
     layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
     try:
         pool = KVPool.create(config, layout=layout, parallel=parallel, backend=backend)
@@ -209,7 +168,7 @@ async def scenario(seed: int, counts: Counts) -> None:
     ]
     kvs = [prompt_kv(p, heads) for p in prompts]
     inner = MemoryBackend()
-    backend = FlakyGets(inner, rng)
+    backend = FlakyGets(inner=inner, rng=rng)
     writer, reader = draw_engine(rng, heads), draw_engine(rng, heads)
     counts.reshaped += (writer.tp, writer.pp_layers, writer.block_size, writer.layerwise) != (
         reader.tp,
