@@ -93,6 +93,9 @@ class MooncakeBackend:
     _stats: BackendStats = attrs.field(init=False)
     _absent: RecentAbsence = attrs.field(factory=RecentAbsence, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _closed_event: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # aclose has returned
+    _copying: int = attrs.field(default=0, init=False)  # put and get calls running on the client
+    _copies_ended: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # set when _copying drops to 0
 
     def __attrs_post_init__(self) -> None:
         self._module = load_store_module()
@@ -135,20 +138,34 @@ class MooncakeBackend:
             await self._connected_store()
 
     async def aclose(self) -> None:
-        """Close the client (shielded, bounded by ``close_timeout_s``). Objects in this client's
-        segment leave the cluster with it."""
-        if self._closed:
-            return
-        self._closed = True
-        store, self._store = self._store, None
-        if store is None:  # never connected, or a setup in flight closes its client itself
-            self._release_staging()
-            return
-        if await self._close_native(store):
-            self._release_staging()
+        """Close the client (shielded). Objects in this client's segment leave the cluster with it.
+
+        Returns only once no put or get runs on the client: they read and write the caller's
+        memory (registered memory may be freed once this returns), so this waits for them however
+        long Mooncake takes to end them (a stalled peer: about 30 s without progress; bound the
+        whole close where it is called, as :meth:`kvflow.SyncPool.close` does). No put or get
+        starts once this has begun. Other calls (``exists``, abandoned after ``timeout_s``) are
+        waited for ``close_timeout_s`` at most; the client is left to the process exit if they
+        have not returned by then.
+        """
+        with anyio.CancelScope(shield=True):
+            if self._closed:  # a second close returns when the first does
+                await self._closed_event.wait()
+                return
+            self._closed = True
+            try:
+                if self._copying:
+                    await self._copies_ended.wait()
+                store, self._store = self._store, None
+                # None: never connected, or a setup in flight closes its client itself
+                if store is None or await self._close_native(store):
+                    self._release_staging()
+            finally:
+                self._closed_event.set()
 
     async def _close_native(self, store: NativeStore) -> bool:
-        """Close a client once no call runs on it (shielded, bounded by ``close_timeout_s``)."""
+        """Close a client once no call runs on it (shielded, bounded by ``close_timeout_s``: only
+        abandoned calls that touch no caller memory can still be running)."""
         with anyio.CancelScope(shield=True):
             closed, _ = await self._calls.run_alone(store.close, timeout_s=self.config.close_timeout_s)
         if not closed:
@@ -439,8 +456,15 @@ class MooncakeBackend:
         return self._staging
 
     async def _in_chunk(self, chunk: Chunk, call: Callable[[Chunk], T]) -> T | None:
-        """Run one chunk's native call; None if it could not run (the master is marked down)."""
+        """Run one chunk's native call (a put or get: it reads or writes caller memory, so
+        :meth:`aclose` waits for it); None if it could not run (the master is marked down, or the
+        backend is closing)."""
+        if self._closed:
+            return None
         started = time.monotonic()
+        if not self._copying:
+            self._copies_ended = anyio.Event()
+        self._copying += 1
         try:
             if chunk.staged:
                 async with self._staging_lock:
@@ -450,6 +474,10 @@ class MooncakeBackend:
         except SlotsBusy as exc:
             self._mark_down(_explain(exc, self.config.timeout_s))
             return None
+        finally:
+            self._copying -= 1
+            if not self._copying:
+                self._copies_ended.set()
         elapsed = time.monotonic() - started
         if elapsed > self.config.timeout_s:
             log.warning("a Mooncake call for %d objects took %.1f s", len(chunk.keys), elapsed)
