@@ -19,13 +19,14 @@ from typing import cast
 
 import anyio
 import anyio.to_thread
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
-from kvflow.backends.mooncake.calls import distinct_rounds
+from kvflow.backends.mooncake.calls import distinct_rounds, put_chunk, put_results
 from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
 from kvflow.backends.mooncake.health import HealthGate
 from kvflow.backends.mooncake.native import NativeStore
@@ -285,6 +286,36 @@ def test_a_batch_inside_one_registered_range_is_covered_at_once() -> None:
     assert memory.covers_each([*inside, ObjectRef.of("c", [1995], [10])]) == [True, True, False]
     assert memory.covers_each([*inside, ObjectRef.of("d", [5000], [100])]) == [True, True, True]
     assert memory.covers_each([*inside, ObjectRef.of("e", [], [])]) == [True, True, True]
+
+
+@attrs.define
+class ExistFails:
+    """A client whose existence check fails for some keys (``codes``) and that records puts."""
+
+    codes: list[int]
+    puts: list[list[str]] = attrs.field(factory=list)
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return self.codes
+
+    def batch_put_from_multi_buffers(self, keys: list[str], *_: object) -> list[int]:
+        self.puts.append(keys)
+        return [0] * len(keys)
+
+
+@pytest.mark.parametrize("codes", [[0, -900], [-900, 0, 1], [-900]])
+def test_a_put_whose_existence_check_fails_for_some_keys_stores_none_and_reports_none_stored(
+    codes: list[int],
+) -> None:
+    """A key the check answered absent (0) beside one it failed for is not put, and is reported
+    FAILED, never STORED (0 is also a put's success code)."""
+    objects = [ObjectRef.of(f"k{i}", [4096 * (i + 1)], [10]) for i in range(len(codes))]
+    (chunk,) = plan_chunks(objects, range(len(objects)), [True] * len(objects), max_batch=8, staging=None)
+    store = ExistFails(codes)
+    outcome = put_chunk(cast(NativeStore, store), objects, chunk, replicate=None, check=True)
+    results = [PutStatus.FAILED] * len(objects)
+    put_results(objects, chunk, outcome, results)
+    assert store.puts == [] and results == [PutStatus.FAILED] * len(objects)
 
 
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 7), st.data())

@@ -89,8 +89,9 @@ def put_chunk(
             chunk.gather_staged(objects)
         return store.batch_put_from_multi_buffers(chunk.keys, chunk.addrs, chunk.sizes, replicate)
     exist = store.batch_is_exist(chunk.keys)
-    if any(c < 0 for c in exist):
-        return exist
+    failure = next((c for c in exist if c < 0), None)
+    if failure is not None:  # nothing is put: a key answered absent (0) must not read as stored
+        return [c if c < 0 else failure for c in exist]
     todo = [p for p, c in enumerate(exist) if c == 0]
     outcome = [PRESENT] * len(exist)
     if todo:
