@@ -133,11 +133,15 @@ class KVPool:
     ) -> None:
         await self.aclose()
 
-    async def aclose(self, timeout_s: float | None = None) -> None:
+    async def aclose(self, timeout_s: float | None = None) -> bool:
         """Refuse new calls, wait (bounded by ``timeout_s``, default the pool's) for calls in
-        flight, then close the backend (within the same bound)."""
+        flight, then close the backend (within the same bound).
+
+        True when every call ended and the backend closed. False when a call was still running
+        at the bound (a device copy or a backend call that does not return: it may still read or
+        write the KV cache, so do not free it) or the backend did not close in time."""
         check_timeout(timeout_s)
-        await self._transfer.aclose(timeout_s)
+        return await self._transfer.aclose(timeout_s)
 
     # -- operations -----------------------------------------------------------------------------
 

@@ -183,7 +183,8 @@ class SyncPool:
     def close(self, timeout_s: float | None = None) -> bool:
         """Close the pool (waiting for calls in flight) and stop the loop thread, all within
         ``timeout_s`` (default: the pool's timeout). Returns False when something had to be
-        abandoned (a backend that would not close, a loop thread held by a blocking call)."""
+        abandoned (a call still running, which may still read or write the KV cache; a backend
+        that would not close; a loop thread held by a blocking call)."""
         return stop_pool(self._loop, self._pool, timeout_s)
 
     # -- the wait rule ---------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def stop_pool(loop: LoopThread, pool: KVPool, timeout_s: float | None) -> bool:
     closed = True
     if loop.running:
         try:
-            wait_answer(loop.submit(pool.aclose, limit, answer_by=deadline))
+            closed = wait_answer(loop.submit(pool.aclose, limit, answer_by=deadline))
         except TimeoutError:
             closed = False
     stopped = loop.stop(max(0.0, deadline - time.monotonic()) + ANSWER_GRACE_S)

@@ -245,7 +245,7 @@ async def test_aclose_waits_for_inflight_stores_and_then_refuses() -> None:
         await anyio.sleep(0.05)
 
         async def close() -> None:
-            await pool.aclose()
+            assert await pool.aclose() is True  # every call ended, the backend closed
             results.append("closed")
 
         tg.start_soon(close)
@@ -313,7 +313,7 @@ async def test_aclose_abandons_a_backend_that_does_not_close_within_its_timeout(
         PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=Stuck()
     )  # type: ignore[arg-type]
     with anyio.fail_after(10), caplog.at_level("WARNING", logger="kvflow"):
-        await pool.aclose(timeout_s=0.1)  # its own timeout, not the pool's 60 s
+        assert await pool.aclose(timeout_s=0.1) is False  # its own timeout, not the pool's 60 s
     assert [r.getMessage() for r in caplog.records] == [
         "the backend did not close within 0.1 s; abandoning it"
     ]
@@ -345,8 +345,10 @@ async def test_aclose_gives_up_on_a_call_that_never_ends() -> None:
             tg.start_soon(store)
             while "put" not in hung.calls:
                 await anyio.sleep(0.001)
-            await pool.aclose(timeout_s=0.1)  # the put never ends: aclose waits 0.1 s, not forever
+            # the put never ends: aclose waits 0.1 s, not forever, and says a call may still run
+            assert await pool.aclose(timeout_s=0.1) is False
             assert ended == []  # aclose gave up on the store; it did not wait for it to be cancelled
+            assert await pool.aclose() is True  # a second close finds the pool closed
             tg.cancel_scope.cancel()
 
 

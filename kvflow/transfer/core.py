@@ -205,22 +205,35 @@ class Transfer:
     def closed(self) -> bool:
         return self._closed
 
-    async def aclose(self, timeout_s: float | None = None) -> None:
-        """Refuse new calls, wait (bounded) for calls in flight, then close the backend (bounded)."""
+    async def aclose(self, timeout_s: float | None = None) -> bool:
+        """Refuse new calls, wait (bounded) for calls in flight, then close the backend (bounded).
+        False when a call was still running at the bound (it may still read or write the KV
+        cache) or the backend did not close in time; True when a second close finds it closed."""
         if self._closed:
-            return
+            return True
         self._closed = True
         limit = self.config.timeout_s if timeout_s is None else timeout_s
+        ended = True
         with anyio.CancelScope(shield=True):
             deadline = time.monotonic() + limit
             if self._inflight:
                 self._idle = anyio.Event()
                 with anyio.move_on_after(limit):
                     await self._idle.wait()
+                if self._inflight:
+                    ended = False
+                    log.warning(
+                        "%d calls still running after %.1f s: they may still read or write the KV "
+                        "cache; do not free it",
+                        self._inflight,
+                        limit,
+                    )
             with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
                 await self.backend.aclose()
             if scope.cancelled_caught:
+                ended = False
                 log.warning("the backend did not close within %.1f s; abandoning it", limit)
+        return ended
 
     def deadline(self, timeout_s: float | None) -> float:
         """The deadline of a call given its ``timeout_s`` (default: the pool's), from now."""
