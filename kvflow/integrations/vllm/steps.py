@@ -211,7 +211,7 @@ class BlockSteps:
         return StepOutcome(stores=tuple(zip(saves, each_result(future, len(saves)), [watch] * len(saves))))
 
     def close(self) -> None:
-        self.pool.close()
+        _closed(self.pool.close())
 
 
 @attrs.define(eq=False)
@@ -278,4 +278,12 @@ class LayerwiseSteps:
         return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.request_id not in stored))
 
     def close(self) -> None:
-        self.engine.close()
+        _closed(self.engine.close())
+
+
+def _closed(ended: bool) -> None:
+    if not ended:
+        log.warning(
+            "kvflow: a transfer was still running when the worker shut down (its pool's timeout ran "
+            "out); it may still read or write the KV cache until the process ends"
+        )
