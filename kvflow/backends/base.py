@@ -228,7 +228,8 @@ class Backend(Protocol):
     names a key more than once (a load of several requests sharing a prefix). ``exists`` raises
     :class:`kvflow.errors.BackendError` (usually :class:`~kvflow.errors.BackendUnavailableError`)
     when it cannot answer; ``put`` and ``get`` report per-key ``FAILED`` results instead of raising
-    for failures of the store itself.
+    for failures of the store itself. ``aclose`` starts no further call and returns only once no
+    put or get still reads or writes the caller's memory (:mod:`kvflow.backends.inflight`).
     """
 
     @property

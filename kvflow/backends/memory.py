@@ -47,6 +47,7 @@ from kvflow.backends.base import (
     some_of,
 )
 from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.inflight import InFlight
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query
 from kvflow.errors import ConfigError, PoolClosedError
@@ -110,6 +111,7 @@ class MemoryBackend:
     _objects: OrderedDict[str, _Entry] = attrs.field(factory=OrderedDict, init=False)
     _stats: BackendStats = attrs.field(init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _calls: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets running
 
     def __attrs_post_init__(self) -> None:
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes)
@@ -159,26 +161,27 @@ class MemoryBackend:
         the loop runs between them once it has been held long enough. ``count`` the results of
         those that ran (even when the call is cancelled part-way)."""
         self._check_open()
-        keys, sizes = keys_of(objects), nbytes_of(objects)
-        uniform = isinstance(objects, ObjectBatch)
-        results: list[R] = []
-        pacer = Pacer()
-        try:
-            start = 0
-            while start < len(sizes):
-                if pacer.due():
-                    await pacer.pause()
-                if sizes[start] > PIECE:
-                    results.append(await paced(objects[start], pacer))
-                    start += 1
-                else:
-                    end = run_end(sizes, start, uniform=uniform)
-                    results += section(objects[start:end], keys[start:end], sizes[start:end])
-                    start = end
-        finally:
-            count(objects[: len(results)], results)
-        await anyio.lowlevel.checkpoint()
-        return results
+        with self._calls.running():
+            keys, sizes = keys_of(objects), nbytes_of(objects)
+            uniform = isinstance(objects, ObjectBatch)
+            results: list[R] = []
+            pacer = Pacer()
+            try:
+                start = 0
+                while start < len(sizes):
+                    if pacer.due():
+                        await pacer.pause()
+                    if sizes[start] > PIECE:
+                        results.append(await paced(objects[start], pacer))
+                        start += 1
+                    else:
+                        end = run_end(sizes, start, uniform=uniform)
+                        results += section(objects[start:end], keys[start:end], sizes[start:end])
+                        start = end
+            finally:
+                count(objects[: len(results)], results)
+            await anyio.lowlevel.checkpoint()
+            return results
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
@@ -196,10 +199,11 @@ class MemoryBackend:
         return removed
 
     async def aclose(self) -> None:
-        """Drop every object. Calls still copying finish their copy; nothing more is published."""
+        """Drop every object; return once no put or get still copies (nothing more is published)."""
         self._closed = True
         self._objects.clear()
         self._stats.used_bytes = 0
+        await self._calls.drained()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -219,7 +223,9 @@ class MemoryBackend:
     ) -> list[PutStatus]:
         """Puts of objects copied in one call, without a checkpoint: those not yet stored reserved
         together, all copied, each published (the second of one key twice is PRESENT). Each step
-        runs over the whole run at once, not as a call per object."""
+        runs over the whole run at once, not as a call per object. Once closed: nothing."""
+        if self._closed:  # a put that was running when aclose began: nothing more is stored
+            return [PutStatus.FAILED] * len(keys)
         stored = self._objects
         new = [i for i, key in enumerate(keys) if key not in stored]
         results = [PutStatus.PRESENT] * len(keys)

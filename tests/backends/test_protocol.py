@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -62,3 +64,55 @@ async def test_a_put_that_names_a_key_twice_stores_the_first_and_reports_the_sec
         assert torch.equal(dst, src[:10_000])
     finally:
         await backend.aclose()
+
+
+@pytest.fixture(params=["memory", "local", "arena"])
+def roomy_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A store with room for 48 objects of 1 MiB."""
+    if request.param == "memory":
+        yield "memory://?capacity=64MiB"
+        return
+    with bounded_shm("96m") as path:
+        yield f"{request.param}://{path}/store?capacity=64MiB" + (
+            "&slot=1MiB" if request.param == "arena" else ""
+        )
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_aclose_returns_only_once_no_put_or_get_copies_the_callers_memory(
+    roomy_url: str, op: str
+) -> None:
+    """A put reads the caller's memory and a get writes it until it returns; a close begun while
+    one runs (between two of its pauses) returns after it, and the call answers for every object
+    (a get reports what it copied before the close dropped the memory backend's objects as HIT,
+    the rest MISS)."""
+    backend = open_backend(roomy_url)
+    count = 48
+    src = torch.randint(0, 256, (count << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    puts = [region(src, f"k{i}", i << 20, 1 << 20) for i in range(count)]
+    gets = [region(dst, f"k{i}", i << 20, 1 << 20) for i in range(count)]
+    if op == "get":
+        assert await backend.put(puts) == [PutStatus.STORED] * count
+    order: list[str] = []
+    answers: list[object] = []
+
+    async def call() -> None:
+        answers.extend(await (backend.put(puts) if op == "put" else backend.get(gets)))
+        order.append(op)
+
+    async def close() -> None:
+        await backend.aclose()
+        order.append("closed")
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await anyio.lowlevel.checkpoint()  # the call copies until its first pause
+            assert order == []  # still running: the close below begins mid-call
+            tg.start_soon(close)
+    assert order == [op, "closed"]
+    assert len(answers) == count
+    for i, answer in enumerate(answers if op == "get" else []):  # HIT: the object; else untouched
+        part = slice(i << 20, (i + 1) << 20)
+        assert torch.equal(dst[part], src[part] if answer is GetStatus.HIT else torch.zeros_like(src[part]))

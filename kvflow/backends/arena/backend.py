@@ -43,6 +43,7 @@ from kvflow.backends.base import (
     some_of,
 )
 from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.inflight import InFlight
 from kvflow.errors import BackendError, ConfigError, PoolClosedError
 
 __all__ = ["ArenaBackend", "ArenaConfig"]
@@ -71,6 +72,8 @@ class ArenaBackend:
     _closed: bool = attrs.field(default=False, init=False)
     _hashes: KeyHashes = attrs.field(factory=KeyHashes, init=False)
     _busy: int = attrs.field(default=0, init=False)  # calls running (or waiting for the lock): stay mapped
+    _copies: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets: aclose waits for them
+    _unmapped: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._arena = ArenaFile.open(self.config)
@@ -128,7 +131,7 @@ class ArenaBackend:
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store each object unless its key exists (``PRESENT``, which counts as a use for LRU)."""
-        self._enter()
+        self._enter(copies=True)
         results = [PutStatus.FAILED] * len(objects)
         claimed: dict[int, int] = {}  # object index -> row, until published or given back
         try:
@@ -149,7 +152,7 @@ class ArenaBackend:
             if claimed:
                 await self._give_back(claimed.values())
             self._stats.count_puts(objects, results)
-            self._leave()
+            self._leave(copies=True)
         return results
 
     async def _write(self, objects: Sequence[ObjectRef], claimed: dict[int, int]) -> None:
@@ -210,13 +213,13 @@ class ArenaBackend:
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         """Fill each object's regions from its slot; a size other than the stored one is FAILED."""
-        self._enter()
+        self._enter(copies=True)
         results = [GetStatus.FAILED] * len(objects)
         arena, now = self._arena, time.monotonic_ns()
         sizes = nbytes_of(objects)
-        query = arena.query(self._hashes(keys_of(objects)), sizes)
         done = 0
         try:
+            query = arena.query(self._hashes(keys_of(objects)), sizes)
             while done < len(objects):
                 async with arena.lock.held(SHARED, self.config.lock_timeout_s):
                     started = time.monotonic()
@@ -230,7 +233,7 @@ class ArenaBackend:
             logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
         finally:
             self._stats.count_gets(objects, results)
-            self._leave()
+            self._leave(copies=True)
         return results
 
     def _read(
@@ -305,19 +308,29 @@ class ArenaBackend:
             self._leave()
 
     async def aclose(self) -> None:
-        """Close; the arena is unmapped once the puts and gets still running have returned."""
-        if not self._closed:
-            self._closed = True
-            if not self._busy:
-                self._arena.close()
+        """Close: no call starts any more; return once no put or get runs (they copy the caller's
+        memory until they return). The arena is unmapped once the last call has returned (a
+        lookup still waiting for the lock answers from it first)."""
+        self._closed = True
+        await self._copies.drained()
+        self._unmap_if_idle()
 
-    def _enter(self) -> None:
+    def _enter(self, *, copies: bool = False) -> None:
+        """A call starts (``copies``: a put or get, which :meth:`aclose` waits for)."""
         self._check_open()
         self._busy += 1
+        if copies:
+            self._copies.enter()
 
-    def _leave(self) -> None:
+    def _leave(self, *, copies: bool = False) -> None:
         self._busy -= 1
-        if self._closed and not self._busy:
+        if copies:
+            self._copies.leave()
+        self._unmap_if_idle()
+
+    def _unmap_if_idle(self) -> None:
+        if self._closed and not self._busy and not self._unmapped:
+            self._unmapped = True
             self._arena.close()
 
     def _check_open(self) -> None:

@@ -28,6 +28,7 @@ import anyio.lowlevel
 import attrs
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.inflight import InFlight
 from kvflow.backends.local.config import LocalConfig, default_path
 from kvflow.backends.local.format import (
     HEADER_SIZE,
@@ -86,6 +87,7 @@ class LocalBackend:
     _stats: BackendStats = attrs.field(init=False)
     _presence: PresenceMemory = attrs.field(init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _calls: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets running
 
     def __attrs_post_init__(self) -> None:
         self._ledger = SpaceLedger.open(
@@ -133,6 +135,10 @@ class LocalBackend:
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store each object unless its key exists (``PRESENT``, which counts as a use for LRU)."""
         self._check_open()
+        with self._calls.running():
+            return await self._put(objects)
+
+    async def _put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         results = [PutStatus.FAILED] * len(objects)
         stamp = time.time_ns()
         pacer = Pacer()
@@ -152,6 +158,10 @@ class LocalBackend:
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         """Fill each object's regions. A corrupt object is a ``MISS`` and is removed."""
         self._check_open()
+        with self._calls.running():
+            return await self._get(objects)
+
+    async def _get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         results: list[GetStatus] = []
         corrupt: list[tuple[str, str, str]] = []
         stamp = time.time_ns()
@@ -245,10 +255,15 @@ class LocalBackend:
         return removed
 
     async def aclose(self) -> None:
-        """Close this instance; the objects stay in the directory for other processes."""
-        if not self._closed:
-            self._closed = True
-            self._ledger.close()
+        """Close this instance once no put or get runs (they copy the caller's memory until they
+        return; none starts once this has begun); the objects stay in the directory for other
+        processes."""
+        if self._closed:
+            await self._calls.drained()
+            return
+        self._closed = True
+        await self._calls.drained()
+        self._ledger.close()
 
     # --- internals ------------------------------------------------------------------------------
 

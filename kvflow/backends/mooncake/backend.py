@@ -36,6 +36,7 @@ import anyio.to_thread
 import attrs
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.inflight import InFlight
 from kvflow.backends.mooncake.absent import RecentAbsence
 from kvflow.backends.mooncake.admin import ClusterUsage, fetch, parse_keys, parse_usage
 from kvflow.backends.mooncake.calls import (
@@ -94,8 +95,7 @@ class MooncakeBackend:
     _absent: RecentAbsence = attrs.field(factory=RecentAbsence, init=False)
     _closed: bool = attrs.field(default=False, init=False)
     _closed_event: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # aclose has returned
-    _copying: int = attrs.field(default=0, init=False)  # put and get calls running on the client
-    _copies_ended: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # set when _copying drops to 0
+    _copies: InFlight = attrs.field(factory=InFlight, init=False)  # put and get chunks running on the client
 
     def __attrs_post_init__(self) -> None:
         self._module = load_store_module()
@@ -154,8 +154,7 @@ class MooncakeBackend:
                 return
             self._closed = True
             try:
-                if self._copying:
-                    await self._copies_ended.wait()
+                await self._copies.drained()
                 store, self._store = self._store, None
                 # None: never connected, or a setup in flight closes its client itself
                 if store is None or await self._close_native(store):
@@ -462,22 +461,16 @@ class MooncakeBackend:
         if self._closed:
             return None
         started = time.monotonic()
-        if not self._copying:
-            self._copies_ended = anyio.Event()
-        self._copying += 1
         try:
-            if chunk.staged:
-                async with self._staging_lock:
+            with self._copies.running():
+                if chunk.staged:
+                    async with self._staging_lock:
+                        outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
+                else:
                     outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
-            else:
-                outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
         except SlotsBusy as exc:
             self._mark_down(_explain(exc, self.config.timeout_s))
             return None
-        finally:
-            self._copying -= 1
-            if not self._copying:
-                self._copies_ended.set()
         elapsed = time.monotonic() - started
         if elapsed > self.config.timeout_s:
             log.warning("a Mooncake call for %d objects took %.1f s", len(chunk.keys), elapsed)
