@@ -3,6 +3,7 @@ Mooncake backend has the same checks against a real master (tests/backends/test_
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import anyio
@@ -13,16 +14,23 @@ import torch
 from kvflow.backends import GetStatus, ObjectRef, PutStatus, open_backend
 from tests.helpers import bounded_shm
 
+KINDS = ["memory", "local", "arena"]
 
-@pytest.fixture(params=["memory", "local", "arena"])
-def url(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "memory":
-        yield "memory://?capacity=1MiB"
+
+@contextlib.contextmanager
+def store_url(kind: str, capacity: str, slot: str, tmpfs: str) -> Iterator[str]:
+    """The URL of a new store of ``kind`` (on a private tmpfs of ``tmpfs`` but in memory)."""
+    if kind == "memory":
+        yield f"memory://?capacity={capacity}"
         return
-    with bounded_shm("16m") as path:
-        yield f"{request.param}://{path}/store?capacity=1MiB" + (
-            "&slot=16KiB" if request.param == "arena" else ""
-        )
+    with bounded_shm(tmpfs) as path:
+        yield f"{kind}://{path}/store?capacity={capacity}" + (f"&slot={slot}" if kind == "arena" else "")
+
+
+@pytest.fixture(params=KINDS)
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    with store_url(request.param, "1MiB", "16KiB", "16m") as made:
+        yield made
 
 
 def region(buffer: torch.Tensor, key: str, at: int, nbytes: int) -> ObjectRef:
@@ -66,16 +74,11 @@ async def test_a_put_that_names_a_key_twice_stores_the_first_and_reports_the_sec
         await backend.aclose()
 
 
-@pytest.fixture(params=["memory", "local", "arena"])
+@pytest.fixture(params=KINDS)
 def roomy_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A store with room for 48 objects of 1 MiB."""
-    if request.param == "memory":
-        yield "memory://?capacity=64MiB"
-        return
-    with bounded_shm("96m") as path:
-        yield f"{request.param}://{path}/store?capacity=64MiB" + (
-            "&slot=1MiB" if request.param == "arena" else ""
-        )
+    with store_url(request.param, "64MiB", "1MiB", "96m") as made:
+        yield made
 
 
 @pytest.mark.parametrize("op", ["put", "get"])
