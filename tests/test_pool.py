@@ -348,7 +348,7 @@ async def test_aclose_gives_up_on_a_call_that_never_ends() -> None:
             # the put never ends: aclose waits 0.1 s, not forever, and says a call may still run
             assert await pool.aclose(timeout_s=0.1) is False
             assert ended == []  # aclose gave up on the store; it did not wait for it to be cancelled
-            assert await pool.aclose() is True  # a second close finds the pool closed
+            assert await pool.aclose() is False  # a second close: the store still runs
             tg.cancel_scope.cancel()
 
 
@@ -536,6 +536,30 @@ async def test_a_store_call_slower_than_the_deadline_is_given_up_at_the_deadline
         else:
             await pool.aclose(timeout_s=0.1)
             assert not backend.closed_fully
+
+
+async def test_a_second_close_begun_while_the_first_waits_answers_as_things_stand_then() -> None:
+    """True promises that every call ended and the backend closed: a second close begun while
+    the first waits for a call that never ends waits for the first, and says False."""
+    hung = FaultyBackend(hang_on={"put"})
+    pool = KVPool.create(
+        PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=hung
+    )  # type: ignore[arg-type]
+    answers: list[tuple[str, bool]] = []
+
+    async def close(name: str, timeout_s: float | None) -> None:
+        answers.append((name, await pool.aclose(timeout_s=timeout_s)))
+
+    with anyio.fail_after(10):  # only a hang trips this
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.store, KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
+            while "put" not in hung.calls:
+                await anyio.sleep(0.001)
+            tg.start_soon(close, "first", 0.3)
+            await anyio.sleep(0.05)
+            await close("second", None)  # returns with the first, not at once
+            tg.cancel_scope.cancel()
+    assert answers == [("first", False), ("second", False)]
 
 
 async def test_a_close_cancelled_from_outside_still_closes_the_backend() -> None:

@@ -85,6 +85,8 @@ class Transfer:
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _close_ended: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # the first aclose returned
+    _backend_closed: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._budget = ByteBudget(self.config.max_inflight_bytes)
@@ -207,33 +209,37 @@ class Transfer:
 
     async def aclose(self, timeout_s: float | None = None) -> bool:
         """Refuse new calls, wait (bounded) for calls in flight, then close the backend (bounded).
-        False when a call was still running at the bound (it may still read or write the KV
-        cache) or the backend did not close in time; True when a second close finds it closed."""
+        True when every call has ended and the backend closed; False when a call was still
+        running at the bound (it may still read or write the KV cache) or the backend did not
+        close in time. A second close waits for the first and says how things stand then."""
         if self._closed:
-            return True
+            with anyio.CancelScope(shield=True):
+                await self._close_ended.wait()
+            return self._backend_closed and not self._inflight
         self._closed = True
         limit = self.config.timeout_s if timeout_s is None else timeout_s
-        ended = True
         with anyio.CancelScope(shield=True):
-            deadline = time.monotonic() + limit
-            if self._inflight:
-                self._idle = anyio.Event()
-                with anyio.move_on_after(limit):
-                    await self._idle.wait()
+            try:
+                deadline = time.monotonic() + limit
                 if self._inflight:
-                    ended = False
-                    log.warning(
-                        "%d calls still running after %.1f s: they may still read or write the KV "
-                        "cache; do not free it",
-                        self._inflight,
-                        limit,
-                    )
-            with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
-                await self.backend.aclose()
-            if scope.cancelled_caught:
-                ended = False
-                log.warning("the backend did not close within %.1f s; abandoning it", limit)
-        return ended
+                    self._idle = anyio.Event()
+                    with anyio.move_on_after(limit):
+                        await self._idle.wait()
+                    if self._inflight:
+                        log.warning(
+                            "%d calls still running after %.1f s: they may still read or write the "
+                            "KV cache; do not free it",
+                            self._inflight,
+                            limit,
+                        )
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
+                    await self.backend.aclose()
+                self._backend_closed = not scope.cancelled_caught
+                if scope.cancelled_caught:
+                    log.warning("the backend did not close within %.1f s; abandoning it", limit)
+            finally:
+                self._close_ended.set()
+        return self._backend_closed and not self._inflight
 
     def deadline(self, timeout_s: float | None) -> float:
         """The deadline of a call given its ``timeout_s`` (default: the pool's), from now."""

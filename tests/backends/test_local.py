@@ -1404,3 +1404,42 @@ async def test_a_store_that_cannot_be_checked_is_an_error_that_says_where(
         await backend.exists(["nope", "k"])
     monkeypatch.setattr(os, "stat", real)
     await backend.aclose()
+
+
+@contextlib.contextmanager
+def descriptors_handed_out_in_order() -> Iterator[None]:
+    """Fill every free descriptor number below the highest open one, so that the next files this
+    process opens take the numbers just closed (as they would in a process with no holes)."""
+    opened = {int(n) for n in os.listdir("/proc/self/fd")}
+    plugs = [os.open("/dev/null", os.O_RDONLY) for n in range(max(opened)) if n not in opened]
+    try:
+        yield
+    finally:
+        for fd in plugs:
+            os.close(fd)
+
+
+async def test_a_remove_waiting_for_the_lock_at_close_runs_on_its_own_store(tmp_path: Path) -> None:
+    """A close returns while a remove waits for the store's lock (it touches no caller memory),
+    but the store's descriptors stay open until that remove returned: closed at once, their numbers
+    went to the next store this process opened, and the remove deleted that store's object."""
+    with descriptors_handed_out_in_order():
+        a = LocalBackend(LocalConfig.from_url(f"local://{tmp_path}/a?lock_timeout=20"))
+        blocker = os.open(tmp_path / "a" / local.LOCK_NAME, os.O_RDWR)
+        fcntl.flock(blocker, fcntl.LOCK_EX)  # another process holds store a's lock
+        answers: list[list[bool]] = []
+
+        async def remove() -> None:
+            answers.append(await a.remove(["k"]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(remove)
+            await anyio.sleep(0.05)  # the remove polls for the lock
+            await a.aclose()
+            b = open_store(tmp_path / "b")  # another store, opened while the remove still waits
+            assert await b.put([ref("k", payload("k", 4 * KiB))]) == [PutStatus.STORED]
+            os.close(blocker)
+        assert answers == [[False]]  # it ran on store a, which has no "k"
+        out = bytearray(4 * KiB)
+        assert await b.get([ref("k", out)]) == [GetStatus.HIT] and out == payload("k", 4 * KiB)
+        await b.aclose()

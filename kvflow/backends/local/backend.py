@@ -18,7 +18,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -88,6 +88,8 @@ class LocalBackend:
     _presence: PresenceMemory = attrs.field(init=False)
     _closed: bool = attrs.field(default=False, init=False)
     _calls: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets running
+    _busy: int = attrs.field(default=0, init=False)  # other calls using the store's descriptors
+    _released: bool = attrs.field(default=False, init=False)  # the descriptors are closed
 
     def __attrs_post_init__(self) -> None:
         self._ledger = SpaceLedger.open(
@@ -127,10 +129,10 @@ class LocalBackend:
 
     async def usage(self) -> int:
         """Recount the directory's usage from its files (a full scan under the lock) and return it."""
-        self._check_open()
-        async with self._ledger.locked(self.config.lock_timeout_s):
-            self._ledger.scan()
-        return self._ledger.used
+        with self._using():
+            async with self._ledger.locked(self.config.lock_timeout_s):
+                self._ledger.scan()
+            return self._ledger.used
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store each object unless its key exists (``PRESENT``, which counts as a use for LRU)."""
@@ -213,9 +215,9 @@ class LocalBackend:
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete objects (under the directory lock, so the shared budget stays exact)."""
-        self._check_open()
-        async with self._ledger.locked(self.config.lock_timeout_s):
-            return [self._ledger.remove_if(object_file_name(key), _always) for key in keys]
+        with self._using():
+            async with self._ledger.locked(self.config.lock_timeout_s):
+                return [self._ledger.remove_if(object_file_name(key), _always) for key in keys]
 
     # --- listing, for tools (kvflow store) -------------------------------------------------------
 
@@ -224,9 +226,8 @@ class LocalBackend:
         is a digest (a key longer than 200 bytes escaped). Entries that are not kvflow's objects are
         skipped. Reads the directory without the lock, yielding to the loop every 256 entries: a
         concurrent put or eviction may or may not be seen."""
-        self._check_open()
         found: list[tuple[str | None, int]] = []
-        with os.scandir(self._ledger.objects_fd) as entries:
+        with self._using(), os.scandir(self._ledger.objects_fd) as entries:
             for n, entry in enumerate(entries, 1):
                 if n % _LIST_GROUP == 0:
                     await anyio.lowlevel.checkpoint()
@@ -243,27 +244,42 @@ class LocalBackend:
     async def clear(self) -> int:
         """Remove every object (those of every model, and the profile book's), 256 per lock
         section; return how many were removed. Temp files of writes in flight are left alone."""
-        self._check_open()
-        with os.scandir(self._ledger.objects_fd) as entries:
-            names = [e.name for e in entries if is_object_file_name(e.name)]
-        removed = 0
-        for start in range(0, len(names), _LIST_GROUP):
-            async with self._ledger.locked(self.config.lock_timeout_s):
-                for name in names[start : start + _LIST_GROUP]:
-                    removed += self._ledger.remove_if(name, _always)
-            await anyio.lowlevel.checkpoint()
-        return removed
+        with self._using():
+            with os.scandir(self._ledger.objects_fd) as entries:
+                names = [e.name for e in entries if is_object_file_name(e.name)]
+            removed = 0
+            for start in range(0, len(names), _LIST_GROUP):
+                async with self._ledger.locked(self.config.lock_timeout_s):
+                    for name in names[start : start + _LIST_GROUP]:
+                        removed += self._ledger.remove_if(name, _always)
+                await anyio.lowlevel.checkpoint()
+            return removed
 
     async def aclose(self) -> None:
         """Close this instance once no put or get runs (they copy the caller's memory until they
         return; none starts once this has begun); the objects stay in the directory for other
-        processes."""
-        if self._closed:
-            await self._calls.drained()
-            return
+        processes. The store's descriptors are closed once the last call using them has returned
+        (a remove still waiting for the lock, say): another store opened meanwhile may be given
+        the same numbers."""
         self._closed = True
         await self._calls.drained()
-        self._ledger.close()
+        self._release_if_idle()
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """A call other than put and get that uses the store's descriptors, across awaits."""
+        self._check_open()
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        if self._closed and not self._busy and not self._calls.count and not self._released:
+            self._released = True
+            self._ledger.close()
 
     # --- internals ------------------------------------------------------------------------------
 
