@@ -72,7 +72,7 @@ async def measure(root: str, size: int, batch: int, capacity: int, slot: int, re
 
         def slots() -> np.ndarray:
             rows = rng.choice(arena.geometry.rows, size=batch, replace=False)
-            return np.asarray([arena.address(int(row)) for row in rows], dtype=np.int64)
+            return arena.base + rows.astype(np.int64) * arena.geometry.slot_bytes
 
         into = iter([slots() for _ in range(repeat + 1)])  # other slots each time (one warm-up call)
         out_of = iter([slots() for _ in range(repeat + 1)])
