@@ -135,11 +135,14 @@ class KVPool:
 
     async def aclose(self, timeout_s: float | None = None) -> bool:
         """Refuse new calls, wait (bounded by ``timeout_s``, default the pool's) for calls in
-        flight, then close the backend (within the same bound).
+        flight, then close the backend (within the same bound, but a backend's close always waits
+        for its own puts and gets: a Mooncake call with a stalled peer can hold it about 30 s
+        more; :meth:`kvflow.SyncPool.close` returns within its bound regardless).
 
         True when every call ended and the backend closed. False when a call was still running
         at the bound (a device copy or a backend call that does not return: it may still read or
-        write the KV cache, so do not free it) or the backend did not close in time."""
+        write the KV cache, so do not free it) or the backend did not close in time. A second
+        close waits for the first and answers as things stand then."""
         check_timeout(timeout_s)
         return await self._transfer.aclose(timeout_s)
 

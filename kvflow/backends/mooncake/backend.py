@@ -313,6 +313,8 @@ class MooncakeBackend:
         store = await self._usable_store()
         if store is not None:
             for indices in distinct_rounds(objects):
+                if self._closed:  # closed between two rounds: plan nothing (no new staging)
+                    break
                 for chunk in self._plan(objects, indices):
                     outcome = await self._in_chunk(chunk, lambda c: get_chunk(store, objects, c))
                     if outcome is not None:
