@@ -219,6 +219,56 @@ PROMPTS = [
 ]
 
 
+def chaos_backends(rng: random.Random, arena: str | None, *, faults: bool = True) -> list[ChaosBackend]:
+    """One small memory store, or (``arena``: a directory) two instances of one arena of few slots
+    in one set, where every put may evict what a get wants; each behind a ChaosBackend."""
+    if arena is None:
+        capacity = rng.choice([3000, 6000, 20000]) if faults else 1 << 24
+        return [ChaosBackend(MemoryBackend(MemoryConfig(capacity_bytes=capacity)), rng, faults=faults)]
+    slots = rng.choice([4, 8, 16]) if faults else 256
+    url = f"arena://{arena}?capacity={slots * 4}KiB&slot=4KiB"
+    return [ChaosBackend(ArenaBackend.from_url(url), rng, faults=faults) for _ in range(2)]  # type: ignore[arg-type]
+
+
+def take_blocks(
+    engine: Engine, prompt: Sequence[int], first: int, count: int, rng: random.Random
+) -> tuple[int, list[int]] | None:
+    """Free cache blocks of ``engine`` for ``count`` blocks of ``prompt`` from block ``first`` (both
+    clamped to the prompt's whole blocks), drawn at random: the first block and the ids, or None
+    when too few are free."""
+    full = len(prompt) // engine.block
+    first = min(first, full - 1)
+    count = max(1, min(count, full - first))
+    if len(engine.free) < count:
+        return None
+    return first, [engine.free.pop(rng.randrange(len(engine.free))) for _ in range(count)]
+
+
+#: The pools of a scenario: name, block size, layerwise, staged, (TP rank, TP size).
+ENGINES = [
+    ("whole4", 4, False, False, (0, 1)),
+    ("whole4-staged", 4, False, True, (0, 1)),
+    ("layer4", 4, True, False, (0, 1)),
+    ("layer4-staged", 4, True, True, (0, 1)),
+    ("whole8", 8, False, False, (0, 1)),
+    ("whole8-staged", 8, False, True, (0, 1)),
+    ("tp2r0", 4, False, True, (0, 2)),
+    ("tp2r1", 4, False, False, (1, 2)),
+]
+
+
+def chaos_engines(
+    backends: list[ChaosBackend], rng: random.Random, *, layerwise: bool = True
+) -> list[Engine]:
+    """The pools of :data:`ENGINES` (without the layerwise ones unless ``layerwise``), spread over
+    ``backends`` in turn."""
+    specs = [spec for spec in ENGINES if layerwise or not spec[2]]
+    return [
+        make_engine(name, backends[i % len(backends)], rng, block=block, layerwise=lw, staged=staged, tp=tp)
+        for i, (name, block, lw, staged, tp) in enumerate(specs)
+    ]
+
+
 Op = tuple[int, int, int, int, int]  # kind (store, retrieve, remove), engine, prompt, first block, count
 
 
@@ -229,37 +279,18 @@ async def scenario(
     rng = random.Random(seed)
     asked = hit = 0
     kv = [token_kv(p) for p in PROMPTS]
-    if arena is None:
-        capacity = rng.choice([3000, 6000, 20000]) if faults else 1 << 24
-        inner = MemoryBackend(MemoryConfig(capacity_bytes=capacity))
-        backends = [ChaosBackend(inner, rng, faults=faults)]
-    else:  # two instances of one arena of few slots (one set): every put may evict what a get wants
-        slots = rng.choice([4, 8, 16]) if faults else 256
-        url = f"arena://{arena}?capacity={slots * 4}KiB&slot=4KiB"
-        backends = [ChaosBackend(ArenaBackend.from_url(url), rng, faults=faults) for _ in range(2)]  # type: ignore[arg-type]
-    b = [backends[i % len(backends)] for i in range(8)]
-    engines = [
-        make_engine("whole4", b[0], rng, block=4, layerwise=False, staged=False),
-        make_engine("whole4-staged", b[1], rng, block=4, layerwise=False, staged=True),
-        make_engine("layer4", b[2], rng, block=4, layerwise=True, staged=False),
-        make_engine("layer4-staged", b[3], rng, block=4, layerwise=True, staged=True),
-        make_engine("whole8", b[4], rng, block=8, layerwise=False, staged=False),
-        make_engine("whole8-staged", b[5], rng, block=8, layerwise=False, staged=True),
-        make_engine("tp2r0", b[6], rng, block=4, layerwise=False, staged=True, tp=(0, 2)),
-        make_engine("tp2r1", b[7], rng, block=4, layerwise=False, staged=False, tp=(1, 2)),
-    ]
+    backends = chaos_backends(rng, arena, faults=faults)
+    engines = chaos_engines(backends, rng)
     late: list[tuple[Engine, list[int], dict[str, tuple[torch.Tensor, torch.Tensor]]]] = []
 
     async def one(kind: int, e: int, p: int, first: int, count: int) -> None:
         engine = engines[e]
         prompt = PROMPTS[p]
         k, v = kv[p]
-        full = len(prompt) // engine.block
-        first = min(first, full - 1)
-        count = max(1, min(count, full - first))
-        if len(engine.free) < count:
+        taken = take_blocks(engine, prompt, first, count, rng)
+        if taken is None:
             return
-        ids = [engine.free.pop(rng.randrange(len(engine.free))) for _ in range(count)]
+        first, ids = taken
         request = KVRequest(tokens=prompt, block_ids=ids, block_offset=first, request_id="r")
         kind %= 3
         if kind == 0:  # store

@@ -22,11 +22,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow import GetStatus, KVRequest, MemoryBackend
-from kvflow.backends.arena import ArenaBackend
-from kvflow.backends.memory import MemoryConfig
+from kvflow import GetStatus, KVRequest
 from tests.helpers import bounded_shm
-from tests.test_chaos import PROMPTS, ChaosBackend, Engine, check, fill, make_engine, token_kv
+from tests.test_chaos import (
+    PROMPTS,
+    Engine,
+    chaos_backends,
+    chaos_engines,
+    check,
+    fill,
+    make_engine,
+    take_blocks,
+    token_kv,
+)
 
 JUNK = 0x7B7B  # int16 view of the scribble
 
@@ -61,23 +69,8 @@ Op = tuple[int, int, list[tuple[int, int, int]], int]  # kind, engine, [(prompt,
 async def scenario(seed: int, ops: list[Op], arena: str | None = None) -> tuple[int, int]:
     rng = random.Random(seed)
     kv = [token_kv(p) for p in PROMPTS]
-    if arena is None:
-        inner = MemoryBackend(MemoryConfig(capacity_bytes=rng.choice([3000, 6000, 20000])))
-        inners = [inner]
-    else:
-        slots = rng.choice([4, 8, 16])
-        url = f"arena://{arena}?capacity={slots * 4}KiB&slot=4KiB"
-        inners = [ArenaBackend.from_url(url), ArenaBackend.from_url(url)]
-    backends = [ChaosBackend(i, rng) for i in inners]  # type: ignore[arg-type]
-    b = [backends[i % len(backends)] for i in range(6)]
-    engines = [
-        make_engine("whole4", b[0], rng, block=4, layerwise=False, staged=False),
-        make_engine("whole4-staged", b[1], rng, block=4, layerwise=False, staged=True),
-        make_engine("whole8", b[2], rng, block=8, layerwise=False, staged=False),
-        make_engine("whole8-staged", b[3], rng, block=8, layerwise=False, staged=True),
-        make_engine("tp2r0", b[4], rng, block=4, layerwise=False, staged=True, tp=(0, 2)),
-        make_engine("tp2r1", b[5], rng, block=4, layerwise=False, staged=False, tp=(1, 2)),
-    ]
+    backends = chaos_backends(rng, arena)
+    engines = chaos_engines(backends, rng, layerwise=False)
     late: list[tuple[Engine, list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
     asked = hit = 0
 
@@ -86,14 +79,10 @@ async def scenario(seed: int, ops: list[Op], arena: str | None = None) -> tuple[
         engine = engines[e % len(engines)]
         plans = []
         for p, first, count in reqs:
-            prompt = PROMPTS[p]
-            full = len(prompt) // engine.block
-            first = min(first, full - 1)
-            count = max(1, min(count, full - first))
-            if len(engine.free) < count:
+            taken = take_blocks(engine, PROMPTS[p], first, count, rng)
+            if taken is None:
                 break
-            ids = [engine.free.pop(rng.randrange(len(engine.free))) for _ in range(count)]
-            plans.append((p, first, ids))
+            plans.append((p, *taken))
         if not plans:
             return
         requests = [
@@ -178,8 +167,8 @@ async def scenario(seed: int, ops: list[Op], arena: str | None = None) -> tuple[
                     reader, ids, result.statuses, *kv[p], 0, f"store holds wrong KV, prompt {p} block{block}"
                 )
     finally:
-        for inner in inners:
-            await inner.aclose()
+        for backend in backends:
+            await backend.inner.aclose()
     return asked, hit
 
 

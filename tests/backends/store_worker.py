@@ -140,13 +140,17 @@ class Workers:
                 break
         raise AssertionError(f"worker {proc.pid} never printed {prefix!r} (exit code {proc.poll()})")
 
-    def run(self, timeout: float = 60) -> list[dict[str, Any]]:
+    def go(self) -> None:
+        """Once every worker has opened its store (READY), let them all start at once."""
         for proc in self.procs:
             self.wait_for(proc, "READY")
         for proc in self.procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
             proc.stdin.flush()
+
+    def run(self, timeout: float = 60) -> list[dict[str, Any]]:
+        self.go()
         reports = []
         for proc in self.procs:
             out, _ = proc.communicate(timeout=timeout)

@@ -86,12 +86,7 @@ def test_concurrent_instances_and_processes_never_return_another_keys_bytes(
         hits = [0]
 
         async def main() -> None:
-            for proc in workers.procs:
-                workers.wait_for(proc, "READY")
-            for proc in workers.procs:
-                assert proc.stdin is not None
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
+            workers.go()
 
             async def one(i: int) -> None:
                 backend = backends[i % len(backends)]
