@@ -4,18 +4,21 @@ A put reads the engine's blocks and a get writes them until the call returns. A 
 ``aclose`` returns only once none of its calls still does (the caller may free that memory then,
 or reuse the blocks): it marks itself closed, so that no call starts, then waits for
 :meth:`InFlight.drained`. The in-process backends' calls copy a few milliseconds at most between
-two checkpoints; a Mooncake call ends when Mooncake returns.
+two checkpoints; a Mooncake call ends when Mooncake returns. :class:`Lifetime` keeps this for the
+embedded backends, with the release of what their calls use once the last has ended.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 import attrs
 
-__all__ = ["InFlight"]
+from kvflow.errors import PoolClosedError
+
+__all__ = ["InFlight", "Lifetime"]
 
 
 @attrs.define
@@ -51,3 +54,54 @@ class InFlight:
         with anyio.CancelScope(shield=True):
             if self.count:
                 await self._ended.wait()
+
+
+@attrs.define
+class Lifetime:
+    """A backend's open or closed state, the calls running on it, and the release of what they
+    use (a mapping, descriptors) once it is closed and the last of them has ended.
+
+    Every call runs inside :meth:`call`; a put or get with ``copies=True``, which :meth:`close`
+    waits for. A call that is not a copy (a remove still waiting for a lock, say) may outlive the
+    close: what it uses is released only when it returns, so it never acts on a mapping or a
+    descriptor number that was given to something else meanwhile.
+    """
+
+    closed_error: str  # what a call after the close raises, as :class:`PoolClosedError`
+    release: Callable[[], None] = lambda: None  # run once, after the close, when no call runs
+    closed: bool = False
+    copies: InFlight = attrs.field(factory=InFlight)  # puts and gets: close waits for them
+    _users: int = 0  # every call running, copies or not
+    _released: bool = False
+
+    def check_open(self) -> None:
+        """Raise :class:`PoolClosedError` once closed."""
+        if self.closed:
+            raise PoolClosedError(self.closed_error)
+
+    @contextlib.contextmanager
+    def call(self, *, copies: bool = False) -> Iterator[None]:
+        """Count the body as a call (``copies``: one that :meth:`close` waits for); refused once closed."""
+        self.check_open()
+        self._users += 1
+        if copies:
+            self.copies.enter()
+        try:
+            yield
+        finally:
+            self._users -= 1
+            if copies:
+                self.copies.leave()
+            self._release_if_idle()
+
+    async def close(self) -> None:
+        """No call starts any more; return once no copy runs (shielded: a cancelled close still
+        waits). What the calls use is released now, or as the last other call returns."""
+        self.closed = True
+        await self.copies.drained()
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        if self.closed and not self._users and not self._released:
+            self._released = True
+            self.release()

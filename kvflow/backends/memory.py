@@ -47,10 +47,10 @@ from kvflow.backends.base import (
     some_of,
 )
 from kvflow.backends.copies import gather_objects, scatter_objects
-from kvflow.backends.inflight import InFlight
+from kvflow.backends.inflight import Lifetime
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query
-from kvflow.errors import ConfigError, PoolClosedError
+from kvflow.errors import ConfigError
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
 
@@ -110,11 +110,11 @@ class MemoryBackend:
     config: MemoryConfig = attrs.field(factory=MemoryConfig)
     _objects: OrderedDict[str, _Entry] = attrs.field(factory=OrderedDict, init=False)
     _stats: BackendStats = attrs.field(init=False)
-    _closed: bool = attrs.field(default=False, init=False)
-    _calls: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets running
+    _life: Lifetime = attrs.field(init=False)  # the puts and gets running
 
     def __attrs_post_init__(self) -> None:
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes)
+        self._life = Lifetime("the memory backend was closed; open a new one")
         regions.warm()  # the copy loops, loaded now rather than at the first put on the event loop
 
     @classmethod
@@ -160,8 +160,7 @@ class MemoryBackend:
         checkpoint inside, so nothing can change under it), an object starting larger by ``paced``;
         the loop runs between them once it has been held long enough. ``count`` the results of
         those that ran (even when the call is cancelled part-way)."""
-        self._check_open()
-        with self._calls.running():
+        with self._life.call(copies=True):
             keys, sizes = keys_of(objects), nbytes_of(objects)
             uniform = isinstance(objects, ObjectBatch)
             results: list[R] = []
@@ -184,12 +183,12 @@ class MemoryBackend:
             return results
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
+        self._life.check_open()
         objects = self._objects
         return [key in objects for key in keys]
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
+        self._life.check_open()
         removed = []
         for key in keys:
             entry = self._objects.pop(key, None)
@@ -200,14 +199,9 @@ class MemoryBackend:
 
     async def aclose(self) -> None:
         """Drop every object; return once no put or get still copies (nothing more is published)."""
-        self._closed = True
+        await self._life.close()
         self._objects.clear()
         self._stats.used_bytes = 0
-        await self._calls.drained()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosedError("the memory backend was closed; open a new one")
 
     def _room(self, key: str, nbytes: int) -> _Entry | PutStatus:
         """A reserved entry for a put of ``nbytes`` under ``key``; PRESENT (a use, for LRU) or
@@ -224,7 +218,7 @@ class MemoryBackend:
         """Puts of objects copied in one call, without a checkpoint: those not yet stored reserved
         together, all copied, each published (the second of one key twice is PRESENT). Each step
         runs over the whole run at once, not as a call per object. Once closed: nothing."""
-        if self._closed:  # a put that was running when aclose began: nothing more is stored
+        if self._life.closed:  # a put that was running when aclose began: nothing more is stored
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
         new = [i for i, key in enumerate(keys) if key not in stored]
@@ -260,7 +254,7 @@ class MemoryBackend:
         published = False
         try:
             await _copy(entry.addr, obj, pacer, into_buffer=True)
-            if self._closed:
+            if self._life.closed:
                 return PutStatus.FAILED
             if obj.key in objects:  # another put published it while this one copied
                 return PutStatus.PRESENT
@@ -268,7 +262,7 @@ class MemoryBackend:
             published = True
             return PutStatus.STORED
         finally:
-            if not published and not self._closed:
+            if not published and not self._life.closed:
                 self._stats.used_bytes -= obj.nbytes
 
     def _reserve(self, sizes: Sequence[int]) -> list[_Entry | None]:

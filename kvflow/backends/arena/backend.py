@@ -43,8 +43,8 @@ from kvflow.backends.base import (
     some_of,
 )
 from kvflow.backends.copies import gather_objects, scatter_objects
-from kvflow.backends.inflight import InFlight
-from kvflow.errors import BackendError, ConfigError, PoolClosedError
+from kvflow.backends.inflight import Lifetime
+from kvflow.errors import BackendError, ConfigError
 
 __all__ = ["ArenaBackend", "ArenaConfig"]
 
@@ -69,14 +69,12 @@ class ArenaBackend:
     _arena: ArenaFile = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
     _too_large_logged: bool = attrs.field(default=False, init=False)
-    _closed: bool = attrs.field(default=False, init=False)
     _hashes: KeyHashes = attrs.field(factory=KeyHashes, init=False)
-    _busy: int = attrs.field(default=0, init=False)  # calls running (or waiting for the lock): stay mapped
-    _copies: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets: aclose waits for them
-    _unmapped: bool = attrs.field(default=False, init=False)
+    _life: Lifetime = attrs.field(init=False)  # the calls running: the arena stays mapped for them
 
     def __attrs_post_init__(self) -> None:
         self._arena = ArenaFile.open(self.config)
+        self._life = Lifetime("the arena backend is closed", release=self._arena.close)
         geometry = self._arena.geometry
         self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
         regions.warm()  # the copy loops and the claim, loaded now rather than at the first put on the loop
@@ -123,7 +121,7 @@ class ArenaBackend:
     def stats(self) -> BackendStats:
         """Counters of this instance; ``used_bytes`` is the arena's, read from its table now (once
         closed: as last read)."""
-        if self._closed:
+        if self._life.closed:
             return self._stats
         self._stats.used_bytes = self._arena.used_bytes()
         self._stats.evictions = self._arena.evictions
@@ -131,29 +129,28 @@ class ArenaBackend:
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store each object unless its key exists (``PRESENT``, which counts as a use for LRU)."""
-        self._enter(copies=True)
-        results = [PutStatus.FAILED] * len(objects)
-        claimed: dict[int, int] = {}  # object index -> row, until published or given back
-        try:
-            await self._claim(objects, results, claimed)
-            await self._write(objects, claimed)
-            keys, sizes = keys_of(objects), nbytes_of(objects)
-            async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-                order = list(claimed)
-                self._arena.publish(
-                    list(claimed.values()), [sizes[i] for i in order], [keys[i] for i in order]
-                )
-                for i in order:
-                    results[i] = PutStatus.STORED
-                claimed.clear()
-        except TimeoutError as exc:
-            logger.error("arena backend: put of %d objects failed: %s", len(objects), exc)
-        finally:
-            if claimed:
-                await self._give_back(claimed.values())
-            self._stats.count_puts(objects, results)
-            self._leave(copies=True)
-        return results
+        with self._life.call(copies=True):
+            results = [PutStatus.FAILED] * len(objects)
+            claimed: dict[int, int] = {}  # object index -> row, until published or given back
+            try:
+                await self._claim(objects, results, claimed)
+                await self._write(objects, claimed)
+                keys, sizes = keys_of(objects), nbytes_of(objects)
+                async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+                    order = list(claimed)
+                    self._arena.publish(
+                        list(claimed.values()), [sizes[i] for i in order], [keys[i] for i in order]
+                    )
+                    for i in order:
+                        results[i] = PutStatus.STORED
+                    claimed.clear()
+            except TimeoutError as exc:
+                logger.error("arena backend: put of %d objects failed: %s", len(objects), exc)
+            finally:
+                if claimed:
+                    await self._give_back(claimed.values())
+                self._stats.count_puts(objects, results)
+            return results
 
     async def _write(self, objects: Sequence[ObjectRef], claimed: dict[int, int]) -> None:
         """Copy the claimed objects into their slots (without the lock: the slots are this put's),
@@ -213,28 +210,27 @@ class ArenaBackend:
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         """Fill each object's regions from its slot; a size other than the stored one is FAILED."""
-        self._enter(copies=True)
-        results = [GetStatus.FAILED] * len(objects)
-        arena, now = self._arena, time.monotonic_ns()
-        sizes = nbytes_of(objects)
-        done = 0
-        try:
-            query = arena.query(self._hashes(keys_of(objects)), sizes)
-            while done < len(objects):
-                async with arena.lock.held(SHARED, self.config.lock_timeout_s):
-                    started = time.monotonic()
-                    while True:  # runs until the loop has been held long enough
-                        done = self._read(objects, sizes, query, done, results, now)
-                        if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
-                            break
-                if done < len(objects):
-                    await anyio.lowlevel.checkpoint()
-        except TimeoutError as exc:
-            logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
-        finally:
-            self._stats.count_gets(objects, results)
-            self._leave(copies=True)
-        return results
+        with self._life.call(copies=True):
+            results = [GetStatus.FAILED] * len(objects)
+            arena, now = self._arena, time.monotonic_ns()
+            sizes = nbytes_of(objects)
+            done = 0
+            try:
+                query = arena.query(self._hashes(keys_of(objects)), sizes)
+                while done < len(objects):
+                    async with arena.lock.held(SHARED, self.config.lock_timeout_s):
+                        started = time.monotonic()
+                        while True:  # runs until the loop has been held long enough
+                            done = self._read(objects, sizes, query, done, results, now)
+                            if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
+                                break
+                    if done < len(objects):
+                        await anyio.lowlevel.checkpoint()
+            except TimeoutError as exc:
+                logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
+            finally:
+                self._stats.count_gets(objects, results)
+            return results
 
     def _read(
         self,
@@ -298,41 +294,15 @@ class ArenaBackend:
     async def _locked(self, mode: int) -> AsyncIterator[ArenaFile]:
         """The arena under the lock, for a body that does not await; BackendError after the lock
         timeout (as the protocol asks of ``exists`` and ``remove``)."""
-        self._enter()
-        try:
-            async with self._arena.lock.held(mode, self.config.lock_timeout_s):
-                yield self._arena
-        except TimeoutError as exc:
-            raise BackendError(f"the arena store {self.root} cannot answer: {exc}") from exc
-        finally:
-            self._leave()
+        with self._life.call():
+            try:
+                async with self._arena.lock.held(mode, self.config.lock_timeout_s):
+                    yield self._arena
+            except TimeoutError as exc:
+                raise BackendError(f"the arena store {self.root} cannot answer: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close: no call starts any more; return once no put or get runs (they copy the caller's
         memory until they return). The arena is unmapped once the last call has returned (a
         lookup still waiting for the lock answers from it first)."""
-        self._closed = True
-        await self._copies.drained()
-        self._unmap_if_idle()
-
-    def _enter(self, *, copies: bool = False) -> None:
-        """A call starts (``copies``: a put or get, which :meth:`aclose` waits for)."""
-        self._check_open()
-        self._busy += 1
-        if copies:
-            self._copies.enter()
-
-    def _leave(self, *, copies: bool = False) -> None:
-        self._busy -= 1
-        if copies:
-            self._copies.leave()
-        self._unmap_if_idle()
-
-    def _unmap_if_idle(self) -> None:
-        if self._closed and not self._busy and not self._unmapped:
-            self._unmapped = True
-            self._arena.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosedError("the arena backend is closed")
+        await self._life.close()

@@ -18,7 +18,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -28,7 +28,7 @@ import anyio.lowlevel
 import attrs
 
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
-from kvflow.backends.inflight import InFlight
+from kvflow.backends.inflight import Lifetime
 from kvflow.backends.local.config import LocalConfig, default_path
 from kvflow.backends.local.format import (
     HEADER_SIZE,
@@ -47,7 +47,7 @@ from kvflow.backends.local.presence import PresenceMemory
 from kvflow.backends.local.safety import LOCK_NAME, Access
 from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.backends.pacing import PIECE, Pacer
-from kvflow.errors import BackendError, PoolClosedError
+from kvflow.errors import BackendError
 
 __all__ = ["LocalBackend", "LocalConfig", "default_path", "key_of_file_name"]
 
@@ -86,10 +86,7 @@ class LocalBackend:
     _ledger: SpaceLedger = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
     _presence: PresenceMemory = attrs.field(init=False)
-    _closed: bool = attrs.field(default=False, init=False)
-    _calls: InFlight = attrs.field(factory=InFlight, init=False)  # puts and gets running
-    _busy: int = attrs.field(default=0, init=False)  # other calls using the store's descriptors
-    _released: bool = attrs.field(default=False, init=False)  # the descriptors are closed
+    _life: Lifetime = attrs.field(init=False)  # the calls running: the store's descriptors stay open for them
 
     def __attrs_post_init__(self) -> None:
         self._ledger = SpaceLedger.open(
@@ -100,6 +97,7 @@ class LocalBackend:
         )
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes, used_bytes=self._ledger.used)
         self._presence = PresenceMemory(self._ledger.dirs.lock_fd)
+        self._life = Lifetime("the local backend was closed; open a new one", release=self._ledger.close)
 
     @classmethod
     def from_url(cls, url: str) -> LocalBackend:
@@ -129,15 +127,14 @@ class LocalBackend:
 
     async def usage(self) -> int:
         """Recount the directory's usage from its files (a full scan under the lock) and return it."""
-        with self._using():
+        with self._life.call():
             async with self._ledger.locked(self.config.lock_timeout_s):
                 self._ledger.scan()
             return self._ledger.used
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         """Store each object unless its key exists (``PRESENT``, which counts as a use for LRU)."""
-        self._check_open()
-        with self._calls.running():
+        with self._life.call(copies=True):
             return await self._put(objects)
 
     async def _put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
@@ -159,8 +156,7 @@ class LocalBackend:
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         """Fill each object's regions. A corrupt object is a ``MISS`` and is removed."""
-        self._check_open()
-        with self._calls.running():
+        with self._life.call(copies=True):
             return await self._get(objects)
 
     async def _get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
@@ -183,7 +179,7 @@ class LocalBackend:
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key has an object; those this instance found before, and that no process
         removed since (the store's journal says), are answered from memory (:mod:`.presence`)."""
-        self._check_open()
+        self._life.check_open()
         memory, dir_fd = self._presence, self._ledger.objects_fd
         try:
             memory.refresh()
@@ -215,7 +211,7 @@ class LocalBackend:
 
     async def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete objects (under the directory lock, so the shared budget stays exact)."""
-        with self._using():
+        with self._life.call():
             async with self._ledger.locked(self.config.lock_timeout_s):
                 return [self._ledger.remove_if(object_file_name(key), _always) for key in keys]
 
@@ -227,7 +223,7 @@ class LocalBackend:
         skipped. Reads the directory without the lock, yielding to the loop every 256 entries: a
         concurrent put or eviction may or may not be seen."""
         found: list[tuple[str | None, int]] = []
-        with self._using(), os.scandir(self._ledger.objects_fd) as entries:
+        with self._life.call(), os.scandir(self._ledger.objects_fd) as entries:
             for n, entry in enumerate(entries, 1):
                 if n % _LIST_GROUP == 0:
                     await anyio.lowlevel.checkpoint()
@@ -244,7 +240,7 @@ class LocalBackend:
     async def clear(self) -> int:
         """Remove every object (those of every model, and the profile book's), 256 per lock
         section; return how many were removed. Temp files of writes in flight are left alone."""
-        with self._using():
+        with self._life.call():
             with os.scandir(self._ledger.objects_fd) as entries:
                 names = [e.name for e in entries if is_object_file_name(e.name)]
             removed = 0
@@ -261,31 +257,9 @@ class LocalBackend:
         processes. The store's descriptors are closed once the last call using them has returned
         (a remove still waiting for the lock, say): another store opened meanwhile may be given
         the same numbers."""
-        self._closed = True
-        await self._calls.drained()
-        self._release_if_idle()
-
-    @contextlib.contextmanager
-    def _using(self) -> Iterator[None]:
-        """A call other than put and get that uses the store's descriptors, across awaits."""
-        self._check_open()
-        self._busy += 1
-        try:
-            yield
-        finally:
-            self._busy -= 1
-            self._release_if_idle()
-
-    def _release_if_idle(self) -> None:
-        if self._closed and not self._busy and not self._calls.count and not self._released:
-            self._released = True
-            self._ledger.close()
+        await self._life.close()
 
     # --- internals ------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosedError("the local backend was closed; open a new one")
 
     def _touch(self, key: str, stamp: int) -> bool:
         """Mark an object used; False when it does not exist."""

@@ -1,0 +1,72 @@
+"""A backend's lifetime: a close waits for copies, and what calls use is released after the last."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvflow.backends.inflight import Lifetime
+from kvflow.errors import PoolClosedError
+
+
+async def test_close_waits_for_copies_and_releases_after_the_last_call() -> None:
+    released: list[str] = []
+    life = Lifetime("closed; open a new one", release=lambda: released.append("released"))
+    copy_may_end, other_may_end = anyio.Event(), anyio.Event()
+    closed_at: list[int] = []
+
+    async def copy() -> None:
+        with life.call(copies=True):
+            await copy_may_end.wait()
+
+    async def other() -> None:  # a remove waiting for a lock, say: close does not wait for it
+        with life.call():
+            await other_may_end.wait()
+            released.append("other ended")
+
+    async def close() -> None:
+        await life.close()
+        closed_at.append(len(released))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(copy)
+        tg.start_soon(other)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(close)
+        await anyio.wait_all_tasks_blocked()
+        assert not closed_at  # the copy still runs
+        with pytest.raises(PoolClosedError, match="open a new one"), life.call():
+            pass
+        copy_may_end.set()
+        await anyio.wait_all_tasks_blocked()
+        assert closed_at == [0] and not released  # closed; the other call still uses the resource
+        other_may_end.set()
+    assert released == ["other ended", "released"]
+    await life.close()  # a second close: nothing released twice
+    assert released == ["other ended", "released"]
+
+
+async def test_a_cancelled_close_still_waits_for_the_copy() -> None:
+    life = Lifetime("closed")
+    may_end = anyio.Event()
+    order: list[str] = []
+
+    async def copy() -> None:
+        with life.call(copies=True):
+            await may_end.wait()
+            order.append("copy ended")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(copy)
+        await anyio.wait_all_tasks_blocked()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            tg.start_soon(lambda: _set_later(may_end))
+            await life.close()
+            order.append("close returned")
+    assert order == ["copy ended", "close returned"]
+
+
+async def _set_later(event: anyio.Event) -> None:
+    await anyio.sleep(0.01)
+    event.set()
