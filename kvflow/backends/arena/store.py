@@ -102,13 +102,16 @@ def _pages(nbytes: int) -> int:
 
 def key_hashes(keys: Sequence[str]) -> Hashes:
     """The two words that name each key in the table (its xxh3-128 hash)."""
+    return _words(_digests(keys))
+
+
+def _digests(keys: Sequence[str]) -> list[bytes]:
     digest = xxhash.xxh3_128_digest
-    data = b"".join([digest(k.encode("utf-8", "surrogatepass")) for k in keys])
-    return np.frombuffer(data, dtype="<u8").reshape(-1, 2)
+    return [digest(k.encode("utf-8", "surrogatepass")) for k in keys]
 
 
-def _digest(key: str) -> bytes:
-    return xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
+def _words(digests: list[bytes]) -> Hashes:
+    return np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, 2)
 
 
 @attrs.define
@@ -125,9 +128,9 @@ class KeyHashes:
         known = self._known
         if len(known) + len(keys) > self.limit:
             known.clear()
-        for key in [k for k in keys if k not in known]:
-            known[key] = _digest(key)
-        return np.frombuffer(b"".join([known[k] for k in keys]), dtype="<u8").reshape(-1, 2)
+        new = [k for k in keys if k not in known]
+        known.update(zip(new, _digests(new)))
+        return _words([known[k] for k in keys])
 
 
 @attrs.frozen
