@@ -194,7 +194,7 @@ class KVPool:
         in order: their blocks go to the backend together, in calls of up to its batch size, so the
         fixed cost of a call is paid once for all of them. ``on_released`` is called once, when no
         block of any of them is read any more. A block two requests share is put once (the
-        later one reads ``PRESENT``)."""
+        later one reads ``PRESENT`` once the first is stored, else the first's failure)."""
         check_timeout(timeout_s)
         transfer = self._transfer
         job = StoreJob(transfer, transfer.plan(requests), on_released)

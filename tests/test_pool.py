@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import attrs
@@ -23,6 +24,7 @@ from kvflow import (
     RequestError,
 )
 from kvflow.backends import ObjectRef
+from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.base import BackendCapabilities
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.ownership import owner
@@ -653,6 +655,42 @@ async def test_many_requests_in_one_call_move_as_they_would_one_by_one(config: P
     pairs = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (7, 5), (8, 6)]
     assert all(block_bytes(dst[n], d) == block_bytes(src[n], s) for s, d in pairs for n in src)
     assert all(not dst[n][7:9].any() for n in dst)  # a miss writes nothing
+
+
+@pytest.mark.parametrize("fault", ["none", "put raises", "no room"])
+async def test_a_block_requests_of_one_store_share_is_put_once_and_each_reads_how_that_went(
+    fault: str, tmp_path: Path
+) -> None:
+    """Two requests of one store name the same four blocks: each block goes to the backend once,
+    and the second request's copy reads PRESENT only where the first stored it, else the first's
+    failure (an arena that cannot hold them all: its NO_SPACE, not PRESENT)."""
+    src = LAYOUTS["vllm_cpu"]()  # 3 KiB objects
+    put_keys: list[str] = []
+
+    async def record(objects: Sequence[ObjectRef]) -> None:
+        put_keys.extend(o.key for o in objects)
+
+    backend: object = FaultyBackend(put_hook=record, raise_on={"put"} if fault == "put raises" else set())
+    if fault == "no room":  # two 4 KiB slots: two of the four blocks fit
+        backend = ArenaBackend.from_url(f"arena://{tmp_path}/store?capacity=8KiB&slot=4KiB")
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    tokens = TOKENS[: 4 * BLOCK]
+    first, second = await pool.store_many(
+        [KVRequest(block_ids=[0, 1, 2, 3], tokens=tokens), KVRequest(block_ids=[4, 5, 6, 7], tokens=tokens)]
+    )
+    if fault == "none":
+        assert first.statuses == (PutStatus.STORED,) * 4
+    elif fault == "put raises":
+        assert first.statuses == (PutStatus.FAILED,) * 4
+    else:  # the profile book's announcement may take a slot too
+        assert PutStatus.STORED in first.statuses and first.statuses[-1] is PutStatus.NO_SPACE
+    assert second.statuses == tuple(status.repeated() for status in first.statuses)
+    if fault == "none":
+        assert sorted(put_keys) == sorted(set(put_keys)) and len(put_keys) == 4  # each put once
+    if fault != "no room":  # (there the announcement may evict a block once the store is done)
+        held = await pool.lookup(KVRequest(block_ids=[0, 1, 2, 3], tokens=tokens))
+        assert held == BLOCK * first.statuses.count(PutStatus.STORED)
+    await pool.aclose()
 
 
 async def test_a_load_of_several_requests_refuses_two_that_name_one_destination_block() -> None:

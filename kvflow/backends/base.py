@@ -41,6 +41,11 @@ class PutStatus(enum.Enum):
     NO_SPACE = "no_space"  # the backend is full; nothing was written
     FAILED = "failed"  # an error; nothing readable was written
 
+    def repeated(self) -> PutStatus:
+        """The status of a later copy of a key put twice in one call, copied once, when this is
+        the first copy's: PRESENT once that one is in the store, else its NO_SPACE or FAILED."""
+        return PutStatus.PRESENT if self in (PutStatus.STORED, PutStatus.PRESENT) else self
+
 
 class GetStatus(enum.Enum):
     """What happened to one object of a get batch."""
@@ -223,7 +228,9 @@ def _bytes_where(
 class Backend(Protocol):
     """What the pool needs from a store. Call every method from the pool's event loop.
 
-    ``put`` never overwrites: a key that exists is reported ``PRESENT``. ``get`` never returns a torn
+    ``put`` never overwrites: a key that exists is reported ``PRESENT``; a key a call names twice
+    is stored once, and the later copy reads ``PRESENT`` only once the first is in the store
+    (:meth:`PutStatus.repeated`). ``get`` never returns a torn
     or partial object as a ``HIT``, and fills every object it reports ``HIT``, also when a call
     names a key more than once (a load of several requests sharing a prefix). ``exists`` raises
     :class:`kvflow.errors.BackendError` (usually :class:`~kvflow.errors.BackendUnavailableError`)

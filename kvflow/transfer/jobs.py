@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
@@ -82,11 +82,13 @@ class StoreJob:
     _statuses: dict[Unit, list[PutStatus]] = attrs.field(init=False, factory=dict)
     _every: bool = attrs.field(init=False)
     _reading: set[Unit] = attrs.field(init=False)
+    _repeats: dict[int, int] = attrs.field(init=False)  # owned block -> the first owned one of its hash
 
     def __attrs_post_init__(self) -> None:
         self.owned = owned(self.plan.indices, self.transfer.parallel)
         self._every = len(self.owned) == len(self.plan)  # owned is 0, 1, 2, ...: the plan's lists serve
         self._reading = set(self.transfer.units)
+        self._repeats = _repeats(self.plan.hashes, self.owned, self._every)
 
     def keys(self, unit: Unit) -> list[str]:
         """The keys of this rank's owned blocks for ``unit``."""
@@ -121,6 +123,8 @@ class StoreJob:
         present = self._present.get(unit) or [False] * n
         statuses = [PutStatus.PRESENT if p else PutStatus.FAILED for p in present]
         todo = [k for k, p in enumerate(present) if not p] if True in present else list(range(n))
+        if self._repeats:  # blocks several requests share: put once, each repeat told how that went
+            todo = [k for k in todo if k not in self._repeats]
         try:
             if not todo:
                 return 0
@@ -140,13 +144,15 @@ class StoreJob:
             else:
                 for k, status in zip(todo, results):
                     statuses[k] = status
-            return _failures(statuses)
         except TimeoutError as exc:  # the engine's event never came: nothing was read
             log.warning("a store gives up: %s", exc)
-            return _failures(statuses)
         finally:
+            for k, first in self._repeats.items():
+                if statuses[k] is not PutStatus.PRESENT:
+                    statuses[k] = statuses[first].repeated()
             self._statuses[unit] = statuses
             self._released(unit)
+        return _failures(statuses)
 
     async def _put_staged(
         self, unit: Unit, todo: list[int], deadline: float, after: DeviceEvent | None
@@ -586,6 +592,16 @@ class LoadJob:
             RetrieveResult(tuple(self.plan.block_ids[a:b]), tuple(status[a:b]), block_size)
             for a, b in self.plan.spans
         ]
+
+
+def _repeats(hashes: Sequence[bytes], owned: Sequence[int], every: bool) -> dict[int, int]:
+    """Owned blocks whose hash an earlier owned block has (requests of one call sharing a prefix),
+    each with that earlier one: ``{k: first}``, by index in ``owned``."""
+    mine = hashes if every else [hashes[j] for j in owned]
+    if len(set(mine)) == len(mine):
+        return {}
+    first: dict[bytes, int] = {}
+    return {k: f for k, h in enumerate(mine) if (f := first.setdefault(h, k)) != k}
 
 
 def _failures(statuses: list[PutStatus]) -> int:

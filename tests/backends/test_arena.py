@@ -188,6 +188,44 @@ async def test_every_slot_being_written_is_no_space(store_dir: Path) -> None:
     await other.aclose()
 
 
+async def test_a_key_put_twice_whose_first_copy_finds_no_slot_is_not_reported_present(
+    store_dir: Path,
+) -> None:
+    """A put of more keys than the store has slots, each key named twice (requests sharing a
+    prefix): the second copy of a key shares the first's outcome, so it reads PRESENT only where
+    the first is in the store, NO_SPACE where the first found no slot."""
+    backend = open_arena(store_dir, slots=16)
+    keys = [f"k{i}" for i in range(40)]
+    results = await put_all(backend, keys + keys)
+    first, second = results[: len(keys)], results[len(keys) :]
+    assert first.count(PutStatus.STORED) == 16 and first.count(PutStatus.NO_SPACE) == 24
+    assert second == [status.repeated() for status in first]
+    assert await backend.exists(keys) == [status is PutStatus.STORED for status in first]
+    await backend.aclose()
+
+
+async def test_a_key_put_twice_whose_first_copy_fails_is_not_reported_present(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish of a put gives up (the lock stays taken past its timeout): the claimed copies
+    fail, and so do their repeats."""
+    backend, holder = open_arena(store_dir, lock_timeout_s=0.2), open_arena(store_dir)
+
+    def mid_write(row: int) -> None:
+        monkeypatch.setattr(arena, "_mid_write_hook", None)
+        fcntl.flock(holder._arena.lock.fd, fcntl.LOCK_EX)
+
+    monkeypatch.setattr(arena, "_mid_write_hook", mid_write)
+    try:
+        results = await put_all(backend, ["a", "b", "a"])
+    finally:
+        fcntl.flock(holder._arena.lock.fd, fcntl.LOCK_UN)
+    assert results == [PutStatus.FAILED] * 3
+    assert await backend.exists(["a", "b"]) == [False, False]
+    await backend.aclose()
+    await holder.aclose()
+
+
 async def fill_in_order(backend: ArenaBackend, keys: list[str]) -> None:
     """Each key in its own put, so that each is used later than the one before."""
     for key in keys:

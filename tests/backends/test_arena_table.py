@@ -17,7 +17,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvflow.backends.arena.table import NO_SPACE, PRESENT, UNKNOWN, passes
+from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 
 FREE, WRITING, READY = 0, 1, 2
 ME = (7, 100, 5)  # namespace, pid, start of the claiming process
@@ -71,7 +71,7 @@ def cases(draw: st.DrawFn) -> tuple[Table, list[tuple[int, int]]]:
 
 
 def model(table: Table, put: list[tuple[int, int]]) -> tuple[list[int], int, list[int]]:
-    """Slots (or PRESENT, NO_SPACE), evictions and last uses, one key at a time by the stated rule."""
+    """Slots (or PRESENT, NO_SPACE, REPEAT), evictions and last uses, one key at a time by the stated rule."""
     used, results, evictions = list(table.used), [], 0
 
     def live_writer(row: int) -> bool:
@@ -81,7 +81,7 @@ def model(table: Table, put: list[tuple[int, int]]) -> tuple[list[int], int, lis
     seen: set[tuple[int, int]] = set()
     for key in put:
         if key in seen:
-            results.append(PRESENT)
+            results.append(REPEAT)
             continue
         seen.add(key)
         rows = range((key[0] % table.sets) * table.ways, (key[0] % table.sets + 1) * table.ways)

@@ -132,8 +132,9 @@ class ArenaBackend:
         with self._life.call(copies=True):
             results = [PutStatus.FAILED] * len(objects)
             claimed: dict[int, int] = {}  # object index -> row, until published or given back
+            repeats: list[int] = []  # objects whose key an earlier one of the call has
             try:
-                await self._claim(objects, results, claimed)
+                await self._claim(objects, results, claimed, repeats)
                 await self._write(objects, claimed)
                 keys, sizes = keys_of(objects), nbytes_of(objects)
                 async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
@@ -149,6 +150,8 @@ class ArenaBackend:
             finally:
                 if claimed:
                     await self._give_back(claimed.values())
+                if repeats:
+                    _settle_repeats(keys_of(objects), results, repeats)
                 self._stats.count_puts(objects, results)
             return results
 
@@ -170,7 +173,11 @@ class ArenaBackend:
             start = end
 
     async def _claim(
-        self, objects: Sequence[ObjectRef], results: list[PutStatus], claimed: dict[int, int]
+        self,
+        objects: Sequence[ObjectRef],
+        results: list[PutStatus],
+        claimed: dict[int, int],
+        repeats: list[int],
     ) -> None:
         slot_bytes = self._arena.geometry.slot_bytes
         keys, sizes = keys_of(objects), nbytes_of(objects)
@@ -183,6 +190,8 @@ class ArenaBackend:
             for i, got in zip(fits, self._arena.claim(hashes, now)):
                 if isinstance(got, PutStatus):
                     results[i] = got
+                elif got is None:
+                    repeats.append(i)
                 else:
                     claimed[i] = got
 
@@ -306,3 +315,13 @@ class ArenaBackend:
         memory until they return). The arena is unmapped once the last call has returned (a
         lookup still waiting for the lock answers from it first)."""
         await self._life.close()
+
+
+def _settle_repeats(keys: Sequence[str], results: list[PutStatus], repeats: list[int]) -> None:
+    """A key put twice in one call is copied once: each later copy's status follows the first's
+    (:meth:`PutStatus.repeated`)."""
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    for i in repeats:
+        results[i] = results[first[keys[i]]].repeated()

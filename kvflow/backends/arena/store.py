@@ -45,7 +45,7 @@ import xxhash
 
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
-from kvflow.backends.arena.table import NO_SPACE, PRESENT, UNKNOWN, passes
+from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
 from kvflow.backends.local.format import WriterId
 from kvflow.backends.local.safety import (
@@ -90,7 +90,11 @@ FREE, WRITING, READY = 0, 1, 2
 # The table's columns.
 _STATE, _NS, _PID, _START, _K0, _K1, _NBYTES, _USED = range(8)
 _COLUMNS = 8
-_STATUS: dict[int, int | PutStatus] = {PRESENT: PutStatus.PRESENT, NO_SPACE: PutStatus.NO_SPACE}
+_STATUS: dict[int, int | PutStatus | None] = {
+    PRESENT: PutStatus.PRESENT,
+    NO_SPACE: PutStatus.NO_SPACE,
+    REPEAT: None,
+}
 
 Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
 Words = npt.NDArray[np.uint64]  # one word of each key
@@ -289,12 +293,13 @@ class ArenaFile:
 
     # --- under the exclusive lock ---------------------------------------------------------------
 
-    def claim(self, hashes: Hashes, now: int) -> list[int | PutStatus]:
+    def claim(self, hashes: Hashes, now: int) -> list[int | PutStatus | None]:
         """For each hash, a slot for its new object, now WRITING and this process's; or PRESENT, or
-        NO_SPACE (every slot of its set is being written).
+        NO_SPACE (every slot of its set is being written); or None for a hash earlier in
+        ``hashes``, which shares the outcome of that one's put.
 
-        A key already published, or being written by a live process (or earlier in ``hashes``), is
-        PRESENT; a published one counts as used. A slot that held the key before (freed, or its
+        A key already published, or being written by a live process, is PRESENT; a published one
+        counts as used. A slot that held the key before (freed, or its
         writer died) takes it again. Otherwise a claim takes, in order: a free slot of the set, one
         whose writer died, the least recently used published one (counted in :attr:`evictions`);
         never a slot this call claimed, nor one that holds (or held) another key of the call.

@@ -30,13 +30,14 @@ import numpy.typing as npt
 
 from kvflow.compiled import compile_cached
 
-__all__ = ["NO_SPACE", "PRESENT", "UNKNOWN", "Passes", "compile_passes", "passes"]
+__all__ = ["NO_SPACE", "PRESENT", "REPEAT", "UNKNOWN", "Passes", "compile_passes", "passes"]
 
 Column = npt.NDArray[np.uint64]
 Rows = npt.NDArray[np.int64]
 
 PRESENT = -1  # what :func:`Passes.claim` writes for a key present already
 NO_SPACE = -2  # ... and for one whose set has no slot to give
+REPEAT = -3  # ... and for a key earlier in the call (it shares that one's outcome)
 UNKNOWN = -2  # a get's row not looked for yet (:func:`Passes.locate`)
 _FREE, _WRITING, _READY = np.uint64(0), np.uint64(1), np.uint64(2)
 _LAST = np.iinfo(np.int64).max  # the rank of a slot no claim may take
@@ -90,7 +91,7 @@ def _claim(
         return bool(np.any(dead == row))
 
     n = k0.shape[0]
-    # A key earlier in the call: the later ones are PRESENT (a stable sort keeps call order in runs).
+    # A key earlier in the call: the later ones are REPEAT (a stable sort keeps call order in runs).
     repeat = np.zeros(n, dtype=np.bool_)
     order = np.argsort(k0, kind="mergesort")
     for t in range(1, n):
@@ -127,7 +128,7 @@ def _claim(
     evictions = 0
     for i in range(n):
         if repeat[i]:
-            out[i] = PRESENT
+            out[i] = REPEAT
             continue
         row = same[i]
         if row >= 0:
