@@ -195,10 +195,16 @@ class KVPool:
         fixed cost of a call is paid once for all of them. ``on_released`` is called once, when no
         block of any of them is read any more. A block two requests share is put once (the
         later one reads ``PRESENT`` once the first is stored, else the first's failure)."""
-        check_timeout(timeout_s)
         transfer = self._transfer
-        job = StoreJob(transfer, transfer.plan(requests), on_released)
-        deadline = transfer.deadline(timeout_s)
+        try:
+            check_timeout(timeout_s)
+            job = StoreJob(transfer, transfer.plan(requests), on_released)
+            deadline = transfer.deadline(timeout_s)
+            transfer.begin()
+        except BaseException:  # refused before anything was read: released now
+            if on_released is not None:
+                on_released()
+            raise
 
         async def put_units() -> None:
             await job.skip_present(deadline)  # reads no KV: may run before the event
@@ -207,7 +213,6 @@ class KVPool:
         calls: list[Callable[[], Coroutine[Any, Any, object]]] = [put_units]
         if transfer.book.due:  # beside the store: engines split otherwise find this one's objects through it
             calls.append(functools.partial(transfer.book.announce, deadline))
-        transfer.begin()
         try:
             await together(calls)
             return job.results()

@@ -114,7 +114,9 @@ class SyncPool:
         thread (so it must be thread-safe, e.g. ``threading.Event.set``) once the blocks are no
         longer read; the future resolves when the store ended."""
         return self._submit(
-            lambda t: self._pool.store(request, after=after, on_released=on_released, timeout_s=t), timeout_s
+            lambda t: self._pool.store(request, after=after, on_released=on_released, timeout_s=t),
+            timeout_s,
+            on_unstarted=on_released,
         )
 
     def submit_retrieve(
@@ -137,6 +139,7 @@ class SyncPool:
         return self._submit(
             lambda t: self._pool.store_many(requests, after=after, on_released=on_released, timeout_s=t),
             timeout_s,
+            on_unstarted=on_released,
         )
 
     def submit_retrieve_many(
@@ -189,11 +192,20 @@ class SyncPool:
 
     # -- the wait rule ---------------------------------------------------------------------------
 
-    def _submit(self, call: Callable[[float], Awaitable[T]], timeout_s: float | None) -> CallFuture[T]:
+    def _submit(
+        self,
+        call: Callable[[float], Awaitable[T]],
+        timeout_s: float | None,
+        on_unstarted: Callable[[], None] | None = None,
+    ) -> CallFuture[T]:
+        """Run ``call`` on the loop with what is left of ``timeout_s`` then; ``on_unstarted`` is
+        called (on the loop) when the timeout passed before the loop could start it."""
         check_timeout(timeout_s)
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        return self._loop.submit(_by_deadline, call, deadline, answer_by=deadline + ANSWER_GRACE_S)
+        return self._loop.submit(
+            _by_deadline, call, deadline, on_unstarted, answer_by=deadline + ANSWER_GRACE_S
+        )
 
 
 def start_pool(
@@ -238,9 +250,13 @@ def stop_pool(loop: LoopThread, pool: KVPool, timeout_s: float | None) -> bool:
     return closed and stopped
 
 
-async def _by_deadline(call: Callable[[float], Awaitable[T]], deadline: float) -> T:
+async def _by_deadline(
+    call: Callable[[float], Awaitable[T]], deadline: float, on_unstarted: Callable[[], None] | None
+) -> T:
     """Run ``call`` with what is left of its deadline, counted from when the caller made the call."""
     left = deadline - time.monotonic()
     if left <= 0:
+        if on_unstarted is not None:
+            on_unstarted()
         raise TimeoutError("the call's timeout passed before kvflow's loop thread could start it")
     return await call(left)

@@ -693,6 +693,27 @@ async def test_a_block_requests_of_one_store_share_is_put_once_and_each_reads_ho
     await pool.aclose()
 
 
+async def test_a_store_refused_before_it_starts_still_says_it_released_the_blocks() -> None:
+    """``on_released`` is called once for a store refused before anything is read (a bad
+    request, a bad timeout, a closed pool), as for one that ran."""
+    src = LAYOUTS["vllm_cpu"]()
+    pool = make_pool(src)
+    released: list[str] = []
+    refused = [
+        ([KVRequest(block_ids=[99], tokens=TOKENS[:BLOCK])], None, RequestError),  # no such block
+        ([KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])], -1.0, ConfigError),
+    ]
+    for requests, timeout_s, error in refused:
+        with pytest.raises(error):
+            await pool.store_many(requests, on_released=lambda: released.append("x"), timeout_s=timeout_s)
+    await pool.aclose()
+    with pytest.raises(PoolClosedError):
+        await pool.store(
+            KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=lambda: released.append("x")
+        )
+    assert released == ["x"] * 3
+
+
 async def test_a_load_of_several_requests_refuses_two_that_name_one_destination_block() -> None:
     """One get would write the block twice, and a failed second copy would spoil what the first
     reported loaded: a retrieve of several requests, and the layerwise retriever, refuse them

@@ -104,6 +104,30 @@ def test_a_timeout_counts_from_the_call_even_when_the_loop_thread_is_held() -> N
         pool.close(timeout_s=10)
 
 
+def test_a_store_the_loop_could_not_start_in_time_still_says_it_released_the_blocks() -> None:
+    """``on_released`` is called once also for a store that never started (its timeout passed
+    while the loop thread was held): an engine waiting for it to reuse its blocks is not left
+    waiting."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = BlockingBackend()
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    released = threading.Event()
+    try:
+        stalled = pool.submit_lookup(KVRequest(tokens=TOKENS))
+        assert backend.entered.wait(10)
+        queued = pool.submit_store_many(
+            [KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])], on_released=released.set, timeout_s=0.2
+        )
+        time.sleep(0.3)
+        backend.release.set()
+        assert stalled.result(10) == 0
+        with pytest.raises(TimeoutError, match="before kvflow's loop thread could start it"):
+            queued.result(10)
+        assert released.is_set()
+    finally:
+        pool.close(timeout_s=10)
+
+
 def test_close_returns_within_its_bound_when_the_backend_never_closes() -> None:
     src = LAYOUTS["vllm_cpu"]()
     pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=BlockingBackend(close_hangs=True))  # type: ignore[arg-type]
