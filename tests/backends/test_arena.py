@@ -14,6 +14,7 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import kvflow.backends.arena.backend as arena
+import kvflow.backends.local.format as local_format
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends import open_backend, pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
@@ -201,6 +203,17 @@ async def test_a_key_put_twice_whose_first_copy_finds_no_slot_is_not_reported_pr
     assert first.count(PutStatus.STORED) == 16 and first.count(PutStatus.NO_SPACE) == 24
     assert second == [status.repeated() for status in first]
     assert await backend.exists(keys) == [status is PutStatus.STORED for status in first]
+    await backend.aclose()
+
+
+async def test_a_repeat_after_a_first_copy_too_large_for_a_slot_follows_the_copy_that_fits(
+    store_dir: Path,
+) -> None:
+    backend = open_arena(store_dir)
+    sources = [filled("k", size) for size in (SLOT + 1, SLOT, 10)]
+    results = await backend.put([obj("k", source) for source in sources])
+    assert results == [PutStatus.FAILED, PutStatus.STORED, PutStatus.PRESENT]
+    assert await get_one(backend, "k") == (GetStatus.HIT, bytes(sources[1]))
     await backend.aclose()
 
 
@@ -481,7 +494,23 @@ async def test_processes_evicting_each_other_never_see_a_torn_object(store_dir: 
     assert sum(r["get"].get("hit", 0) for r in reports) > 0
 
 
-async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_back(store_dir: Path) -> None:
+@pytest.mark.parametrize("proc", ["readable", "hidden"])
+async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_back(
+    store_dir: Path, proc: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hidden``: this process cannot read the writer's /proc entry (``/proc`` mounted with
+    ``hidepid``, or no descriptor left to open it): the live writer's slots are still not taken."""
+    if proc == "hidden":
+        real_open = open
+
+        def hiding_open(path: object, *args: Any, **kwargs: Any) -> Any:
+            if str(path).startswith("/proc/") and not str(path).startswith(
+                ("/proc/self", f"/proc/{os.getpid()}")
+            ):
+                raise FileNotFoundError(2, "hidden", str(path))
+            return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(local_format, "open", hiding_open, raising=False)
     url = f"arena://{store_dir}?capacity={4 * SLOT}&slot={SLOT}"
     workers = Workers([{"url": url, "writer": 1, "keys": ["dying", "dying-2"], "size": SLOT, "pause": True}])
     try:

@@ -222,7 +222,7 @@ def test_temp_names_that_are_not_a_writers_are_refused() -> None:
         assert TempName.parse(name) is None, name
 
 
-def test_a_writer_is_judged_dead_only_when_it_certainly_is() -> None:
+def test_a_writer_is_judged_dead_only_when_it_certainly_is(monkeypatch: pytest.MonkeyPatch) -> None:
     me = WriterId.current()
     assert me.namespace and me.start and me.is_alive(me)
     assert not WriterId(me.namespace, me.pid, me.start + 1).is_alive(me)  # this pid, an older process
@@ -239,6 +239,11 @@ def test_a_writer_is_judged_dead_only_when_it_certainly_is() -> None:
     # Whoever cannot be seen from here may be running: another pid namespace, or no /proc.
     assert WriterId(me.namespace + 1, child.pid, started).is_alive(me)
     assert WriterId(0, child.pid, started).is_alive(me)
+    # A /proc entry that cannot be read (hidepid, no descriptor left) is not a death: the pid
+    # still names a process; one no process has is dead.
+    monkeypatch.setattr(local_format, "_read_start_time", lambda pid: None)
+    assert WriterId(me.namespace, os.getppid(), 1).is_alive(me)
+    assert not WriterId(me.namespace, child.pid, started).is_alive(me)
 
 
 async def test_an_object_file_is_the_documented_format(tmp_path: Path) -> None:

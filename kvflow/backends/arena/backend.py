@@ -132,7 +132,7 @@ class ArenaBackend:
         with self._life.call(copies=True):
             results = [PutStatus.FAILED] * len(objects)
             claimed: dict[int, int] = {}  # object index -> row, until published or given back
-            repeats: list[int] = []  # objects whose key an earlier one of the call has
+            repeats: dict[int, int] = {}  # object index -> the first of the call with its key
             try:
                 await self._claim(objects, results, claimed, repeats)
                 await self._write(objects, claimed)
@@ -150,8 +150,8 @@ class ArenaBackend:
             finally:
                 if claimed:
                     await self._give_back(claimed.values())
-                if repeats:
-                    _settle_repeats(keys_of(objects), results, repeats)
+                for i, first in repeats.items():  # copied once: each repeat as its first went
+                    results[i] = results[first].repeated()
                 self._stats.count_puts(objects, results)
             return results
 
@@ -177,7 +177,7 @@ class ArenaBackend:
         objects: Sequence[ObjectRef],
         results: list[PutStatus],
         claimed: dict[int, int],
-        repeats: list[int],
+        repeats: dict[int, int],
     ) -> None:
         slot_bytes = self._arena.geometry.slot_bytes
         keys, sizes = keys_of(objects), nbytes_of(objects)
@@ -186,14 +186,20 @@ class ArenaBackend:
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
         hashes = key_hashes([keys[i] for i in fits])  # new keys, mostly: not remembered
         now = time.monotonic_ns()
+        repeated: list[int] = []
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             for i, got in zip(fits, self._arena.claim(hashes, now)):
                 if isinstance(got, PutStatus):
                     results[i] = got
                 elif got is None:
-                    repeats.append(i)
+                    repeated.append(i)
                 else:
                     claimed[i] = got
+        if repeated:  # the first copy of each that fits a slot (the claim saw only those)
+            first: dict[str, int] = {}
+            for i in fits:
+                first.setdefault(keys[i], i)
+            repeats.update((i, first[keys[i]]) for i in repeated)
 
     async def _give_back(self, rows: Iterable[int]) -> None:
         """Free claimed slots after a failure or a cancellation (shielded: it runs even when cancelled)."""
@@ -315,13 +321,3 @@ class ArenaBackend:
         memory until they return). The arena is unmapped once the last call has returned (a
         lookup still waiting for the lock answers from it first)."""
         await self._life.close()
-
-
-def _settle_repeats(keys: Sequence[str], results: list[PutStatus], repeats: list[int]) -> None:
-    """A key put twice in one call is copied once: each later copy's status follows the first's
-    (:meth:`PutStatus.repeated`)."""
-    first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
-    for i in repeats:
-        results[i] = results[first[keys[i]]].repeated()

@@ -259,6 +259,20 @@ def _read_start_time(pid: int | str) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
+def _pid_exists(pid: int) -> bool:
+    """Whether a process of this pid namespace has ``pid`` (signal 0 checks without sending;
+    another user's process answers EPERM, which still says it exists)."""
+    if pid <= 0:
+        return False  # no process has it (and kill would name a process group)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -282,13 +296,17 @@ class WriterId:
         return cls(_pid_namespace(), os.getpid(), _read_start_time("self") or 0)
 
     def is_alive(self, me: WriterId) -> bool:
-        """Whether this writer may still be running, as seen from process ``me`` (conservative)."""
+        """Whether this writer may still be running, as seen from process ``me`` (conservative:
+        dead only when no process has its pid, or the one that has it started at another time)."""
         if self.namespace == 0 or self.namespace != me.namespace:
             return True  # cannot tell from here
         if self.pid == me.pid:
             return self.start == me.start
         start = _read_start_time(self.pid)
-        return start is not None and start == self.start
+        if start is not None:
+            return start == self.start
+        # /proc would not say (mounted with hidepid, or no descriptor left): ask the kernel
+        return _pid_exists(self.pid)
 
 
 @attrs.frozen(slots=True)
