@@ -8,9 +8,11 @@ and in the store). A rank reports a block when it stored it, found it present, o
 its replica group owns it; it does not report a block it failed to store.
 
 vLLM moves the workers' events to the scheduler side (:class:`KVFlowKVEvents`, merged across
-workers in one step), where :class:`EventTally` releases a block's event once every worker
-reported it, possibly over several steps (a staged put ends a step later): only then does every
-KV-head range and pipeline stage of the block hold it. vLLM publishes what ``take_events`` yields.
+workers in one step), each as its worker's report (:class:`WorkerEvent`), where
+:class:`EventTally` releases a block's event once every worker reported it, possibly over several
+steps (a staged put ends a step later): only then does every KV-head range and pipeline stage of
+the block hold it. A worker that reports a block twice (two requests of a step computed it, or
+it was stored again) still counts once. vLLM publishes what ``take_events`` yields.
 
 No ``BlockRemoved``: neither store tells a client when it evicts (the local store evicts inside
 whichever process writes next, possibly another engine's; Mooncake evicts inside its master). A
@@ -19,7 +21,7 @@ router should treat the store's blocks as hints that may expire (docs/disaggrega
 
 from __future__ import annotations
 
-from collections import Counter
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -30,13 +32,24 @@ from kvflow.backends.base import PutStatus
 from kvflow.request import KVRequest
 from kvflow.results import StoreResult
 
-__all__ = ["EventTally", "KVFlowKVEvents", "stored_events"]
+__all__ = ["EventTally", "KVFlowKVEvents", "WorkerEvent", "stored_events"]
 
 _REPORTED = (None, PutStatus.STORED, PutStatus.PRESENT)  # None: another rank of the group owns it
 
 
+class WorkerEvent(KVCacheEvent):
+    """``event`` as worker ``worker`` (``pp_rank * tp_size + tp_rank``) reported it."""
+
+    worker: int
+    event: KVCacheEvent
+
+    def __hash__(self) -> int:
+        return hash((self.worker, self.event))
+
+
 class KVFlowKVEvents(KVConnectorKVEvents):
-    """The events of one step of one or more workers, as vLLM moves and merges them."""
+    """The reports (:class:`WorkerEvent`) of one step of one or more workers, as vLLM moves and
+    merges them."""
 
     def __init__(self, events: Sequence[KVCacheEvent] = (), num_workers: int = 1) -> None:
         self._events: list[KVCacheEvent] = list(events)
@@ -46,9 +59,14 @@ class KVFlowKVEvents(KVConnectorKVEvents):
         self._events.extend(events)
 
     def aggregate(self) -> KVFlowKVEvents:
-        """Keep the events every worker reported (each once)."""
-        counts = Counter(self._events)
-        self._events = [event for event, n in counts.items() if n >= self._workers]
+        """Keep the reports of the events every worker reported (one report of each worker)."""
+        by_event: dict[KVCacheEvent, dict[int, KVCacheEvent]] = {}
+        for report in self._events:
+            worker, event = _reported(report)
+            by_event.setdefault(event, {}).setdefault(worker, report)
+        self._events = [
+            r for reports in by_event.values() if len(reports) >= self._workers for r in reports.values()
+        ]
         return self
 
     def increment_workers(self, count: int = 1) -> None:
@@ -98,29 +116,30 @@ def stored_events(
 
 @attrs.define(eq=False)
 class EventTally:
-    """Counts each block's event over the workers (scheduler thread only).
+    """Which workers reported each block's event (scheduler thread only); an event is released
+    once all ``workers`` have, each counted once however often it reported.
 
-    An event some worker has not reported within ``max_age_steps`` steps (its store failed there)
-    is dropped, so the tally stays small.
+    An event some worker has not reported within ``max_age_s`` seconds of the first report (a
+    worker's store is bounded by the pool's timeout, however many engine steps run meanwhile:
+    its store failed) is dropped, so the tally stays small.
     """
 
     workers: int
-    max_age_steps: int = 64
-    _pending: dict[KVCacheEvent, tuple[int, int]] = attrs.field(factory=dict, init=False)  # count, step
+    max_age_s: float = 120.0
+    _pending: dict[KVCacheEvent, tuple[set[int], float]] = attrs.field(factory=dict, init=False)
     _ready: list[KVCacheEvent] = attrs.field(factory=list, init=False)
-    _step: int = attrs.field(default=0, init=False)
 
     def add(self, events: KVConnectorKVEvents | None) -> None:
         """One step's merged worker events (None when no worker had any)."""
-        self._step += 1
-        for event in events.get_all_events() if events is not None else ():
-            count, first = self._pending.get(event, (0, self._step))
-            if count + 1 >= self.workers:
-                self._pending.pop(event, None)
+        now = time.monotonic()
+        for report in events.get_all_events() if events is not None else ():
+            worker, event = _reported(report)
+            seen, _ = self._pending.setdefault(event, (set(), now))
+            seen.add(worker)
+            if len(seen) >= self.workers:
+                del self._pending[event]
                 self._ready.append(event)
-            else:
-                self._pending[event] = (count + 1, first)
-        oldest = self._step - self.max_age_steps
+        oldest = now - self.max_age_s
         for event in [e for e, (_, first) in self._pending.items() if first < oldest]:
             del self._pending[event]
 
@@ -130,3 +149,10 @@ class EventTally:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+def _reported(report: KVCacheEvent) -> tuple[int, KVCacheEvent]:
+    """(worker, event) of a report; an event that is not a :class:`WorkerEvent` is worker 0's."""
+    if isinstance(report, WorkerEvent):
+        return report.worker, report.event
+    return 0, report

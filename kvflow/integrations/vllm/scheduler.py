@@ -52,7 +52,7 @@ from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHan
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.integrations.vllm.trust import BlockTrust, StepWork
-from kvflow.loop import CallFuture
+from kvflow.loop import ANSWER_GRACE_S, CallFuture
 from kvflow.metrics import Observations, TransferCounters
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
@@ -103,7 +103,10 @@ class SchedulerSide:
     _tally: EventTally = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._tally = EventTally(self.shape.tp_size * self.shape.pp_size)
+        # a worker's store ends within its timeout: a report missing for twice that never comes
+        self._tally = EventTally(
+            self.shape.tp_size * self.shape.pp_size, max_age_s=2 * self.config.timeout_s + ANSWER_GRACE_S
+        )
 
     # -- start-up ---------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import attrs
 
 from kvflow.integrations.vllm.clients import open_layerwise_pool, open_store, open_worker_pool
 from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
-from kvflow.integrations.vllm.events import KVFlowKVEvents, stored_events
+from kvflow.integrations.vllm.events import KVFlowKVEvents, WorkerEvent, stored_events
 from kvflow.integrations.vllm.health import StoreWatch
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.steps import (
@@ -303,7 +303,8 @@ class WorkerSide:
         if not self._events:
             return None
         events, self._events = self._events, []
-        return KVFlowKVEvents(events)
+        worker = self.pp_rank * self.shape.tp_size + self.tp_rank
+        return KVFlowKVEvents([WorkerEvent(worker=worker, event=event) for event in events])
 
     @property
     def store_reachable(self) -> bool:

@@ -37,8 +37,9 @@ from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, O
 from kvflow.backends.local import LocalBackend
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.stats import TransferCounters
+from kvflow.profiles import is_book_key
 
-__all__ = ["FailingGetsBackend", "RecordingKVFlowConnector", "SlowPutsBackend"]
+__all__ = ["FailingGetsBackend", "FailingPutsBackend", "RecordingKVFlowConnector", "SlowPutsBackend"]
 
 COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"  # the same name as connector_helpers.COUNTERS_ENV
 PUT_DELAY_ENV = "KVFLOW_TEST_PUT_DELAY_S"
@@ -46,6 +47,7 @@ GET_DELAY_ENV = "KVFLOW_TEST_GET_DELAY_S"
 
 SCHEMES.setdefault("failing-local", f"{__name__}:FailingGetsBackend")
 SCHEMES.setdefault("slow-local", f"{__name__}:SlowPutsBackend")
+SCHEMES.setdefault("noput-local", f"{__name__}:FailingPutsBackend")
 
 
 @attrs.define(eq=False)
@@ -105,6 +107,23 @@ class SlowPutsBackend(FailingGetsBackend):
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         await anyio.sleep(float(os.environ.get(GET_DELAY_ENV, "0")))
+        return await self.inner.get(objects)
+
+
+@attrs.define(eq=False)
+class FailingPutsBackend(FailingGetsBackend):
+    """The local backend whose puts of KV fail (the profile book's announcements and gets work)."""
+
+    @classmethod
+    def from_url(cls, url: str) -> FailingPutsBackend:
+        return cls(LocalBackend.from_url("local" + url[len("noput-local") :]))
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        if objects and all(is_book_key(obj.key) for obj in objects):
+            return await self.inner.put(objects)
+        return [PutStatus.FAILED] * len(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         return await self.inner.get(objects)
 
 

