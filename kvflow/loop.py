@@ -62,8 +62,9 @@ def wait_answer(future: CallFuture[T], *, holds_blocks: bool = False) -> T:
     cancelled call is given :data:`ANSWER_GRACE_S` more to really end, and a TimeoutError that
     says "stuck" means it did not: its blocks may still be read or written, so they must not be
     reused (restart the pool)."""
+    no_bound = future.answer_by == float("inf")  # submitted without one: wait for the answer
     try:
-        return future.result(max(0.0, future.answer_by - time.monotonic()))
+        return future.result(None if no_bound else max(0.0, future.answer_by - time.monotonic()))
     except concurrent.futures.TimeoutError:
         future.cancel()
         if holds_blocks and not future.ended.wait(ANSWER_GRACE_S):
@@ -147,8 +148,11 @@ class LoopThread:
         the process (a daemon thread).
         """
         thread, loop = self._thread, self._loop
-        if thread is None or self._stopping:
-            return thread is None or not thread.is_alive()
+        if thread is None:
+            return True
+        if self._stopping:  # another thread stops it: wait as long for the same end
+            thread.join(timeout_s)
+            return not thread.is_alive()
         self._stopping = True
         if loop is not None:
             _call_soon(loop, self._request_stop)
@@ -174,7 +178,7 @@ class LoopThread:
             with self._lock:
                 orphans, self._pending = self._pending, set()
             for future in orphans:  # submitted, but the loop ended before they ran
-                future.cancel()
+                _answer(future, error=PoolClosedError("the kvflow loop thread has stopped; open a new pool"))
                 future.ended.set()
 
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
@@ -193,6 +197,8 @@ class LoopThread:
                 while self._inbox and not self._stop_requested:
                     tg.start_soon(self._call, *self._inbox.popleft())
             tg.cancel_scope.cancel()
+            while self._inbox:  # submitted before the stop: started cancelled, so their cleanup runs
+                tg.start_soon(self._call, *self._inbox.popleft())
 
     def _notify(self) -> None:
         """On the loop (a plain callback): new calls are in the inbox."""
@@ -227,18 +233,28 @@ class LoopThread:
             try:
                 result = await fn(*args)
             except anyio.get_cancelled_exc_class():
+                if self._stop_requested:  # the loop stops under it: the pool was closed
+                    _answer(future, error=PoolClosedError("the kvflow loop thread stopped; open a new pool"))
                 future.cancel()
                 raise
             except BaseException as exc:
-                if not future.done():
-                    future.set_exception(exc)
+                _answer(future, error=exc)
                 if not isinstance(exc, Exception):
                     raise
                 return
-            if not future.done():
-                future.set_result(result)
+            _answer(future, result=result)
         if not future.done():  # the scope was cancelled from the future's side
             future.cancel()
+
+
+def _answer(future: CallFuture[T], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` unless it is done: its caller may cancel it at any moment, from another
+    thread, even between a check and the answer (an answer to a cancelled future is dropped)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:

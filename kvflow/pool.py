@@ -133,6 +133,12 @@ class KVPool:
     ) -> None:
         await self.aclose()
 
+    @property
+    def closed_cleanly(self) -> bool:
+        """Whether a close has ended with every call ended and the backend closed (what
+        :meth:`aclose` answered; False before any close)."""
+        return self._transfer.closed_cleanly
+
     async def aclose(self, timeout_s: float | None = None) -> bool:
         """Refuse new calls, wait (bounded by ``timeout_s``, default the pool's) for calls in
         flight, then close the backend (within the same bound, but a backend's close always waits
@@ -198,8 +204,8 @@ class KVPool:
         transfer = self._transfer
         try:
             check_timeout(timeout_s)
+            deadline = transfer.deadline(timeout_s)  # from the call: the plan's hashing counts
             job = StoreJob(transfer, transfer.plan(requests), on_released)
-            deadline = transfer.deadline(timeout_s)
             transfer.begin()
         except BaseException:  # refused before anything was read: released now
             if on_released is not None:
@@ -217,8 +223,10 @@ class KVPool:
             await together(calls)
             return job.results()
         finally:
-            job.release_all()
-            transfer.end()
+            try:
+                job.release_all()  # (the caller's on_released may raise)
+            finally:
+                transfer.end()
 
     async def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
         """Load the request's blocks into its ``block_ids``; every rank loads every block of its
@@ -233,15 +241,17 @@ class KVPool:
         batch size. No two of them may name one destination block (RequestError)."""
         check_timeout(timeout_s)
         transfer = self._transfer
+        deadline = transfer.deadline(timeout_s)  # from the call: the plan's hashing counts
         job = LoadJob(transfer, transfer.plan(requests, loads=True))
-        deadline = transfer.deadline(timeout_s)
         transfer.begin()
         try:
             await together([functools.partial(job.get, unit, deadline) for unit in transfer.units])
-            return job.results()
         finally:
-            await job.settle_all(deadline)  # staged: the copies into the cache are done
-            transfer.end()
+            try:
+                await job.settle_all(deadline)  # staged: the copies into the cache are done
+            finally:
+                transfer.end()
+        return job.results()  # after the copies: one the device failed fails its blocks
 
     async def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Delete the objects of the prompt's blocks from ``request.block_offset`` on, in this

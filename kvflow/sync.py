@@ -9,6 +9,7 @@ TimeoutError only when the loop did not deliver that answer in time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -19,6 +20,7 @@ import attrs
 from kvflow.backends import Backend
 from kvflow.config import PoolConfig
 from kvflow.device import Device
+from kvflow.errors import PoolClosedError
 from kvflow.events import DeviceEvent
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
@@ -112,7 +114,8 @@ class SyncPool:
         """Start :meth:`KVPool.store`, reading no block before ``after`` (an event recorded on the
         engine's stream after the forward) completed. ``on_released`` is called from the loop
         thread (so it must be thread-safe, e.g. ``threading.Event.set``) once the blocks are no
-        longer read; the future resolves when the store ended."""
+        longer read (also for a store that never started); the future resolves when the store
+        ended (a cancelled one is done at once: ``future.ended`` says when its call ended)."""
         return self._submit(
             lambda t: self._pool.store(request, after=after, on_released=on_released, timeout_s=t),
             timeout_s,
@@ -123,7 +126,8 @@ class SyncPool:
         self, request: KVRequest, *, timeout_s: float | None = None
     ) -> CallFuture[RetrieveResult]:
         """Start :meth:`KVPool.retrieve`. Do not reuse the request's blocks before the future is
-        done: a get may write them until then."""
+        done, or, once you cancelled it, before ``future.ended`` is set: a get may write them
+        until the call has ended."""
         return self._submit(lambda t: self._pool.retrieve(request, timeout_s=t), timeout_s)
 
     def submit_store_many(
@@ -240,12 +244,12 @@ def stop_pool(loop: LoopThread, pool: KVPool, timeout_s: float | None) -> bool:
     check_timeout(timeout_s)
     limit = pool.config.timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + limit
-    closed = True
-    if loop.running:
-        try:
-            closed = wait_answer(loop.submit(pool.aclose, limit, answer_by=deadline))
-        except TimeoutError:
-            closed = False
+    try:
+        closed = wait_answer(loop.submit(pool.aclose, limit, answer_by=deadline)) if loop.running else False
+    except (TimeoutError, PoolClosedError, concurrent.futures.CancelledError):  # (another thread stopped it)
+        closed = False
+    # another thread's close, or a loop that ended under the pool: as that close left it
+    closed = closed or pool.closed_cleanly
     stopped = loop.stop(max(0.0, deadline - time.monotonic()) + ANSWER_GRACE_S)
     return closed and stopped
 

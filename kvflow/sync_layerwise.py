@@ -25,6 +25,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from kvflow.events import DeviceEvent, LayerEvents, make_event
 from kvflow.layerwise import LayerOutcome, LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
+from kvflow.pool import check_timeout
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.sync import SyncPool, start_pool, stop_pool
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["StepResult", "SyncLayerwisePool"]
 
 log = logging.getLogger(__name__)
+
+_LEAST_S = 1e-3  # what close leaves the pool's own close when the step took its whole bound
 
 _NOT_LAYERWISE = (
     "the layerwise face needs a pool made with PoolConfig(layerwise=True); use the same setting in "
@@ -340,14 +344,16 @@ class SyncLayerwisePool(SyncPool):
     def close(self, timeout_s: float | None = None) -> bool:
         """Cancel the current step's transfers, close the pool and stop the loop thread (bounded by
         ``timeout_s``, default the pool's); False when something had to be abandoned."""
+        check_timeout(timeout_s)
+        deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
         step, self._step = self._step, None
         if step is not None:
             if step.events is not None:
                 step.events.seal()
             for future in step.futures:
                 future.cancel()
-            step.wait_finished(self._timeout if timeout_s is None else timeout_s)
-        return super().close(timeout_s)
+            step.wait_finished(max(0.0, deadline - time.monotonic()))
+        return super().close(max(_LEAST_S, deadline - time.monotonic()))  # one bound for both
 
     # -- helpers ----------------------------------------------------------------------------------
 

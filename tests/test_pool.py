@@ -714,6 +714,29 @@ async def test_a_store_refused_before_it_starts_still_says_it_released_the_block
     assert released == ["x"] * 3
 
 
+async def test_a_calls_deadline_counts_from_the_call_so_the_plans_hashing_is_inside_it() -> None:
+    """A step of long prompts: hashing them takes a good part of a tenth of a second on the loop.
+    A store's timeout counts from the call, that hashing included: no put starts after it."""
+    backend = FaultyBackend()
+    starts: list[float] = []
+
+    async def record(objects: Sequence[ObjectRef]) -> None:
+        starts.append(time.monotonic())
+
+    backend.put_hook = record
+    pool = make_pool({"l0": torch.zeros(32, 2, BLOCK, 16)}, backend)
+    prompts = [list(range(k * 10**6, k * 10**6 + 60_000)) for k in range(32)]
+    requests = [
+        KVRequest(block_ids=[k], tokens=p, block_offset=len(p) // BLOCK - 1, request_id=str(k))
+        for k, p in enumerate(prompts)
+    ]
+    timeout_s = 0.05
+    called = time.monotonic()
+    await pool.store_many(requests, timeout_s=timeout_s)
+    assert [s - called for s in starts if s - called > timeout_s + 0.01] == []
+    await pool.aclose()
+
+
 async def test_a_load_of_several_requests_refuses_two_that_name_one_destination_block() -> None:
     """One get would write the block twice, and a failed second copy would spoil what the first
     reported loaded: a retrieve of several requests, and the layerwise retriever, refuse them

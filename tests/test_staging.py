@@ -30,6 +30,7 @@ from kvflow import (
     MemoryBackend,
     ParallelConfig,
     PoolConfig,
+    PutStatus,
 )
 from kvflow.backends import ObjectRef
 from kvflow.device import Device
@@ -938,3 +939,57 @@ async def test_a_load_whose_copy_in_fails_part_way_writes_nothing_after_it_retur
         assert torch.equal(mine[name][7], recomputed[name]), (
             f"{name}: block 7 written after its load returned"
         )  # type: ignore[index]
+
+
+@attrs.define(eq=False)
+class FailingEvent(LateEvent):
+    """A copy's event that reports a device error at its first query once due (as a CUDA or NPU
+    event reports an asynchronous copy error); the copies never happened."""
+
+    def query(self) -> bool:
+        with self._lock:
+            if self._at is None or time.monotonic() < self._at:
+                return False
+            self.on_complete.clear()
+        raise RuntimeError("injected device error, reported by the copy's event")
+
+
+@attrs.define(eq=False)
+class FailsFirstCopy(LateDevice):
+    """The first copy of ``kind`` ("scatter": into the cache; "gather": out of it) fails on the
+    device, reported by its event."""
+
+    kind: str = "scatter"
+    failed: bool = False
+
+    def record(self) -> LateEvent:  # type: ignore[override]
+        if not self.failed and (self.scatters if self.kind == "scatter" else self.gathers):
+            self.failed = True
+            event = FailingEvent(0.0, on_complete=self._queued)
+            self._queued = []
+            event.record()
+            return event
+        return super().record()
+
+
+async def test_a_copy_the_device_reports_failed_fails_its_blocks_and_gives_its_chunk_back() -> None:
+    """docs/device.md, faults: a copy the device reports failed at its event fails its chunk's
+    blocks (never a HIT, never a put of the chunk's bytes), the chunk goes back, and the pool
+    keeps working. Chunks of one block: the load's and the store's first block fail, the rest move."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    writer = pool(
+        src, backend, staged(staging_bytes=4096), FailsFirstCopy(torch.device("cpu"), kind="gather")
+    )
+    stored = await writer.store(KVRequest(block_ids=SRC_IDS[:3], tokens=TOKENS[: 3 * BLOCK]))
+    assert stored.statuses == (PutStatus.FAILED, PutStatus.STORED, PutStatus.STORED)
+    assert writer._transfer.staging.in_use == 0  # type: ignore[union-attr]
+    await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))  # block 0 this time
+    dst = zeros_like_caches(src)
+    reader = pool(dst, backend, staged(staging_bytes=4096), FailsFirstCopy(torch.device("cpu")))
+    loaded = await reader.retrieve(KVRequest(block_ids=DST_IDS[:3], tokens=TOKENS[: 3 * BLOCK]))
+    assert loaded.statuses == (GetStatus.FAILED, GetStatus.HIT, GetStatus.HIT)
+    assert reader._transfer.staging.in_use == 0  # type: ignore[union-attr]
+    again = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
+    assert again.hit_blocks == len(DST_IDS)
+    assert same_blocks(src, dst, list(zip(SRC_IDS, DST_IDS)))

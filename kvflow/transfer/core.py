@@ -207,6 +207,11 @@ class Transfer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def closed_cleanly(self) -> bool:
+        """Whether a close ended with every call ended and the backend closed (what it answered)."""
+        return self._backend_closed and not self._inflight
+
     async def aclose(self, timeout_s: float | None = None) -> bool:
         """Refuse new calls, wait (bounded) for calls in flight, then close the backend (bounded).
         True when every call has ended and the backend closed; False when a call was still
@@ -215,7 +220,7 @@ class Transfer:
         if self._closed:
             with anyio.CancelScope(shield=True):
                 await self._close_ended.wait()
-            return self._backend_closed and not self._inflight
+            return self.closed_cleanly
         self._closed = True
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         with anyio.CancelScope(shield=True):
@@ -239,7 +244,7 @@ class Transfer:
                     log.warning("the backend did not close within %.1f s; abandoning it", limit)
             finally:
                 self._close_ended.set()
-        return self._backend_closed and not self._inflight
+        return self.closed_cleanly
 
     def deadline(self, timeout_s: float | None) -> float:
         """The deadline of a call given its ``timeout_s`` (default: the pool's), from now."""

@@ -48,21 +48,27 @@ _STUCK_LOG_S = 30.0
 _CHUNK_POLL_S = 0.001
 
 
-async def _copied(chunk: Chunk, deadline: float) -> None:
-    """Wait until the chunk's copy completed. Shielded: a copy is never abandoned, because the
-    chunk (and the cache's blocks) stay in use until it is done."""
+async def _copied(chunk: Chunk, deadline: float) -> bool:
+    """Wait until the chunk's copy completed; False when the device reported it failed (its
+    bytes must not be used; the chunk may go back). Shielded: a copy is never abandoned, because
+    the chunk (and the cache's blocks) stay in use until it is done."""
     event = chunk.copied
     if event is None:
-        return
-    timeout = max(0.0, deadline - time.monotonic())
+        return True
+    timeout, whole = max(0.0, deadline - time.monotonic()), True
     with anyio.CancelScope(shield=True):
         while True:
             try:
                 await poll_until(event.query, timeout, "a staging copy")
-                return
+                break
             except TimeoutError:
                 log.error("a staging copy is still running on the device; waiting for it (check the device)")
                 timeout = _STUCK_LOG_S
+            except Exception as exc:  # an asynchronous device error, reported by the copy's event
+                log.error("a staging copy failed on the device: %r", exc)
+                whole = False
+                break
+    return whole
 
 
 @attrs.define(eq=False)
@@ -173,13 +179,14 @@ class StoreJob:
             nonlocal copied
             start, chunk = pending.pop(0)
             try:
-                await _copied(chunk, deadline)
+                whole = await _copied(chunk, deadline)
                 part = todo[start : start + capacity]
                 copied += len(part)
                 if copied == len(todo):
                     self._released(unit)  # the cache's blocks are no longer read
-                objects = shape.objects(chunk.buffer, [keys[k] for k in part])
-                results[start : start + len(part)] = await transfer.put(objects, deadline)
+                if whole:  # (else these objects fail: the chunk does not hold them)
+                    objects = shape.objects(chunk.buffer, [keys[k] for k in part])
+                    results[start : start + len(part)] = await transfer.put(objects, deadline)
             finally:
                 staging.give_back(chunk)
 
@@ -279,7 +286,8 @@ class LoadJob:
     _status: list[GetStatus] = attrs.field(init=False)  # per flat block: HIT until a unit is not
     _done: set[Unit] = attrs.field(init=False, factory=set)
     # chunks whose copies into the cache may still run, oldest first, with the pool they go back to
-    _copying: list[tuple[Unit, Chunk, StagingPool]] = attrs.field(init=False, factory=list)
+    # and the flat blocks they fill
+    _copying: list[tuple[Unit, Chunk, StagingPool, list[int]]] = attrs.field(init=False, factory=list)
     # the events after each unit's copies into the cache, kept apart from the chunks: another unit
     # short of chunks may finish and reuse one before this unit is handed out
     _events: dict[Unit, list[DeviceEvent]] = attrs.field(init=False, factory=dict)
@@ -323,9 +331,7 @@ class LoadJob:
         chunk = pool.try_take()
         while chunk is None and time.monotonic() < deadline:
             if self._copying:  # every chunk in use: finish this job's oldest copy instead
-                _, oldest, home = self._copying.pop(0)
-                await _copied(oldest, deadline)
-                home.give_back(oldest)
+                await self._finish_copy(*self._copying.pop(0), deadline)
             else:  # another unit of this job, or another job, gives one back soon
                 await anyio.sleep(_CHUNK_POLL_S)
             chunk = pool.try_take()
@@ -361,7 +367,7 @@ class LoadJob:
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
                 got = [GetStatus.FAILED] * len(part)
-            self._issued(unit, chunk, staging)
+            self._issued(unit, chunk, staging, [part[i] for i in rows])
             results += got
         return results
 
@@ -463,7 +469,7 @@ class LoadJob:
                 filled.update(complete)
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(complete), exc)
-            self._issued(unit, chunk, pool)
+            self._issued(unit, chunk, pool, complete)
         return filled
 
     async def _fetch_rows(
@@ -526,7 +532,7 @@ class LoadJob:
                 filled.update(batch[r] for r in rows)
             except Exception as exc:  # a device error: the blocks may be half-written; never report them
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
-            self._issued(unit, chunk, pool)
+            self._issued(unit, chunk, pool, [batch[r] for r in rows])
         return filled
 
     def _copy(
@@ -556,10 +562,10 @@ class LoadJob:
                     placed=[(offsets[s.key], s) for s in wanted[j]],
                 )
 
-    def _issued(self, unit: Unit, chunk: Chunk, home: StagingPool) -> None:
-        """``unit``'s copies into the cache from ``chunk`` were issued: keep the chunk until they
-        complete, and their event for :meth:`ready`."""
-        self._copying.append((unit, chunk, home))
+    def _issued(self, unit: Unit, chunk: Chunk, home: StagingPool, blocks: list[int]) -> None:
+        """``unit``'s copies into the cache from ``chunk`` (of the flat ``blocks``) were issued:
+        keep the chunk until they complete, and their event for :meth:`ready`."""
+        self._copying.append((unit, chunk, home, blocks))
         if chunk.copied is not None:
             self._events.setdefault(unit, []).append(chunk.copied)
 
@@ -569,17 +575,28 @@ class LoadJob:
 
     async def settle(self, unit: Unit, deadline: float) -> None:
         """Wait until ``unit``'s copies into the cache completed, and give their chunks back."""
-        mine = [(c, home) for u, c, home in self._copying if u == unit]
+        mine = [entry for entry in self._copying if entry[0] == unit]
         self._copying = [entry for entry in self._copying if entry[0] != unit]
-        for chunk, home in mine:
-            await _copied(chunk, deadline)
-            home.give_back(chunk)
+        for entry in mine:
+            await self._finish_copy(*entry, deadline)
 
     async def settle_all(self, deadline: float) -> None:
         """:meth:`settle` every unit with copies left: a face's cleanup, safe in a cancelled scope
         (every wait for a copy is shielded)."""
-        for unit in {u for u, _, _ in self._copying}:
+        for unit in {entry[0] for entry in self._copying}:
             await self.settle(unit, deadline)
+
+    async def _finish_copy(
+        self, unit: Unit, chunk: Chunk, home: StagingPool, blocks: list[int], deadline: float
+    ) -> None:
+        """Wait for a chunk's copies into the cache, then give it back; the blocks it filled fail
+        if the device says the copy did."""
+        try:
+            if not await _copied(chunk, deadline):
+                for j in blocks:
+                    self._status[j] = GetStatus.FAILED
+        finally:
+            home.give_back(chunk)
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every unit of it was

@@ -91,7 +91,8 @@ def wait_ended(future: CallFuture[T], what: str, log_every_s: float = STILL_RUNN
     Logs an error then and every ``log_every_s`` after that.
     """
     started = time.monotonic()
-    wait = max(0.0, future.answer_by - started)
+    unbounded = future.answer_by == float("inf")  # (submitted without a bound: log as it waits)
+    wait = log_every_s if unbounded else max(0.0, future.answer_by - started)
     while True:
         try:
             return future.result(wait)

@@ -1,0 +1,217 @@
+"""The loop thread and the synchronous faces when callers give up, close, or race one another from
+other threads (kvflow/loop.py, kvflow/sync.py, kvflow/sync_layerwise.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import pytest
+
+import kvflow.loop as loop_module
+from kvflow import (
+    GetStatus,
+    KVLayout,
+    KVRequest,
+    MemoryBackend,
+    PoolClosedError,
+    PoolConfig,
+    SyncLayerwisePool,
+    SyncPool,
+)
+from kvflow.backends import ObjectRef
+from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
+from kvflow.profiles import is_book_key
+from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, zeros_like_caches
+from tests.test_sync import BlockingBackend
+
+TOKENS = list(range(BLOCK * 4))
+
+
+class CancelledInTheWindow(CallFuture[object]):
+    """A future whose caller gives up (``cancel()``) after the loop thread found it not done and
+    before it sets the answer: a race real waiters hit now and then."""
+
+    armed = False
+
+    def set_result(self, result: object) -> None:
+        if type(self).armed:
+            type(self).armed = False
+            self.cancel()
+        super().set_result(result)
+
+
+def open_pool(backend: object | None = None, timeout_s: float = 5.0) -> SyncPool:
+    return SyncPool.open(
+        PoolConfig(timeout_s=timeout_s),
+        layout=KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]()),
+        backend=backend or MemoryBackend(),  # type: ignore[arg-type]
+    )
+
+
+def test_a_caller_giving_up_as_its_answer_arrives_leaves_the_pool_working(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(loop_module, "CallFuture", CancelledInTheWindow)
+    pool = open_pool()
+    try:
+        assert pool.store(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS)).stored == 4
+        with caplog.at_level(logging.ERROR, logger="kvflow"):
+            CancelledInTheWindow.armed = True
+            future = pool.submit_lookup(KVRequest(tokens=TOKENS))
+            assert future.ended.wait(5)
+        assert future.cancelled()  # its caller gave up on it
+        assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+        assert pool.lookup(KVRequest(tokens=TOKENS), timeout_s=2) == 4 * BLOCK  # the loop still runs
+    finally:
+        assert pool.close(timeout_s=2) is True
+
+
+def test_close_says_false_when_the_loop_ended_before_the_pool_was_closed() -> None:
+    closes: list[int] = []
+
+    class Counted(MemoryBackend):
+        async def aclose(self) -> None:
+            closes.append(1)
+            await super().aclose()
+
+    pool = open_pool(Counted())
+    assert pool._loop.stop(5)  # the loop ends under the pool, as a crash would end it
+    with pytest.raises(PoolClosedError):
+        pool.lookup(KVRequest(tokens=TOKENS))
+    assert pool.close(timeout_s=2) is False and closes == []
+
+
+def test_wait_answer_without_a_bound_waits_for_the_answer() -> None:
+    loop = LoopThread().start()
+
+    async def answer() -> int:
+        await anyio.sleep(0.05)
+        return 42
+
+    try:
+        assert wait_answer(loop.submit(answer)) == 42
+    finally:
+        loop.stop(2)
+
+
+def test_a_store_the_loop_never_started_before_close_still_says_it_released_the_blocks() -> None:
+    """Submitted while the loop thread is held, then the pool closed: the loop stops before it
+    started the store, which still runs (cancelled) so that ``on_released`` is called."""
+    backend = BlockingBackend(block_s=3.0)
+    pool = open_pool(backend)
+    released = threading.Event()
+    stalled = pool.submit_lookup(KVRequest(tokens=TOKENS))  # holds the loop thread
+    assert backend.entered.wait(10)
+    queued = pool.submit_store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=released.set)
+    assert pool.close(timeout_s=0.5) is False  # it abandoned the held call
+    backend.release.set()
+    assert stalled.ended.wait(10) and queued.ended.wait(10)
+    assert released.wait(2)
+    with pytest.raises(PoolClosedError):
+        queued.result(1)
+
+
+def test_two_threads_closing_one_pool_both_get_an_answer() -> None:
+    answers: list[object] = []
+    for _ in range(30):
+        pool = open_pool()
+        barrier = threading.Barrier(2)
+
+        def close_it(pool: SyncPool = pool, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                answers.append(pool.close(timeout_s=2))
+            except BaseException as exc:
+                answers.append(exc)
+
+        threads = [threading.Thread(target=close_it) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert answers == [True] * 60
+
+
+def test_calls_racing_close_answer_or_say_the_pool_is_closed() -> None:
+    odd: list[BaseException] = []
+    answered = [0]
+    for _ in range(10):
+        pool = open_pool(timeout_s=2)
+        stop = threading.Event()
+
+        def hammer(pool: SyncPool = pool, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                try:
+                    pool.lookup(KVRequest(tokens=TOKENS), timeout_s=2)
+                    answered[0] += 1
+                except PoolClosedError:
+                    return
+                except BaseException as exc:
+                    odd.append(exc)
+                    return
+
+        threads = [threading.Thread(target=hammer) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.05)
+        pool.close(timeout_s=2)
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+            assert not thread.is_alive()
+    assert odd == [] and answered[0] > 0
+
+
+def test_a_raising_on_released_in_a_cancelled_store_leaves_no_call_counted() -> None:
+    backend = FaultyBackend(hang_on={"exists"})
+    pool = open_pool(backend, timeout_s=2)
+
+    def boom() -> None:
+        raise RuntimeError("the engine's callback failed")
+
+    future = pool.submit_store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=boom)
+    deadline = time.monotonic() + 5
+    while "exists" not in backend.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+    future.cancel()
+    assert future.ended.wait(5)
+    start = time.monotonic()
+    assert pool.close(timeout_s=1.0) is True  # nothing runs: no wait for a call counted for ever
+    assert time.monotonic() - start < 0.5
+
+
+@attrs.define(eq=False)
+class ShieldedGets(FaultyBackend):
+    """Gets of KV objects that ignore cancellation for ``hold_s``."""
+
+    hold_s: float = 10.0
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if not any(is_book_key(o.key) for o in objects):
+            self.calls.append("get")
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(self.hold_s)
+        return await self.inner.get(objects)
+
+
+def test_a_layerwise_close_keeps_one_bound_for_the_step_and_the_pool() -> None:
+    src = LAYOUTS["vllm_cpu"]()
+    backend = ShieldedGets()
+    config = PoolConfig(layerwise=True, timeout_s=30)
+    with SyncLayerwisePool.open(config, layout=KVLayout.from_kv_caches(src), backend=backend) as writer:  # type: ignore[arg-type]
+        writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK]))
+    pool = SyncLayerwisePool.open(
+        config, layout=KVLayout.from_kv_caches(zeros_like_caches(src)), backend=backend
+    )  # type: ignore[arg-type]
+    pool.start_load([KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])])
+    deadline = time.monotonic() + 5
+    while "get" not in backend.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert pool.close(timeout_s=2.0) is False  # a get still runs
+    assert time.monotonic() - start < 2.0 + 2 * ANSWER_GRACE_S + 0.5  # before: 2 s, then 2 s more
