@@ -57,7 +57,7 @@ import attrs
 from kvflow.config import PoolConfig, parse_size
 from kvflow.errors import ConfigError
 
-__all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole"]
+__all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole", "weak_hash_warning"]
 
 DEFAULT_BACKEND = "local://"
 
@@ -232,3 +232,18 @@ def _flag(extra: Mapping[str, object], key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
     return value
+
+
+def weak_hash_warning(hash_algo: str) -> str | None:
+    """What to tell an operator whose vLLM names blocks by a hash that is not collision resistant
+    (``prefix_caching_hash_algo`` xxhash...): kvflow keys stored KV by those names, so in a store
+    shared with other engines (or tenants) a prompt made to collide with another's block would load
+    that block's KV. None for sha256."""
+    if hash_algo.startswith("sha256"):
+        return None
+    return (
+        f"prefix_caching_hash_algo={hash_algo!r} is not collision resistant, and kvflow names the KV it "
+        "stores and loads by vLLM's block hashes: in a store other engines or users share, a prompt "
+        "made to collide with another's block would load that block's KV. Use sha256 (vLLM's "
+        "default) unless the store serves only engines you trust"
+    )

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, weak_hash_warning
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, TransferCounters
@@ -75,6 +75,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._cache_hit_source = CacheHitSource.HOST if local else CacheHitSource.EXTERNAL_UNSPECIFIED
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(config, shape)
+            weak = weak_hash_warning(vllm_config.cache_config.prefix_caching_hash_algo)
+            if weak is not None and config.role.loads:
+                log.warning(weak)
             if config.role.loads and self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kv_load_failure_policy=%r: a block evicted between lookup and load fails the "

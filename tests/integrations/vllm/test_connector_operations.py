@@ -26,7 +26,7 @@ import kvflow.integrations.vllm.events as events_module
 from kvflow.backends import SCHEMES
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.mooncake.health import StoreHealth
-from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, weak_hash_warning
 from kvflow.integrations.vllm.events import EventTally, KVFlowKVEvents, WorkerEvent
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics
 from kvflow.integrations.vllm.worker import WorkerSide
@@ -75,6 +75,13 @@ def test_a_consumer_loads_and_never_stores(open_sides: Any, tmp_path: Path) -> N
     counters = consumer.workers[0].counters
     assert counters.loaded_blocks == 3 and counters.store_requests == 0
     assert len(local_objects(tmp_path / "store")) == 3
+
+
+def test_a_block_hash_that_is_not_collision_resistant_is_warned_about() -> None:
+    assert weak_hash_warning("sha256") is None and weak_hash_warning("sha256_cbor") is None
+    for algo in ("xxhash", "xxhash_cbor"):
+        warning = weak_hash_warning(algo)
+        assert warning is not None and algo in warning and "Use sha256" in warning
 
 
 def test_kv_role_is_read_from_vllm_with_a_clear_error() -> None:
