@@ -19,8 +19,10 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -66,6 +68,8 @@ def wait_answer(future: CallFuture[T], *, holds_blocks: bool = False) -> T:
     try:
         return future.result(None if no_bound else max(0.0, future.answer_by - time.monotonic()))
     except concurrent.futures.TimeoutError:
+        if future.done() and not future.cancelled():  # the call's own answer (a TimeoutError it raised)
+            return future.result()
         future.cancel()
         if holds_blocks and not future.ended.wait(ANSWER_GRACE_S):
             raise TimeoutError(
@@ -96,6 +100,7 @@ class LoopThread:
     # Futures not yet resolved: the loop's end cancels them, so no caller waits on a dead loop.
     _pending: set[CallFuture[Any]] = attrs.field(factory=set, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _forked: bool = attrs.field(default=False, init=False)  # this is a child forked after start
 
     def start(self) -> LoopThread:
         """Start the thread and wait (bounded) until its loop runs."""
@@ -103,6 +108,7 @@ class LoopThread:
             return self
         thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread = thread
+        _STARTED.add(self)
         thread.start()
         if not self._ready.wait(_START_TIMEOUT_S) or self._loop is None:
             raise RuntimeError(f"the kvflow loop thread did not start within {_START_TIMEOUT_S} s")
@@ -120,6 +126,10 @@ class LoopThread:
         started still starts, cancelled, so its own cleanup runs). ``answer_by`` (default: never)
         is recorded on the future for :func:`wait_answer`."""
         loop = self._loop
+        if self._forked:
+            raise PoolClosedError(
+                "this pool's loop thread runs in the process this one was forked from; open a new pool here"
+            )
         if loop is None or self._stopping:
             raise PoolClosedError("the kvflow loop thread is not running; open a new pool")
         future: CallFuture[T] = CallFuture(float("inf") if answer_by is None else answer_by)
@@ -164,6 +174,11 @@ class LoopThread:
             )
             return False
         return True
+
+    def forget_in_forked_child(self) -> None:
+        """In a child forked after :meth:`start` (run by an at-fork hook): the thread and its loop
+        stayed in the parent, so every call is refused at once rather than waited for."""
+        self._forked, self._stopping, self._thread = True, True, None
 
     # -- the loop thread ----------------------------------------------------------------------------
 
@@ -245,6 +260,16 @@ class LoopThread:
             _answer(future, result=result)
         if not future.done():  # the scope was cancelled from the future's side
             future.cancel()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no copy of the loop threads: its calls would wait for ever."""
+    for loop_thread in list(_STARTED):
+        loop_thread.forget_in_forked_child()
+
+
+_STARTED: weakref.WeakSet[LoopThread] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _answer(future: CallFuture[T], *, result: Any = None, error: BaseException | None = None) -> None:

@@ -4,6 +4,7 @@ other threads (kvflow/loop.py, kvflow/sync.py, kvflow/sync_layerwise.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -215,3 +216,39 @@ def test_a_layerwise_close_keeps_one_bound_for_the_step_and_the_pool() -> None:
     start = time.monotonic()
     assert pool.close(timeout_s=2.0) is False  # a get still runs
     assert time.monotonic() - start < 2.0 + 2 * ANSWER_GRACE_S + 0.5  # before: 2 s, then 2 s more
+
+
+def test_a_calls_own_timeout_error_reaches_its_caller_as_it_is() -> None:
+    """A call that itself raises TimeoutError (a backend that gave up) is answered with it, not
+    taken for a loop thread that is held up."""
+    loop = LoopThread().start()
+
+    async def gives_up() -> None:
+        raise TimeoutError("the store did not answer in 2 s")
+
+    try:
+        with pytest.raises(TimeoutError, match="the store did not answer"):
+            wait_answer(loop.submit(gives_up, answer_by=time.monotonic() + 5))
+    finally:
+        loop.stop(2)
+
+
+def test_a_forked_child_is_refused_at_once_by_its_parents_pool() -> None:
+    pool = open_pool()
+    try:
+        child = os.fork()
+        if child == 0:  # the child: the loop thread stayed in the parent
+            code = 3
+            try:
+                start = time.monotonic()
+                pool.lookup(KVRequest(tokens=TOKENS), timeout_s=2)
+            except PoolClosedError as exc:
+                code = 0 if "forked" in str(exc) and time.monotonic() - start < 1 else 2
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pool.lookup(KVRequest(tokens=TOKENS)) == 0  # the parent's pool still works
+    finally:
+        assert pool.close(timeout_s=2) is True
