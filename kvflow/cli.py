@@ -62,17 +62,43 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
-    if args_list[:1] == ["mooncake-master"]:
+    if "mooncake-master" in args_list:  # its own flags follow it: handed over as they are
+        at = args_list.index("mooncake-master")
+        before = _parser_top().parse_args(args_list[:at])
+        logging.basicConfig(level=logging.DEBUG if before.verbose else logging.WARNING)
         from kvflow.tools.mooncake_master import main as master_main
 
-        return int(master_main(args_list[1:]))
-    args = _parser().parse_args(args_list)
+        return int(master_main(args_list[at + 1 :]))
+    parser = _parser()
+    args = parser.parse_args(args_list)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    from kvflow.errors import KVFlowError
+
+    try:
+        return _run(parser, args)
+    except KVFlowError as exc:  # a bad URL or option, a store that cannot be reached: say so, no traceback
+        print(f"kvflow {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser_top() -> argparse.ArgumentParser:
+    """The options that may come before a command that parses its own (``mooncake-master``)."""
+    parser = argparse.ArgumentParser(prog="kvflow")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "demo":
         from kvflow.tools.demo import demo_main
 
         return demo_main(args.backend, args.json, keep=args.keep, staged=args.staged, device=args.device)
     if args.command == "bench":
+        in_memory = [flag for flag in ("layerwise", "staged", "topology") if getattr(args, flag)]
+        if in_memory and args.backend != "memory://":
+            parser.error(f"--{in_memory[0]} runs on an in-process store of its own; drop --backend")
+        if args.plot and (in_memory or args.scale):
+            parser.error("--plot draws the default bench's sizes only: drop the other mode")
         if args.scale:
             from kvflow.tools.bench_scale import scale_main
 

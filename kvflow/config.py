@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -25,7 +26,8 @@ __all__ = [
     "positive_seconds",
 ]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:[kmgt]i?)?b?)\s*$", re.IGNORECASE)
+_MAX_SIZE = 1 << 62  # more than any store holds: a larger size is a mistake
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
 
@@ -37,8 +39,8 @@ def parse_size(text: str | int) -> int:
     """``"256MiB"`` -> 268435456; ``"1GB"`` -> 10**9; ``"4096"`` -> 4096. Raises ConfigError."""
     if _is_int(text):
         assert isinstance(text, int)
-        if text < 0:
-            raise ConfigError(f"a size must be >= 0, got {text}")
+        if not 0 <= text <= _MAX_SIZE:
+            raise ConfigError(f"a size must be >= 0 and at most 4 EiB, got {text}")
         return text
     if not isinstance(text, str):
         raise ConfigError(f"a size must be an integer or text like 256MiB, got {text!r}")
@@ -49,7 +51,12 @@ def parse_size(text: str | int) -> int:
     binary = "i" in unit
     letter = unit[:1] if unit[:1] != "b" else ""
     scale = 1024 ** "kmgt".index(letter) * 1024 if binary and letter else _UNITS[letter]
-    return int(float(number) * scale)
+    exact = Fraction(number) * scale  # (a float would lose the low bits of a large integer)
+    if exact.denominator != 1:
+        raise ConfigError(f"{text!r} is not a whole number of bytes; write e.g. {math.ceil(exact)}")
+    if exact > _MAX_SIZE:
+        raise ConfigError(f"{text!r} is larger than any store (at most 4 EiB)")
+    return int(exact)
 
 
 def parse_seconds(text: str | float, what: str) -> float:
@@ -68,13 +75,13 @@ def parse_seconds(text: str | float, what: str) -> float:
 def parse_url_query(url: str, *, scheme: str, allowed: set[str]) -> dict[str, str]:
     """The query parameters of a backend URL, checking its scheme and the parameter names.
 
-    Refuses a URL that is not text, contains a NUL byte, repeats a parameter or names one the
-    scheme does not take.
+    Refuses a URL that is not text, contains a NUL byte, a tab or a newline, repeats a parameter
+    or names one the scheme does not take.
     """
     if not isinstance(url, str):
         raise ConfigError(f"a backend URL must be text, got {url!r}")
-    if "\x00" in url:
-        raise ConfigError(f"the backend URL {url!r} contains a NUL byte")
+    if any(c in url for c in "\x00\t\r\n"):  # (urlsplit drops tabs and newlines without a word)
+        raise ConfigError(f"the backend URL {url!r} contains a NUL, tab or newline; remove it")
     parts = urlsplit(url)
     if parts.scheme != scheme:
         raise ConfigError(f"expected a {scheme}:// URL, got {url!r}")

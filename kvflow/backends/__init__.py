@@ -47,6 +47,8 @@ SCHEMES: dict[str, str] = {
 
 def open_backend(url: str) -> Backend:
     """Create the backend a URL names. Raises ConfigError for an unknown scheme or bad parameter."""
+    if not isinstance(url, str):
+        raise ConfigError(f"a backend URL must be text, got {url!r}")
     scheme = urlsplit(url).scheme
     target = SCHEMES.get(scheme)
     if target is None:

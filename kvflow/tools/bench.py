@@ -101,20 +101,25 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
 
     async def retrieve(i: int) -> float:
         last = repeat - 1  # the batch the last store wrote (earlier ones may have been evicted)
+        for tensor in dst.values():  # (outside the timing) each retrieve must bring every byte
+            tensor.zero_()
         start = time.perf_counter()
         result = await reader.retrieve(request(last))
         elapsed = time.perf_counter() - start
         if result.hit_blocks != batch:
             raise RuntimeError(f"bench retrieve loaded {result.hit_blocks} of {batch} blocks")
+        if not all(torch.equal(src[k], dst[k]) for k in src):
+            raise RuntimeError("bench retrieve returned different bytes than were stored")
         return elapsed
 
-    store_s = await _best(repeat, store)
-    retrieve_s = await _best(repeat, retrieve)
-    if not all(torch.equal(src[k], dst[k]) for k in src):
-        raise RuntimeError("bench retrieve returned different bytes than were stored")
-    for i in range(repeat):  # leave nothing in the store (it may be the user's own)
-        await writer.remove(request(i))
-    await backend.aclose()
+    try:
+        store_s = await _best(repeat, store)
+        retrieve_s = await _best(repeat, retrieve)
+    finally:  # leave nothing in the store (it may be the user's own), also when a run failed
+        with anyio.CancelScope(shield=True):
+            for i in range(repeat):
+                await writer.remove(request(i))
+            await backend.aclose()
     # Each baseline is timed at least as often as kvflow's calls, memcpy twice as often: a best of
     # three moved by 20-30% from run to run on a shared VM, and a baseline caught low flatters kvflow.
     memcpy = memcpy_gbps(nbytes, object_bytes, repeat=2 * repeat)
@@ -176,16 +181,19 @@ async def _lookup_ms(url: str, blocks: int) -> tuple[float, float]:
     )
     tokens = list(range(16 * blocks))
     hashes = hash_blocks(tokens, 16)
-    await pool.store(KVRequest(block_ids=range(blocks), block_hashes=hashes))
     times: list[float] = []
-    for _ in range(4):
-        start = time.perf_counter()
-        hit = await pool.lookup(KVRequest(block_hashes=hashes))
-        times.append(time.perf_counter() - start)
-        if hit != 16 * blocks:
-            raise RuntimeError(f"bench lookup found {hit} of {16 * blocks} tokens")
-    await pool.remove(KVRequest(block_hashes=hashes))
-    await backend.aclose()
+    try:
+        await pool.store(KVRequest(block_ids=range(blocks), block_hashes=hashes))
+        for _ in range(4):
+            start = time.perf_counter()
+            hit = await pool.lookup(KVRequest(block_hashes=hashes))
+            times.append(time.perf_counter() - start)
+            if hit != 16 * blocks:
+                raise RuntimeError(f"bench lookup found {hit} of {16 * blocks} tokens")
+    finally:  # leave nothing in the store, also when a run failed
+        with anyio.CancelScope(shield=True):
+            await pool.remove(KVRequest(block_hashes=hashes))
+            await backend.aclose()
     return times[0] * 1e3, min(times[1:]) * 1e3
 
 

@@ -57,23 +57,26 @@ async def _fill(pool: KVPool, blocks: int) -> None:
 
 async def _per_block_us(url: str, held: int) -> dict[str, float]:
     pool, backend = _pool(url, _WORK, f"bench-scale-{time.time_ns()}")
-    await _fill(pool, held)
     out: dict[str, float] = {"held_blocks": held}
-    start = time.perf_counter()
-    if (await pool.store(_request(7, _WORK))).stored != _WORK:
-        raise RuntimeError("bench: a store did not store every block")
-    out["store_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
-    start = time.perf_counter()
-    if (await pool.retrieve(_request(7, _WORK))).hit_blocks != _WORK:
-        raise RuntimeError("bench: a retrieve did not load every block")
-    out["retrieve_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
-    start = time.perf_counter()
-    if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
-        raise RuntimeError("bench: a lookup missed blocks it had stored")
-    out["lookup_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
-    for salt in [7, *_fill_salts(held)]:  # leave nothing in the store
-        await pool.remove(_request(salt, _WORK))
-    await backend.aclose()
+    try:
+        await _fill(pool, held)
+        start = time.perf_counter()
+        if (await pool.store(_request(7, _WORK))).stored != _WORK:
+            raise RuntimeError("bench: a store did not store every block")
+        out["store_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+        start = time.perf_counter()
+        if (await pool.retrieve(_request(7, _WORK))).hit_blocks != _WORK:
+            raise RuntimeError("bench: a retrieve did not load every block")
+        out["retrieve_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+        start = time.perf_counter()
+        if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
+            raise RuntimeError("bench: a lookup missed blocks it had stored")
+        out["lookup_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+    finally:  # leave nothing in the store, also when a run failed
+        with anyio.CancelScope(shield=True):
+            for salt in [7, *_fill_salts(held)]:
+                await pool.remove(_request(salt, _WORK))
+            await backend.aclose()
     return out
 
 
@@ -104,20 +107,25 @@ async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, floa
         return results
 
     out: dict[str, float] = {"requests": requests, "blocks_per_request": blocks, "step_requests": _STEP}
-    for salt, (way, run) in enumerate((("", concurrent), ("_in_steps", in_steps))):
-        batch = [request(r, salt) for r in range(requests)]
-        for op in ("store", "retrieve"):
-            start = time.perf_counter()
-            results = await run(op, batch)
-            seconds = time.perf_counter() - start
-            moved = [r.stored if op == "store" else r.hit_blocks for r in results]
-            if moved != [blocks] * requests:
-                raise RuntimeError(f"bench: a {op} of the many-requests run missed blocks")
-            out[f"{op}{way}_requests_per_s"] = requests / seconds
-            out[f"{op}{way}_blocks_per_s"] = requests * blocks / seconds
-        for one in batch:  # leave nothing in the store
-            await pool.remove(one)
-    await backend.aclose()
+    stored: list[KVRequest] = []
+    try:
+        for salt, (way, run) in enumerate((("", concurrent), ("_in_steps", in_steps))):
+            batch = [request(r, salt) for r in range(requests)]
+            stored += batch
+            for op in ("store", "retrieve"):
+                start = time.perf_counter()
+                results = await run(op, batch)
+                seconds = time.perf_counter() - start
+                moved = [r.stored if op == "store" else r.hit_blocks for r in results]
+                if moved != [blocks] * requests:
+                    raise RuntimeError(f"bench: a {op} of the many-requests run missed blocks")
+                out[f"{op}{way}_requests_per_s"] = requests / seconds
+                out[f"{op}{way}_blocks_per_s"] = requests * blocks / seconds
+    finally:  # leave nothing in the store, also when a run failed
+        with anyio.CancelScope(shield=True):
+            for one in stored:
+                await pool.remove(one)
+            await backend.aclose()
     return out
 
 

@@ -41,6 +41,9 @@ class DemoSummary:
     blocks_reused: int = 0  # engine A: blocks another request had already stored
     blocks_found: int = 0  # blocks of the workload the store held before this run
     blocks_removed: int = 0  # objects this run stored and removed at its end
+    blocks_store_failed: int = 0  # engine A's stores that failed (not for want of room)
+    blocks_no_space: int = 0  # engine A's stores the full store refused
+    evictions: int = 0  # objects the store evicted during the run (its stats; 0 when it cannot tell)
     lookup_hit_blocks: int = 0
     store_bytes: int = 0
     retrieve_bytes: int = 0
@@ -51,16 +54,30 @@ class DemoSummary:
 
     @property
     def verified(self) -> bool:
-        return (
-            self.blocks_mismatched == 0
-            and self.blocks_retrieved > 0
-            and self.blocks_verified == self.blocks_retrieved
-        )
+        """Every retrieved block is bit-exact, no store failed, and every block was retrieved
+        unless the store ran out of room (it refused or evicted some: those are misses)."""
+        return not self.problems
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the run did not verify (none when it did)."""
+        found = []
+        if self.blocks_mismatched:
+            found.append(f"{self.blocks_mismatched} retrieved blocks did not hold their KV")
+        if not self.blocks_retrieved:
+            found.append("nothing was retrieved")
+        if self.blocks_store_failed:
+            found.append(f"{self.blocks_store_failed} stores failed")
+        missed = self.blocks_requested - self.blocks_retrieved
+        if missed and not (self.blocks_no_space or self.evictions):
+            found.append(f"{missed} blocks were not retrieved, though the store refused and evicted none")
+        return found
 
     def as_dict(self) -> dict[str, Any]:
         out = attrs.asdict(self)
         out.update(
             verified=self.verified,
+            problems=self.problems,
             hit_rate=self.lookup_hit_blocks / self.blocks_requested if self.blocks_requested else 0.0,
             reuse_rate=self.blocks_reused / self.blocks_requested if self.blocks_requested else 0.0,
             store_gbps=self.store_bytes / self.store_s / 1e9 if self.store_s else 0.0,
@@ -91,6 +108,7 @@ async def run_demo(
     summary = DemoSummary(backend_url, staged, device, requests=len(requests), block_nbytes=g.block_nbytes)
     config = PoolConfig(backend=backend_url, model="demo-llama", staging="always" if staged else "auto")
     backend = backend if backend is not None else open_backend(backend_url)
+    evicted_before = backend.stats().evictions
 
     # Engine A: computes each request's missing blocks and stores them.
     cache_a = make_kv_caches(g, max_blocks, device)
@@ -111,6 +129,8 @@ async def run_demo(
         result = await pool_a.store(request, after=written)
         summary.store_s += time.perf_counter() - start
         summary.blocks_stored += result.stored
+        summary.blocks_store_failed += result.statuses.count(PutStatus.FAILED)
+        summary.blocks_no_space += result.statuses.count(PutStatus.NO_SPACE)
         summary.store_bytes += result.stored * g.block_nbytes
         created.extend(_stored_runs(hashes, hit, result.statuses))
 
@@ -140,6 +160,7 @@ async def run_demo(
         if not keep:
             for run in created:
                 summary.blocks_removed += await pool_b.remove(run)
+    summary.evictions = backend.stats().evictions - evicted_before
     summary.memcpy_gbps = memcpy_gbps(max(summary.retrieve_bytes, g.block_nbytes), g.block_nbytes)
     return summary
 
@@ -206,6 +227,6 @@ def demo_main(
                 if summary.blocks_removed
                 else ""
             )
-            + ("VERIFIED" if summary.verified else "NOT VERIFIED")
+            + ("VERIFIED" if summary.verified else "NOT VERIFIED: " + "; ".join(summary.problems))
         )
     return 0 if summary.verified else 1

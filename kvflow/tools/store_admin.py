@@ -163,9 +163,11 @@ def _open_local(url: str) -> Any:
 
         return ArenaBackend.attach(url)
     from kvflow.backends.local import LocalBackend, LocalConfig
+    from kvflow.backends.local.safety import LOCK_NAME
 
     config = LocalConfig.from_url(url)
-    if not os.path.isdir(config.path):
+    made = all(os.path.exists(os.path.join(config.path, part)) for part in (LOCK_NAME, "objects"))
+    if not made:  # (opening a store makes one: this tool only looks at stores engines made)
         raise ConfigError(f"there is no store at {config.path} (nothing to show or clear); check the URL")
     return LocalBackend(config)
 
@@ -324,6 +326,8 @@ def store_main(args: argparse.Namespace) -> int:
 
 
 def _clear_main(args: argparse.Namespace) -> int:
+    if args.model is not None and not args.model:
+        raise ConfigError("--model needs a model name (to remove every kvflow object, leave --model out)")
     what = f"the objects of model {args.model!r}" if args.model else "every kvflow object"
     if sys.stdout.isatty() and not args.yes:
         print(

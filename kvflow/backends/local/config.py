@@ -28,7 +28,7 @@ def default_path() -> str:
 def store_path(_: object, __: attrs.Attribute[str], value: object) -> None:
     if not isinstance(value, str) or "\x00" in value:
         raise ConfigError(f"the local store path must be text without NUL bytes, got {value!r}")
-    if not os.path.isabs(value) or os.path.normpath(value) == "/":
+    if not os.path.isabs(value) or not os.path.normpath(value).strip("/"):  # ("//" is "/" too)
         raise ConfigError(
             f"the local store path must be an absolute directory below /, got {value!r}: write e.g. "
             "local:///dev/shm/my-store, or local:// for the private default"

@@ -113,9 +113,9 @@ def _flag(text: str, *, name: str) -> bool:
     lowered = text.strip().lower()
     if lowered in {"1", "true", "yes", "on"}:
         return True
-    if lowered in {"0", "false", "no", "off", ""}:
+    if lowered in {"0", "false", "no", "off"}:
         return False
-    raise ConfigError(f"{name}={text!r} is not a boolean; write true or false")
+    raise ConfigError(f"{name}={text!r} is not a boolean; write {name}=true or {name}=false")
 
 
 def _is_loopback(host: str) -> bool:
@@ -252,7 +252,7 @@ class MooncakeConfig:
                 f"unknown key(s) {sorted(unknown)} in {source}; kvflow reads {sorted(_JSON_KEYS)} "
                 f"and ignores {sorted(_JSON_IGNORED)}"
             )
-        if "master_server_address" not in data:
+        if data.get("master_server_address") is None:
             raise ConfigError(f"{source} has no master_server_address (HOST:PORT of mooncake_master)")
         values: dict[str, object] = {}
         for key, attribute in _JSON_KEYS.items():

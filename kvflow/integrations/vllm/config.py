@@ -48,6 +48,7 @@ Two settings come from vLLM's own configuration, not from the extra config: ``ro
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -61,6 +62,7 @@ __all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole", "weak_hash_warning"]
 
 DEFAULT_BACKEND = "local://"
 
+_MAX_SECONDS = 86400.0  # a wait or bound longer than a day is a mistake (and overflows some waits)
 _FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "load_wait_s", "load_idle_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")
 _TEXTS = ("backend", "lookup_backend", "model_id", "staging")
@@ -214,9 +216,15 @@ def _text(extra: Mapping[str, object], key: str) -> str:
 
 
 def _number(extra: Mapping[str, object], key: str) -> float:
+    """A number of seconds: finite and at most a day (JSON lets NaN and Infinity through)."""
     value = extra[key]
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}")
+    if not math.isfinite(value) or not -_MAX_SECONDS <= value <= _MAX_SECONDS:
+        raise ConfigError(
+            f"kv_connector_extra_config[{key!r}] must be a finite number of seconds up to "
+            f"{_MAX_SECONDS:.0f}, got {value!r}"
+        )
     return float(value)
 
 
