@@ -48,6 +48,8 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HAS
     ignored). Deterministic across processes and machines; token ids are hashed as int64."""
     if block_size <= 0:
         raise RequestError(f"block_size must be > 0, got {block_size}")
+    if isinstance(tokens, (bytes, bytearray, memoryview, str)):  # (array would read bytes as packed ids)
+        raise RequestError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}")
     try:
         packed = array("q", tokens).tobytes()
     except (TypeError, OverflowError) as exc:

@@ -198,3 +198,9 @@ def test_decode_rejects_foreign_text_saying_what_is_wrong(text: str, says: str) 
         decode_key(text)
     if "kvf2" in text:
         assert text in str(raised.value) or "layers" in says  # the whole key, to find it
+
+
+def test_hash_blocks_refuses_bytes_rather_than_reading_them_as_packed_ids() -> None:
+    with pytest.raises(RequestError, match="sequence of integer ids"):
+        hash_blocks(bytes([1]) * 128, 16)
+    assert hash_blocks(list(bytes([1]) * 32), 16) == hash_blocks([1] * 32, 16)

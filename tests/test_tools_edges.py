@@ -232,3 +232,13 @@ def test_demo_with_a_bad_url_says_what_to_do_without_a_traceback(capsys: pytest.
     except ConfigError as exc:
         pytest.fail(f"ConfigError escaped from the CLI: {exc}")
     assert rc not in (0, 1)
+
+
+def test_a_models_name_finds_its_objects_under_every_engine_variant() -> None:
+    """A vLLM engine keys its model as ``name#variant`` (kvflow.integrations.vllm.topology): ``--model
+    name`` finds those, and never another name's."""
+    from kvflow.tools.store_admin import _names
+
+    assert _names("llama", "llama") and _names("llama#0123456789abcdef", "llama")
+    assert not _names("llama2#0123456789abcdef", "llama") and not _names("llama#x", "llama")
+    assert not _names("llama#0123456789abcdef", "llama#") and not _names("a#llama", "llama")

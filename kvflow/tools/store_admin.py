@@ -100,7 +100,11 @@ class Inventory:
     objects: tuple[StoredObject, ...]
 
     def of_model(self, model: str | None) -> tuple[StoredObject, ...]:
-        return self.objects if model is None else tuple(o for o in self.objects if o.model == model)
+        """Every object, or those of ``model``: that exact model field, or that name with any
+        variant a vLLM engine adds (``name#digest``, kvflow.integrations.vllm.topology)."""
+        if model is None:
+            return self.objects
+        return tuple(o for o in self.objects if o.model is not None and _names(o.model, model))
 
     def groups(self) -> list[dict[str, Any]]:
         """Per model and layout: objects, distinct blocks, bytes, and the parts blocks are split in."""
@@ -344,3 +348,13 @@ def _clear_main(args: argparse.Namespace) -> int:
         if outcome["failed"]:
             print(f"{outcome['failed']} could not be removed now (held by a reader?): run it again")
     return 0 if not outcome["failed"] else 1
+
+
+def _names(field: str, model: str) -> bool:
+    """Whether a key's model ``field`` is ``model``'s, exactly or with a variant digest."""
+    if field == model:
+        return True
+    name, mark, variant = field.rpartition("#")
+    return (
+        bool(mark) and name == model and len(variant) == 16 and all(c in "0123456789abcdef" for c in variant)
+    )

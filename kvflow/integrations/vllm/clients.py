@@ -36,7 +36,7 @@ def open_lookup_pool(
 ) -> SyncPool:
     """A lookup-only pool for the scheduler side: no KV caches, the format the workers reported."""
     return SyncPool.open(
-        config.lookup_pool_config(shape.model),
+        config.lookup_pool_config(shape.key_model(config.model_id)),
         format=handshake.format,
         parallel=shape.parallel(),
         backend=backend,
@@ -53,7 +53,7 @@ def open_worker_pool(
 ) -> SyncPool:
     """A pool over this worker's registered KV caches."""
     return SyncPool.open(
-        config.pool_config(shape.model),
+        config.pool_config(shape.key_model(config.model_id)),
         layout=layout,
         parallel=shape.parallel(tp_rank, pp_rank),
         backend=backend,
@@ -70,7 +70,7 @@ def open_layerwise_pool(
 ) -> SyncLayerwisePool:
     """A layerwise pool over this worker's KV caches, behind the synchronous layer-by-layer face."""
     return SyncLayerwisePool.open(
-        config.pool_config(shape.model),
+        config.pool_config(shape.key_model(config.model_id)),
         layout=layout,
         parallel=shape.parallel(tp_rank, pp_rank),
         depth=config.layerwise_depth,

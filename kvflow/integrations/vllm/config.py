@@ -188,10 +188,11 @@ class ConnectorConfig:
         return cls(**kwargs, role=role, kv_events=kv_events)  # type: ignore[arg-type]
 
     def pool_config(self, model: str) -> PoolConfig:
-        """The :class:`kvflow.PoolConfig` of a worker's pool serving ``model``."""
+        """The :class:`kvflow.PoolConfig` of a worker's pool; ``model``: the keys' model field
+        (:meth:`EngineShape.key_model`, ``model_id`` applied)."""
         return PoolConfig(
             backend=self.backend,
-            model=self.model_id or model,
+            model=model,
             max_inflight_bytes=self.max_inflight_bytes,
             timeout_s=self.timeout_s,
             layerwise=self.layerwise,

@@ -7,7 +7,9 @@ with a message that says what to change.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["EngineShape", "check_layer_names", "describe_engine", "worker_ranks"]
+__all__ = ["EngineShape", "check_layer_names", "describe_engine", "engine_variant", "worker_ranks"]
 
 
 @attrs.frozen
@@ -32,6 +34,13 @@ class EngineShape:
     total_num_kv_heads: int
     use_mla: bool
     pp_layers: tuple[int, ...] | None = None  # each stage's layers (vLLM's partition)
+    #: a digest of what else changes the KV's bytes for the same tokens (:func:`engine_variant`)
+    variant: str = ""
+
+    def key_model(self, model_id: str | None = None) -> str:
+        """The model field of every key: the model's name (``model_id`` if given) and the variant."""
+        name = model_id or self.model
+        return f"{name}#{self.variant}" if self.variant else name
 
     def parallel(self, tp_rank: int = 0, pp_rank: int = 0) -> ParallelConfig:
         """kvflow's view of one rank (the scheduler side uses rank 0: it only looks up)."""
@@ -85,7 +94,49 @@ def describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         total_num_kv_heads=model_config.get_total_num_kv_heads(),
         use_mla=bool(model_config.use_mla),
         pp_layers=pp_layers,
+        variant=engine_variant(vllm_config, block_size, groups[0].kv_cache_spec),
     )
+
+
+def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
+    """A digest of what, beside the model's name, changes the KV an engine computes for a prompt
+    or how its bytes lie, so that engines differing in it never share keys (a wrong hit):
+
+    - the model's config as vLLM loaded it (overrides applied: rope scaling, head shape...; not
+      its path), the weights' quantization and revision, and for a model with rotary factors
+      chosen by the context length (long-rope), which ones this engine uses;
+    - the KV cache dtype (fp8 variants are all stored as bytes);
+    - on a CPU, how vLLM's attention kernel lays out a block (it packs K per instruction set).
+
+    TP size, pipeline split and block size are not in it: kvflow keys those itself."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    hf = model_config.hf_text_config
+    config = {k: v for k, v in hf.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    facts: dict[str, object] = {
+        "config": config,
+        "quantization": model_config.quantization,
+        "revision": model_config.revision,
+        "cache_dtype": cache_config.cache_dtype,
+    }
+    original = getattr(hf, "original_max_position_embeddings", None)
+    if original is not None:  # long-rope picks its factors by the context length
+        facts["long_context"] = model_config.max_model_len > original
+    device = vllm_config.device_config.device_type
+    facts["device"] = device
+    if device == "cpu":
+        facts["cpu_block_encoding"] = _cpu_attention_isa(model_config.dtype, block_size, spec, cache_config)
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cpu_attention_isa(dtype: Any, block_size: int, spec: Any, cache_config: Any) -> str:
+    """How vLLM's CPU attention packs a block on this machine (``vec``, ``amx``, ...)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, spec.head_size, cache_config.cache_dtype))
+    except Exception as exc:  # another vLLM: keyed apart from every engine that could say
+        return f"unknown ({type(exc).__name__})"
 
 
 def worker_ranks() -> tuple[int, int]:
