@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from kvflow.backends import Backend, open_backend
+from kvflow.backends.memory import MemoryBackend
 from kvflow.config import PoolConfig
 from kvflow.device import Device
 from kvflow.errors import ConfigError
@@ -39,6 +40,7 @@ __all__ = ["KVPool", "check_timeout"]
 log = logging.getLogger(__name__)
 
 _CREATE = object()  # KVPool's constructor is private: make pools with KVPool.create
+_UNNAMED = attrs.fields(PoolConfig).model.default  # PoolConfig's model when none is named
 
 
 def check_timeout(timeout_s: float | None) -> None:
@@ -83,6 +85,13 @@ class KVPool:
         """
         config = config or PoolConfig()
         backend = backend if backend is not None else open_backend(config.backend)
+        if config.model == _UNNAMED and not isinstance(backend, MemoryBackend):
+            log.warning(
+                "this pool names no model (PoolConfig.model is %r): in a shared store every such pool "
+                "shares one namespace, so pools of two models whose KV has one shape would load each "
+                "other's KV; give each model's pools its name, PoolConfig(model=...)",
+                _UNNAMED,
+            )
         transfer = Transfer.open(
             config,
             backend=backend,

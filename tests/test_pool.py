@@ -762,3 +762,18 @@ async def test_a_load_of_several_requests_refuses_two_that_name_one_destination_
         r.hit_blocks
         for r in await reader.retrieve_many([first, KVRequest(block_ids=[4, 6], tokens=TOKENS[: 2 * BLOCK])])
     ] == [1, 2]
+
+
+async def test_a_pool_that_names_no_model_over_a_shared_store_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    layout = KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]())
+    url = f"local://{tmp_path}/store"
+    warned = []
+    for config in (PoolConfig(backend=url, model="llama-3-8b"), PoolConfig(), PoolConfig(backend=url)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvflow.pool"):
+            pool = KVPool.create(config, layout=layout)  # (PoolConfig(): in-process, nobody else reads it)
+        await pool.aclose()
+        warned.append(any("names no model" in r.getMessage() for r in caplog.records))
+    assert warned == [False, False, True]
