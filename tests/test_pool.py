@@ -312,7 +312,9 @@ async def test_aclose_abandons_a_backend_that_does_not_close_within_its_timeout(
             await anyio.sleep_forever()
 
     pool = KVPool.create(
-        PoolConfig(timeout_s=60.0), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=Stuck()
+        PoolConfig(timeout_s=60.0, model="mla"),
+        layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()),
+        backend=Stuck(),
     )  # type: ignore[arg-type]
     with anyio.fail_after(10), caplog.at_level("WARNING", logger="kvflow"):
         assert await pool.aclose(timeout_s=0.1) is False  # its own timeout, not the pool's 60 s
