@@ -12,7 +12,7 @@ off the loop with ``anyio.to_thread.run_sync`` and a bounded ``CapacityLimiter``
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Protocol, overload, runtime_checkable
 
 import attrs
@@ -29,6 +29,7 @@ __all__ = [
     "PutStatus",
     "keys_of",
     "nbytes_of",
+    "repeats_of",
     "some_of",
 ]
 
@@ -45,6 +46,16 @@ class PutStatus(enum.Enum):
         """The status of a later copy of a key put twice in one call, copied once, when this is
         the first copy's: PRESENT once that one is in the store, else its NO_SPACE or FAILED."""
         return PutStatus.PRESENT if self in (PutStatus.STORED, PutStatus.PRESENT) else self
+
+
+def repeats_of(names: Sequence[Hashable]) -> dict[int, int]:
+    """The positions whose name an earlier position has, each with the first of that name
+    (``{repeat: first}``; empty, and cheap, when every name is new): a key put twice in one call
+    is copied once, and its repeats take the first copy's outcome (:meth:`PutStatus.repeated`)."""
+    if len(set(names)) == len(names):
+        return {}
+    first: dict[Hashable, int] = {}
+    return {i: f for i, name in enumerate(names) if (f := first.setdefault(name, i)) != i}
 
 
 class GetStatus(enum.Enum):

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import attrs
 
-from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus, repeats_of
 from kvflow.events import DeviceEvent, poll_until
 from kvflow.ownership import owned
 from kvflow.profiles import LOAD_READ_EVERY_S, Profile
@@ -94,7 +94,9 @@ class StoreJob:
         self.owned = owned(self.plan.indices, self.transfer.parallel)
         self._every = len(self.owned) == len(self.plan)  # owned is 0, 1, 2, ...: the plan's lists serve
         self._reading = set(self.transfer.units)
-        self._repeats = _repeats(self.plan.hashes, self.owned, self._every)
+        self._repeats = repeats_of(
+            self.plan.hashes if self._every else [self.plan.hashes[j] for j in self.owned]
+        )
 
     def keys(self, unit: Unit) -> list[str]:
         """The keys of this rank's owned blocks for ``unit``."""
@@ -609,16 +611,6 @@ class LoadJob:
             RetrieveResult(tuple(self.plan.block_ids[a:b]), tuple(status[a:b]), block_size)
             for a, b in self.plan.spans
         ]
-
-
-def _repeats(hashes: Sequence[bytes], owned: Sequence[int], every: bool) -> dict[int, int]:
-    """Owned blocks whose hash an earlier owned block has (requests of one call sharing a prefix),
-    each with that earlier one: ``{k: first}``, by index in ``owned``."""
-    mine = hashes if every else [hashes[j] for j in owned]
-    if len(set(mine)) == len(mine):
-        return {}
-    first: dict[bytes, int] = {}
-    return {k: f for k, h in enumerate(mine) if (f := first.setdefault(h, k)) != k}
 
 
 def _failures(statuses: list[PutStatus]) -> int:

@@ -40,6 +40,7 @@ from kvflow.backends.base import (
     PutStatus,
     keys_of,
     nbytes_of,
+    repeats_of,
     some_of,
 )
 from kvflow.backends.copies import gather_objects, scatter_objects
@@ -186,20 +187,15 @@ class ArenaBackend:
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
         hashes = key_hashes([keys[i] for i in fits])  # new keys, mostly: not remembered
         now = time.monotonic_ns()
-        repeated: list[int] = []
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-            for i, got in zip(fits, self._arena.claim(hashes, now)):
+            claims = self._arena.claim(hashes, now)
+            for i, got in zip(fits, claims):
                 if isinstance(got, PutStatus):
                     results[i] = got
-                elif got is None:
-                    repeated.append(i)
-                else:
+                elif got is not None:  # (None: a repeat of a key earlier in the call)
                     claimed[i] = got
-        if repeated:  # the first copy of each that fits a slot (the claim saw only those)
-            first: dict[str, int] = {}
-            for i in fits:
-                first.setdefault(keys[i], i)
-            repeats.update((i, first[keys[i]]) for i in repeated)
+        if None in claims:  # each repeat and the first copy of its key that fits a slot
+            repeats.update((fits[k], fits[f]) for k, f in repeats_of([keys[i] for i in fits]).items())
 
     async def _give_back(self, rows: Iterable[int]) -> None:
         """Free claimed slots after a failure or a cancellation (shielded: it runs even when cancelled)."""
