@@ -153,6 +153,20 @@ def test_an_empty_check_present_does_not_silently_turn_it_off() -> None:
         MooncakeConfig.from_url("mooncake://127.0.0.1:50051?check_present=")
 
 
+@pytest.mark.parametrize("master", ["::1:50051", "[::1:50051", "::1]:50051", "[127.0.0.1]:50051", "[]:50051"])
+def test_an_ipv6_master_must_be_bracketed(master: str) -> None:
+    """``::1:50051`` is ambiguous (it read as host ``::1``, port 50051, and ``::1:5`` as ``::1``
+    port 5 or ``::`` port 1:5); only ``[IPv6]:PORT`` is taken, with an IPv6 address inside."""
+    with pytest.raises(ConfigError, match=r"in brackets"):
+        MooncakeConfig(master=master)
+
+
+def test_a_bracketed_ipv6_master_is_taken() -> None:
+    config = MooncakeConfig.from_url("mooncake://[::1]:7000")
+    assert (config.master, config.master_host) == ("[::1]:7000", "::1")
+    assert MooncakeConfig.from_mapping({"master_server_address": "[::1]:7001"}).master == "[::1]:7001"
+
+
 def test_a_null_master_in_mooncake_json_is_refused() -> None:
     """``"master_server_address": null`` is no master (it would fall back to 127.0.0.1:50051)."""
     with pytest.raises(ConfigError, match="master_server_address"):

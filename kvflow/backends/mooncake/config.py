@@ -131,6 +131,19 @@ def _check_master(_: object, __: attrs.Attribute[str], value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"master address {value!r} must be HOST:PORT, e.g. 127.0.0.1:{DEFAULT_PORT}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if not _is_ipv6(host[1:-1]) if bracketed else any(c in host for c in ":[]"):
+        raise ConfigError(
+            f"master address {value!r}: write an IPv6 host in brackets and nothing else there, "
+            f"[HOST]:PORT, e.g. [::1]:{DEFAULT_PORT}"
+        )
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
 
 
 def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
