@@ -81,6 +81,25 @@ def test_stats_count_objects_per_model_and_layout(
     assert "org/llama" in text and "profile announcements: 2" in text
 
 
+def test_stats_of_a_local_store_show_no_capacity_the_url_did_not_give(
+    store: tuple[str, Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local store has no capacity of its own (each opening process sets its budget), so a URL
+    without one shows none rather than the default; an arena's is fixed when it is made."""
+    url, _, _ = store
+    scheme, bare = url.split(":")[0], url.split("?")[0]
+    stats = _json(capsys, "store", "stats", bare, "--json")
+    assert isinstance(stats, dict)
+    assert stats["capacity_bytes"] == (CAPACITY[scheme] if scheme == "arena" else None)
+    assert stats["objects"] == 8 and stats["used_bytes"] > 0
+    assert main(["store", "stats", bare]) == 0
+    text = capsys.readouterr().out
+    if scheme == "local":
+        assert "capacity ?" in text and "sets its own capacity" in text
+    else:
+        assert "capacity 256.00 KiB" in text and "sets its own" not in text
+
+
 def test_ls_lists_one_models_blocks_and_announcements(
     store: tuple[str, Path, int], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
 import attrs
@@ -195,7 +195,7 @@ async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
         try:
             listed = await backend.list_objects()
             used = await backend.usage()
-            capacity = backend.config.capacity_bytes
+            capacity = backend.config.capacity_bytes if _has_capacity(url, scheme) else None
         finally:
             await backend.aclose()
         objects = tuple(StoredObject.of(key, nbytes) for key, nbytes in listed)
@@ -209,6 +209,12 @@ async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
         await backend.aclose()
     objects = tuple(StoredObject.of(key, size) for key, size in zip(keys, nbytes))
     return Inventory(url, "mooncake", usage.capacity_bytes, usage.used_bytes, _sorted(objects))
+
+
+def _has_capacity(url: str, scheme: str) -> bool:
+    """Whether the store itself has the capacity its config shows: an arena's is fixed when it is
+    made; a local store's is each opening process's own budget, so only the URL can give one."""
+    return scheme == "arena" or "capacity" in parse_qs(urlsplit(url).query)
 
 
 def _sorted(objects: Sequence[StoredObject]) -> tuple[StoredObject, ...]:
@@ -258,6 +264,9 @@ def _print_stats(stats: dict[str, Any]) -> None:
     share = f" ({100 * used / capacity:.1f}%)" if used is not None and capacity else ""
     print(f"store    {stats['url']} ({stats['backend']})")
     print(f"capacity {_size(capacity)}, used {_size(used)}{share}, {stats['objects']} objects")
+    if capacity is None and stats["backend"] == "local":
+        print("         (each process that opens a local store sets its own capacity; give the URL one")
+        print("          as the engines do, ?capacity=N, to see the share used)")
     rows = stats["models"]
     if rows:
         wm = max(5, *(len(r["model"]) for r in rows))
