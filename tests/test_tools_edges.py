@@ -17,7 +17,7 @@ import torch
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends import GetStatus, ObjectRef, PutStatus
 from kvflow.cli import main
-from kvflow.tools import bench
+from kvflow.tools import bench, bench_scale
 from kvflow.tools.demo import run_demo
 from kvflow.tools.store_admin import clear_store, read_inventory
 from kvflow.tools.workload import Geometry
@@ -144,6 +144,18 @@ async def test_bench_catches_a_backend_that_moves_nothing(monkeypatch: pytest.Mo
     monkeypatch.setattr(bench, "open_backend", lambda url: bench.NullBackend())
     with pytest.raises(RuntimeError, match="different bytes"):
         await bench._store_retrieve("memory://", 16 << 10, 4, repeat=2)
+
+
+@pytest.mark.parametrize("run", ["store_size", "many_requests"])
+async def test_bench_scale_checks_the_bytes_it_retrieved(run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvflow bench --scale` verifies what it moved too: a backend that answers every get HIT
+    and copies nothing reports every block loaded, so only the bytes can tell."""
+    monkeypatch.setattr(bench_scale, "open_backend", lambda url: bench.NullBackend())
+    with pytest.raises(RuntimeError, match="other bytes than were stored"):
+        if run == "store_size":
+            await bench_scale._per_block_us("memory://", 0)
+        else:
+            await bench_scale._many_requests("memory://", 4, 2)
 
 
 @pytest.mark.parametrize("mode", ["--layerwise", "--staged", "--topology"])

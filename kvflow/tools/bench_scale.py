@@ -33,11 +33,30 @@ _WORK = 1000  # blocks of the request timed at each store size
 _STEP = 16  # requests per call in the many-requests run's steps
 
 
-def _pool(url: str, blocks: int, model: str) -> tuple[KVPool, Any]:
+def _pool(url: str, blocks: int, model: str) -> tuple[KVPool, Any, dict[str, torch.Tensor]]:
     caches = {f"l{i}": torch.zeros(blocks, 1, _BLOCK, 64, dtype=torch.float16) for i in range(4)}
     backend = open_backend(url)
     pool = KVPool.create(PoolConfig(model=model), layout=KVLayout.from_kv_caches(caches), backend=backend)
-    return pool, backend
+    return pool, backend, caches
+
+
+def _scribble(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Fill the caches with random bytes; return a copy of them to check a retrieve against."""
+    for cache in caches.values():
+        cache.view(torch.int16).random_()
+    return [cache.clone() for cache in caches.values()]
+
+
+def _check(caches: dict[str, torch.Tensor], stored: list[torch.Tensor], what: str) -> None:
+    """Raise unless the caches hold exactly the bytes ``stored`` (the retrieve started from zeros)."""
+    pairs = zip(caches.values(), stored)
+    if not all(torch.equal(got.view(torch.int16), want.view(torch.int16)) for got, want in pairs):
+        raise RuntimeError(f"bench: {what} loaded other bytes than were stored")
+
+
+def _zero(caches: dict[str, torch.Tensor]) -> None:
+    for cache in caches.values():
+        cache.zero_()
 
 
 def _request(salt: int, blocks: int) -> KVRequest:
@@ -56,18 +75,21 @@ async def _fill(pool: KVPool, blocks: int) -> None:
 
 
 async def _per_block_us(url: str, held: int) -> dict[str, float]:
-    pool, backend = _pool(url, _WORK, f"bench-scale-{time.time_ns()}")
+    pool, backend, caches = _pool(url, _WORK, f"bench-scale-{time.time_ns()}")
     out: dict[str, float] = {"held_blocks": held}
     try:
         await _fill(pool, held)
+        stored = _scribble(caches)
         start = time.perf_counter()
         if (await pool.store(_request(7, _WORK))).stored != _WORK:
             raise RuntimeError("bench: a store did not store every block")
         out["store_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+        _zero(caches)
         start = time.perf_counter()
         if (await pool.retrieve(_request(7, _WORK))).hit_blocks != _WORK:
             raise RuntimeError("bench: a retrieve did not load every block")
         out["retrieve_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+        _check(caches, stored, "a retrieve")
         start = time.perf_counter()
         if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
             raise RuntimeError("bench: a lookup missed blocks it had stored")
@@ -81,7 +103,7 @@ async def _per_block_us(url: str, held: int) -> dict[str, float]:
 
 
 async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, float]:
-    pool, backend = _pool(url, requests * blocks, f"bench-many-{time.time_ns()}")
+    pool, backend, caches = _pool(url, requests * blocks, f"bench-many-{time.time_ns()}")
 
     def request(r: int, salt: int) -> KVRequest:
         ids = range(r * blocks, (r + 1) * blocks)
@@ -112,7 +134,10 @@ async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, floa
         for salt, (way, run) in enumerate((("", concurrent), ("_in_steps", in_steps))):
             batch = [request(r, salt) for r in range(requests)]
             stored += batch
+            written = _scribble(caches)
             for op in ("store", "retrieve"):
+                if op == "retrieve":
+                    _zero(caches)
                 start = time.perf_counter()
                 results = await run(op, batch)
                 seconds = time.perf_counter() - start
@@ -121,6 +146,7 @@ async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, floa
                     raise RuntimeError(f"bench: a {op} of the many-requests run missed blocks")
                 out[f"{op}{way}_requests_per_s"] = requests / seconds
                 out[f"{op}{way}_blocks_per_s"] = requests * blocks / seconds
+            _check(caches, written, f"the many-requests run's retrieve{way.replace('_', ' ')}")
     finally:  # leave nothing in the store, also when a run failed
         with anyio.CancelScope(shield=True):
             for one in stored:
