@@ -5,10 +5,12 @@ stores' listings: every object's key read back (from its file name, or the arena
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import anyio
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -19,7 +21,7 @@ from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.base import GetStatus, ObjectRef
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.backend import key_of_file_name
-from kvflow.backends.local.format import object_file_name
+from kvflow.backends.local.format import HEADER_SIZE, Header, key_digest, object_file_name, payload_checksum
 from kvflow.cli import main
 from kvflow.regions import buffer_address
 from kvflow.tools.store_admin import read_inventory
@@ -158,17 +160,75 @@ def test_every_key_comes_back_from_its_file_name(key: str) -> None:
     assert key_of_file_name(name) == (None if name.startswith("~") else key)
 
 
-async def test_the_local_backend_lists_keys_sizes_and_unnamed_objects(tmp_path: Path) -> None:
+async def test_the_local_backend_lists_keys_and_sizes_also_of_keys_too_long_for_a_name(
+    tmp_path: Path,
+) -> None:
+    """A key too long for a file name is named by its digest, and its object keeps the key after
+    the payload: listing gives it back, and the object reads as any other."""
     backend = LocalBackend.from_url(f"local://{tmp_path}/s")
     try:
-        data = bytearray(b"x" * 300)
-        long_key = "k" * 300  # stored under a digest name: its key cannot be read back
+        data = bytearray(os.urandom(300))
+        long_key = "k" * 300
         objects = [ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in (("a/b c", 10), (long_key, 300))]
         await backend.put(objects)
+        assert object_file_name(long_key).startswith("~")
         (tmp_path / "s" / "objects" / ".hidden").write_bytes(b"not kvflow's")
-        assert sorted(await backend.list_objects(), key=str) == sorted([("a/b c", 10), (None, 300)], key=str)
+        assert sorted(await backend.list_objects(), key=str) == sorted(
+            [("a/b c", 10), (long_key, 300)], key=str
+        )
+        out = bytearray(300)
+        assert await backend.get([ObjectRef.of(long_key, [buffer_address(out)], [300])]) == [GetStatus.HIT]
+        assert out == data
+        assert await backend.usage() == 2 * HEADER_SIZE + 310 + len(long_key)
         assert await backend.clear() == 2
         assert await backend.list_objects() == [] and await backend.usage() == 0
+    finally:
+        await backend.aclose()
+
+
+def test_clear_by_model_reaches_a_model_whose_keys_are_too_long_for_a_file_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A served name that is a long path makes keys longer than a file name may be: `kvflow store`
+    still lists and clears that model's KV (and leaves the other model's)."""
+    url = f"local://{tmp_path}/store?capacity=64MiB"
+    long_model = "/models/" + "x" * 180
+    caches = {"l0": torch.randn(8, 2, BLOCK, 16)}
+
+    async def fill() -> None:
+        for model in (long_model, "small"):
+            async with KVPool.create(
+                PoolConfig(backend=url, model=model), layout=KVLayout.from_kv_caches(caches)
+            ) as pool:
+                assert (
+                    await pool.store(KVRequest(tokens=list(range(3 * BLOCK)), block_ids=[1, 2, 3]))
+                ).stored == 3
+
+    anyio.run(fill)
+    listed = _json(capsys, "store", "ls", url, "--model", long_model, "--json")
+    assert isinstance(listed, list) and sorted(o["kind"] for o in listed) == ["kv", "kv", "kv", "profiles"]
+    assert _json(capsys, "store", "clear", url, "--model", long_model, "--json")["removed"] == 4  # type: ignore[index]
+    left = anyio.run(read_inventory, url).objects
+    assert {o.model for o in left} == {"small"} and all(o.kind != "other" for o in left)
+
+
+@pytest.mark.parametrize("case", ["kept no key", "another key kept"])
+async def test_a_digest_named_object_without_its_key_lists_unnamed_and_still_reads(
+    case: str, tmp_path: Path
+) -> None:
+    """An object that keeps no key (written before objects kept them) or whose kept key does not
+    match its header's digest lists with no key; a get of its key still reads it."""
+    backend = LocalBackend.from_url(f"local://{tmp_path}/s")
+    try:
+        key, payload = "k" * 300, os.urandom(40)
+        kept = b"" if case == "kept no key" else ("j" * 300).encode()
+        header = Header(len(payload), 0, key_digest(key), len(kept))
+        header = attrs.evolve(header, checksum=payload_checksum([memoryview(payload)], header))
+        (tmp_path / "s" / "objects" / object_file_name(key)).write_bytes(header.pack() + payload + kept)
+        assert await backend.list_objects() == [(None, 40)]
+        out = bytearray(40)
+        assert await backend.get([ObjectRef.of(key, [buffer_address(out)], [40])]) == [GetStatus.HIT]
+        assert bytes(out) == payload
     finally:
         await backend.aclose()
 

@@ -194,13 +194,21 @@ def test_file_names_are_injective_on_tricky_keys() -> None:
     assert object_file_name("v1@model@fp@pcp0@dcp0@h0@pp0@ab12") == "v1@model@fp@pcp0@dcp0@h0@pp0@ab12"
 
 
-@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(min_size=16, max_size=16))
-def test_header_round_trip(length: int, checksum: int, digest: bytes) -> None:
-    header = Header(length, checksum, digest)
+@given(
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**64 - 1),
+    st.binary(min_size=16, max_size=16),
+    st.integers(0, 2**32 - 1),
+)
+def test_header_round_trip(length: int, checksum: int, digest: bytes, key_len: int) -> None:
+    header = Header(length, checksum, digest, key_len)
     packed = header.pack()
     assert len(packed) == HEADER_SIZE
     assert Header.unpack(packed) == header
     assert Header.unpack(b"X" + packed[1:]) is None
+    flags = 1 if key_len else 0
+    assert packed[10:12] == flags.to_bytes(2, "little")
+    assert Header.unpack(packed[:10] + (1 - flags).to_bytes(2, "little") + packed[12:]) is None
 
 
 @given(st.integers(0, 2**40), st.integers(1, 2**22), st.integers(0, 2**40), st.integers(0, 2**40))

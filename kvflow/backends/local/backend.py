@@ -35,6 +35,8 @@ from kvflow.backends.local.format import (
     Header,
     PayloadChecksum,
     is_object_file_name,
+    kept_key,
+    kept_key_of,
     key_digest,
     object_file_is_bad,
     object_file_name,
@@ -218,10 +220,10 @@ class LocalBackend:
     # --- listing, for tools (kvflow store) -------------------------------------------------------
 
     async def list_objects(self) -> list[tuple[str | None, int]]:
-        """Every object in the store: ``(key, payload bytes)``, the key None where the file name
-        is a digest (a key longer than 200 bytes escaped). Entries that are not kvflow's objects are
-        skipped. Reads the directory without the lock, yielding to the loop every 256 entries: a
-        concurrent put or eviction may or may not be seen."""
+        """Every object in the store: ``(key, payload bytes)``. A key too long for a file name is
+        read from the object (the key None when an object written before objects kept it). Entries
+        that are not kvflow's objects are skipped. Reads the directory without the lock, yielding
+        to the loop every 256 entries: a concurrent put or eviction may or may not be seen."""
         found: list[tuple[str | None, int]] = []
         with self._life.call(), os.scandir(self._ledger.objects_fd) as entries:
             for n, entry in enumerate(entries, 1):
@@ -233,9 +235,30 @@ class LocalBackend:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if self._ledger.access.foreign(st) is None and st.st_size >= HEADER_SIZE:
+                if self._ledger.access.foreign(st) is not None or st.st_size < HEADER_SIZE:
+                    continue
+                if entry.name.startswith("~"):
+                    found.append(self._kept_key(entry.name))
+                else:
                     found.append((key_of_file_name(entry.name), st.st_size - HEADER_SIZE))
-        return found
+        return [(key, nbytes) for key, nbytes in found if nbytes >= 0]
+
+    def _kept_key(self, name: str) -> tuple[str | None, int]:
+        """The key and payload bytes of object ``name`` read from its file (-1: gone or unreadable)."""
+        try:
+            fd = os.open(
+                name,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=self._ledger.objects_fd,
+            )
+        except OSError:
+            return None, -1
+        try:
+            return kept_key_of(fd)
+        except OSError:
+            return None, -1
+        finally:
+            os.close(fd)
 
     async def clear(self) -> int:
         """Remove every object (those of every model, and the profile book's), 256 per lock
@@ -288,7 +311,9 @@ class LocalBackend:
         """Reserve and write ``todo`` in groups, so that no lock section holds the loop long."""
         for start in range(0, len(todo), _RESERVE_GROUP):
             group = todo[start : start + _RESERVE_GROUP]
-            sizes = [HEADER_SIZE + objects[i].nbytes for i in group]
+            names = [object_file_name(objects[i].key) for i in group]
+            kept = [kept_key(objects[i].key, name) for i, name in zip(group, names)]
+            sizes = [HEADER_SIZE + objects[i].nbytes + len(k) for i, k in zip(group, kept)]
             try:
                 async with self._ledger.locked(self.config.lock_timeout_s):
                     plan = self._ledger.reserve(sizes)
@@ -296,20 +321,23 @@ class LocalBackend:
                 logger.warning("local backend: a put of %d objects failed: %s", len(todo) - start, exc)
                 return  # the rest stay FAILED
             try:
-                for i, res in zip(group, plan):
+                for i, name, key, res in zip(group, names, kept, plan):
                     await pacer.tick()
                     if isinstance(res, PutStatus):
                         results[i] = res
                         continue
-                    results[i] = await self._write_one(objects[i], res, stamp - i, pacer)
+                    results[i] = await self._write_one(objects[i], name, key, res, stamp - i, pacer)
             finally:
                 leftovers = [r for r in plan if isinstance(r, Reservation) and not r.settled]
                 if leftovers:
                     with anyio.CancelScope(shield=True):
                         await self._release(leftovers)
 
-    async def _write_one(self, obj: ObjectRef, res: Reservation, stamp: int, pacer: Pacer) -> PutStatus:
-        """Write an object into its reservation's temp file and publish it.
+    async def _write_one(
+        self, obj: ObjectRef, name: str, kept: bytes, res: Reservation, stamp: int, pacer: Pacer
+    ) -> PutStatus:
+        """Write an object (and the key ``kept`` after it) into its reservation's temp file and
+        publish it as ``name``.
 
         Awaits between 1 MiB pieces of a large object; a cancellation there leaves the reservation
         unsettled, and the caller releases it.
@@ -321,8 +349,10 @@ class LocalBackend:
                 if n:
                     await pacer.tick()
                 checksum.update(piece)
-            header = Header(obj.nbytes, 0, key_digest(obj.key))
+            header = Header(obj.nbytes, 0, key_digest(obj.key), len(kept))
             parts = [memoryview(attrs.evolve(header, checksum=checksum.value(header)).pack()), *views]
+            if kept:
+                parts.append(memoryview(kept))
             hook = _mid_write_hook
             if hook is None or len(views) < 2:
                 await _write_pieces(res.fd, parts, 0, pacer)
@@ -341,7 +371,7 @@ class LocalBackend:
         try:
             os.link(
                 res.name,
-                object_file_name(obj.key),
+                name,
                 src_dir_fd=tmp_fd,
                 dst_dir_fd=objects_fd,
                 follow_symlinks=False,
@@ -353,7 +383,7 @@ class LocalBackend:
             return PutStatus.FAILED
         res.settled = True  # the bytes now belong to the published object
         if _published_hook is not None:
-            await _published_hook(object_file_name(obj.key))
+            await _published_hook(name)
         try:
             os.unlink(res.name, dir_fd=tmp_fd)
         except OSError as exc:
@@ -409,7 +439,7 @@ class LocalBackend:
             elif header.digest != key_digest(obj.key):
                 problem = "a header for another key"
             elif header.payload_len != obj.nbytes:
-                if os.fstat(fd).st_size == HEADER_SIZE + header.payload_len:
+                if os.fstat(fd).st_size == header.file_size:
                     logger.debug(
                         "local backend: %r holds %d bytes, %d requested",
                         obj.key,
@@ -477,7 +507,7 @@ def _always(*_: Any) -> bool:
 
 def key_of_file_name(name: str) -> str | None:
     """The key an object file's name stands for (the inverse of ``object_file_name``), or None for
-    a digest name (``~`` + hex), which keeps no key."""
+    a digest name (``~`` + hex): the object keeps that key (:func:`kept_key_of`)."""
     if name.startswith("~"):
         return None
     try:

@@ -5,12 +5,16 @@ An object file is a 64-byte header followed by the payload (the object's bytes):
     offset  size  field
     0       8     magic b"KVFLOBJ1"
     8       2     format version (1)
-    10      2     flags (0)
+    10      2     flags: 1 when the key follows the payload, else 0
     12      4     header size (64)
     16      8     payload length in bytes
     24      8     checksum: xxh3-64 of the payload, then of this header with the checksum zeroed
     32      16    blake2b-128 digest of the key (the file name may be a digest of a long key)
-    48      16    reserved, zero
+    48      4     length of the key after the payload (0 when flags is 0)
+    52      12    reserved, zero
+
+A key too long to be a file name is named by its digest (``~`` + hex); its object keeps the key
+after the payload (flags 1), so that listing the store can give it back (:func:`kept_key_of`).
 
 Copies go straight between the caller's regions and the file with ``preadv``/``pwritev``: one kernel
 copy, no Python-level buffer in between; :func:`pieces` cuts a large object into pieces so that a
@@ -45,6 +49,8 @@ __all__ = [
     "TempName",
     "WriterId",
     "is_object_file_name",
+    "kept_key",
+    "kept_key_of",
     "key_digest",
     "name_hash",
     "object_file_is_bad",
@@ -59,8 +65,9 @@ __all__ = [
 HEADER_SIZE = 64
 _MAGIC = b"KVFLOBJ1"
 _VERSION = 1
-_HEADER = struct.Struct("<8sHHIQQ16s16s")
-_RESERVED = bytes(16)
+_HEADER = struct.Struct("<8sHHIQQ16sI12s")
+_RESERVED = bytes(12)
+_KEY_KEPT = 1  # flags: the key follows the payload
 assert _HEADER.size == HEADER_SIZE
 
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
@@ -98,6 +105,29 @@ def object_file_name(key: str) -> str:
     return "~" + hashlib.blake2b(raw, digest_size=20).hexdigest()
 
 
+def kept_key(key: str, name: str) -> bytes:
+    """What the object file ``name`` of ``key`` keeps after its payload: the key where the name is
+    a digest (it cannot give the key back), else nothing."""
+    return key.encode() if name.startswith("~") else b""
+
+
+def kept_key_of(fd: int) -> tuple[str | None, int]:
+    """The key an object file keeps after its payload (None when it keeps none, or one that does
+    not match the header's digest) and the payload's length (-1 without a valid header)."""
+    head = os.pread(fd, HEADER_SIZE, 0)
+    header = Header.unpack(head)
+    if header is None:
+        return None, -1
+    if not header.key_len:
+        return None, header.payload_len
+    raw = os.pread(fd, header.key_len, HEADER_SIZE + header.payload_len)
+    try:
+        key = raw.decode()
+    except UnicodeDecodeError:
+        return None, header.payload_len
+    return (key if key_digest(key) == header.digest else None), header.payload_len
+
+
 def is_object_file_name(name: str) -> bool:
     """Whether ``name`` can be an object file's name (see :func:`object_file_name`)."""
     return _OBJECT_NAME.fullmatch(name) is not None
@@ -110,6 +140,12 @@ class Header:
     payload_len: int
     checksum: int
     digest: bytes
+    key_len: int = 0  # bytes of the key kept after the payload
+
+    @property
+    def file_size(self) -> int:
+        """The size of the whole object file: header, payload and kept key."""
+        return HEADER_SIZE + self.payload_len + self.key_len
 
     @classmethod
     def sealed(cls, payload_len: int, digest: bytes, views: Sequence[memoryview]) -> Header:
@@ -117,23 +153,39 @@ class Header:
         return cls(payload_len, payload_checksum(views, cls(payload_len, 0, digest)), digest)
 
     def pack(self) -> bytes:
-        return _HEADER.pack(
-            _MAGIC, _VERSION, 0, HEADER_SIZE, self.payload_len, self.checksum, self.digest, _RESERVED
-        )
+        return self._pack(self.checksum)
 
     def checked_part(self) -> bytes:
         """The header bytes the checksum covers (the checksum field zeroed)."""
-        return _HEADER.pack(_MAGIC, _VERSION, 0, HEADER_SIZE, self.payload_len, 0, self.digest, _RESERVED)
+        return self._pack(0)
+
+    def _pack(self, checksum: int) -> bytes:
+        flags = _KEY_KEPT if self.key_len else 0
+        return _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            flags,
+            HEADER_SIZE,
+            self.payload_len,
+            checksum,
+            self.digest,
+            self.key_len,
+            _RESERVED,
+        )
 
     @classmethod
     def unpack(cls, buf: bytes | bytearray | memoryview) -> Header | None:
         """The header at the start of ``buf``, or None when it is not a valid version-1 header."""
         if len(buf) < HEADER_SIZE:
             return None
-        magic, version, flags, size, payload_len, checksum, digest, reserved = _HEADER.unpack_from(buf)
-        if (magic, version, flags, size, reserved) != (_MAGIC, _VERSION, 0, HEADER_SIZE, _RESERVED):
+        magic, version, flags, size, payload_len, checksum, digest, key_len, reserved = _HEADER.unpack_from(
+            buf
+        )
+        if (magic, version, size, reserved) != (_MAGIC, _VERSION, HEADER_SIZE, _RESERVED):
             return None
-        return cls(payload_len, checksum, digest)
+        if flags != (_KEY_KEPT if key_len else 0):
+            return None
+        return cls(payload_len, checksum, digest, key_len)
 
 
 def payload_checksum(views: Sequence[memoryview], header: Header) -> int:
@@ -177,9 +229,10 @@ def object_file_is_bad(dir_fd: int, name: str, key: str) -> bool:
     finally:
         os.close(fd)
     header = Header.unpack(data)
-    if header is None or header.digest != key_digest(key) or len(data) != HEADER_SIZE + header.payload_len:
+    if header is None or header.digest != key_digest(key) or len(data) != header.file_size:
         return True
-    return payload_checksum([memoryview(data)[HEADER_SIZE:]], header) != header.checksum
+    payload = memoryview(data)[HEADER_SIZE : HEADER_SIZE + header.payload_len]
+    return payload_checksum([payload], header) != header.checksum
 
 
 def region_views(addrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
