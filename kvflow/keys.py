@@ -64,11 +64,12 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HAS
     return hashes
 
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_.+\-]+")
+_NUMBER = re.compile(r"[0-9]+")  # ASCII digits only (str.isdigit also takes "²", which int refuses)
 
 
 def _token(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not _TOKEN.match(value):
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise RequestError(f"{attribute.name} must be non-empty text of [A-Za-z0-9_.+-], got {value!r}")
 
 
@@ -141,18 +142,20 @@ def encode_key(key: BlockKey) -> str:
 def _pair(field: str, tag: str, sep: str, text: str) -> tuple[int, int]:
     body = field[len(tag) :] if field.startswith(tag) else ""
     first, _, second = body.partition(sep)
-    if not (first.isdigit() and second.isdigit()):
+    if not (_NUMBER.fullmatch(first) and _NUMBER.fullmatch(second)):
         raise RequestError(f"malformed field {field!r} in key {text!r}, expected {tag}<n>{sep}<n>")
     return int(first), int(second)
 
 
 def decode_key(text: str) -> BlockKey:
-    """The inverse of :func:`encode_key`. Raises RequestError for text that is not a kvflow key."""
+    """The inverse of :func:`encode_key`. Raises RequestError for text that is not a kvflow key,
+    also for one spelled otherwise than :func:`encode_key` writes it (``b016``, ``%41`` for ``A``,
+    a hash in upper case): two texts never decode to one key."""
     fields = text.split("@")
     if len(fields) != 10 or fields[0] != VERSION:
         raise RequestError(f"{text!r} is not a kvflow key")
     block_size = fields[4][1:]
-    if not fields[4].startswith("b") or not block_size.isdigit():
+    if not fields[4].startswith("b") or not _NUMBER.fullmatch(block_size):
         raise RequestError(f"malformed tokens-per-object field {fields[4]!r} in key {text!r}")
     scope = KeyScope(
         model=unquote(fields[1]),
@@ -168,4 +171,9 @@ def decode_key(text: str) -> BlockKey:
         block_hash = bytes.fromhex(fields[9])
     except ValueError as exc:
         raise RequestError(f"malformed block hash in key {text!r}") from exc
-    return BlockKey(scope, block_hash)
+    key = BlockKey(scope, block_hash)
+    if encode_key(key) != text:
+        raise RequestError(
+            f"{text!r} is not a kvflow key as kvflow writes it (it reads as {encode_key(key)!r})"
+        )
+    return key

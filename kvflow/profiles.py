@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 
 #: Profiles one model and meaning can have in a store at once.
 SLOTS = 16
-#: Bytes of one announcement (the profile's JSON, padded with spaces).
-SLOT_BYTES = 1024
+#: Bytes of one announcement (the profile's JSON, padded with spaces): room for a layerwise profile
+#: of over 400 layers (one range per layer).
+SLOT_BYTES = 4096
 #: How long a pool's lookups trust what it read of the book before reading it again.
 READ_EVERY_S = 5.0
 #: The same for a load that found blocks missing under its own keys.
@@ -59,24 +60,40 @@ _MEANING = re.compile(
 
 def _ranges(value: object) -> tuple[tuple[int, int], ...]:
     ranges = tuple(tuple(r) for r in value)  # type: ignore[attr-defined]
-    if not ranges or any(len(r) != 2 or not 0 <= r[0] < r[1] for r in ranges):
-        raise ConfigError(f"layer ranges must be (first, end) pairs, got {value!r}")
+    if not ranges or any(
+        len(r) != 2 or not all(_is_int(n) for n in r) or not 0 <= r[0] < r[1] for r in ranges
+    ):
+        raise ConfigError(f"layer ranges must be (first, end) pairs of integers, got {value!r}")
     return ranges
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # (not a bool, not a float that JSON spelled 2.0)
+
+
+def _positive(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if not _is_int(value) or value < 1:  # type: ignore[operator]
+        raise ConfigError(f"a profile's {attribute.name} must be a positive integer, got {value!r}")
+
+
+def _text(_: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"a profile's {attribute.name} must be text, got {value!r}")
 
 
 @attrs.frozen
 class Profile:
     """How one engine splits a model's KV into objects. Plain values: it travels as JSON."""
 
-    model: str
-    meaning: str
-    order: str
-    block_size: int  # tokens per object
-    hash_tokens: int  # tokens per hash of the prompt's hash chain
+    model: str = attrs.field(validator=_text)
+    meaning: str = attrs.field(validator=_text)
+    order: str = attrs.field(validator=_text)
+    block_size: int = attrs.field(validator=_positive)  # tokens per object
+    hash_tokens: int = attrs.field(validator=_positive)  # tokens per hash of the prompt's hash chain
     layer_ranges: tuple[tuple[int, int], ...] = attrs.field(converter=_ranges)
-    head_groups: int = 1
-    dcp_size: int = 1
-    pcp_size: int = 1
+    head_groups: int = attrs.field(default=1, validator=_positive)
+    dcp_size: int = attrs.field(default=1, validator=_positive)
+    pcp_size: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if _MEANING.match(self.meaning) is None:
@@ -161,6 +178,11 @@ class Profile:
     def object_nbytes(self, layers: tuple[int, int]) -> int:
         return (layers[1] - layers[0]) * self.layer_nbytes
 
+    @property
+    def layer_span(self) -> tuple[int, int]:
+        """The model layers the profile's objects hold, ``(first, end)``: the whole model's."""
+        return min(r[0] for r in self.layer_ranges), max(r[1] for r in self.layer_ranges)
+
     # -- which objects --------------------------------------------------------------------------
 
     def heads_of(self, group: int) -> tuple[int, int]:
@@ -214,7 +236,8 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        """Parse an announcement; ConfigError (or ValueError/TypeError) for anything malformed."""
+        """Parse an announcement; ConfigError (or ValueError/TypeError/RecursionError) for anything
+        malformed."""
         data: dict[str, Any] = json.loads(text)
         if not isinstance(data, dict):
             raise ConfigError("a profile is a JSON object")
@@ -241,13 +264,13 @@ class ProfileBook:
     _buffer: torch.Tensor = attrs.field(init=False)
     _lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
     _seen: tuple[Profile, ...] = attrs.field(default=(), init=False)
-    _slots: dict[int, Profile | None] = attrs.field(factory=dict, init=False)  # what was read, by slot
+    _parsed: dict[bytes, Profile | None] = attrs.field(factory=dict, init=False)  # by announcement text
     _read_at: float = attrs.field(default=float("-inf"), init=False)
     _announced_at: float = attrs.field(default=float("-inf"), init=False)
     _warned: set[str] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
-        # Not registered with the backend: 16 KiB read a few times a minute go through a backend's
+        # Not registered with the backend: 64 KiB read a few times a minute go through a backend's
         # own copy path, and a registration would have to outlive every pool sharing the backend.
         self._buffer = torch.zeros(SLOTS * SLOT_BYTES, dtype=torch.uint8)
 
@@ -264,32 +287,32 @@ class ProfileBook:
         ]
 
     async def _read(self, deadline: float) -> list[Profile | bool | None] | None:
-        """Every slot's profile (``False``: empty; ``None``: taken by something unreadable), or
-        None when the store failed. Asks which slots exist, and reads only those it has not read
-        before (a slot is written once: what it held is what it holds until it disappears)."""
+        """Every slot's profile (``False``: empty; ``None``: taken by something unreadable or not
+        readable now), or None when the store failed. Reads every slot that exists: a slot written
+        once may since have been evicted and taken by another profile. What a text parses to is
+        remembered, so a book that did not change costs a get, not a parse."""
         objects = self._objects()
         try:
             with anyio.fail_after(max(0.0, deadline - time.monotonic())):
                 present = await self.backend.exists([o.key for o in objects])
-                for i, here in enumerate(present):
-                    if not here:
-                        self._slots.pop(i, None)
-                new = [i for i, here in enumerate(present) if here and i not in self._slots]
-                got = await self.backend.get([objects[i] for i in new]) if new else []
+                here = [i for i, there in enumerate(present) if there]
+                got = await self.backend.get([objects[i] for i in here]) if here else []
         except Exception as exc:
             log.debug("reading the profile book failed: %r", exc)
             return None
         raw = self._buffer.numpy().tobytes()
-        for i, status in zip(new, got):
+        slots: list[Profile | bool | None] = [False] * SLOTS
+        if len(self._parsed) > 4 * SLOTS:
+            self._parsed.clear()
+        for i, status in zip(here, got):
             if status is not GetStatus.HIT:
-                continue  # unreadable now (evicted meanwhile, or a fault): look again next time
-            text = raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES].decode(errors="replace").strip()
-            try:
-                self._slots[i] = Profile.from_json(text)
-            except (ValueError, TypeError, ConfigError, LayoutError) as exc:
-                log.debug("slot %d of the profile book holds no profile kvflow reads: %r", i, exc)
-                self._slots[i] = None
-        return [self._slots.get(i, None) if here else False for i, here in enumerate(present)]
+                slots[i] = None  # unreadable now (evicted meanwhile, or a fault): look again next time
+                continue
+            text = raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
+            if text not in self._parsed:
+                self._parsed[text] = _parse(i, text)
+            slots[i] = self._parsed[text]
+        return slots
 
     @property
     def due(self) -> bool:
@@ -357,6 +380,9 @@ class ProfileBook:
                 continue
             if profile.model != self.own.model or profile.meaning != self.own.meaning:
                 continue
+            if profile.layer_span != self.own.layer_span:
+                log.debug("the profile book holds %s with other layers than this model's: ignored", profile)
+                continue
             if profile.hash_tokens != self.own.hash_tokens:
                 if profile.order not in self._warned:
                     self._warned.add(profile.order)
@@ -378,3 +404,12 @@ class ProfileBook:
         """Read the book again on the next use (tests, and after a store was cleared)."""
         self._read_at = float("-inf")
         self._announced_at = float("-inf")
+
+
+def _parse(slot: int, raw: bytes) -> Profile | None:
+    """The profile an announcement holds, or None for anything else."""
+    try:
+        return Profile.from_json(raw.decode(errors="replace").strip())
+    except (ValueError, TypeError, RecursionError, ConfigError, LayoutError) as exc:
+        log.debug("slot %d of the profile book holds no profile kvflow reads: %r", slot, exc)
+        return None

@@ -7,7 +7,7 @@ import sys
 
 import attrs
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvflow.errors import RequestError
@@ -204,3 +204,78 @@ def test_hash_blocks_refuses_bytes_rather_than_reading_them_as_packed_ids() -> N
     with pytest.raises(RequestError, match="sequence of integer ids"):
         hash_blocks(bytes([1]) * 128, 16)
     assert hash_blocks(list(bytes([1]) * 32), 16) == hash_blocks([1] * 32, 16)
+
+
+# --- decode_key reads only what encode_key writes ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kvf2@m@bf16@o@b\u00b2@l0-1@h0-1@d0.1@p0.1@00",  # superscript two: isdigit() but not int()
+        "kvf2@m@bf16@o@b16@l\u00b2-3@h0-1@d0.1@p0.1@00",
+        "kvf2@m@bf16@o@b16@l0-1@h0-1@d0.\u00b9@p0.1@00",
+    ],
+)
+def test_decode_refuses_foreign_text_with_request_error(text: str) -> None:
+    """Text that is not a kvflow key raises RequestError, also with digits int() does not read
+    (`kvflow store` lists such an object as "other" by catching it)."""
+    with pytest.raises(RequestError):
+        decode_key(text)
+
+
+@given(st.text(alphabet="0123456789abAB%41@-._b\u00b2\u0661\u0666 ", max_size=6))
+@example("016")
+@example("\u0661\u0666")  # Arabic-Indic digits "16"
+def test_decode_accepts_only_what_encode_writes_tokens_field(body: str) -> None:
+    """decode_key is "the inverse of encode_key": whatever it accepts is a key encode_key writes,
+    so a decoded key names exactly the text it was read from (store_admin groups, lists and
+    clears objects by the decoded fields)."""
+    text = f"kvf2@m@bf16@o@b{body}@l0-1@h0-1@d0.1@p0.1@00"
+    try:
+        key = decode_key(text)
+    except RequestError:
+        return
+    assert encode_key(key) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kvf2@m@bf16@o@b016@l0-1@h0-1@d0.1@p0.1@00",  # leading zero
+        "kvf2@%41@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@00",  # 'A' percent-encoded: decodes to model 'A'
+        "kvf2@m@bf16@o@b16@l0-1@h0-1@d0.1@p0.1@AB",  # upper-case hash
+        "kvf2@m@bf16@o@b\u0661\u0666@l0-1@h0-1@d0.1@p0.1@00",  # Arabic-Indic "16"
+    ],
+)
+def test_decode_is_the_inverse_of_encode(text: str) -> None:
+    """A text decode_key accepts re-encodes to itself: two stored keys never decode to one
+    BlockKey (`kvflow store clear --model A` must not remove the objects of a key spelled `%41`)."""
+    try:
+        key = decode_key(text)
+    except RequestError:
+        return
+    assert encode_key(key) == text
+
+
+@pytest.mark.parametrize("field", ["meaning", "order"])
+def test_scope_tokens_refuse_a_trailing_newline(field: str) -> None:
+    """KeyScope's meaning and order are non-empty text of [A-Za-z0-9_.+-], a trailing newline
+    included."""
+    base = {
+        "model": "m",
+        "meaning": "bf16",
+        "order": "o",
+        "block_size": 16,
+        "layers": (0, 1),
+        "heads": (0, 1),
+    }
+    with pytest.raises(RequestError):
+        KeyScope(**{**base, field: base[field] + "\n"})  # type: ignore[arg-type]
+
+
+def test_store_inventory_lists_a_foreign_key_as_other() -> None:
+    """`kvflow store` lists an object whose key is not a kvflow key as "other"."""
+    from kvflow.tools.store_admin import StoredObject
+
+    assert StoredObject.of("kvf2@m@bf16@o@b\u00b2@l0-1@h0-1@d0.1@p0.1@00", 1).kind == "other"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import anyio
@@ -12,7 +13,7 @@ import torch
 from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.backends.base import Backend, ObjectRef
 from kvflow.backends.memory import MemoryBackend
-from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, is_book_key
+from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, _slot_key, is_book_key
 from tests.helpers import FaultyBackend, kv_keys
 
 PROFILE = Profile(
@@ -81,7 +82,7 @@ async def test_a_full_book_is_reported_and_the_pool_keeps_working(caplog: pytest
     backend = MemoryBackend()
     for groups in (1, 2, 4, 8):
         for first in range(4):
-            ranges = ((0, first + 1), (first + 1, 8)) if first < 3 else ((0, 8),)
+            ranges = ((0, first + 1), (first + 1, 4)) if first < 3 else ((0, 4),)
             profile = attrs.evolve(PROFILE, head_groups=groups, layer_ranges=ranges)
             await ProfileBook(backend, profile).announce(float("inf"))
     assert sum(is_book_key(k) for k in backend.stored_keys()) == SLOTS
@@ -372,3 +373,138 @@ async def test_a_prompt_the_first_split_fills_whole_is_not_looked_for_in_the_nex
         for rank in range(4):
             assert torch.equal(cache[:, 1, :, rank : rank + 1], quarters[rank][name][:, 0])
             assert torch.equal(cache[:, 0, :, rank : rank + 1], quarters[rank][name][:, 1])
+
+
+# --- what a reader does with what the book holds ----------------------------------------------------
+
+
+async def _put_slot(backend: MemoryBackend, model: str, meaning: str, slot: int, text: str) -> None:
+    payload = text.encode().ljust(SLOT_BYTES)
+    assert len(payload) == SLOT_BYTES
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    ref = ObjectRef(_slot_key(model, meaning, slot), [buf.data_ptr()], [SLOT_BYTES], SLOT_BYTES)
+    await backend.put([ref])
+
+
+def _garbled(own: Profile, changes: dict[str, object]) -> str:
+    data = json.loads(own.to_json())
+    data.update(changes)
+    data["order"] = "flash_attn.213.213"  # another layout than the reader's: a profile it would use
+    return json.dumps(data)
+
+
+GARBLED = {
+    "head_groups=0": {"head_groups": 0},
+    "hash_tokens=0": {"hash_tokens": 0},
+    "block_size=32.0": {"block_size": 32.0},
+    "head_groups=2.0": {"head_groups": 2.0},
+    "block_size=-16": {"block_size": -16},
+    "float layer ends": {"layer_ranges": [[0, 1.0], [1.0, 2]]},
+}
+
+
+@pytest.mark.parametrize("changes", list(GARBLED.values()), ids=list(GARBLED))
+@pytest.mark.parametrize("call", ["lookup", "retrieve", "store"])
+async def test_a_garbled_announcement_never_makes_a_call_raise(changes: dict[str, object], call: str) -> None:
+    """A malformed announcement in the shared store (another program, a torn or hostile write) is
+    skipped: a lookup, retrieve or store of a pool of that model never raises for it."""
+    backend = MemoryBackend()
+    pool = KVPool.create(PoolConfig(model="m"), layout=KVLayout.from_kv_caches(caches(4)), backend=backend)
+    try:
+        own = pool._transfer.profile
+        await _put_slot(backend, "m", own.meaning, 0, _garbled(own, changes))
+        tokens = list(range(64))  # nothing stored: every block is looked for under other profiles
+        if call == "lookup":
+            assert await pool.lookup(KVRequest(tokens=tokens)) == 0
+        elif call == "retrieve":
+            result = await pool.retrieve(KVRequest(tokens=tokens, block_ids=range(4)))
+            assert result.hit_blocks == 0
+        else:
+            await pool.store(KVRequest(tokens=tokens, block_ids=range(4)))
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("call", ["lookup", "retrieve", "store"])
+async def test_deeply_nested_json_in_a_slot_is_skipped(call: str) -> None:
+    """A slot holding JSON nested deeper than Python's recursion limit is skipped."""
+    backend = MemoryBackend()
+    pool = KVPool.create(PoolConfig(model="m"), layout=KVLayout.from_kv_caches(caches(4)), backend=backend)
+    try:
+        await _put_slot(backend, "m", pool._transfer.profile.meaning, 0, "[" * SLOT_BYTES)
+        tokens = list(range(64))
+        if call == "lookup":
+            assert await pool.lookup(KVRequest(tokens=tokens)) == 0
+        elif call == "retrieve":
+            assert (await pool.retrieve(KVRequest(tokens=tokens, block_ids=range(4)))).hit_blocks == 0
+        else:
+            await pool.store(KVRequest(tokens=tokens, block_ids=range(4)))
+    finally:
+        await pool.aclose()
+
+
+async def test_a_profile_claiming_huge_objects_does_not_size_the_scratch() -> None:
+    """A profile whose layers are not the model's (here 2**50 of them) is not this model's: the
+    reader ignores it rather than sizing host chunks for the objects it claims."""
+    backend = MemoryBackend()
+    pool = KVPool.create(PoolConfig(model="m"), layout=KVLayout.from_kv_caches(caches(4)), backend=backend)
+    try:
+        own = pool._transfer.profile
+        data = json.loads(own.to_json())
+        data.update(order="flash_attn.213.213", layer_ranges=[[0, 2**50]])
+        await _put_slot(backend, "m", own.meaning, 0, json.dumps(data))
+        result = await pool.retrieve(KVRequest(tokens=list(range(64)), block_ids=range(4)))
+        assert result.hit_blocks == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_an_evicted_slot_taken_by_another_profile_is_read_again() -> None:
+    """A slot read as profile A, then evicted and taken by engine B, is read as B."""
+    backend = MemoryBackend()
+    a = ProfileBook(backend, PROFILE)
+    await a.announce(float("inf"))
+    reader = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=1))
+    assert await reader.others(float("inf")) == (PROFILE,)
+    (slot0,) = [k for k in backend.stored_keys() if is_book_key(k)]
+    assert await backend.remove([slot0]) == [True]  # the store evicted A's announcement
+    b = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=4))
+    await b.announce(float("inf"))  # B takes the first free slot: 0
+    reader.forget()
+    assert b.own in await reader.others(float("inf"))
+
+
+async def test_an_engine_whose_slot_was_evicted_and_retaken_announces_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/topology.md: a profile is announced again every minute in case a store evicted it,
+    also when another engine's announcement has since taken its slot."""
+    import kvflow.profiles as profiles
+
+    monkeypatch.setattr(profiles, "ANNOUNCE_EVERY_S", 0.0)
+    backend = MemoryBackend()
+    a = ProfileBook(backend, PROFILE)
+    await a.announce(float("inf"))  # STORED into slot 0
+    await a.announce(float("inf"))  # the minutely check: reads slot 0, sees itself
+    (slot0,) = [k for k in backend.stored_keys() if is_book_key(k)]
+    assert await backend.remove([slot0]) == [True]  # evicted
+    b = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=4))
+    await b.announce(float("inf"))  # B takes slot 0
+    await a.announce(float("inf"))  # A's next check
+    fresh = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=1))  # a reader started now
+    assert PROFILE in await fresh.others(float("inf"))
+
+
+def test_a_layerwise_profile_of_a_126_layer_model_fits_an_announcement() -> None:
+    """A layerwise pool of a 126-layer model (Llama-3.1-405B) lists one range per layer; its
+    profile fits an announcement."""
+    profile = Profile(
+        model="meta-llama/Llama-3.1-405B-Instruct",
+        meaning="bfloat16.kv8x128",
+        order="flash_attn.123.123",
+        block_size=16,
+        hash_tokens=16,
+        layer_ranges=tuple((i, i + 1) for i in range(126)),
+        head_groups=8,
+    )
+    assert len(profile.to_json().encode()) <= SLOT_BYTES
