@@ -41,6 +41,7 @@ from kvflow.errors import ConfigError
 from kvflow.events import DeviceEvent, LayerEvents
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer import BlockPlan, LoadJob, StoreJob, Transfer
+from kvflow.transfer.together import unwrapped
 
 __all__ = ["LayerOutcome", "LayerwiseRetriever", "LayerwiseStorer"]
 
@@ -119,7 +120,8 @@ class _LayerTasks:
             return None
         try:
             tg.cancel_scope.cancel()  # whatever has not finished is abandoned; results say so
-            return await tg.__aexit__(exc_type, exc, tb)
+            with unwrapped():  # a layer's error reaches the caller as it is, as a whole-block call's
+                return await tg.__aexit__(exc_type, exc, tb)
         finally:
             await self._cleanup()
             self.transfer.end()
@@ -169,6 +171,7 @@ class LayerwiseStorer(_LayerTasks):
 
     events: LayerEvents
     _job: StoreJob = attrs.field(init=False)
+    _announced: anyio.Event | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -189,8 +192,10 @@ class LayerwiseStorer(_LayerTasks):
                 self._finish(layer, await job.put(layer, self._deadline()))  # nothing to put
             return
         # Asking what is present reads no KV, so it runs while the engine computes layer 0; the
-        # profile's announcement runs beside the whole store (engines split otherwise find it).
-        tg.start_soon(self.transfer.book.announce, self._deadline())
+        # profile's announcement runs beside the whole store (engines split otherwise find it),
+        # and the last layer is handed out once it ended: leaving the storer cancels what runs.
+        self._announced = anyio.Event()
+        tg.start_soon(self._announce, self._announced)
         await job.skip_present(self._deadline())
         for layer in range(self.num_layers):
             try:
@@ -204,8 +209,17 @@ class LayerwiseStorer(_LayerTasks):
                 return
             tg.start_soon(self._put_layer, layer)
 
+    async def _announce(self, done: anyio.Event) -> None:
+        try:
+            await self.transfer.book.announce(self._deadline())
+        finally:
+            done.set()
+
     async def _put_layer(self, layer: int) -> None:
-        self._finish(layer, await self._job.put(layer, self._deadline()))
+        failed = await self._job.put(layer, self._deadline())
+        if layer == self.num_layers - 1 and self._announced is not None:
+            await self._announced.wait()
+        self._finish(layer, failed)
 
     async def _cleanup(self) -> None:
         self._job.release_all()

@@ -82,6 +82,7 @@ class _Step:
     storer: LayerwiseStorer | None = None
     saved: bool = False  # save_layer was called (engine thread)
     load_timed_out: bool = False  # the engine stopped waiting for a layer (engine thread)
+    load_failed: bool = False  # a layer's load wait said False: later layers rest on missing KV
     futures: list[concurrent.futures.Future[None]] = attrs.field(factory=list)
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _running: int = 0
@@ -288,11 +289,15 @@ class SyncLayerwisePool(SyncPool):
 
     def save_layer(self, layer: int) -> None:
         """Layer ``layer``'s KV writes have been launched: record its event on the current stream.
-        Never blocks; the step's storer puts the layer once the event fires."""
+        Never blocks; the step's storer puts the layer once the event fires.
+
+        Once :meth:`wait_for_layer_load` said False in this step, nothing more is stored: the rest
+        of the forward rests on KV that did not arrive, and the storer skips the layers not
+        recorded."""
         step = self._current()
         self._check_layer(layer)
         step.saved = True
-        if step.events is not None:
+        if step.events is not None and not step.load_failed:
             step.events.record(layer)
 
     def wait_for_layer_load(self, layer: int, timeout_s: float | None = None) -> bool:
@@ -302,25 +307,29 @@ class SyncLayerwisePool(SyncPool):
         after ``timeout_s`` (default: the pool's timeout); then the step reports every loaded block
         failed, because the engine computes without the layer. :meth:`wait_for_save` has the blocks.
         """
+        check_timeout(timeout_s)
         self._check_layer(layer)
         step = self._step
         if step is None or step.loader is None:
             return True
         if step.load_timed_out:
             return False
-        timeout = self._timeout if timeout_s is None else timeout_s
-        arrived = step.wait_layer(layer, timeout)
+        deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
+        arrived = step.wait_layer(layer, deadline - time.monotonic())
         if isinstance(arrived, LayerOutcome):
             try:
                 for event in arrived.ready:  # staged copies into the cache: the engine's stream waits
-                    self._device.wait_current(event, timeout)
+                    self._device.wait_current(event, max(0.0, deadline - time.monotonic()))
             except TimeoutError:  # a host wait (no device stream) ran out: the layer may not be there
                 arrived = None
             else:
+                if not arrived.ok:
+                    step.load_failed = True
                 return arrived.ok
         if arrived is None:
             step.load_timed_out = True
             log.warning("layer %d was not loaded in time; the step's loaded blocks count as failed", layer)
+        step.load_failed = True
         return False
 
     def wait_for_save(self, timeout_s: float | None = None) -> StepResult:
@@ -332,6 +341,7 @@ class SyncLayerwisePool(SyncPool):
         Raises TimeoutError if a transfer does not stop even when cancelled; the step then stays
         current, so that :meth:`close` still cancels and waits for it.
         """
+        check_timeout(timeout_s)
         step = self._step
         if step is None:
             return StepResult({}, {})

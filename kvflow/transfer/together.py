@@ -6,8 +6,9 @@ calls have one unit to move (whole blocks) and nothing to run beside it, so they
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -15,7 +16,7 @@ import anyio
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["together"]
+__all__ = ["together", "unwrapped"]
 
 
 async def together(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> None:
@@ -25,10 +26,17 @@ async def together(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -
     if len(calls) == 1:
         await calls[0]()
         return
-    try:
+    with unwrapped():
         async with anyio.create_task_group() as tg:
             for call in calls:
                 tg.start_soon(call)
+
+
+@contextlib.contextmanager
+def unwrapped() -> Iterator[None]:
+    """Around a task group: its one error raised as it is (errors of several tasks stay a group)."""
+    try:
+        yield
     except BaseExceptionGroup as group:
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
