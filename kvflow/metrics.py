@@ -30,12 +30,14 @@ from __future__ import annotations
 import enum
 import importlib
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from kvflow.backends.base import GetStatus, PutStatus
+from kvflow.errors import ConfigError, RequestError
 from kvflow.results import RetrieveResult, StoreResult
 
 if TYPE_CHECKING:
@@ -441,6 +443,12 @@ def create_parents(make: MetricFactory, prefix: str, labelnames: Sequence[str]) 
     return parents
 
 
+#: Parent metrics made in each registry, by prefix and label names: a registry takes a name once.
+_PARENTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[str, ...]], dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _prometheus_client() -> Any | None:
     try:
         return importlib.import_module("prometheus_client")
@@ -453,8 +461,8 @@ class PoolMetrics:
     """kvflow's metrics in a ``prometheus_client`` registry (the default one unless ``registry``),
     named ``prefix + name`` and labelled with ``labels``. Without prometheus_client, a no-op.
 
-    Create one per process and label set: registering a name twice in one registry raises
-    prometheus_client's ``ValueError``.
+    Several (one per model, say) share a registry when they have the same label names: they
+    share its metrics, each writing its own label values.
     """
 
     enabled: bool
@@ -482,8 +490,11 @@ class PoolMetrics:
                 return client.Gauge(name, spec.help, labelnames, registry=target)
             return client.Histogram(name, spec.help, labelnames, registry=target, buckets=spec.buckets)
 
-        parents = create_parents(make, prefix, list(labels))
-        self._writer = LabelledMetrics.create(parents, list(labels.values()))
+        shared = _PARENTS.setdefault(target, {})
+        key = (prefix, tuple(labels))
+        if key not in shared:
+            shared[key] = create_parents(make, prefix, list(labels))
+        self._writer = LabelledMetrics.create(shared[key], list(labels.values()))
 
     def record(self, observations: Observations) -> None:
         """Add one interval (counters are deltas)."""
@@ -533,8 +544,8 @@ class MeteredPool:
         started = time.monotonic()
         hit = await self.pool.lookup(request, timeout_s=timeout_s)
         block = self.pool.format.block_size
-        if request.block_hashes is not None:
-            full = len(request.block_hashes)
+        if request.block_hashes is not None:  # one per hash_tokens tokens
+            full = len(request.block_hashes) * (self.pool.config.hash_tokens or block) // block
         else:
             full = len(request.tokens or ()) // block
         held = request.block_offset * block
@@ -545,6 +556,8 @@ class MeteredPool:
         started = time.monotonic()
         try:
             result = await self.pool.store(request, timeout_s=timeout_s)
+        except (RequestError, ConfigError):  # refused before anything moved: no store failed
+            raise
         except Exception:
             self.metrics.stored(None, len(request.block_ids), time.monotonic() - started, 0)
             raise
@@ -555,6 +568,8 @@ class MeteredPool:
         started = time.monotonic()
         try:
             result = await self.pool.retrieve(request, timeout_s=timeout_s)
+        except (RequestError, ConfigError):  # refused before anything moved: no load failed
+            raise
         except Exception:
             self.metrics.loaded(None, len(request.block_ids), time.monotonic() - started, 0)
             raise

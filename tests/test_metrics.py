@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 import kvflow.metrics as metrics_module
-from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
+from kvflow import KVLayout, KVPool, KVRequest, PoolConfig, RequestError
+from kvflow.keys import hash_blocks
 from kvflow.metrics import (
     CATALOGUE,
     MeteredPool,
@@ -136,3 +137,51 @@ def test_the_operations_doc_example_runs_as_written(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
     assert first == "hit 32 tokens, stored 2 blocks" and f"`{first}`" in section
+
+
+async def test_lookup_tokens_count_blocks_not_hashes_with_hash_tokens() -> None:
+    """``lookup_missed_tokens_total`` counts tokens of full blocks a lookup did not find; with
+    ``hash_tokens``, ``block_hashes`` holds one hash per ``hash_tokens`` tokens, not per block. A
+    prompt of 3 blocks with 2 of them stored reads 2 blocks' tokens hit and 1 block's missed."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    config = PoolConfig(backend="memory://", model="m", hash_tokens=BLOCK // 2)
+    async with KVPool.create(config, layout=KVLayout.from_kv_caches(_caches())) as raw:
+        pool = MeteredPool(raw, metrics)
+        hashes = hash_blocks(list(range(3 * BLOCK)), BLOCK // 2)  # two per block
+        await pool.store(KVRequest(block_hashes=hashes[:4], block_ids=[1, 2]))
+        assert await pool.lookup(KVRequest(block_hashes=hashes)) == 2 * BLOCK
+    hit, missed = (
+        _value(registry, "kvflow_lookup_hit_tokens_total"),
+        _value(registry, "kvflow_lookup_missed_tokens_total"),
+    )
+    assert (hit, missed) == (2 * BLOCK, BLOCK)
+
+
+def test_pool_metrics_of_two_label_sets_share_one_registry() -> None:
+    """A process serving two models makes one PoolMetrics per model in one registry: both record,
+    and the scrape carries each family's HELP/TYPE once."""
+    registry = CollectorRegistry()
+    a = PoolMetrics(labels={"model_name": "a"}, registry=registry)
+    b = PoolMetrics(labels={"model_name": "b"}, registry=registry)
+    a.looked_up(16, 32, 0.01)
+    b.looked_up(0, 32, 0.01)
+    assert registry.get_sample_value("kvflow_lookups_total", {"model_name": "a"}) == 1
+    assert registry.get_sample_value("kvflow_lookups_total", {"model_name": "b"}) == 1
+    assert generate_latest(registry).decode().count("# TYPE kvflow_lookups_total counter") == 1
+
+
+@pytest.mark.parametrize("call", ["store", "retrieve"])
+async def test_a_refused_request_is_not_counted_as_a_failed_transfer(call: str) -> None:
+    """A call the pool refused before any I/O (a block id past the cache) raises RequestError and
+    counts no blocks failed (an alert on store errors would page for a caller's bug)."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    async with KVPool.create(
+        PoolConfig(backend="memory://", model="m"), layout=KVLayout.from_kv_caches(_caches())
+    ) as raw:
+        pool = MeteredPool(raw, metrics)
+        with pytest.raises(RequestError):
+            await getattr(pool, call)(KVRequest(tokens=PROMPT, block_ids=[1, 99]))
+    assert _value(registry, "kvflow_store_failed_blocks_total", cause="error") == 0
+    assert _value(registry, "kvflow_load_failed_blocks_total", cause="aborted") == 0

@@ -87,6 +87,7 @@ class SchedulerSide:
     _lookups: Lookups | None = attrs.field(default=None, init=False)
     _requests: dict[str, _Tracked] = attrs.field(factory=dict, init=False)
     _local_hits: dict[str, int] = attrs.field(factory=dict, init=False)
+    _answered: dict[str, tuple[int, int]] = attrs.field(factory=dict, init=False)  # hit, asked tokens
     _pending_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _pending_async: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _async_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)  # until finished_recving
@@ -153,7 +154,9 @@ class SchedulerSide:
         """Tokens beyond vLLM's own (block-aligned) hit that kvflow can load, and whether the load is
         asynchronous; ``None`` while the lookup is still running (vLLM asks again next step).
 
-        May be called more than once for one request; each call only refreshes this request's memo.
+        May be called more than once for one request (vLLM asks again when it could not allocate
+        its blocks); each call only refreshes this request's memo, and the lookup is counted once,
+        when the request is allocated.
         """
         req_id = request.request_id
         hashes = tuple(request.block_hashes)
@@ -165,8 +168,7 @@ class SchedulerSide:
         hit = self._lookups.poll(req_id, hashes, local_blocks)
         if hit is None:
             return None, False
-        asked = len(hashes) * block - num_computed_tokens
-        self._counters = self._counters.with_lookup(hit - num_computed_tokens, asked)
+        self._answered[req_id] = (hit - num_computed_tokens, len(hashes) * block - num_computed_tokens)
         tokens = external_tokens(hit, num_computed_tokens, request.num_tokens)
         return tokens, tokens > 0 and self.config.load_async
 
@@ -181,6 +183,9 @@ class SchedulerSide:
         req_id = request.request_id
         block_ids = list(blocks.get_block_ids()[0])
         num_local = self._local_hits.pop(req_id, 0)
+        answered = self._answered.pop(req_id, None)
+        if answered is not None:
+            self._counters = self._counters.with_lookup(*answered)
         first, end = load_range(num_local, num_external_tokens, self.shape.block_size)
         tracked = self._requests.get(req_id)
         if tracked is None:
@@ -347,6 +352,7 @@ class SchedulerSide:
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._local_hits.pop(req_id, None)
+        self._answered.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         if self._lookups is not None:
             self._lookups.forget(req_id)
@@ -363,6 +369,7 @@ class SchedulerSide:
         if self._lookups is not None:
             self._lookups.clear()
         self._local_hits.clear()
+        self._answered.clear()
         log.info(
             "kvflow forgot its lookups; its store (%s) is shared and keeps its objects", self.config.backend
         )

@@ -269,7 +269,7 @@ class LayerwiseSteps:
             log.error("kvflow's layerwise transfers of this step failed: %r; recomputing its loads", exc)
             return StepOutcome(tuple((span, None, watch.seconds) for span in loads), dropped=tuple(saves))
         loaded = tuple((span, result.loaded.get(span.request_id), watch.seconds) for span in loads)
-        if not storing:
+        if failed or not storing:  # after a failed load the saves stopped: not stored, for the load
             return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
         stored = result.stored
         ended = Stopwatch(store_started, time.monotonic())

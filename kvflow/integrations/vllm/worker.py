@@ -47,6 +47,7 @@ from kvflow.integrations.vllm.topology import EngineShape, check_layer_names
 from kvflow.layout import KVCacheEntry, KVLayout
 from kvflow.loop import CallFuture
 from kvflow.metrics import Observations, TransferCounters
+from kvflow.ownership import ParallelConfig, owned
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
 
@@ -95,6 +96,7 @@ class WorkerSide:
     _events: list[Any] = attrs.field(factory=list, init=False)
     _watch: StoreWatch | None = attrs.field(default=None, init=False)
     _block_nbytes: int = attrs.field(default=0, init=False)
+    _parallel: ParallelConfig | None = attrs.field(default=None, init=False)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class WorkerSide:
         layout = KVLayout.from_kv_caches(kv_caches, block_size=self.shape.block_size)
         parallel = self.shape.parallel(self.tp_rank, self.pp_rank)
         check_layer_names(list(kv_caches), parallel.stage_layers(self.pp_rank, layout.num_layers))
-        self._layout = layout
+        self._layout, self._parallel = layout, parallel
         self._block_nbytes = layout.block_nbytes
         self._layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
         store = open_store(self.config.backend)  # the pool owns it; the watch only reads its health
@@ -192,7 +194,7 @@ class WorkerSide:
             tokens = meta.tokens_of(span) if meta is not None and self.config.kv_events else None
             self._puts.append(_Put(span, future, watch, tokens))
         if outcome.dropped:
-            blocks = sum(len(span.block_ids) for span in outcome.dropped)
+            blocks = sum(self._owned_blocks(span) for span in outcome.dropped)
             log.warning("a kvflow load of this step failed; not storing its %d computed blocks", blocks)
             counters = counters.with_dropped_saves(blocks)
         self._counters = counters
@@ -209,13 +211,18 @@ class WorkerSide:
             self._samples["store"].append(put.watch.seconds)
             if future.cancelled() or future.exception() is not None:
                 log.warning("a kvflow store of request %s failed: %r", put.span.request_id, _error(future))
-                counters = counters.with_failed_store(len(put.span.block_ids))
+                counters = counters.with_failed_store(self._owned_blocks(put.span))
                 continue
             result = future.result()
             counters = counters.with_store(result, self._block_nbytes)
             if put.tokens is not None:
                 self._events += stored_events(put.span, put.tokens, result, self.shape.block_size)
         self._counters, self._puts = counters, running
+
+    def _owned_blocks(self, span: KVRequest) -> int:
+        """How many of ``span``'s blocks this rank stores (each block counts at its owner only)."""
+        assert self._parallel is not None  # spans come after register_kv_caches
+        return len(owned(range(span.block_offset, span.end_block), self._parallel))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving): never any sending (stores end inside their step);

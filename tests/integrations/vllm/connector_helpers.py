@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
-from kvflow.backends.local.format import HEADER_SIZE, Header
+from kvflow.backends.local.format import HEADER_SIZE, Header, payload_checksum
 from kvflow.profiles import is_book_key
 
 __all__ = [
@@ -71,9 +72,11 @@ def corrupt_local_store(store: Path) -> int:
     for path in paths:
         data = path.read_bytes()
         header = Header.unpack(data)
-        assert header is not None and len(data) == HEADER_SIZE + header.payload_len, path
-        payload = np.frombuffer(data, dtype=np.float32, offset=HEADER_SIZE)[::-1].copy()
+        assert header is not None and len(data) == header.file_size, path
+        count = header.payload_len // 4
+        payload = np.frombuffer(data, dtype=np.float32, count=count, offset=HEADER_SIZE)[::-1].copy()
         view = memoryview(payload).cast("B")
-        sealed = Header.sealed(header.payload_len, header.digest, [view])
-        path.write_bytes(sealed.pack() + payload.tobytes())
+        sealed = attrs.evolve(header, checksum=0)
+        sealed = attrs.evolve(sealed, checksum=payload_checksum([view], sealed))
+        path.write_bytes(sealed.pack() + payload.tobytes() + data[HEADER_SIZE + header.payload_len :])
     return len(paths)

