@@ -7,6 +7,7 @@ also the peer program of the two-process tests: ``python -m tests.backends.test_
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -255,11 +256,16 @@ def test_registered_memory_contains_exactly_the_regions_inside_one_range(
     ranges: list[tuple[int, int]], data: st.DataObject
 ) -> None:
     memory = RegisteredMemory()
+    covered: set[int] = set()
     for start, size in ranges:
-        memory.add(start, size)
+        new = {b for a, n in memory.add(start, size) for b in range(a, a + n)}
+        assert new == set(range(start, start + size)) - covered  # what to register: never an overlap
+        covered |= new
+    pieces = sorted(memory.ranges())
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(pieces))  # disjoint, as registered
     addr = data.draw(st.integers(0, 16_000))
     size = data.draw(st.integers(1, 3_000))
-    expected = any(s <= addr and addr + size <= s + n for s, n in ranges)
+    expected = any(s <= addr and addr + size <= s + n for s, n in pieces)
     assert memory.contains(addr, size) == expected
     # an object is zero-copy iff each non-empty region is (the fast path must agree)
     regions = data.draw(st.lists(st.tuples(st.integers(1, 16_000), st.integers(0, 3_000)), max_size=6))

@@ -15,7 +15,8 @@ caller's memory, so they are never abandoned: returning while Mooncake still cop
 engine reuse a block that is being written or read. Mooncake bounds them itself (about 4.5 s when
 the master is lost, at once when a peer is lost); an overrun of ``timeout_s`` is logged.
 
-Health: ``RPC_FAIL`` (-900), a timeout or busy slots mark the master down (:mod:`.health`).
+Health: ``RPC_FAIL`` (-900) or ``RPC_TIMEOUT`` (-901), a timeout or busy slots mark the master down
+(:mod:`.health`).
 While it is down, ``put``/``get`` report ``FAILED`` and ``exists`` raises ``BackendUnavailableError``
 without calling Mooncake, and one call per ``health_interval_s`` probes the master.
 
@@ -51,7 +52,7 @@ from kvflow.backends.mooncake.calls import (
 from kvflow.backends.mooncake.config import MooncakeConfig
 from kvflow.backends.mooncake.health import HealthGate, StoreHealth
 from kvflow.backends.mooncake.native import (
-    RPC_FAIL,
+    MASTER_DOWN,
     NativeStore,
     StoreModule,
     code_name,
@@ -209,8 +210,9 @@ class MooncakeBackend:
         self._check_open()
         if nbytes <= 0 or addr <= 0:
             raise ConfigError(f"register_memory needs a positive address and size, got {addr:#x}, {nbytes}")
-        if self._registered.add(addr, nbytes) and self._store is not None:
-            self._register_native(self._store, addr, nbytes)
+        for piece, size in self._registered.add(addr, nbytes):  # (Mooncake refuses overlaps)
+            if self._store is not None:
+                self._register_native(self._store, piece, size)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         codes = await self._key_call("exists", keys, lambda store, batch: store.batch_is_exist(batch))
@@ -276,8 +278,9 @@ class MooncakeBackend:
         except (TimeoutError, SlotsBusy) as exc:
             self._mark_down(f"{op} of {len(batch)} keys: {_explain(exc, timeout_s)}")
             raise BackendUnavailableError(self._health.describe()) from None
-        if RPC_FAIL in codes:
-            self._mark_down(f"{op} got {code_name(RPC_FAIL)}")
+        down = MASTER_DOWN.intersection(codes)
+        if down:
+            self._mark_down(f"{op} got {code_name(min(down))}")
             raise BackendUnavailableError(self._health.describe())
         return codes
 
@@ -340,44 +343,51 @@ class MooncakeBackend:
             return store
         if not self._health.claim_probe():
             return None
-        ok, reason = await self._probe(store)
-        self._health.end_probe(ok, reason)
+        ok, reason = False, "the probe was cancelled"
+        try:
+            ok, reason = await self._probe(store)
+        finally:  # also when the caller gave up meanwhile: the next call may probe again
+            self._health.end_probe(ok, reason)
         if ok:
             log.warning("the Mooncake master at %s is reachable again", self.config.master)
             return store
         return None
 
     async def _connected_store(self) -> NativeStore:
-        """Set the client up: the first time, or once per health interval after a failed setup."""
+        """Set the client up: the first time, or once per health interval after a failed setup.
+
+        A setup its caller gave up on (cancelled) counts as not attempted: the next call tries
+        again at once. A setup that failed marks the master down, so that one call per health
+        interval tries again."""
         claimed = False
         if self._attempted:
             if not self._health.claim_probe():
                 raise BackendUnavailableError(self._health.describe())
             claimed = True
-        async with self._connect_lock:
-            if self._store is not None:
-                if claimed:
-                    self._health.end_probe(True)
+        ok, reason = False, "the setup was cancelled"
+        try:
+            async with self._connect_lock:
+                if self._store is None:
+                    if self._attempted and not claimed:  # a concurrent first setup just failed
+                        raise BackendUnavailableError(self._health.describe())
+                    try:
+                        store = await self._setup()
+                    except Exception as exc:
+                        reason = str(exc)
+                        self._attempted = True
+                        self._mark_down(reason)
+                        raise
+                    self._attempted = True
+                    if self._closed:  # aclose() ran while this setup was in flight
+                        await self._close_native(store)
+                        self._release_staging()
+                        raise PoolClosedError("the Mooncake backend was closed while it connected")
+                    self._store = store
+                ok = True
                 return self._store
-            if self._attempted and not claimed:  # a concurrent first setup just failed
-                raise BackendUnavailableError(self._health.describe())
-            try:
-                store = await self._setup()
-            except BackendUnavailableError as exc:
-                if claimed:
-                    self._health.end_probe(False, str(exc))
-                self._mark_down(str(exc))
-                raise
-            finally:
-                self._attempted = True
-            if self._closed:  # aclose() ran while this setup was in flight
-                await self._close_native(store)
-                self._release_staging()
-                raise PoolClosedError("the Mooncake backend was closed while it connected")
-            self._store = store
+        finally:
             if claimed:
-                self._health.end_probe(True)
-            return store
+                self._health.end_probe(ok, reason)
 
     async def _probe(self, store: NativeStore) -> tuple[bool, str]:
         def check() -> tuple[bool, str]:
@@ -481,8 +491,9 @@ class MooncakeBackend:
     def _note_failures(self, op: str, codes: list[int]) -> None:
         if not codes:
             return
-        if RPC_FAIL in codes:
-            self._mark_down(f"{op} got {code_name(RPC_FAIL)}")
+        down = MASTER_DOWN.intersection(codes)
+        if down:
+            self._mark_down(f"{op} got {code_name(min(down))}")
         log.warning(
             "Mooncake %s: %d object(s) failed (%s)",
             op,

@@ -13,7 +13,7 @@ key already there          ``PRESENT`` (checked first)        --
 -600 INVALID_PARAMS        raise ``BackendError``             raise ``BackendError`` (size mismatch)
 -800 TRANSFER_FAIL         ``FAILED``                         ``FAILED``, or raise if the stored
                                                               object has another size
--900 RPC_FAIL              ``FAILED``, master marked down     ``FAILED``, master marked down
+-900 RPC_FAIL, -901        ``FAILED``, master marked down     ``FAILED``, master marked down
 other negative             ``FAILED``                         ``FAILED``
 =========================  =================================  =====================================
 """

@@ -22,9 +22,11 @@ from kvflow.errors import BackendUnavailableError, MissingDependencyError
 
 __all__ = [
     "INVALID_PARAMS",
+    "MASTER_DOWN",
     "NO_SPACE",
     "OBJECT_NOT_FOUND",
     "RPC_FAIL",
+    "RPC_TIMEOUT",
     "TRANSFER_FAIL",
     "NativeStore",
     "code_name",
@@ -42,6 +44,9 @@ OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800  # the data transfer failed: peer gone, or regions larger than the object
 RPC_FAIL = -900  # the master cannot be reached
+RPC_TIMEOUT = -901  # the master did not answer in time (stalled, or overloaded)
+#: Codes that mean the master is not answering: the backend marks it down.
+MASTER_DOWN = frozenset({RPC_FAIL, RPC_TIMEOUT})
 
 _NAMES = {
     NO_SPACE: "NO_SPACE",
@@ -50,6 +55,7 @@ _NAMES = {
     OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
     TRANSFER_FAIL: "TRANSFER_FAIL",
     RPC_FAIL: "RPC_FAIL",
+    RPC_TIMEOUT: "RPC_TIMEOUT",
 }
 
 SETUP_RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"

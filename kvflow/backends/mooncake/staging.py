@@ -40,19 +40,29 @@ class RegisteredMemory:
     _ends: list[int] = attrs.field(factory=list, init=False)
     _max_end: list[int] = attrs.field(factory=list, init=False)  # max end of ranges[0..i]
 
-    def add(self, addr: int, nbytes: int) -> bool:
-        """Record a range; False if an existing range already contains it (nothing to register)."""
-        if self.contains(addr, nbytes):
-            return False
-        i = bisect.bisect_right(self._starts, addr)
-        self._starts.insert(i, addr)
-        self._ends.insert(i, addr + nbytes)
+    def add(self, addr: int, nbytes: int) -> list[tuple[int, int]]:
+        """Record a range; return ``(addr, nbytes)`` of each piece of it no range covered yet,
+        which is what to register (Mooncake refuses a range that overlaps a registered one).
+        Ranges stay disjoint; a region across two of them is not zero-copy."""
+        pieces, at, end = [], addr, addr + nbytes
+        for start, stop in zip(self._starts, self._ends):
+            if stop <= at or start >= end:
+                continue
+            if start > at:
+                pieces.append((at, start - at))
+            at = max(at, stop)
+        if at < end:
+            pieces.append((at, end - at))
+        for start, size in pieces:
+            i = bisect.bisect_right(self._starts, start)
+            self._starts.insert(i, start)
+            self._ends.insert(i, start + size)
         best = 0
         self._max_end = []
-        for end in self._ends:
-            best = max(best, end)
+        for stop in self._ends:
+            best = max(best, stop)
             self._max_end.append(best)
-        return True
+        return pieces
 
     def ranges(self) -> list[tuple[int, int]]:
         return [(s, e - s) for s, e in zip(self._starts, self._ends)]

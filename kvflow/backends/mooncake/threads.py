@@ -45,11 +45,13 @@ class NativeCalls:
 
         ``timeout_s=None``: wait until it returns, even when cancelled (for calls that read or
         write caller memory). Otherwise raise TimeoutError after ``timeout_s`` and abandon the
-        thread, which keeps its slot until ``fn`` returns. Raises SlotsBusy when no slot is free.
+        thread, which keeps its slot until ``fn`` returns. Raises SlotsBusy when no slot is free,
+        also when ``timeout_s`` passed before one was (``fn`` never ran: other calls hold them).
         """
-        slots = self._slots
+        slots, started = self._slots, threading.Event()
 
         def work() -> T:
+            started.set()
             if not slots.acquire(blocking=False):
                 raise SlotsBusy
             try:
@@ -59,8 +61,13 @@ class NativeCalls:
 
         if timeout_s is None:
             return await anyio.to_thread.run_sync(work, limiter=self._limiter)
-        with anyio.fail_after(timeout_s):
-            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._limiter)
+        try:
+            with anyio.fail_after(timeout_s):
+                return await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._limiter)
+        except TimeoutError:
+            if not started.is_set():
+                raise SlotsBusy from None
+            raise
 
     async def run_alone(self, fn: Callable[[], T], *, timeout_s: float) -> tuple[bool, T | None]:
         """Wait (in a thread) until no other call runs, then run ``fn`` holding every slot.
