@@ -10,7 +10,7 @@ import math
 import re
 from fractions import Fraction
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import attrs
 
@@ -24,6 +24,7 @@ __all__ = [
     "parse_url_query",
     "positive_int",
     "positive_seconds",
+    "split_url",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:[kmgt]i?)?b?)\s*$", re.IGNORECASE)
@@ -72,6 +73,15 @@ def parse_seconds(text: str | float, what: str) -> float:
     return value
 
 
+def split_url(url: str) -> SplitResult:
+    """``urllib.parse.urlsplit``, with ConfigError for a URL it cannot read (brackets around
+    something that is not an IPv6 address, say)."""
+    try:
+        return urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"cannot read the URL {url!r}: {exc}; an IPv6 host is written [ADDRESS]") from None
+
+
 def parse_url_query(url: str, *, scheme: str, allowed: set[str]) -> dict[str, str]:
     """The query parameters of a backend URL, checking its scheme and the parameter names.
 
@@ -82,7 +92,7 @@ def parse_url_query(url: str, *, scheme: str, allowed: set[str]) -> dict[str, st
         raise ConfigError(f"a backend URL must be text, got {url!r}")
     if any(c in url for c in "\x00\t\r\n"):  # (urlsplit drops tabs and newlines without a word)
         raise ConfigError(f"the backend URL {url!r} contains a NUL, tab or newline; remove it")
-    parts = urlsplit(url)
+    parts = split_url(url)
     if parts.scheme != scheme:
         raise ConfigError(f"expected a {scheme}:// URL, got {url!r}")
     pairs = parse_qsl(parts.query, keep_blank_values=True)

@@ -65,7 +65,8 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HAS
 
 
 _TOKEN = re.compile(r"[A-Za-z0-9_.+\-]+")
-_NUMBER = re.compile(r"[0-9]+")  # ASCII digits only (str.isdigit also takes "²", which int refuses)
+# ASCII digits only (str.isdigit also takes "²", which int refuses), and few (int refuses 4300)
+_NUMBER = re.compile(r"[0-9]{1,18}")
 
 
 def _token(_: object, attribute: attrs.Attribute[str], value: str) -> None:

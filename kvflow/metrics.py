@@ -491,10 +491,10 @@ class PoolMetrics:
             return client.Histogram(name, spec.help, labelnames, registry=target, buckets=spec.buckets)
 
         shared = _PARENTS.setdefault(target, {})
-        key = (prefix, tuple(labels))
+        key = (prefix, tuple(sorted(labels)))
         if key not in shared:
-            shared[key] = create_parents(make, prefix, list(labels))
-        self._writer = LabelledMetrics.create(shared[key], list(labels.values()))
+            shared[key] = create_parents(make, prefix, sorted(labels))
+        self._writer = LabelledMetrics.create(shared[key], [labels[name] for name in sorted(labels)])
 
     def record(self, observations: Observations) -> None:
         """Add one interval (counters are deltas)."""

@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
-from kvflow.errors import ConfigError, LayoutError
+from kvflow.errors import ConfigError, LayoutError, RequestError
 from kvflow.keys import VERSION, KeyScope
 from kvflow.layout import LayoutKind
 from kvflow.parts import plane_shapes
@@ -106,6 +106,10 @@ class Profile:
             raise ConfigError(f"{self.num_kv_heads} KV heads do not split into {self.head_groups} groups")
         self.kind  # noqa: B018 - the order must name a known layout kind
         plane_shapes(self.kind, self.block_size, self.group_heads, self.widths)
+        try:  # every object it names must have a key (the order is key text, say)
+            next(self.scopes())
+        except RequestError as exc:
+            raise ConfigError(f"a profile of {self.model!r} names objects no key can hold: {exc}") from None
 
     # -- what the bytes are ---------------------------------------------------------------------
 
@@ -265,6 +269,7 @@ class ProfileBook:
     _lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
     _seen: tuple[Profile, ...] = attrs.field(default=(), init=False)
     _parsed: dict[bytes, Profile | None] = attrs.field(factory=dict, init=False)  # by announcement text
+    _known: dict[int, Profile | None] = attrs.field(factory=dict, init=False)  # last read (or put), by slot
     _read_at: float = attrs.field(default=float("-inf"), init=False)
     _announced_at: float = attrs.field(default=float("-inf"), init=False)
     _warned: set[str] = attrs.field(factory=set, init=False)
@@ -287,10 +292,11 @@ class ProfileBook:
         ]
 
     async def _read(self, deadline: float) -> list[Profile | bool | None] | None:
-        """Every slot's profile (``False``: empty; ``None``: taken by something unreadable or not
-        readable now), or None when the store failed. Reads every slot that exists: a slot written
-        once may since have been evicted and taken by another profile. What a text parses to is
-        remembered, so a book that did not change costs a get, not a parse."""
+        """Every slot's profile (``False``: empty; ``None``: taken by something unreadable), or None
+        when the store failed. Reads every slot that exists: a slot written once may since have
+        been evicted and taken by another profile. A slot that exists but could not be read now
+        holds what it held when last read. What a text parses to is remembered, so a book that did
+        not change costs a get, not a parse."""
         objects = self._objects()
         try:
             with anyio.fail_after(max(0.0, deadline - time.monotonic())):
@@ -306,12 +312,15 @@ class ProfileBook:
             self._parsed.clear()
         for i, status in zip(here, got):
             if status is not GetStatus.HIT:
-                slots[i] = None  # unreadable now (evicted meanwhile, or a fault): look again next time
+                slots[i] = self._known.get(i)  # not readable now (a fault): as last read
                 continue
             text = raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
             if text not in self._parsed:
                 self._parsed[text] = _parse(i, text)
-            slots[i] = self._parsed[text]
+            slots[i] = self._known[i] = self._parsed[text]
+        for i, there in enumerate(present):
+            if not there:
+                self._known.pop(i, None)
         return slots
 
     @property
@@ -358,6 +367,7 @@ class ProfileBook:
                 log.debug("announcing the profile failed: %r", exc)
                 return
             if status is PutStatus.STORED:
+                self._known[slot] = self.own
                 self._announced_at = time.monotonic()
             # PRESENT: another pool took the slot first; the next store looks again
 

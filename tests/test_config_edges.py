@@ -118,6 +118,8 @@ _REFUSED_URLS = [
     "mooncake://127.0.0.1:50051/path",
     "mooncake://127.0.0.1:50051?metrics_port=70000",
     "mooncake://127.0.0.1:50051?segment=4ib",
+    "mooncake://[example.com]:50051",
+    "mooncake://[::1:50051",
 ]
 
 

@@ -279,3 +279,10 @@ def test_store_inventory_lists_a_foreign_key_as_other() -> None:
     from kvflow.tools.store_admin import StoredObject
 
     assert StoredObject.of("kvf2@m@bf16@o@b\u00b2@l0-1@h0-1@d0.1@p0.1@00", 1).kind == "other"
+
+
+def test_decode_refuses_a_number_too_long_to_read() -> None:
+    """A field of thousands of digits (int() refuses over 4300) is not a key: RequestError."""
+    text = "kvf2@m@bf16@o@b" + "1" * 5000 + "@l0-1@h0-1@d0.1@p0.1@00"
+    with pytest.raises(RequestError):
+        decode_key(text)

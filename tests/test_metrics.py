@@ -171,6 +171,14 @@ def test_pool_metrics_of_two_label_sets_share_one_registry() -> None:
     assert generate_latest(registry).decode().count("# TYPE kvflow_lookups_total counter") == 1
 
 
+def test_pool_metrics_with_label_names_in_another_order_share_a_registry() -> None:
+    registry = CollectorRegistry()
+    PoolMetrics(labels={"model_name": "a", "engine": "0"}, registry=registry).looked_up(16, 32, 0.01)
+    PoolMetrics(labels={"engine": "1", "model_name": "b"}, registry=registry).looked_up(0, 32, 0.01)
+    assert registry.get_sample_value("kvflow_lookups_total", {"model_name": "a", "engine": "0"}) == 1
+    assert registry.get_sample_value("kvflow_lookups_total", {"model_name": "b", "engine": "1"}) == 1
+
+
 @pytest.mark.parametrize("call", ["store", "retrieve"])
 async def test_a_refused_request_is_not_counted_as_a_failed_transfer(call: str) -> None:
     """A call the pool refused before any I/O (a block id past the cache) raises RequestError and

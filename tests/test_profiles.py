@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 
 import anyio
 import attrs
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
-from kvflow.backends.base import Backend, ObjectRef
+from kvflow.backends.base import Backend, GetStatus, ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, _slot_key, is_book_key
 from tests.helpers import FaultyBackend, kv_keys
@@ -388,8 +389,8 @@ async def _put_slot(backend: MemoryBackend, model: str, meaning: str, slot: int,
 
 def _garbled(own: Profile, changes: dict[str, object]) -> str:
     data = json.loads(own.to_json())
-    data.update(changes)
     data["order"] = "flash_attn.213.213"  # another layout than the reader's: a profile it would use
+    data.update(changes)
     return json.dumps(data)
 
 
@@ -400,6 +401,7 @@ GARBLED = {
     "head_groups=2.0": {"head_groups": 2.0},
     "block_size=-16": {"block_size": -16},
     "float layer ends": {"layer_ranges": [[0, 1.0], [1.0, 2]]},
+    "an order no key can hold": {"order": "flash_attn.2/13.2/13"},
 }
 
 
@@ -508,3 +510,33 @@ def test_a_layerwise_profile_of_a_126_layer_model_fits_an_announcement() -> None
         head_groups=8,
     )
     assert len(profile.to_json().encode()) <= SLOT_BYTES
+
+
+@attrs.define
+class FlakyGets(FaultyBackend):
+    """A store whose next get fails (a transient fault)."""
+
+    fail_next: bool = False
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if self.fail_next:
+            self.fail_next = False
+            return [GetStatus.FAILED] * len(objects)
+        return await self.inner.get(objects)
+
+
+async def test_a_failed_read_of_the_book_does_not_announce_the_profile_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slot that exists but could not be read holds what it held when last read: a pool whose
+    own slot's read failed does not take a second slot for its profile."""
+    import kvflow.profiles as profiles
+
+    monkeypatch.setattr(profiles, "ANNOUNCE_EVERY_S", 0.0)
+    backend = FlakyGets()
+    book = ProfileBook(backend, PROFILE)  # type: ignore[arg-type]
+    await book.announce(float("inf"))
+    backend.fail_next = True
+    await book.announce(float("inf"))
+    await book.announce(float("inf"))
+    assert sum(is_book_key(k) for k in backend.inner.stored_keys()) == 1

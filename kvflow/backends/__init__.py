@@ -12,7 +12,6 @@ Backends other than memory load lazily, so ``import kvflow`` needs none of their
 from __future__ import annotations
 
 import importlib
-from urllib.parse import urlsplit
 
 from kvflow.backends.base import (
     Backend,
@@ -23,6 +22,7 @@ from kvflow.backends.base import (
     ObjectRef,
     PutStatus,
 )
+from kvflow.config import split_url
 from kvflow.errors import ConfigError
 
 __all__ = [
@@ -49,7 +49,7 @@ def open_backend(url: str) -> Backend:
     """Create the backend a URL names. Raises ConfigError for an unknown scheme or bad parameter."""
     if not isinstance(url, str):
         raise ConfigError(f"a backend URL must be text, got {url!r}")
-    scheme = urlsplit(url).scheme
+    scheme = split_url(url).scheme
     target = SCHEMES.get(scheme)
     if target is None:
         raise ConfigError(

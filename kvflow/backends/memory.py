@@ -28,7 +28,6 @@ import ctypes
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 import anyio.lowlevel
 import attrs
@@ -49,7 +48,7 @@ from kvflow.backends.base import (
 from kvflow.backends.copies import gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
 from kvflow.backends.pacing import PIECE, Pacer, run_end
-from kvflow.config import parse_size, parse_url_query
+from kvflow.config import parse_size, parse_url_query, split_url
 from kvflow.errors import ConfigError
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
@@ -74,7 +73,7 @@ class MemoryConfig:
     @classmethod
     def from_url(cls, url: str) -> MemoryConfig:
         params = parse_url_query(url, scheme="memory", allowed={"capacity"})
-        parts = urlsplit(url)
+        parts = split_url(url)
         if parts.netloc or parts.path or parts.fragment:
             raise ConfigError(
                 f"{url!r}: the memory backend lives in this process and takes no host, path or "

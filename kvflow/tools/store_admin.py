@@ -23,11 +23,12 @@ import os
 import sys
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 import anyio
 import attrs
 
+from kvflow.config import split_url
 from kvflow.errors import ConfigError, KVFlowError, RequestError
 from kvflow.keys import BlockKey, decode_key
 
@@ -154,7 +155,7 @@ class Inventory:
 
 
 def _scheme(url: str) -> str:
-    scheme = urlsplit(url).scheme
+    scheme = split_url(url).scheme
     if scheme not in ("local", "arena", "mooncake"):
         raise ConfigError(f"kvflow store works on local://, arena:// and mooncake:// stores, not {url!r}")
     return scheme
@@ -214,7 +215,7 @@ async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
 def _has_capacity(url: str, scheme: str) -> bool:
     """Whether the store itself has the capacity its config shows: an arena's is fixed when it is
     made; a local store's is each opening process's own budget, so only the URL can give one."""
-    return scheme == "arena" or "capacity" in parse_qs(urlsplit(url).query)
+    return scheme == "arena" or "capacity" in parse_qs(split_url(url).query)
 
 
 def _sorted(objects: Sequence[StoredObject]) -> tuple[StoredObject, ...]:

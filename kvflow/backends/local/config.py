@@ -7,11 +7,18 @@ another directory; ``?group=NAME`` shares the store with a group (see docs/secur
 from __future__ import annotations
 
 import os
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import attrs
 
-from kvflow.config import parse_seconds, parse_size, parse_url_query, positive_int, positive_seconds
+from kvflow.config import (
+    parse_seconds,
+    parse_size,
+    parse_url_query,
+    positive_int,
+    positive_seconds,
+    split_url,
+)
 from kvflow.errors import ConfigError
 
 __all__ = ["LocalConfig", "default_path", "parse_store_url", "store_group", "store_path"]
@@ -73,7 +80,7 @@ def parse_store_url(url: str, scheme: str, allowed: set[str]) -> tuple[str, dict
     path, a NUL byte or a group without a directory is a ConfigError saying what to write.
     """
     params = parse_url_query(url, scheme=scheme, allowed=allowed)
-    parts = urlsplit(url)
+    parts = split_url(url)
     if parts.netloc:
         raise ConfigError(
             f"{url!r} names a host ({parts.netloc!r}); the {scheme} backend takes a directory: "

@@ -15,7 +15,6 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import attrs
 
@@ -26,6 +25,7 @@ from kvflow.config import (
     parse_url_query,
     positive_int,
     positive_seconds,
+    split_url,
 )
 from kvflow.errors import ConfigError
 
@@ -243,7 +243,7 @@ class MooncakeConfig:
     def from_url(cls, url: str) -> MooncakeConfig:
         """``mooncake://HOST:PORT?segment=1GiB&...``; ``?config=PATH`` starts from a JSON file."""
         params = parse_url_query(url, scheme="mooncake", allowed={*_URL_PARAMS, "config"})
-        parts = urlsplit(url)
+        parts = split_url(url)
         _check_url_parts(url, parts.path, parts.fragment, parts.netloc, params)
         netloc = parts.netloc
         base = cls.from_file(params.pop("config")) if "config" in params else None

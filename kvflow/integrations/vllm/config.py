@@ -51,11 +51,10 @@ import enum
 import math
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import attrs
 
-from kvflow.config import PoolConfig, parse_size
+from kvflow.config import PoolConfig, parse_size, split_url
 from kvflow.errors import ConfigError
 
 __all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole", "weak_hash_warning"]
@@ -96,7 +95,7 @@ def _choice(*choices: str) -> Any:
 
 
 def _shared_backend(_: object, attribute: attrs.Attribute[str], url: str) -> None:
-    scheme = urlsplit(url).scheme
+    scheme = split_url(url).scheme
     if scheme == "memory":
         raise ConfigError(
             f"kv_connector_extra_config[{attribute.name!r}] is memory://, which vLLM's scheduler and "
