@@ -512,7 +512,6 @@ def test_an_async_load_aborted_before_it_was_sent_holds_nothing(open_sides: Any)
 
 
 def test_a_failed_load_is_reported_and_its_step_stores_nothing(open_sides: Any, tmp_path: Path) -> None:
-    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
 
     sides: Sides = open_sides()
     _stored_r1(sides)
@@ -529,7 +528,6 @@ def test_a_failed_load_is_reported_and_its_step_stores_nothing(open_sides: Any, 
 
 def test_a_failed_load_is_reported_before_wait_for_save(open_sides: Any, tmp_path: Path) -> None:
     """With speculative decoding vLLM defers wait_for_save past get_block_ids_with_load_errors."""
-    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
 
     sides: Sides = open_sides()
     _stored_r1(sides)
@@ -585,19 +583,10 @@ def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank_and_the_recompute
 ) -> None:
     """TP=2: rank 1's load fails, rank 0's succeeds. Rank 0 computed the step from rank 1's wrong
     attention output, so it must not store it; the recompute vLLM then runs is stored."""
-    import tests.integrations.vllm.recording_connector  # noqa: F401 (registers failing-local://)
 
     sides: Sides = open_sides(tp_size=2)
     _stored_r1(sides)
-    failing = WorkerSide(
-        ConnectorConfig.from_extra_config({"backend": f"failing-local://{tmp_path}/store"}),
-        sides.workers[1].shape,
-        1,
-        0,
-    )
-    failing.register_kv_caches(_caches(heads=1, seed=1))
-    sides.workers[1].shutdown()
-    sides.workers[1] = failing
+    _fail_rank_1(sides, tmp_path, seed=1)
     stored_before = [w.counters.stored_blocks for w in sides.workers]
 
     longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])  # blocks 0-2 stored, 3-4 new
@@ -913,6 +902,32 @@ class Layer1FailingGets(FailingGetsBackend):
 SCHEMES.setdefault("l1fail-local", f"{__name__}:Layer1FailingGets")
 
 
+def _fail_rank_1(sides: Sides, tmp_path: Path, seed: int) -> None:
+    """Replace rank 1's worker by one whose gets fail (failing-local://), over caches of one head."""
+    failing = WorkerSide(
+        ConnectorConfig.from_extra_config({"backend": f"failing-local://{tmp_path}/store"}),
+        sides.workers[1].shape,
+        1,
+        0,
+    )
+    failing.register_kv_caches(_caches(heads=1, seed=seed))
+    sides.workers[1].shutdown()
+    sides.workers[1] = failing
+
+
+def _load_r2_and_compute_r3(sides: Sides) -> None:
+    """One step that loads r2 (r1's prompt, three blocks stored) and computes r3's three blocks."""
+    loading = FakeRequest("r2", TOKENS)
+    fresh = FakeRequest("r3", [t + 1000 for t in TOKENS])
+    assert sides.admit(loading, [5, 6, 7, 8]) == (12, False)
+    assert sides.admit(fresh, [9, 10, 11, 12]) == (0, False)
+    output = FakeSchedulerOutput(
+        [FakeNewRequest("r2", ([5, 6, 7, 8],), 12), FakeNewRequest("r3", ([9, 10, 11, 12],), 0)],
+        num_scheduled_tokens={"r2": 2, "r3": 14},
+    )
+    sides.step(output)
+
+
 def test_layerwise_saves_not_stored_because_a_load_failed_count_as_load_failed(
     open_sides: Any, tmp_path: Path
 ) -> None:
@@ -927,15 +942,7 @@ def test_layerwise_saves_not_stored_because_a_load_failed_count_as_load_failed(
     assert writer.workers[0].counters.stored_blocks == 3
 
     sides: Sides = open_sides(layerwise=True, backend=f"l1fail-local://{tmp_path}/store")
-    loading = FakeRequest("r2", TOKENS)
-    fresh = FakeRequest("r3", [t + 1000 for t in TOKENS])
-    assert sides.admit(loading, [5, 6, 7, 8]) == (12, False)
-    assert sides.admit(fresh, [9, 10, 11, 12]) == (0, False)
-    output = FakeSchedulerOutput(
-        [FakeNewRequest("r2", ([5, 6, 7, 8],), 12), FakeNewRequest("r3", ([9, 10, 11, 12],), 0)],
-        num_scheduled_tokens={"r2": 2, "r3": 14},
-    )
-    sides.step(output)
+    _load_r2_and_compute_r3(sides)
     counters = sides.workers[0].counters
     assert counters.load_failed_blocks == 3  # r2's load failed (layer 1)
     assert counters.store_failures() == {"no_space": 0, "error": 0, "load_failed": 3}
@@ -971,26 +978,10 @@ def test_a_replica_rank_counts_only_its_own_blocks_as_not_stored(open_sides: Any
     sides.admit(first, [1, 2, 3, 4])
     _prefill(sides, first, [1, 2, 3, 4])
     assert sum(w.counters.stored_blocks for w in sides.workers) == 3  # each block by its owner
-    failing = WorkerSide(
-        ConnectorConfig.from_extra_config({"backend": f"failing-local://{tmp_path}/store"}),
-        sides.workers[1].shape,
-        1,
-        0,
-    )
-    failing.register_kv_caches(_caches(heads=1, seed=0))
-    sides.workers[1].shutdown()
-    sides.workers[1] = failing
+    _fail_rank_1(sides, tmp_path, seed=0)
     before = [w.counters for w in sides.workers]
 
-    loading = FakeRequest("r2", TOKENS)
-    fresh = FakeRequest("r3", [t + 1000 for t in TOKENS])
-    assert sides.admit(loading, [5, 6, 7, 8]) == (12, False)
-    assert sides.admit(fresh, [9, 10, 11, 12]) == (0, False)
-    output = FakeSchedulerOutput(
-        [FakeNewRequest("r2", ([5, 6, 7, 8],), 12), FakeNewRequest("r3", ([9, 10, 11, 12],), 0)],
-        num_scheduled_tokens={"r2": 2, "r3": 14},
-    )
-    sides.step(output)
+    _load_r2_and_compute_r3(sides)
     moved = [w.counters.minus(b) for w, b in zip(sides.workers, before)]
     stored = sum(m.stored_blocks + m.present_blocks for m in moved)
     not_stored = sum(sum(m.store_failures().values()) for m in moved)
