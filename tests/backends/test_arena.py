@@ -28,7 +28,7 @@ from kvflow.backends import open_backend, pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.arena.store import WAYS, KeyHashes, key_hashes
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
-from kvflow.errors import BackendError, ConfigError, PoolClosedError
+from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.store_worker import Workers, content, read_all, regions
 from tests.helpers import bounded_shm, open_fds
@@ -668,3 +668,133 @@ def test_looking_at_a_short_file_that_is_not_an_arena_is_refused(store_dir: Path
     (store_dir / "arena").write_bytes(b"KVFARENA\x01")  # the magic, but not a whole header
     with pytest.raises(ConfigError, match="is not a kvflow arena"):
         ArenaBackend.attach(f"arena://{store_dir}")
+
+
+# --- geometry, writers' verdicts, opening beside a creator -----------------------------------------
+
+
+@pytest.mark.parametrize("slots", [1, 63, 100, 127, 200, 4096 + 100])
+def test_capacity_keeps_all_but_a_few_whole_slots(store_dir: Path, slots: int) -> None:
+    """docs/arena-backend.md: capacity is rounded down to whole slots. Sets of 64 slots or a few
+    more leave fewer than ``sets`` slots out (they lost up to 63: 100 slots gave 64)."""
+    backend = open_arena(store_dir, slots=slots)
+    try:
+        kept = backend.stats().capacity_bytes // SLOT
+        assert slots - max(1, slots // WAYS) < kept <= slots
+    finally:
+        anyio.run(backend.aclose)
+
+
+def test_a_capacity_beyond_any_filesystem_is_a_config_error(store_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="capacity"):
+        ArenaConfig(str(store_dir), capacity_bytes=1 << 63, slot_bytes=64 << 20)
+
+
+async def test_a_killed_writer_not_yet_reaped_gives_its_slots_back(store_dir: Path) -> None:
+    """A writer killed mid-put whose parent has not reaped it yet (a zombie: its /proc entry and
+    start time remain, as for an orphan under a PID 1 that never reaps) is dead: its slots are
+    taken back."""
+    url = f"arena://{store_dir}?capacity={4 * SLOT}&slot={SLOT}"
+    workers = Workers([{"url": url, "writer": 1, "keys": ["dying"], "size": SLOT, "pause": True}])
+    proc = workers.procs[0]
+    try:
+        workers.wait_for(proc, "READY")
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        workers.wait_for(proc, "PAUSED")
+        os.kill(proc.pid, 9)  # killed, and not waited for
+        deadline = time.monotonic() + 10
+        while local_format._read_stat(proc.pid) is not None and local_format._read_stat(proc.pid)[0] != b"Z":  # type: ignore[index]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        backend = open_arena(store_dir, slots=4)
+        try:
+            assert await put_all(backend, ["dying"]) == [PutStatus.STORED]
+        finally:
+            await backend.aclose()
+    finally:
+        workers.kill_all()
+
+
+def test_a_writer_that_could_not_read_its_own_start_time_is_never_judged_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without its start time (no descriptor left to read /proc/self/stat) a writer names itself
+    unknown, so no other process takes its slots for a mismatched start."""
+    real = local_format._read_stat
+    monkeypatch.setattr(local_format, "_read_stat", lambda pid: None if pid == "self" else real(pid))
+    writer = local_format.WriterId.current()  # this live process
+    monkeypatch.setattr(local_format, "_read_stat", real)
+    judge = local_format.WriterId(local_format._pid_namespace(), writer.pid + 1, 1)  # another process
+    assert writer.namespace == 0 and writer.is_alive(judge)
+
+
+def test_a_claim_asks_proc_once_per_writer_not_once_per_slot(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim judges the writers of slots being written in its sets under the exclusive lock:
+    once per writer (eight ranks writing 256 slots each cost 1792 reads of /proc, 13 ms of lock)."""
+    backend = open_arena(store_dir, slots=4096)
+    try:
+        table = backend._arena._table
+        rows = list(range(0, 4096, 2))
+        me = local_format.WriterId.current()
+        table[1, rows], table[2, rows], table[3, rows] = me.namespace, 1, 12345  # one other writer
+        table[0, rows] = 1  # WRITING
+        del table
+        asked: list[int] = []
+        real = local_format._read_stat
+
+        def counted(pid: int | str) -> tuple[bytes, int] | None:
+            asked.append(int(pid) if pid != "self" else -1)
+            return real(pid)
+
+        monkeypatch.setattr(local_format, "_read_stat", counted)
+        backend._arena.claim(key_hashes([f"k{i}" for i in range(256)]), time.monotonic_ns())
+        assert asked.count(1) == 1
+    finally:
+        anyio.run(backend.aclose)
+
+
+def test_opening_waits_for_another_process_creating_the_arena(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process opening the store while another creates it waits for the creation (allocating a
+    large arena outlasts the lock timeout: about 10 s per 120 GiB here), bounded by its size."""
+    import threading
+
+    import kvflow.backends.arena.store as arena_store
+
+    real = os.posix_fallocate
+    creating = threading.Event()
+
+    def slow(fd: int, offset: int, length: int) -> None:
+        creating.set()
+        time.sleep(1.0)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(arena_store.os, "posix_fallocate", slow)
+    monkeypatch.setattr(arena_store, "_ALLOCATE_BYTES_PER_S", 1 << 20)  # a slow host: ~1 s a MiB
+    made: list[ArenaBackend] = []
+    creator = threading.Thread(target=lambda: made.append(open_arena(store_dir, slots=64)))
+    creator.start()
+    try:
+        assert creating.wait(10)
+        second = open_arena(store_dir, slots=64, lock_timeout_s=0.2)
+        anyio.run(second.aclose)
+    finally:
+        creator.join()
+        for backend in made:
+            anyio.run(backend.aclose)
+
+
+def test_a_store_locked_for_good_is_unavailable_not_misconfigured(store_dir: Path) -> None:
+    anyio.run(open_arena(store_dir, slots=16).aclose)  # the arena exists
+    fd = os.open(store_dir / "kvflow.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a stuck process
+        with pytest.raises(BackendUnavailableError, match="lock"):
+            open_arena(store_dir, slots=16, lock_timeout_s=0.2)
+    finally:
+        os.close(fd)

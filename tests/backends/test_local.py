@@ -249,7 +249,7 @@ def test_a_writer_is_judged_dead_only_when_it_certainly_is(monkeypatch: pytest.M
     assert WriterId(0, child.pid, started).is_alive(me)
     # A /proc entry that cannot be read (hidepid, no descriptor left) is not a death: the pid
     # still names a process; one no process has is dead.
-    monkeypatch.setattr(local_format, "_read_start_time", lambda pid: None)
+    monkeypatch.setattr(local_format, "_read_stat", lambda pid: None)
     assert WriterId(me.namespace, os.getppid(), 1).is_alive(me)
     assert not WriterId(me.namespace, child.pid, started).is_alive(me)
 

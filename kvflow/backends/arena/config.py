@@ -18,6 +18,7 @@ from kvflow.errors import ConfigError
 __all__ = ["MAX_SLOT", "ArenaConfig", "default_arena_path"]
 
 _DEFAULT_DIR = "/dev/shm/kvflow-arena-{uid}"
+_MAX_CAPACITY = 1 << 60  # 1 EiB: a larger arena is a mistake
 _DEFAULT_CAPACITY = 1 << 30
 _DEFAULT_SLOT = 1 << 20
 _PAGE = 4096
@@ -67,6 +68,8 @@ class ArenaConfig:
                 f"capacity must be at least one slot ({self.slot_bytes} bytes), got {value!r}: e.g. "
                 "capacity=4GiB"
             )
+        if value > _MAX_CAPACITY:
+            raise ConfigError(f"capacity {value} is more than any filesystem holds; e.g. capacity=4GiB")
 
     @classmethod
     def from_url(cls, url: str) -> ArenaConfig:

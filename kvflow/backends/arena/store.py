@@ -56,7 +56,7 @@ from kvflow.backends.local.safety import (
     opening,
     unusable_message,
 )
-from kvflow.errors import ConfigError
+from kvflow.errors import BackendUnavailableError, ConfigError
 
 __all__ = [
     "ARENA_NAME",
@@ -82,6 +82,7 @@ _VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, ways, slot bytes, sets, offset of the slots
 _PAGE = 4096
 WAYS = 64
+_ALLOCATE_BYTES_PER_S = 1 << 30  # posix_fallocate on tmpfs, a slow host's (12 GB/s measured here)
 KEY_BYTES = 256  # per slot: the key's length (u16), then the key (utf-8), for listing the store
 _KEY_TOO_LONG = KEY_BYTES - 1  # a length no key is given: the key was not kept
 _LENGTH = [n.to_bytes(2, "little") for n in range(KEY_BYTES)]
@@ -147,9 +148,11 @@ class Geometry:
 
     @classmethod
     def of(cls, config: ArenaConfig) -> Geometry:
+        """Sets of ``WAYS`` slots or a few more, so that fewer than ``sets`` of the capacity's whole
+        slots are left out (a store of fewer than ``2 * WAYS`` slots is one set of all of them)."""
         slots = config.capacity_bytes // config.slot_bytes
-        ways = min(WAYS, slots)
-        return cls(ways, config.slot_bytes, slots // ways)
+        sets = max(1, slots // WAYS)
+        return cls(slots // sets, config.slot_bytes, sets)
 
     @property
     def rows(self) -> int:
@@ -223,8 +226,14 @@ class ArenaFile:
             fds.append(open_root(root, access))
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
             lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
-            with lock.held_blocking(EXCLUSIVE, config.lock_timeout_s):
-                fds.append(_open_or_create(fds[0], root, access, geometry))
+            wait = config.lock_timeout_s
+            if not _exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
+                wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
+            try:
+                with lock.held_blocking(EXCLUSIVE, wait):
+                    fds.append(_open_or_create(fds[0], root, access, geometry))
+            except TimeoutError as exc:
+                raise BackendUnavailableError(f"cannot open the arena at {root}: {exc}") from None
             mapped = mmap.mmap(
                 fds[2],
                 geometry.file_bytes,
@@ -312,7 +321,8 @@ class ArenaFile:
         k0, k1, sets = self._hash_words(hashes)
         ways, me = self.geometry.ways, self._me_words
         others = compiled.foreign(state, ns, pid, start, sets, ways, me).tolist()
-        dead = np.array([row for row in others if not self._alive(row)], dtype=np.int64)
+        verdicts: dict[WriterId, bool] = {}  # one look at /proc per writer, not per slot it writes
+        dead = np.array([row for row in others if not self._alive(row, verdicts)], dtype=np.int64)
         rows = np.empty(len(hashes), dtype=np.int64)
         self.evictions += compiled.claim(
             state, ns, pid, start, columns[_K0], columns[_K1], columns[_USED], self._tags,
@@ -330,11 +340,13 @@ class ArenaFile:
         k0, k1 = hashes[:, 0].copy(), hashes[:, 1].copy()
         return k0, k1, (k0 % np.uint64(self.geometry.sets)).astype(np.int64)
 
-    def _alive(self, row: int) -> bool:
+    def _alive(self, row: int, verdicts: dict[WriterId, bool]) -> bool:
+        """Whether the writer of ``row`` may still be running (``verdicts``: those judged already)."""
         words, n = self._words, self._rows
-        return WriterId(words[_NS * n + row], words[_PID * n + row], words[_START * n + row]).is_alive(
-            self.me
-        )
+        writer = WriterId(words[_NS * n + row], words[_PID * n + row], words[_START * n + row])
+        if writer not in verdicts:
+            verdicts[writer] = writer.is_alive(self.me)
+        return verdicts[writer]
 
     def _write_claims(self, at: npt.NDArray[np.int64], hashes: Hashes, now: int) -> None:
         """Make rows ``at`` this process's, WRITING, for the keys of ``hashes`` (one row each): the
@@ -427,6 +439,14 @@ def stored_geometry(path: str) -> Geometry | None:
         raise ConfigError(f"{path}/{ARENA_NAME} is not a kvflow arena; remove it or give another directory")
     _, _, ways, slot_bytes, sets, _ = _HEADER.unpack(data)
     return Geometry(ways, slot_bytes, sets)
+
+
+def _exists(root_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _open_or_create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:

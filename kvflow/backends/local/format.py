@@ -303,13 +303,28 @@ def read_into(fd: int, bufs: Sequence[memoryview | bytearray], offset: int) -> i
 
 def _read_start_time(pid: int | str) -> int | None:
     """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    stat = _read_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def _read_stat(pid: int | str) -> tuple[bytes, int] | None:
+    """A process's state (field 3 of /proc/PID/stat: ``R``, ``S``, ``Z``...) and start time."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rfind(b")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    return (fields[0], int(fields[19])) if len(fields) > 19 else None
+
+
+def _exited(pid: int) -> bool:
+    """Whether a zombie ``pid`` has no thread left (a leader that ended before its threads is a
+    zombie too, while they run)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
 
 
 def _pid_exists(pid: int) -> bool:
@@ -346,18 +361,23 @@ class WriterId:
 
     @classmethod
     def current(cls) -> WriterId:
-        return cls(_pid_namespace(), os.getpid(), _read_start_time("self") or 0)
+        start = _read_start_time("self")
+        if start is None:  # (no descriptor left, say) others must not judge this writer by it
+            return cls(0, os.getpid(), 0)
+        return cls(_pid_namespace(), os.getpid(), start)
 
     def is_alive(self, me: WriterId) -> bool:
         """Whether this writer may still be running, as seen from process ``me`` (conservative:
-        dead only when no process has its pid, or the one that has it started at another time)."""
+        dead only when no process has its pid, the one that has it started at another time, or it
+        has exited and waits for its parent to reap it)."""
         if self.namespace == 0 or self.namespace != me.namespace:
             return True  # cannot tell from here
         if self.pid == me.pid:
             return self.start == me.start
-        start = _read_start_time(self.pid)
-        if start is not None:
-            return start == self.start
+        stat = _read_stat(self.pid)
+        if stat is not None:
+            state, start = stat
+            return start == self.start and not (state in (b"Z", b"X") and _exited(self.pid))
         # /proc would not say (mounted with hidepid, or no descriptor left): ask the kernel
         return _pid_exists(self.pid)
 
