@@ -104,7 +104,10 @@ class Device:
         if self._module is None:
             yield
             return
-        with self._module.stream(self.copy_stream):
+        # The cache's device first: leaving a stream context restores the thread's previous
+        # device's stream, and on kvflow's loop thread that is device 0 (CUDA's default for a new
+        # thread), which would get a context (hundreds of MiB) in a process whose cache is elsewhere.
+        with self._module.device(self.device), self._module.stream(self.copy_stream):
             yield
 
     def record(self) -> DeviceEvent:
@@ -149,12 +152,18 @@ class Device:
         else:
             out.copy_(source.index_select(0, index), non_blocking=True)
 
-    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """``target[index[j]] = rows[j]``: host staging rows into cache rows."""
+    def scatter_rows(
+        self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor | None = None
+    ) -> None:
+        """``target[index[j]] = rows[pick[j]]`` (``rows[j]`` without ``pick``, an :meth:`index`):
+        host staging rows into cache rows. On a device the rows move as they lie in the staging
+        chunk (pinned) and are picked on the device: a pick on the host would copy them into
+        pageable memory, whose copy to the device waits."""
         if self._module is None:
-            _copy_rows(target, index.tolist(), rows, range(len(rows)))
-        else:
-            target.index_copy_(0, index, rows.to(self.device, non_blocking=True))
+            _copy_rows(target, index.tolist(), rows, range(len(index)) if pick is None else pick.tolist())
+            return
+        moved = rows.to(self.device, non_blocking=True)
+        target.index_copy_(0, index, moved if pick is None else moved.index_select(0, pick))
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -163,5 +172,10 @@ class Device:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._module is not None)
 
     def index(self, ids: list[int]) -> torch.Tensor:
-        """Block ids as an index tensor on the cache's device."""
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=self._module is not None)
+        """Block ids as an index tensor on the cache's device, moved from pinned memory (a
+        non-blocking copy out of pageable memory waits: on an NPU for the whole copy stream)."""
+        if self._module is None:
+            return torch.tensor(ids, dtype=torch.long)
+        host = self.host_buffer(8 * len(ids)).view(torch.long)
+        host.numpy()[:] = ids
+        return host.to(self.device, non_blocking=True)

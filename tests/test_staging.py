@@ -92,8 +92,11 @@ class LateDevice(Device):
         index = index.clone()
         self._queued.append(lambda: torch.index_select(source, 0, index, out=out))
 
-    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    def scatter_rows(
+        self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor | None = None
+    ) -> None:
         self.scatters += 1
+        rows = rows[: len(index)] if pick is None else rows.index_select(0, pick)
         if self.fail_scatter or self.scatters - 1 in self.fail_scatter_calls:
             target.index_copy_(0, index[:1], rows[:1])  # half-written, then the device errs
             raise RuntimeError("injected device error in a copy into the cache")
@@ -815,8 +818,10 @@ class SlowFirstCopyDevice(LateDevice):
     _slow_next: bool = False
     _done: bool = False
 
-    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-        super().scatter_rows(target, index, rows)
+    def scatter_rows(
+        self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor | None = None
+    ) -> None:
+        super().scatter_rows(target, index, rows, pick)
         if target.data_ptr() == self.slow_target and not self._done:
             self._slow_next = self._done = True
 
@@ -875,12 +880,18 @@ class LazyDevice(LateDevice):
     """A :class:`LateDevice` whose copies into the cache read their host rows when they run, not
     when issued, as an asynchronous host-to-device copy reads pinned memory when its DMA runs."""
 
-    def scatter_rows(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    def scatter_rows(
+        self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor | None = None
+    ) -> None:
         self.scatters += 1
         if self.fail_scatter or self.scatters - 1 in self.fail_scatter_calls:
             raise RuntimeError("injected device error in a copy into the cache")
-        index = index.clone()
-        self._queued.append(lambda: target.index_copy_(0, index, rows))
+        index, pick = index.clone(), None if pick is None else pick.clone()
+        self._queued.append(  # the rows are read (and picked) when the copy runs
+            lambda: target.index_copy_(
+                0, index, rows[: len(index)] if pick is None else rows.index_select(0, pick)
+            )
+        )
 
 
 def staged_one_chunk() -> PoolConfig:

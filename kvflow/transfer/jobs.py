@@ -521,6 +521,7 @@ class LoadJob:
                 with copying(pool.device, chunk):
                     if rows:
                         copy_rows(
+                            pool.device,
                             transfer.require_layout(),
                             [plan.block_ids[batch[r]] for r in rows],
                             rows,

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 import torch
 
+from kvflow.device import Device
 from kvflow.keys import KeyScope
 from kvflow.layout import KVLayout
 from kvflow.parts import Part, object_planes, part_views
@@ -144,6 +145,7 @@ def copy_into(
 
 
 def copy_rows(
+    device: Device,
     layout: KVLayout,
     block_ids: Sequence[int],
     rows: Sequence[int],
@@ -160,9 +162,9 @@ def copy_rows(
     scope, nbytes)`` of rows of objects laid out one after another in ``buffer``; row ``rows[i]``
     of every region goes into cache block ``block_ids[i]``. One copy per region, layer and part,
     whatever the number of blocks."""
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=layout.device)
+    index = device.index(list(block_ids))  # (a tensor made on the device would wait for the stream)
     count = max(rows) + 1 if rows else 0
-    picked = None if list(rows) == list(range(len(rows))) else torch.tensor(list(rows), dtype=torch.long)
+    picked = None if list(rows) == list(range(len(rows))) else device.index(list(rows))
     for offset, scope, nbytes in regions:
         for layer, src_parts in _layer_parts(profile, buffer, offset, scope, layers, count, nbytes):
             for dst in part_views(layout.kind, layout.typed_views[layer - first_layer]):
@@ -179,8 +181,10 @@ def copy_rows(
                         h[0] - scope.heads[0] : h[1] - scope.heads[0],
                         c[0] - src.column : c[1] - src.column,
                     ]
-                    value = value[:count] if picked is None else value.index_select(0, picked)
+                    value = value[:count].to(layout.device, non_blocking=True)
+                    if picked is not None:  # picked on the device (on the host: a pageable copy)
+                        value = value.index_select(0, picked)
                     target = dst.view[
                         :, :, h[0] - heads[0] : h[1] - heads[0], c[0] - dst.column : c[1] - dst.column
                     ]
-                    target.index_copy_(0, index, value.to(layout.device, non_blocking=True))
+                    target.index_copy_(0, index, value)

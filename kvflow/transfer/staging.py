@@ -177,9 +177,8 @@ def scatter(
     with copying(device, chunk):
         if rows:
             index = device.index(list(block_ids))
-            picked = (
-                None if list(rows) == list(range(len(rows))) else torch.tensor(list(rows), dtype=torch.long)
-            )
+            dense = list(rows) == list(range(len(rows)))
+            pick = None if dense else device.index(list(rows))
+            count = len(rows) if dense else max(rows) + 1
             for plane, region in zip(shape.planes, shape.regions(chunk.buffer)):
-                source = region[: len(rows)] if picked is None else region.index_select(0, picked)
-                device.scatter_rows(layout.plane_views[plane], index, source)
+                device.scatter_rows(layout.plane_views[plane], index, region[:count], pick)
