@@ -251,8 +251,10 @@ class PinnedTracking(Device):
         return buffer
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether a copy of ``tensor`` reads pinned memory: a strided view is copied into pageable
+        memory first (torch moves only dense tensors)."""
         ptr = tensor.data_ptr()
-        return any(a <= ptr < b for a, b in self.pinned)
+        return tensor.is_contiguous() and any(a <= ptr < b for a, b in self.pinned)
 
 
 async def test_the_copy_streams_host_to_device_copies_read_pinned_memory_only(
@@ -325,3 +327,35 @@ async def test_a_partly_hit_chunk_is_scattered_from_pinned_memory(monkeypatch: p
     assert got.statuses[2] is not got.statuses[3]  # a miss, then a hit in the same chunk
     assert block_bytes(caches["l0"], DST_IDS[3]) == block_bytes(caches["l0"], SRC_IDS[3])
     assert not rows, f"rows scattered out of pageable memory with non_blocking copies: {rows}"
+
+
+@pytest.mark.parametrize("writer_block", [BLOCK, BLOCK // 2], ids=["same block size", "half blocks"])
+async def test_a_reshaped_load_moves_only_pinned_memory(
+    writer_block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load from another split's objects (a TP=1 writer, this TP=2 reader) moves each object's
+    span of the staging chunk to the device whole, then takes its heads there: a strided view of
+    the chunk would go through a pageable copy."""
+    from tests.test_staging import DST_IDS as READER_IDS
+    from tests.test_staging import TOKENS as PROMPT
+    from tests.test_staging import head_of, staged, stored_by_a_tp1_writer, tp2_reader
+
+    backend = MemoryBackend()
+    src, ids = await stored_by_a_tp1_writer(backend, writer_block)
+    device = PinnedTracking(torch.device("cpu"), event_factory=CpuEvent, module=StreamModule)
+    pageable: list[str] = []
+    original = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("non_blocking") and self.device.type == "cpu" and not device.is_pinned(self):
+            pageable.append(f"{tuple(self.shape)} {self.dtype}")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    reader, dst = tp2_reader(backend, staged(staging_bytes=4 * 4096), device, writer_block)
+    async with reader:
+        got = await reader.retrieve(KVRequest(block_ids=READER_IDS, tokens=PROMPT))
+    assert got.hit_blocks == len(READER_IDS)
+    for block, target in enumerate(READER_IDS):
+        assert torch.equal(dst["l0"][target, 0], head_of(src, ids, "l0", block, 1))
+    assert not pageable, f"non_blocking host-to-device copies out of pageable memory: {pageable}"

@@ -116,7 +116,8 @@ def copy_into(
     on the current stream; the caller records an event after them."""
     for offset, source in placed:
         scope = source.scope
-        for layer, src_parts in _layer_parts(profile, buffer, offset, scope, layers, 1, source.nbytes):
+        moved = _on_device(buffer, offset, source.nbytes, layout.device)
+        for layer, src_parts in _layer_parts(profile, moved, 0, scope, layers, 1, source.nbytes):
             mine = [v[block_id : block_id + 1] for v in layout.typed_views[layer - first_layer]]
             for dst in part_views(layout.kind, mine):
                 for src in src_parts:
@@ -166,7 +167,8 @@ def copy_rows(
     count = max(rows) + 1 if rows else 0
     picked = None if list(rows) == list(range(len(rows))) else device.index(list(rows))
     for offset, scope, nbytes in regions:
-        for layer, src_parts in _layer_parts(profile, buffer, offset, scope, layers, count, nbytes):
+        moved = _on_device(buffer, offset, count * nbytes, layout.device)
+        for layer, src_parts in _layer_parts(profile, moved, 0, scope, layers, count, nbytes):
             for dst in part_views(layout.kind, layout.typed_views[layer - first_layer]):
                 for src in src_parts:
                     if src.name != dst.name:
@@ -181,10 +183,15 @@ def copy_rows(
                         h[0] - scope.heads[0] : h[1] - scope.heads[0],
                         c[0] - src.column : c[1] - src.column,
                     ]
-                    value = value[:count].to(layout.device, non_blocking=True)
-                    if picked is not None:  # picked on the device (on the host: a pageable copy)
-                        value = value.index_select(0, picked)
+                    value = value[:count] if picked is None else value.index_select(0, picked)
                     target = dst.view[
                         :, :, h[0] - heads[0] : h[1] - heads[0], c[0] - dst.column : c[1] - dst.column
                     ]
                     target.index_copy_(0, index, value)
+
+
+def _on_device(buffer: torch.Tensor, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of the staging ``buffer`` from ``offset``, on the cache's device: moved whole
+    (a dense span of pinned memory) before any view of it is taken, since a strided view would be
+    moved through a pageable copy, which waits. On the CPU, the same memory."""
+    return buffer[offset : offset + nbytes].to(device, non_blocking=True)
