@@ -330,9 +330,9 @@ class ProfileBook:
 
     async def announce(self, deadline: float) -> None:
         """Make sure the own profile is in the book (at most every ``ANNOUNCE_EVERY_S``)."""
-        if not self.due:
+        if not self.due or not await self._acquire(deadline):
             return
-        async with self._lock:
+        try:
             if not self.due:
                 return
             slots = await self._read(deadline)
@@ -370,17 +370,29 @@ class ProfileBook:
                 self._known[slot] = self.own
                 self._announced_at = time.monotonic()
             # PRESENT: another pool took the slot first; the next store looks again
+        finally:
+            self._lock.release()
+
+    async def _acquire(self, deadline: float) -> bool:
+        """Take the book's lock, unless ``deadline`` passes first (another call is reading the
+        book from a slow store: this one goes on with what was read before)."""
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await self._lock.acquire()
+            return True
+        return False
 
     async def others(self, deadline: float, max_age_s: float = READ_EVERY_S) -> tuple[Profile, ...]:
         """The other profiles in the book, read again when what was read is older than
         ``max_age_s`` (loads that found a block missing pass a shorter age than lookups: the
         engine's scheduler may have just seen a profile this pool has not)."""
-        if time.monotonic() - self._read_at >= max_age_s:
-            async with self._lock:
+        if time.monotonic() - self._read_at >= max_age_s and await self._acquire(deadline):
+            try:
                 if time.monotonic() - self._read_at >= max_age_s:
                     slots = await self._read(deadline)
                     if slots is not None:
                         self._remember(slots)
+            finally:
+                self._lock.release()
         return self._seen
 
     def _remember(self, slots: Sequence[Profile | bool | None]) -> None:

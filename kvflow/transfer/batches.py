@@ -73,6 +73,9 @@ async def run_batches(
         batch = objects[start : start + step]  # of BlockObjects: an ObjectBatch, made now
         held = await budget.acquire(sum(nbytes_of(batch)))
         try:
+            if time.monotonic() >= deadline:  # the budget came free late (the loop was held up)
+                log.warning("a backend call for %d objects not started: its deadline passed", len(batch))
+                return
             answers = await call(batch)
             if len(answers) != len(batch):
                 raise KVFlowError(f"backend returned {len(answers)} results for {len(batch)} keys")
