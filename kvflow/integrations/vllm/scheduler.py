@@ -223,6 +223,7 @@ class SchedulerSide:
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
+            self._trust.fresh(tracked.block_ids[self._held_blocks(new.num_computed_tokens) :])
             self._take_load(new.req_id, step, loads)
             work.append(
                 (tracked, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -233,12 +234,14 @@ class SchedulerSide:
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[i]
+            computed = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids:
                 tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+                self._trust.fresh(tracked.block_ids[self._held_blocks(computed) :])
                 self._take_load(req_id, step, loads)
             elif new_ids is not None:
                 tracked.block_ids.extend(new_ids[0])
-            computed = cached.num_computed_tokens[i]
+                self._trust.fresh(new_ids[0])
             work.append((tracked, computed, computed + scheduled.get(req_id, 0)))
         block = self.shape.block_size
         self._trust.computed(
@@ -246,6 +249,7 @@ class SchedulerSide:
                 StepWork(
                     reads=t.block_ids[: -(-before // block)],
                     writes=t.block_ids[before // block : -(-after // block)],
+                    partial=after % block != 0,
                 )
                 for t, before, after in work
             ]
@@ -276,6 +280,10 @@ class SchedulerSide:
         block = self.shape.block_size
         request = self._requests[span.request_id].request
         return tuple(request.all_token_ids[span.block_offset * block : span.end_block * block])
+
+    def _held_blocks(self, computed_tokens: int) -> int:
+        """How many of a request's first blocks hold positions it has computed (or found)."""
+        return -(-computed_tokens // self.shape.block_size)
 
     def _take_load(self, req_id: str, step: int, loads: list[KVRequest]) -> None:
         span = self._pending_loads.pop(req_id, None)

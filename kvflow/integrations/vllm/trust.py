@@ -11,9 +11,14 @@ steps whose verdict it waits for, or ``BAD``.
   the union of the dependencies of the blocks it reads. A request that reads another's blocks
   through vLLM's prefix cache reads them like its own, loaded ones included. So KV computed from a
   pending load stays pending, even after the loaded blocks themselves were recomputed.
+- A step that writes a block only up to a position inside it leaves the rest of the block as it
+  was: the block keeps its dependencies too. (vLLM recomputes a failed block in place, and a
+  request sharing it through the prefix cache may read all of it after a step that rewrote only
+  its first positions.) A block vLLM hands out anew holds nothing yet: it forgets its previous
+  user's dependencies (:meth:`BlockTrust.fresh`).
 - When S settles, blocks depending on S drop the dependency if no load of S failed; otherwise they
-  are ``BAD``, and stay so until a step rewrites them from trusted inputs. A loaded block is judged
-  alone: bad when its own load failed, trusted otherwise.
+  are ``BAD``, and stay so until a step rewrites them whole from trusted inputs. A loaded block is
+  judged alone: bad when its own load failed, trusted otherwise.
 
 ``BAD`` is conservative: a block computed from a step in which some other block failed counts as
 bad too. That costs a caching chance after a failure, never correctness.
@@ -39,10 +44,12 @@ _CLEAN: Deps = frozenset()
 @attrs.frozen
 class StepWork:
     """What one request does in a step: the blocks it reads (those holding positions before the
-    first one it computes) and the blocks it writes (those holding the positions it computes)."""
+    first one it computes) and the blocks it writes (those holding the positions it computes);
+    ``partial``: the last written block is written only up to a position inside it."""
 
     reads: Sequence[int]
     writes: Sequence[int]
+    partial: bool = False
 
 
 @attrs.define
@@ -69,16 +76,29 @@ class BlockTrust:
         for item in work:
             for block in item.writes:
                 self._loaded.pop(block, None)  # from now on computed, not only loaded
+        kept = {  # what a partly written block held before: it keeps holding that
+            item.writes[-1]: self._deps.get(item.writes[-1], _CLEAN)
+            for item in work
+            if item.partial and item.writes
+        }
         for _ in range(len(work) + 1):
             changed = False
             for item in work:
                 deps = frozenset().union(*(self._deps.get(b, _CLEAN) for b in item.reads))
                 for block in item.writes:
-                    if self._deps.get(block, _CLEAN) != deps:
+                    new = deps | kept.get(block, _CLEAN)
+                    if self._deps.get(block, _CLEAN) != new:
                         changed = True
-                        self._set(block, deps)
+                        self._set(block, new)
             if not changed:
                 return
+
+    def fresh(self, blocks: Iterable[int]) -> None:
+        """vLLM handed ``blocks`` out anew (they hold no position of their request yet): they
+        forget the dependencies of what they held before."""
+        for block in blocks:
+            self._deps.pop(block, None)
+            self._loaded.pop(block, None)
 
     def settle(self, step: int, bad_blocks: Iterable[int]) -> list[KVRequest]:
         """Every worker reported ``step``'s loads ended; ``bad_blocks`` did not load. Return the

@@ -466,3 +466,84 @@ def test_a_random_scenario_reaches_preemption_aborts_and_a_failed_load(engines: 
     then recomputed); the engines fixture checks that nothing wrong was stored or loaded."""
     reach = run(engines, 1, tp=1, async_scheduling=False, load_async=False)
     assert reach.preempted and reach.loads and reach.aborted and reach.wrong_inputs, reach
+
+
+# --- a failed block recomputed in place, part by part, while another request shares it ----------
+
+
+@pytest.fixture
+def faults() -> Faults:
+    scheduler_harness.FAULTS = Faults()
+    return scheduler_harness.FAULTS
+
+
+def _sharing_step(harness: Harness) -> tuple[list[int], list[int]]:
+    """X and Y, both starting with A's 3 stored blocks, admitted together, with a long-prefill cap
+    of 2 tokens: vLLM recomputes a failed block of X half a block per step while Y, sharing it
+    through the prefix cache, reads all of it."""
+    harness.scheduler.scheduler_config.long_prefill_token_threshold = 2
+    x_prompt, y_prompt = [*A[:12], *range(500, 508)], [*A[:12], *range(700, 708)]
+    harness.add(x_prompt, max_tokens=2)
+    harness.add(y_prompt, max_tokens=2)
+    return x_prompt, y_prompt
+
+
+def test_a_failed_block_rewritten_in_part_is_not_trusted(
+    tmp_path: Path, tiny_model_dir: Path, faults: Faults
+) -> None:
+    """A block whose load failed is good again only once a step rewrote it whole from good inputs
+    (docs/vllm.md, "The rule"): after a step that rewrote half of it, KV a sharer computed from it
+    is not stored."""
+    first = Harness(tmp_path / "store", tiny_model_dir)
+    second = None
+    try:
+        first.add(A[:12], max_tokens=2)
+        first.run()
+        faults.fail_gets, faults.fail_gets_matching = True, block_hashes(A)[2].hex()
+        second = Harness(tmp_path / "store", tiny_model_dir)
+        x_prompt, y_prompt = _sharing_step(second)
+        second.run()
+        faults.fail_gets = False
+        assert second.wrong_inputs, "the scenario did not make Y read the failed block"
+        second.stored_objects_are_correct([A[:12], x_prompt, y_prompt])
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_block_evicted_before_its_load_is_not_stored_half_recomputed(
+    tmp_path: Path, tiny_model_dir: Path, faults: Faults
+) -> None:
+    """The recompute policy's own case: A's third block is evicted between the lookup and the load;
+    the block stored again under A's key (every engine serving A loads it) holds A's KV, never a
+    half-rewritten block's."""
+    from kvflow.keys import decode_key
+    from kvflow.profiles import is_book_key
+
+    def hash_of(path: Path) -> bytes | None:
+        key = faults.keys.get(path.name)
+        return None if key is None or is_book_key(key) else decode_key(key).block_hash
+
+    store = tmp_path / "store"
+    first = Harness(store, tiny_model_dir)
+    second = None
+    try:
+        first.add(A[:12], max_tokens=2)
+        first.run()
+        second = Harness(store, tiny_model_dir)
+        x_prompt, y_prompt = _sharing_step(second)
+        output = second.scheduler.schedule()  # the lookups answered: 3 blocks
+        for path in (store / "objects").iterdir():
+            if hash_of(path) == block_hashes(A)[2]:
+                path.unlink()  # evicted before the load
+        second._queued.append((output, second._execute(output)))
+        done, result = second._queued.pop(0)
+        second._apply(second.scheduler.update_from_output(done, result))
+        second.run()
+        assert second.wrong_inputs, "the scenario did not make Y read the missed block"
+        second.stored_objects_are_correct([A[:12], x_prompt, y_prompt])
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

@@ -86,3 +86,26 @@ def test_settling_a_step_clears_every_block_that_waited_for_it_whatever_else_is_
     trust.computed([StepWork(reads=[10, 11], writes=[12])])
     trust.settle(2, set())  # block 5 (of step 1) comes first and does not depend on step 2
     assert trust.trusted([10, 11, 12]) and not trust.trusted([5])
+
+
+def test_a_bad_block_rewritten_in_part_stays_bad_until_rewritten_whole() -> None:
+    """vLLM recomputes a failed block in place, possibly part of it per step: the positions not yet
+    rewritten still hold what failed, and a sharer may read them."""
+    trust = BlockTrust()
+    trust.loading(1, load(10, 11))
+    trust.settle(1, {11})
+    trust.computed([StepWork(reads=[10], writes=[11], partial=True)])  # its first positions only
+    assert trust.bad(11)
+    trust.computed([StepWork(reads=[10], writes=[11])])  # a step that rewrites all of it
+    assert trust.trusted([11])
+
+
+def test_a_block_handed_out_anew_forgets_its_previous_users_verdict() -> None:
+    """A freed bad block reused for another request holds nothing yet: a partial write (a decode
+    step) from good inputs makes it trusted, not bad for ever."""
+    trust = BlockTrust()
+    trust.loading(1, load(11))
+    trust.settle(1, {11})
+    trust.fresh([11])
+    trust.computed([StepWork(reads=[10], writes=[11], partial=True)])
+    assert trust.trusted([11])
