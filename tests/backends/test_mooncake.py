@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
+from typing import ClassVar, cast
 
 import anyio
 import anyio.to_thread
@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
+from kvflow.backends.mooncake import backend as backend_module
 from kvflow.backends.mooncake.calls import distinct_rounds, put_chunk, put_results
 from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
 from kvflow.backends.mooncake.health import HealthGate
@@ -831,3 +832,95 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+# -- clients a setup makes but nobody keeps --------------------------------------------------------
+
+
+class FakeStore:
+    """A Mooncake client that records whether it was set up and closed."""
+
+    instances: ClassVar[list[FakeStore]] = []
+    setup_s: ClassVar[float] = 0.4
+    register_rc: ClassVar[list[int]] = [0]
+
+    def __init__(self) -> None:
+        self.set_up = False
+        self.closed = False
+        FakeStore.instances.append(self)
+
+    def setup(self, *args: object) -> int:
+        time.sleep(FakeStore.setup_s)
+        self.set_up = True
+        return 0
+
+    def close(self) -> int:
+        self.closed = True
+        return 0
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        return FakeStore.register_rc.pop(0) if len(FakeStore.register_rc) > 1 else FakeStore.register_rc[0]
+
+    def health_check(self) -> int:
+        return 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+
+class FakeModule:
+    MooncakeDistributedStore = FakeStore
+
+    class ReplicateConfig:
+        pass
+
+
+def assert_none_left_open(fake: type[FakeStore]) -> None:
+    left = [s for s in fake.instances if s.set_up and not s.closed]
+    assert not left, f"{len(left)} of {len(fake.instances)} Mooncake clients set up and never closed"
+
+
+@pytest.fixture
+def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeStore]:
+    FakeStore.instances = []
+    FakeStore.setup_s = 0.4
+    FakeStore.register_rc = [0]
+    monkeypatch.setattr(backend_module, "load_store_module", lambda: FakeModule)
+    return FakeStore
+
+
+async def test_a_setup_whose_caller_gave_up_does_not_leave_a_client_open(
+    fake_client: type[FakeStore],
+) -> None:
+    """A pool call's deadline cancels the first (lazy) setup while its thread sets the client up:
+    that client is closed when its setup ends (no segment stays mounted for nobody)."""
+    backend = MooncakeBackend(MooncakeConfig(health_interval_s=0.05))
+    with anyio.move_on_after(0.1):
+        await backend.exists(["k"])
+    await anyio.sleep(fake_client.setup_s + 0.3)  # the abandoned setup has finished by now
+    assert await backend.exists(["k"]) == [False]
+    await backend.aclose()
+    await anyio.sleep(0.1)
+    leaked = [s for s in fake_client.instances if s.set_up and not s.closed]
+    assert not leaked, (
+        f"{len(leaked)} of {len(fake_client.instances)} Mooncake clients set up and never closed"
+    )
+
+
+async def test_a_setup_that_fails_after_connecting_closes_its_client(fake_client: type[FakeStore]) -> None:
+    """A setup that connected but could not register the pool's memory closes its client (the
+    gate retries once per health interval: one orphan client each time else)."""
+    fake_client.setup_s = 0.0
+    fake_client.register_rc = [-1, 0]  # the first registration is refused, later ones succeed
+    backend = MooncakeBackend(MooncakeConfig(health_interval_s=0.05))
+    buf = bytearray(4096)
+    backend.register_memory(buffer_address(buf), len(buf))
+    with pytest.raises(BackendError, match="register"):
+        await backend.connect()
+    await anyio.sleep(0.1)
+    await backend.connect()  # the next interval: a new client
+    await backend.aclose()
+    leaked = [s for s in fake_client.instances if s.set_up and not s.closed]
+    assert not leaked, (
+        f"{len(leaked)} of {len(fake_client.instances)} Mooncake clients set up and never closed"
+    )

@@ -7,10 +7,10 @@ created, so a put copies into memory that is already there, at memcpy speed, ins
 kernel for new pages as a file per object does.
 
 The slots form a set-associative cache: a key's 128-bit xxh3 hash picks one set of ``ways`` slots
-(64, or every slot of a store smaller than that), and the object lives in one of them or nowhere. A
-lookup reads one set, so it needs no index beyond the table, and eviction takes the least recently
-used slot of the set. Sets are wide so that, as in one LRU list, the newest objects stay: what a
-prefix lookup needs.
+(64 or a few more, or every slot of a store of fewer than 128), and the object lives in one of them
+or nowhere. A lookup reads one set, so it needs no index beyond the table, and eviction takes the
+least recently used slot of the set. Sets are wide so that, as in one LRU list, the newest objects
+stay: what a prefix lookup needs.
 
 The table is columnar, eight arrays of little-endian u64 with one item per slot: state (FREE,
 WRITING, READY), the writer (pid namespace, pid, start time: who holds a WRITING slot), the key's
@@ -154,6 +154,14 @@ class Geometry:
         sets = max(1, slots // WAYS)
         return cls(slots // sets, config.slot_bytes, sets)
 
+    @classmethod
+    def earlier_of(cls, config: ArenaConfig) -> Geometry:
+        """How a kvflow that made sets of at most ``WAYS`` slots cut the same capacity (its stores
+        keep working as they were made)."""
+        slots = config.capacity_bytes // config.slot_bytes
+        ways = min(WAYS, slots)
+        return cls(ways, config.slot_bytes, slots // ways)
+
     @property
     def rows(self) -> int:
         return self.sets * self.ways
@@ -231,7 +239,10 @@ class ArenaFile:
                 wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
             try:
                 with lock.held_blocking(EXCLUSIVE, wait):
-                    fds.append(_open_or_create(fds[0], root, access, geometry))
+                    fd, geometry = _open_or_create(
+                        fds[0], root, access, geometry, Geometry.earlier_of(config)
+                    )
+                    fds.append(fd)
             except TimeoutError as exc:
                 raise BackendUnavailableError(f"cannot open the arena at {root}: {exc}") from None
             mapped = mmap.mmap(
@@ -449,19 +460,21 @@ def _exists(root_fd: int, name: str) -> bool:
     return True
 
 
-def _open_or_create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
-    """The arena file's descriptor, after creating it (allocated and zeroed) if missing. Under the lock."""
+def _open_or_create(
+    root_fd: int, root: str, access: Access, geometry: Geometry, earlier: Geometry
+) -> tuple[int, Geometry]:
+    """The arena file's descriptor, after creating it (allocated and zeroed) if missing, and how it
+    is cut: ``geometry``, or ``earlier`` for a store an earlier kvflow made. Under the lock."""
     path = f"{root}/{ARENA_NAME}"
     try:
         fd = open_store_file(root_fd, ARENA_NAME, path, access, create=False)
     except FileNotFoundError:
         fd = _create(root_fd, root, access, geometry)
     try:
-        _check_header(fd, path, geometry)
+        return fd, _check_header(fd, path, geometry, earlier)
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def _create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
@@ -493,7 +506,8 @@ def _create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
     return fd
 
 
-def _check_header(fd: int, path: str, geometry: Geometry) -> None:
+def _check_header(fd: int, path: str, geometry: Geometry, earlier: Geometry) -> Geometry:
+    """How the arena is cut: ``geometry`` or ``earlier``."""
     data = os.pread(fd, _HEADER.size, 0)
     size = os.fstat(fd).st_size
     if len(data) < _HEADER.size or data[:8] != _MAGIC:
@@ -505,8 +519,9 @@ def _check_header(fd: int, path: str, geometry: Geometry) -> None:
             "remove it (its KV is only a cache) or use another directory"
         )
     found = Geometry(ways, slot_bytes, sets)
-    if found != geometry or offset != geometry.data_offset or size != geometry.file_bytes:
+    if found not in (geometry, earlier) or offset != found.data_offset or size != found.file_bytes:
         raise ConfigError(
             f"{path} holds {found.describe()}, but this URL asks for {geometry.describe()}: give every "
             "process the same capacity and slot, or remove the store to make it anew"
         )
+    return found

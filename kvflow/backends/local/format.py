@@ -319,12 +319,17 @@ def _read_stat(pid: int | str) -> tuple[bytes, int] | None:
 
 
 def _exited(pid: int) -> bool:
-    """Whether a zombie ``pid`` has no thread left (a leader that ended before its threads is a
-    zombie too, while they run)."""
+    """Whether a zombie ``pid`` has no thread left running (a leader that ended before its threads
+    is a zombie too, while they run)."""
     try:
-        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
+    for task in tasks:
+        stat = _read_stat(f"{pid}/task/{task}")
+        if stat is not None and stat[0] not in (b"Z", b"X"):
+            return False
+    return True
 
 
 def _pid_exists(pid: int) -> bool:

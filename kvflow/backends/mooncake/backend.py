@@ -409,10 +409,14 @@ class MooncakeBackend:
 
     async def _setup(self) -> NativeStore:
         store = await setup_store(self._module, self.config, self._calls)
-        for addr, nbytes in self._registered.ranges():
-            self._register_native(store, addr, nbytes)
-        if self._staging is not None:
-            self._register_native(store, self._staging.addr, self._staging.nbytes)
+        try:
+            for addr, nbytes in self._registered.ranges():
+                self._register_native(store, addr, nbytes)
+            if self._staging is not None:
+                self._register_native(store, self._staging.addr, self._staging.nbytes)
+        except BaseException:  # connected, but unusable: close it (its segment stays mounted else)
+            await self._close_native(store)
+            raise
         return store
 
     def _register_native(self, store: NativeStore, addr: int, nbytes: int) -> None:

@@ -155,6 +155,15 @@ def setup_retries_env(retries: int) -> Iterator[None]:
             os.environ[SETUP_RETRIES_ENV] = previous
 
 
+def _abandon(store: NativeStore, lock: threading.Lock, state: dict[str, object]) -> None:
+    """Nobody waits for this setup any more: its thread closes the client if it succeeds, and a
+    setup that already succeeded is closed now (no segment stays mounted for nobody)."""
+    with lock:
+        state["abandoned"] = True
+        if state.get("rc") == 0:
+            store.close()
+
+
 async def setup_store(module: StoreModule, config: MooncakeConfig, calls: NativeCalls) -> NativeStore:
     """A new client set up against the master; BackendUnavailableError if that fails or overruns.
 
@@ -164,7 +173,7 @@ async def setup_store(module: StoreModule, config: MooncakeConfig, calls: Native
     """
     store = module.MooncakeDistributedStore()
     lock = threading.Lock()
-    state = {"abandoned": False}
+    state: dict[str, object] = {"abandoned": False}
 
     def setup() -> int:
         rc = store.setup(
@@ -177,6 +186,7 @@ async def setup_store(module: StoreModule, config: MooncakeConfig, calls: Native
             config.master,
         )
         with lock:
+            state["rc"] = rc
             if state["abandoned"] and rc == 0:
                 store.close()
         return rc
@@ -186,13 +196,15 @@ async def setup_store(module: StoreModule, config: MooncakeConfig, calls: Native
         with setup_retries_env(config.setup_retries):
             rc = await calls.run(setup, timeout_s=config.setup_timeout_s)
     except (TimeoutError, SlotsBusy) as exc:
-        with lock:
-            state["abandoned"] = True
+        _abandon(store, lock, state)
         why = "a worker slot is free" if isinstance(exc, SlotsBusy) else "it finished"
         raise BackendUnavailableError(
             f"Mooncake setup against the master at {config.master} was given up before {why} "
             f"(setup_timeout={config.setup_timeout_s:g} s): check that mooncake_master runs there"
         ) from None
+    except BaseException:  # the caller gave up (cancelled): the same
+        _abandon(store, lock, state)
+        raise
     if rc == INVALID_PARAMS:
         raise BackendUnavailableError(
             f"Mooncake rejected the setup parameters ({code_name(rc)}): segment={config.segment_bytes}, "
