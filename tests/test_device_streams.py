@@ -257,76 +257,51 @@ class PinnedTracking(Device):
         return tensor.is_contiguous() and any(a <= ptr < b for a, b in self.pinned)
 
 
-async def test_the_copy_streams_host_to_device_copies_read_pinned_memory_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``Device.index`` moves the block ids with ``torch.tensor(ids).to(device, non_blocking=True)``:
-    a non_blocking copy out of pageable memory. torch_npu turns it into a synchronisation of the
-    copy stream (CachingHostAllocator.cpp ``process_non_blocking_copy``: memory not registered ->
-    ``AclrtSynchronizeStreamWithTimeout``), so every gather and scatter blocks kvflow's loop until
-    every copy queued before it (and, for a store, the engine's forward it waits on) has run; CUDA
-    stages pageable memory through driver buffers ("might be synchronous with respect to host").
-    The loop was to never wait for the device."""
-    device = PinnedTracking(torch.device("cpu"), event_factory=CpuEvent, module=StreamModule)
-    pageable: list[str] = []
+def pageable_copies(monkeypatch: pytest.MonkeyPatch, device: PinnedTracking) -> list[str]:
+    """What non-blocking host-to-device copies read pageable memory from now on (tensor shapes)."""
+    found: list[str] = []
     original = torch.Tensor.to
 
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("non_blocking") and self.device.type == "cpu" and not device.is_pinned(self):
-            pageable.append(f"{tuple(self.shape)} {self.dtype}")
+            found.append(f"{tuple(self.shape)} {self.dtype}")
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", to)
+    return found
+
+
+async def test_the_copy_streams_host_to_device_copies_read_pinned_memory_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy stream's host-to-device copies (the block indexes, the chunk's rows) read pinned
+    memory only: a non-blocking copy out of pageable memory waits (torch_npu synchronises the copy
+    stream, CachingHostAllocator.cpp ``process_non_blocking_copy``; CUDA stages it through driver
+    buffers after a stream sync), and the loop must never wait for the device."""
+    device = PinnedTracking(torch.device("cpu"), event_factory=CpuEvent, module=StreamModule)
+    pageable = pageable_copies(monkeypatch, device)
     caches = LAYOUTS["flash_attn"]()
-    config = PoolConfig(staging="always", staging_bytes=2 * 4096)
-    pool = KVPool.create(
-        config, layout=KVLayout.from_kv_caches(caches), backend=MemoryBackend(), device=device
-    )
-    async with pool:
+    async with staged_pool(caches, device) as pool:
         assert (await pool.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))).stored == len(SRC_IDS)
         assert (await pool.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))).hit_blocks == len(DST_IDS)
-    assert all(
-        block_bytes(caches[n], d) == block_bytes(caches[n], s)
-        for s, d in zip(SRC_IDS, DST_IDS)
-        for n in caches
-    )
+    assert moved_exactly(caches)
     assert not pageable, f"non_blocking host-to-device copies out of pageable memory: {pageable}"
 
 
 async def test_a_partly_hit_chunk_is_scattered_from_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chunk whose hits are not its first rows (a block missed in the middle) is scattered from
-    ``region.index_select(0, picked)``: a fresh pageable copy of the rows, made on the loop thread
-    and then moved with ``.to(device, non_blocking=True)`` (staging.py scatter / device.py
-    scatter_rows). Up to a chunk plane's worth of pageable memory per call, whose copy CUDA stages
-    through driver buffers before returning (the loop waits for the copy stream to reach it) and
-    torch_npu makes a stream synchronisation."""
+    """A chunk whose hits are not its first rows (a block missed in the middle) moves its rows from
+    the chunk (pinned) and picks them on the device: picked on the host, they were a fresh pageable
+    copy, whose move to the device waits (on an NPU for the whole copy stream)."""
     device = PinnedTracking(torch.device("cpu"), event_factory=CpuEvent, module=StreamModule)
-    rows: list[str] = []
-    original = torch.Tensor.to
-
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if (
-            kwargs.get("non_blocking")
-            and self.device.type == "cpu"
-            and self.dtype == torch.uint8
-            and not device.is_pinned(self)
-        ):
-            rows.append(f"{tuple(self.shape)}")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
+    pageable = pageable_copies(monkeypatch, device)
     caches = LAYOUTS["flash_attn"]()
-    config = PoolConfig(staging="always", staging_bytes=2 * 4096)
-    pool = KVPool.create(
-        config, layout=KVLayout.from_kv_caches(caches), backend=MemoryBackend(), device=device
-    )
-    async with pool:
+    async with staged_pool(caches, device) as pool:
         assert (await pool.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))).stored == len(SRC_IDS)
         assert await pool.remove(KVRequest(tokens=TOKENS[: 3 * BLOCK], block_offset=2)) == 1  # block 2 only
         got = await pool.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
     assert got.statuses[2] is not got.statuses[3]  # a miss, then a hit in the same chunk
     assert block_bytes(caches["l0"], DST_IDS[3]) == block_bytes(caches["l0"], SRC_IDS[3])
-    assert not rows, f"rows scattered out of pageable memory with non_blocking copies: {rows}"
+    assert not pageable, f"rows scattered out of pageable memory with non_blocking copies: {pageable}"
 
 
 @pytest.mark.parametrize("writer_block", [BLOCK, BLOCK // 2], ids=["same block size", "half blocks"])
@@ -343,15 +318,7 @@ async def test_a_reshaped_load_moves_only_pinned_memory(
     backend = MemoryBackend()
     src, ids = await stored_by_a_tp1_writer(backend, writer_block)
     device = PinnedTracking(torch.device("cpu"), event_factory=CpuEvent, module=StreamModule)
-    pageable: list[str] = []
-    original = torch.Tensor.to
-
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("non_blocking") and self.device.type == "cpu" and not device.is_pinned(self):
-            pageable.append(f"{tuple(self.shape)} {self.dtype}")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
+    pageable = pageable_copies(monkeypatch, device)
     reader, dst = tp2_reader(backend, staged(staging_bytes=4 * 4096), device, writer_block)
     async with reader:
         got = await reader.retrieve(KVRequest(block_ids=READER_IDS, tokens=PROMPT))
