@@ -4,7 +4,7 @@ after it), and for the profile book another call is reading from a stalled store
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import attrs
@@ -18,6 +18,30 @@ from kvflow.transfer import ByteBudget, run_batches
 from tests.helpers import BLOCK, FaultyBackend, kv_keys
 
 # --- the byte budget ------------------------------------------------------------------------------
+
+
+async def _held_up_while_waiting(
+    first: Callable[[], Awaitable[None]],
+    second: Callable[[], Awaitable[None]],
+    go: anyio.Event,
+    blocker_go: anyio.Event,
+) -> None:
+    """``first`` takes the whole byte budget and ``second`` waits for it; ``go`` lets ``first``
+    end, and once ``blocker_go`` is set another task holds the loop up for 0.3 s (a long step), past
+    ``second``'s deadline, before ``second`` runs again."""
+
+    async def blocker() -> None:
+        await blocker_go.wait()
+        time.sleep(0.3)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(second)
+            tg.start_soon(blocker)
+            await anyio.wait_all_tasks_blocked()
+            go.set()
 
 
 async def test_no_backend_call_starts_after_its_deadline_once_the_budget_came_free() -> None:
@@ -61,19 +85,7 @@ async def test_no_backend_call_starts_after_its_deadline_once_the_budget_came_fr
             deadline=b_deadline,
         )
 
-    async def blocker() -> None:
-        await blocker_go.wait()
-        time.sleep(0.3)  # the loop is held up (another task's long step)
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(first)
-            await anyio.wait_all_tasks_blocked()
-            tg.start_soon(second)
-            tg.start_soon(blocker)
-            await anyio.wait_all_tasks_blocked()
-            assert budget.held == 1
-            go.set()
+    await _held_up_while_waiting(first, second, go, blocker_go)
     assert all(t < 0 for t in late), f"a backend call started {max(late):.3f} s after its deadline"
 
 
@@ -110,18 +122,7 @@ async def test_a_store_reported_failed_after_its_deadline_published_nothing() ->
     async def store_b() -> None:
         results["b"] = await pool.store(KVRequest(tokens=tokens_b, block_ids=[1]), timeout_s=0.1)
 
-    async def blocker() -> None:
-        await blocker_go.wait()
-        time.sleep(0.3)
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(store_a)
-            await anyio.wait_all_tasks_blocked()
-            tg.start_soon(store_b)
-            tg.start_soon(blocker)
-            await anyio.wait_all_tasks_blocked()
-            go.set()
+    await _held_up_while_waiting(store_a, store_b, go, blocker_go)
     b = results["b"]
     stored = len(kv_keys(backend.inner))
     assert not (b.statuses == (PutStatus.FAILED,) and stored == 2), (  # type: ignore[attr-defined]

@@ -515,10 +515,7 @@ async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_ba
     workers = Workers([{"url": url, "writer": 1, "keys": ["dying", "dying-2"], "size": SLOT, "pause": True}])
     try:
         proc = workers.procs[0]
-        workers.wait_for(proc, "READY")
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+        workers.go()
         workers.wait_for(proc, "PAUSED")  # it claimed two slots and copied into one
         backend = open_arena(store_dir, slots=4)
         assert await backend.exists(["dying", "dying-2"]) == [False, False]
@@ -704,10 +701,7 @@ async def test_a_killed_writer_not_yet_reaped_gives_its_slots_back(store_dir: Pa
     workers = Workers([{"url": url, "writer": 1, "keys": ["dying"], "size": SLOT, "pause": True}])
     proc = workers.procs[0]
     try:
-        workers.wait_for(proc, "READY")
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+        workers.go()
         workers.wait_for(proc, "PAUSED")
         os.kill(proc.pid, 9)  # killed, and not waited for
         deadline = time.monotonic() + 10

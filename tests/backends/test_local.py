@@ -761,10 +761,7 @@ async def test_writer_killed_mid_write_leaves_nothing_readable(tmp_path: Path) -
     workers = Workers([spec])
     proc = workers.procs[0]
     try:
-        workers.wait_for(proc, "READY")
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+        workers.go()
         temp = Path(workers.wait_for(proc, "PAUSED").split(" ", 1)[1])
         assert temp.parent == tmp_path / "tmp"
         # Really mid-write: the file is sized to its reservation up front; header and first region

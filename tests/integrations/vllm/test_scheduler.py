@@ -9,6 +9,7 @@ computes, and a fresh engine that loads every stored block computes from correct
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -477,6 +478,22 @@ def faults() -> Faults:
     return scheduler_harness.FAULTS
 
 
+@contextlib.contextmanager
+def _engine_after_a_was_stored(store: Path, model: Path) -> Iterator[Harness]:
+    """A second engine over ``store``, once a first one stored A's first three blocks there."""
+    first = Harness(store, model)
+    second = None
+    try:
+        first.add(A[:12], max_tokens=2)
+        first.run()
+        second = Harness(store, model)
+        yield second
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
 def _sharing_step(harness: Harness) -> tuple[list[int], list[int]]:
     """X and Y, both starting with A's 3 stored blocks, admitted together, with a long-prefill cap
     of 2 tokens: vLLM recomputes a failed block of X half a block per step while Y, sharing it
@@ -494,22 +511,13 @@ def test_a_failed_block_rewritten_in_part_is_not_trusted(
     """A block whose load failed is good again only once a step rewrote it whole from good inputs
     (docs/vllm.md, "The rule"): after a step that rewrote half of it, KV a sharer computed from it
     is not stored."""
-    first = Harness(tmp_path / "store", tiny_model_dir)
-    second = None
-    try:
-        first.add(A[:12], max_tokens=2)
-        first.run()
+    with _engine_after_a_was_stored(tmp_path / "store", tiny_model_dir) as second:
         faults.fail_gets, faults.fail_gets_matching = True, block_hashes(A)[2].hex()
-        second = Harness(tmp_path / "store", tiny_model_dir)
         x_prompt, y_prompt = _sharing_step(second)
         second.run()
         faults.fail_gets = False
         assert second.wrong_inputs, "the scenario did not make Y read the failed block"
         second.stored_objects_are_correct([A[:12], x_prompt, y_prompt])
-    finally:
-        first.close()
-        if second is not None:
-            second.close()
 
 
 def test_a_block_evicted_before_its_load_is_not_stored_half_recomputed(
@@ -526,12 +534,7 @@ def test_a_block_evicted_before_its_load_is_not_stored_half_recomputed(
         return None if key is None or is_book_key(key) else decode_key(key).block_hash
 
     store = tmp_path / "store"
-    first = Harness(store, tiny_model_dir)
-    second = None
-    try:
-        first.add(A[:12], max_tokens=2)
-        first.run()
-        second = Harness(store, tiny_model_dir)
+    with _engine_after_a_was_stored(store, tiny_model_dir) as second:
         x_prompt, y_prompt = _sharing_step(second)
         output = second.scheduler.schedule()  # the lookups answered: 3 blocks
         for path in (store / "objects").iterdir():
@@ -543,7 +546,3 @@ def test_a_block_evicted_before_its_load_is_not_stored_half_recomputed(
         second.run()
         assert second.wrong_inputs, "the scenario did not make Y read the missed block"
         second.stored_objects_are_correct([A[:12], x_prompt, y_prompt])
-    finally:
-        first.close()
-        if second is not None:
-            second.close()
