@@ -249,7 +249,8 @@ class SchedulerSide:
                 StepWork(
                     reads=t.block_ids[: -(-before // block)],
                     writes=t.block_ids[before // block : -(-after // block)],
-                    partial=after % block != 0,
+                    read_to=before % block or None,
+                    written_to=after % block or None,
                 )
                 for t, before, after in work
             ]

@@ -12,10 +12,11 @@ steps whose verdict it waits for, or ``BAD``.
   through vLLM's prefix cache reads them like its own, loaded ones included. So KV computed from a
   pending load stays pending, even after the loaded blocks themselves were recomputed.
 - A step that writes a block only up to a position inside it leaves the rest of the block as it
-  was: the block keeps its dependencies too. (vLLM recomputes a failed block in place, and a
+  was: that *tail* keeps what it depended on. (vLLM recomputes a failed block in place, and a
   request sharing it through the prefix cache may read all of it after a step that rewrote only
-  its first positions.) A block vLLM hands out anew holds nothing yet: it forgets its previous
-  user's dependencies (:meth:`BlockTrust.fresh`).
+  its first positions.) A request that reads only the block's first positions (the writer's own
+  next step) does not read its tail; one that reads the whole block does. A block vLLM hands out
+  anew holds nothing yet: it forgets its previous user's dependencies (:meth:`BlockTrust.fresh`).
 - When S settles, blocks depending on S drop the dependency if no load of S failed; otherwise they
   are ``BAD``, and stay so until a step rewrites them whole from trusted inputs. A loaded block is
   judged alone: bad when its own load failed, trusted otherwise.
@@ -44,12 +45,14 @@ _CLEAN: Deps = frozenset()
 @attrs.frozen
 class StepWork:
     """What one request does in a step: the blocks it reads (those holding positions before the
-    first one it computes) and the blocks it writes (those holding the positions it computes);
-    ``partial``: the last written block is written only up to a position inside it."""
+    first one it computes) and the blocks it writes (those holding the positions it computes).
+    ``read_to``: the positions it reads of its last read block, ``written_to``: those of its last
+    written block that hold its KV after the step (None: the whole block)."""
 
     reads: Sequence[int]
     writes: Sequence[int]
-    partial: bool = False
+    read_to: int | None = None
+    written_to: int | None = None
 
 
 @attrs.define
@@ -59,6 +62,7 @@ class BlockTrust:
     _deps: dict[int, Deps] = attrs.field(factory=dict)
     _loads: dict[int, list[KVRequest]] = attrs.field(factory=dict)  # step -> its loads
     _loaded: dict[int, int] = attrs.field(factory=dict)  # block -> the step that loaded it, unwritten since
+    _tails: dict[int, tuple[int, Deps]] = attrs.field(factory=dict)  # block -> (stale from, its deps)
 
     def loading(self, step: int, load: KVRequest) -> None:
         """``load`` writes its blocks in ``step`` (before the step's forward)."""
@@ -66,6 +70,7 @@ class BlockTrust:
         for block in load.block_ids:
             self._deps[block] = frozenset({step})
             self._loaded[block] = step
+            self._tails.pop(block, None)
 
     def computed(self, work: Sequence[StepWork]) -> None:
         """A step's forward: every written block takes the dependencies of what its request read.
@@ -76,22 +81,47 @@ class BlockTrust:
         for item in work:
             for block in item.writes:
                 self._loaded.pop(block, None)  # from now on computed, not only loaded
-        kept = {  # what a partly written block held before: it keeps holding that
-            item.writes[-1]: self._deps.get(item.writes[-1], _CLEAN)
+        tails = {  # the positions a partly written block keeps from before, and their dependencies
+            item.writes[-1]: (item.written_to, self._stale(item.writes[-1], item.written_to))
             for item in work
-            if item.partial and item.writes
+            if item.writes and item.written_to is not None
         }
+        for item in work:
+            for block in item.writes:
+                tail = tails.get(block)
+                if tail is not None and tail[1]:
+                    self._tails[block] = tail
+                else:
+                    self._tails.pop(block, None)
         for _ in range(len(work) + 1):
             changed = False
             for item in work:
-                deps = frozenset().union(*(self._deps.get(b, _CLEAN) for b in item.reads))
+                deps = self._read_deps(item)
                 for block in item.writes:
-                    new = deps | kept.get(block, _CLEAN)
-                    if self._deps.get(block, _CLEAN) != new:
+                    if self._deps.get(block, _CLEAN) != deps:
                         changed = True
-                        self._set(block, new)
+                        self._set(block, deps)
             if not changed:
                 return
+
+    def _stale(self, block: int, written_to: int) -> Deps:
+        """What the positions of ``block`` from ``written_to`` on depend on before this step."""
+        head = self._deps.get(block, _CLEAN)
+        tail = self._tails.get(block)
+        if tail is None:
+            return head
+        start, deps = tail
+        return deps | (head if written_to < start else _CLEAN)
+
+    def _read_deps(self, item: StepWork) -> Deps:
+        """What ``item`` reads depends on: each read block's, and its tail's where it reads that."""
+        deps = frozenset().union(*(self._deps.get(b, _CLEAN) for b in item.reads))
+        last = len(item.reads) - 1
+        for i, block in enumerate(item.reads):
+            tail = self._tails.get(block)
+            if tail is not None and (i < last or item.read_to is None or item.read_to > tail[0]):
+                deps |= tail[1]
+        return deps
 
     def fresh(self, blocks: Iterable[int]) -> None:
         """vLLM handed ``blocks`` out anew (they hold no position of their request yet): they
@@ -99,6 +129,7 @@ class BlockTrust:
         for block in blocks:
             self._deps.pop(block, None)
             self._loaded.pop(block, None)
+            self._tails.pop(block, None)
 
     def settle(self, step: int, bad_blocks: Iterable[int]) -> list[KVRequest]:
         """Every worker reported ``step``'s loads ended; ``bad_blocks`` did not load. Return the
@@ -114,6 +145,13 @@ class BlockTrust:
                 self._set(block, frozenset({BAD}) if block in bad else _CLEAN)
             else:
                 self._set(block, (deps - {step}) | ({BAD} if failed else set()))
+        for block, (start, deps) in list(self._tails.items()):
+            if step in deps:
+                settled = (deps - {step}) | ({BAD} if failed else set())
+                if settled:
+                    self._tails[block] = (start, settled)
+                else:
+                    del self._tails[block]
         return loads
 
     def load_ended(self, load: KVRequest, bad_blocks: Iterable[int]) -> None:
@@ -121,18 +159,20 @@ class BlockTrust:
         bad = set(bad_blocks)
         for block in load.block_ids:
             self._set(block, frozenset({BAD}) if block in bad else _CLEAN)
+            self._tails.pop(block, None)
 
     def trusted(self, blocks: Iterable[int]) -> bool:
-        """Whether every one of ``blocks`` holds KV known good on every rank."""
-        deps = self._deps
-        return not any(b in deps for b in blocks)
+        """Whether every one of ``blocks`` holds KV known good on every rank, all its positions."""
+        deps, tails = self._deps, self._tails
+        return not any(b in deps or b in tails for b in blocks)
 
     def bad(self, block: int) -> bool:
-        return BAD in self._deps.get(block, _CLEAN)
+        tail = self._tails.get(block)
+        return BAD in self._deps.get(block, _CLEAN) or (tail is not None and BAD in tail[1])
 
     @property
     def untrusted(self) -> int:
-        return len(self._deps)
+        return len(self._deps.keys() | self._tails.keys())
 
     def _set(self, block: int, deps: Deps) -> None:
         if deps:

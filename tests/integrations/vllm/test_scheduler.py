@@ -546,3 +546,71 @@ def test_a_block_evicted_before_its_load_is_not_stored_half_recomputed(
         second.run()
         assert second.wrong_inputs, "the scenario did not make Y read the missed block"
         second.stored_objects_are_correct([A[:12], x_prompt, y_prompt])
+
+
+def _stored_hashes(faults: Faults) -> set[bytes]:
+    from kvflow.keys import decode_key
+    from kvflow.profiles import is_book_key
+
+    return {decode_key(k).block_hash for k in faults.keys.values() if not is_book_key(k)}
+
+
+@pytest.mark.parametrize("budget", [0, 6], ids=["whole prompt", "chunks ending inside blocks"])
+def test_blocks_recomputed_after_a_failed_load_are_stored(
+    tmp_path: Path, tiny_model_dir: Path, faults: Faults, budget: int
+) -> None:
+    """After vLLM recomputes what a failed load left bad (in chunks that end inside blocks, too),
+    the recomputed blocks are stored, and so are the blocks of a later request that reads them
+    through the prefix cache: a failure costs no caching once it is recomputed."""
+    first = Harness(tmp_path / "store", tiny_model_dir)
+    second = None
+    try:
+        first.add([*A[:8], 7], max_tokens=1)
+        first.run()
+        faults.fail_gets, faults.fail_gets_left = True, 1
+        faults.fail_gets_matching = block_hashes(A[:8])[1].hex()
+        second = Harness(tmp_path / "store", tiny_model_dir)
+        if budget:
+            second.scheduler.max_num_scheduled_tokens = budget
+        x_prompt = [*A[:8], *range(500, 514)]  # 5 full blocks
+        second.add(x_prompt, max_tokens=3)
+        second.run()
+        faults.fail_gets = False
+        assert second.loads
+        z_prompt = [*x_prompt, *range(600, 613)]  # a later request reading X's blocks
+        second.add(z_prompt, max_tokens=2)
+        second.run()
+        second.stored_objects_are_correct([[*A[:8], 7], x_prompt, z_prompt])
+        have = _stored_hashes(faults)
+        assert [i for i, h in enumerate(block_hashes(z_prompt)) if h not in have] == []
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_decode_block_completed_after_a_recompute_is_stored(
+    tmp_path: Path, tiny_model_dir: Path, faults: Faults
+) -> None:
+    """X's prompt ends inside a block the failed step computed; vLLM recomputes it in part, then
+    decode steps complete it from good KV: with save_decode_blocks it is stored."""
+    first = Harness(tmp_path / "store", tiny_model_dir)
+    second = None
+    try:
+        first.add([*A[:8], 7], max_tokens=1)
+        first.run()
+        faults.fail_gets, faults.fail_gets_left = True, 1
+        faults.fail_gets_matching = block_hashes(A[:8])[1].hex()
+        second = Harness(tmp_path / "store", tiny_model_dir, extra={"save_decode_blocks": True})
+        x_prompt = [*A[:8], *range(500, 514)]  # 22 tokens: its last block holds 2 of them
+        rid = second.add(x_prompt, max_tokens=7)
+        second.run()
+        faults.fail_gets = False
+        full = [*x_prompt, *second.requests[rid].outputs]
+        second.stored_objects_are_correct([[*A[:8], 7], full])
+        have = _stored_hashes(faults)
+        assert [i for i, h in enumerate(block_hashes(full[:-1])) if h not in have] == []
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

@@ -88,24 +88,30 @@ def test_settling_a_step_clears_every_block_that_waited_for_it_whatever_else_is_
     assert trust.trusted([10, 11, 12]) and not trust.trusted([5])
 
 
-def test_a_bad_block_rewritten_in_part_stays_bad_until_rewritten_whole() -> None:
+def test_a_bad_block_rewritten_in_part_keeps_a_bad_tail_until_its_writer_completes_it() -> None:
     """vLLM recomputes a failed block in place, possibly part of it per step: the positions not yet
-    rewritten still hold what failed, and a sharer may read them."""
+    rewritten still hold what failed. A sharer reading the whole block reads them; the writer's own
+    next step reads only the rewritten positions and completes the block."""
     trust = BlockTrust()
     trust.loading(1, load(10, 11))
     trust.settle(1, {11})
-    trust.computed([StepWork(reads=[10], writes=[11], partial=True)])  # its first positions only
-    assert trust.bad(11)
-    trust.computed([StepWork(reads=[10], writes=[11])])  # a step that rewrites all of it
-    assert trust.trusted([11])
+    trust.computed([StepWork(reads=[10], writes=[11], written_to=2)])  # positions 0-1 of 11 only
+    assert trust.bad(11) and not trust.trusted([11])
+    trust.computed([StepWork(reads=[10, 11], writes=[20])])  # a sharer reads all of 11
+    assert trust.bad(20)
+    trust.computed([StepWork(reads=[10, 11], writes=[11, 12], read_to=2, written_to=1)])  # the writer goes on
+    assert trust.trusted([11]) and not trust.bad(12)
+    trust.computed([StepWork(reads=[10, 11, 12], writes=[12], read_to=1)])  # and completes 12
+    assert trust.trusted([10, 11, 12])
 
 
 def test_a_block_handed_out_anew_forgets_its_previous_users_verdict() -> None:
-    """A freed bad block reused for another request holds nothing yet: a partial write (a decode
-    step) from good inputs makes it trusted, not bad for ever."""
+    """A freed bad block reused for another request holds nothing yet: decode steps writing it
+    position by position from good inputs make it trusted, not bad for ever."""
     trust = BlockTrust()
     trust.loading(1, load(11))
     trust.settle(1, {11})
     trust.fresh([11])
-    trust.computed([StepWork(reads=[10], writes=[11], partial=True)])
-    assert trust.trusted([11])
+    trust.computed([StepWork(reads=[10], writes=[11], written_to=1)])
+    trust.computed([StepWork(reads=[10, 11], writes=[11], read_to=1, written_to=2)])
+    assert not trust.bad(11) and trust.untrusted == 0
