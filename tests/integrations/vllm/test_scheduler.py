@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -479,14 +479,16 @@ def faults() -> Faults:
 
 
 @contextlib.contextmanager
-def _engine_after_a_was_stored(store: Path, model: Path) -> Iterator[Harness]:
-    """A second engine over ``store``, once a first one stored A's first three blocks there."""
+def _engine_after_a_was_stored(
+    store: Path, model: Path, stored: Sequence[int] = A[:12], max_tokens: int = 2, **harness: Any
+) -> Iterator[Harness]:
+    """A second engine over ``store``, once a first one stored ``stored`` (A's first three blocks)."""
     first = Harness(store, model)
     second = None
     try:
-        first.add(A[:12], max_tokens=2)
+        first.add(list(stored), max_tokens=max_tokens)
         first.run()
-        second = Harness(store, model)
+        second = Harness(store, model, **harness)
         yield second
     finally:
         first.close()
@@ -562,14 +564,9 @@ def test_blocks_recomputed_after_a_failed_load_are_stored(
     """After vLLM recomputes what a failed load left bad (in chunks that end inside blocks, too),
     the recomputed blocks are stored, and so are the blocks of a later request that reads them
     through the prefix cache: a failure costs no caching once it is recomputed."""
-    first = Harness(tmp_path / "store", tiny_model_dir)
-    second = None
-    try:
-        first.add([*A[:8], 7], max_tokens=1)
-        first.run()
+    with _engine_after_a_was_stored(tmp_path / "store", tiny_model_dir, [*A[:8], 7], 1) as second:
         faults.fail_gets, faults.fail_gets_left = True, 1
         faults.fail_gets_matching = block_hashes(A[:8])[1].hex()
-        second = Harness(tmp_path / "store", tiny_model_dir)
         if budget:
             second.scheduler.max_num_scheduled_tokens = budget
         x_prompt = [*A[:8], *range(500, 514)]  # 5 full blocks
@@ -583,10 +580,6 @@ def test_blocks_recomputed_after_a_failed_load_are_stored(
         second.stored_objects_are_correct([[*A[:8], 7], x_prompt, z_prompt])
         have = _stored_hashes(faults)
         assert [i for i, h in enumerate(block_hashes(z_prompt)) if h not in have] == []
-    finally:
-        first.close()
-        if second is not None:
-            second.close()
 
 
 def test_a_decode_block_completed_after_a_recompute_is_stored(
@@ -594,14 +587,12 @@ def test_a_decode_block_completed_after_a_recompute_is_stored(
 ) -> None:
     """X's prompt ends inside a block the failed step computed; vLLM recomputes it in part, then
     decode steps complete it from good KV: with save_decode_blocks it is stored."""
-    first = Harness(tmp_path / "store", tiny_model_dir)
-    second = None
-    try:
-        first.add([*A[:8], 7], max_tokens=1)
-        first.run()
+    extra = {"save_decode_blocks": True}
+    with _engine_after_a_was_stored(
+        tmp_path / "store", tiny_model_dir, [*A[:8], 7], 1, extra=extra
+    ) as second:
         faults.fail_gets, faults.fail_gets_left = True, 1
         faults.fail_gets_matching = block_hashes(A[:8])[1].hex()
-        second = Harness(tmp_path / "store", tiny_model_dir, extra={"save_decode_blocks": True})
         x_prompt = [*A[:8], *range(500, 514)]  # 22 tokens: its last block holds 2 of them
         rid = second.add(x_prompt, max_tokens=7)
         second.run()
@@ -610,7 +601,3 @@ def test_a_decode_block_completed_after_a_recompute_is_stored(
         second.stored_objects_are_correct([[*A[:8], 7], full])
         have = _stored_hashes(faults)
         assert [i for i, h in enumerate(block_hashes(full[:-1])) if h not in have] == []
-    finally:
-        first.close()
-        if second is not None:
-            second.close()
