@@ -239,12 +239,13 @@ class LayerwiseRetriever(_LayerTasks):
     """
 
     depth: int = attrs.field(validator=positive_int)
+    after: DeviceEvent | None = None  # nothing is written into the cache before it (KVPool.retrieve)
     _job: LoadJob = attrs.field(init=False)
     _started: int = attrs.field(default=0, init=False)  # layers whose fetch has started
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._job = LoadJob(self.transfer, self.plan)
+        self._job = LoadJob(self.transfer, self.plan, self.after)
 
     def _start(self, tg: TaskGroup) -> None:
         self._fetch_through(self.depth - 1)

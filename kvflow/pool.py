@@ -237,13 +237,25 @@ class KVPool:
             finally:
                 transfer.end()
 
-    async def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
+    async def retrieve(
+        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+    ) -> RetrieveResult:
         """Load the request's blocks into its ``block_ids``; every rank loads every block of its
-        namespace. Missing or failed blocks are reported (``failed_block_ids``), never raised."""
-        return (await self.retrieve_many([request], timeout_s=timeout_s))[0]
+        namespace. Missing or failed blocks are reported (``failed_block_ids``), never raised.
+
+        ``after``: an event recorded on the engine's stream after the work already queued there
+        (a device cache's earlier steps may still write blocks vLLM has just handed to this
+        request); nothing is written into the cache before it completed, and the blocks fail if it
+        does not complete in time. The gets themselves start at once.
+        """
+        return (await self.retrieve_many([request], after=after, timeout_s=timeout_s))[0]
 
     async def retrieve_many(
-        self, requests: Sequence[KVRequest], *, timeout_s: float | None = None
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        after: DeviceEvent | None = None,
+        timeout_s: float | None = None,
     ) -> list[RetrieveResult]:
         """:meth:`retrieve` of several requests (an engine step's) in one call, one result per
         request in order: their blocks come from the backend together, in calls of up to its
@@ -251,7 +263,7 @@ class KVPool:
         check_timeout(timeout_s)
         transfer = self._transfer
         deadline = transfer.deadline(timeout_s)  # from the call: the plan's hashing counts
-        job = LoadJob(transfer, transfer.plan(requests, loads=True))
+        job = LoadJob(transfer, transfer.plan(requests, loads=True), after)
         transfer.begin()
         try:
             await together([functools.partial(job.get, unit, deadline) for unit in transfer.units])
@@ -306,18 +318,23 @@ class KVPool:
         return LayerwiseStorer(transfer, transfer.plan(requests), _timeout(self, timeout_s), events)
 
     def layerwise_retrieve(
-        self, requests: Sequence[KVRequest], *, depth: int = 1, timeout_s: float | None = None
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        depth: int = 1,
+        after: DeviceEvent | None = None,
+        timeout_s: float | None = None,
     ) -> LayerwiseRetriever:
         """A retriever that loads the requests' blocks layer by layer, ``depth`` layers ahead of the
         last layer handed out (see :mod:`kvflow.layerwise`). Nothing moves before ``async with``.
 
-        ``timeout_s`` (default: the pool's) bounds each layer's gets.
+        ``after``: as :meth:`retrieve`'s. ``timeout_s`` (default: the pool's) bounds each layer's gets.
         """
         self._require_layerwise()
         check_timeout(timeout_s)
         transfer = self._transfer
         return LayerwiseRetriever(
-            transfer, transfer.plan(requests, loads=True), _timeout(self, timeout_s), depth
+            transfer, transfer.plan(requests, loads=True), _timeout(self, timeout_s), depth, after
         )
 
     def _require_layerwise(self) -> None:

@@ -123,12 +123,13 @@ class SyncPool:
         )
 
     def submit_retrieve(
-        self, request: KVRequest, *, timeout_s: float | None = None
+        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
     ) -> CallFuture[RetrieveResult]:
-        """Start :meth:`KVPool.retrieve`. Do not reuse the request's blocks before the future is
-        done, or, once you cancelled it, before ``future.ended`` is set: a get may write them
-        until the call has ended."""
-        return self._submit(lambda t: self._pool.retrieve(request, timeout_s=t), timeout_s)
+        """Start :meth:`KVPool.retrieve`, writing no block before ``after`` (an event recorded on
+        the engine's stream now, after the work that may still write the blocks) completed. Do
+        not reuse the request's blocks before the future is done, or, once you cancelled it,
+        before ``future.ended`` is set: a get may write them until the call has ended."""
+        return self._submit(lambda t: self._pool.retrieve(request, after=after, timeout_s=t), timeout_s)
 
     def submit_store_many(
         self,
@@ -147,11 +148,15 @@ class SyncPool:
         )
 
     def submit_retrieve_many(
-        self, requests: Sequence[KVRequest], *, timeout_s: float | None = None
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        after: DeviceEvent | None = None,
+        timeout_s: float | None = None,
     ) -> CallFuture[list[RetrieveResult]]:
         """Start :meth:`KVPool.retrieve_many` (an engine step's loads in one call), as
         :meth:`submit_retrieve`; the future's answer is one result per request, in order."""
-        return self._submit(lambda t: self._pool.retrieve_many(requests, timeout_s=t), timeout_s)
+        return self._submit(lambda t: self._pool.retrieve_many(requests, after=after, timeout_s=t), timeout_s)
 
     def lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Blocking lookup; TimeoutError when no answer came by its timeout (plus the grace)."""
@@ -165,9 +170,11 @@ class SyncPool:
         blocks then: :func:`kvflow.loop.wait_answer`)."""
         return wait_answer(self.submit_store(request, after=after, timeout_s=timeout_s), holds_blocks=True)
 
-    def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
+    def retrieve(
+        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+    ) -> RetrieveResult:
         """Blocking retrieve; TimeoutError as :meth:`store`'s."""
-        return wait_answer(self.submit_retrieve(request, timeout_s=timeout_s), holds_blocks=True)
+        return wait_answer(self.submit_retrieve(request, after=after, timeout_s=timeout_s), holds_blocks=True)
 
     def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Blocking :meth:`KVPool.remove`: delete this rank's objects of the prompt's blocks."""

@@ -253,6 +253,8 @@ class SyncLayerwisePool(SyncPool):
 
     def start_load(self, requests: Sequence[KVRequest]) -> None:
         """Start loading ``requests``' blocks, layer 0 first. Once per step, before the forward.
+        No block is written before an event recorded now on the engine's stream (from
+        ``event_factory``) completed: work already queued there may still write the blocks.
 
         Raises RequestError for a malformed request, or for several of which one has no
         ``request_id`` (the step's result is by id); nothing is loaded then.
@@ -263,7 +265,12 @@ class SyncLayerwisePool(SyncPool):
         step = self._current()
         if step.loader is not None:
             raise RequestError("start_load was already called in this step; pass all its requests at once")
-        loader = self._pool.layerwise_retrieve(requests, depth=self.depth)  # plans only: any thread
+        assert self.event_factory is not None
+        # The engine's stream may still run earlier steps' work on these blocks (their previous
+        # owner's): the loads write none before it is done.
+        engine_done = self.event_factory()
+        engine_done.record()
+        loader = self._pool.layerwise_retrieve(requests, depth=self.depth, after=engine_done)  # plans only
         step.loader = loader
         step.spawn(self._loop.submit, _drive_load, step, loader)
 

@@ -1004,3 +1004,100 @@ async def test_a_copy_the_device_reports_failed_fails_its_blocks_and_gives_its_c
     again = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
     assert again.hit_blocks == len(DST_IDS)
     assert same_blocks(src, dst, list(zip(SRC_IDS, DST_IDS)))
+
+
+# -- loads into blocks an earlier step on the engine's stream may still write ----------------------
+
+
+def earlier_step_writing(caches: dict[str, torch.Tensor], delay_s: float = 0.05) -> LateEvent:
+    """The engine's event after work still queued on its stream (with asynchronous scheduling, an
+    earlier step writing the previous owner's KV into blocks vLLM has just handed to a loading
+    request): it completes ``delay_s`` from now, those writes landing just before it does."""
+
+    def earlier_step_finishes() -> None:
+        for tensor in caches.values():
+            tensor.fill_(7)  # every block, the loaded ones among them
+
+    event = LateEvent(delay_s, on_complete=[earlier_step_finishes])
+    event.record()
+    return event
+
+
+async def finish_the_device(event: LateEvent) -> None:
+    """Whatever the load did, the engine's stream runs its queued work to the end."""
+    with anyio.fail_after(5):
+        while not event.query():
+            await anyio.sleep(0.001)
+
+
+async def load(reader: KVPool, request: KVRequest, *, layerwise: bool, after: LateEvent) -> int:
+    """Retrieve ``request`` through the whole-block or the layerwise face; its hit blocks."""
+    if not layerwise:
+        return (await reader.retrieve(request, after=after)).hit_blocks
+    async with reader.layerwise_retrieve([request], depth=2, after=after) as loader:
+        async for outcome in loader:
+            for event in outcome.ready:
+                await finish_the_device(event)  # type: ignore[arg-type]
+    return loader.results()[0].hit_blocks
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole blocks", "layerwise"])
+@pytest.mark.parametrize("staging", ["always", "never"])
+async def test_a_load_writes_no_block_before_the_engines_event(staging: str, layerwise: bool) -> None:
+    """The blocks a load fills are still written by an earlier step on the engine's stream; the
+    load, staged (the copy stream waits) or not (the backend writes the cache: the loop waits),
+    writes them only after the event recorded after that step, so they hold what was stored."""
+    src = LAYOUTS["flash_attn"]()
+    backend = MemoryBackend()
+    config = attrs.evolve(staged(layerwise=layerwise), staging=staging)
+    device = late_device() if staging == "always" else None
+    await pool(src, backend, config, device).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    dst = zeros_like_caches(src)
+    reader = pool(dst, backend, config, late_device() if staging == "always" else None)
+    earlier = earlier_step_writing(dst)  # type: ignore[arg-type]
+    hit = await load(reader, KVRequest(block_ids=DST_IDS, tokens=TOKENS), layerwise=layerwise, after=earlier)
+    await finish_the_device(earlier)
+    assert hit == 10 and same_blocks(src, dst, list(zip(SRC_IDS, DST_IDS)))
+
+
+@pytest.mark.parametrize("writer_block", [BLOCK, BLOCK // 2], ids=["same block size", "half blocks"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole blocks", "layerwise"])
+async def test_a_reshaped_load_writes_no_block_before_the_engines_event(
+    layerwise: bool, writer_block: int
+) -> None:
+    """As above for a load of another engine's objects (a TP=1 writer's, read by rank 1 of TP=2)."""
+    backend = MemoryBackend()
+    src, ids = await stored_by_a_tp1_writer(backend, writer_block)
+    config = staged(layerwise=layerwise, staging_bytes=4 * 4096)
+    reader, dst = tp2_reader(backend, config, late_device(), writer_block)
+    earlier = earlier_step_writing(dst)
+    hit = await load(reader, KVRequest(block_ids=DST_IDS, tokens=TOKENS), layerwise=layerwise, after=earlier)
+    await finish_the_device(earlier)
+    assert hit == len(DST_IDS)
+    for name in dst:
+        for i, block in enumerate(DST_IDS):
+            assert torch.equal(dst[name][block, 0], head_of(src, ids, name, i, 1)), (name, i)
+
+
+@pytest.mark.parametrize("staging", ["always", "never"])
+async def test_a_load_whose_engine_event_never_comes_writes_nothing_and_fails(staging: str) -> None:
+    """The earlier step never completes within the load's 0.1 s deadline: the load writes no block
+    (the earlier step's bytes stay), reports every block failed, and gives its chunks back."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    config = attrs.evolve(staged(timeout_s=0.1), staging=staging)
+    await pool(src, backend, config, late_device() if staging == "always" else None).store(
+        KVRequest(block_ids=SRC_IDS, tokens=TOKENS)
+    )
+    dst = zeros_like_caches(src)
+    reader = pool(dst, backend, config, late_device() if staging == "always" else None)
+    never = LateEvent(3600.0)
+    never.record()
+    with anyio.fail_after(10):  # a guard against a hang; the load ends at its own deadline
+        got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS), after=never)
+    assert got.hit_blocks == 0 and set(got.failed_block_ids) == set(DST_IDS)
+    assert all(not t.any() for t in dst.values())  # type: ignore[attr-defined]
+    staging_pool = reader._transfer.staging
+    assert (
+        staging_pool is None if staging == "never" else staging_pool is not None and staging_pool.in_use == 0
+    )

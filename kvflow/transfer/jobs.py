@@ -11,7 +11,10 @@ With staging (:mod:`kvflow.transfer.staging`) a unit moves in chunks: a store ga
 blocks into host memory (after the engine's event), then puts it; a load gets a chunk, then scatters
 the rows that arrived into the cache. A load's chunk is given back once its copy into the cache
 completed (:meth:`LoadJob.settle`); until then the copy's events are the unit's ``ready`` events,
-which an engine's stream may wait on instead.
+which an engine's stream may wait on instead. A load given ``after`` (the engine's event after
+the work already queued on its stream, such as a step still writing a block's previous owner's
+KV) writes nothing into the cache before that event: on a device its copy stream waits for it, on
+the host the loop polls it, once per job, before the first write.
 
 Jobs are used from the transfer's event loop; a unit's call never runs twice.
 """
@@ -26,6 +29,7 @@ import anyio
 import attrs
 
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus, repeats_of
+from kvflow.device import Device
 from kvflow.events import DeviceEvent, poll_until
 from kvflow.ownership import owned
 from kvflow.profiles import LOAD_READ_EVERY_S, Profile
@@ -283,6 +287,7 @@ class LoadJob:
 
     transfer: Transfer
     plan: BlockPlan
+    after: DeviceEvent | None = None  # the engine's event before which nothing is written
     _order: list[int] = attrs.field(init=False)  # flat indices, rotated by rank
     _unrotated: bool = attrs.field(init=False)  # _order is 0, 1, 2, ... (the first rank's)
     _status: list[GetStatus] = attrs.field(init=False)  # per flat block: HIT until a unit is not
@@ -293,6 +298,7 @@ class LoadJob:
     # the events after each unit's copies into the cache, kept apart from the chunks: another unit
     # short of chunks may finish and reuse one before this unit is handed out
     _events: dict[Unit, list[DeviceEvent]] = attrs.field(init=False, factory=dict)
+    _waiting: anyio.Lock = attrs.field(init=False, factory=anyio.Lock)  # the first wait for ``after``
 
     def __attrs_post_init__(self) -> None:
         self._order = self.transfer.load_order(len(self.plan))
@@ -312,7 +318,10 @@ class LoadJob:
         keys = self.transfer.keys(plan.hashes if in_order else [plan.hashes[j] for j in todo], unit)
         if self.transfer.staging is None:
             block_ids = plan.block_ids if in_order else [plan.block_ids[j] for j in todo]
-            results = await self.transfer.get(self.transfer.objects(keys, block_ids, unit), deadline)
+            if await self._writable(None, deadline):  # the backend writes the cache itself
+                results = await self.transfer.get(self.transfer.objects(keys, block_ids, unit), deadline)
+            else:
+                results = [GetStatus.FAILED] * len(todo)
         else:
             results = await self._get_staged(unit, todo, keys, deadline)
         if results.count(GetStatus.HIT) != len(results):
@@ -326,6 +335,30 @@ class LoadJob:
                     status[j] = result
         self._done.add(unit)
         return len(status) - status.count(GetStatus.HIT)
+
+    async def _writable(self, device: Device | None, deadline: float) -> bool:
+        """Whether the cache may be written now: ``after`` completed (once per job; every later
+        call returns at once). ``device``: the copies into the cache go through its copy stream,
+        which waits for ``after`` on the device; None: the host writes (a backend's get, a host
+        copy), so the loop polls it. False when it did not complete by the deadline or the
+        device reported an error: write nothing, the blocks fail."""
+        if self.after is None:
+            return True
+        async with self._waiting:
+            after = self.after
+            if after is None:  # another unit waited
+                return True
+            try:
+                timeout_s = max(0.0, deadline - time.monotonic())
+                if device is None:
+                    await poll_until(after.query, timeout_s, "the engine's event before a load")
+                else:
+                    await device.copies_wait_for(after, timeout_s)
+            except Exception as exc:  # a timeout, or the device's error: load nothing
+                log.warning("a load writes nothing into the cache: %s", exc)
+                return False
+            self.after = None
+            return True
 
     async def _take(self, pool: StagingPool, deadline: float) -> Chunk | None:
         """A free chunk of ``pool``, finishing this job's oldest copies while every chunk is in use;
@@ -362,6 +395,8 @@ class LoadJob:
                 staging.give_back(chunk)  # nothing was copied into the cache from it
                 raise
             rows = [i for i, r in enumerate(got) if r is GetStatus.HIT]
+            if rows and not await self._writable(staging.device, deadline):
+                rows, got = [], [GetStatus.FAILED] * len(part)
             try:
                 scatter(
                     staging.device, layout, shape, chunk, [self.plan.block_ids[part[i]] for i in rows], rows
@@ -466,6 +501,8 @@ class LoadJob:
                 pool.give_back(chunk)
                 raise
             complete = [j for j in batch if all(got[s.key] is GetStatus.HIT for s in wanted[j])]
+            if complete and not await self._writable(pool.device, deadline):
+                complete = []
             try:
                 self._copy(profile, pool, chunk, complete, wanted, offsets, layers)
                 filled.update(complete)
@@ -517,6 +554,8 @@ class LoadJob:
                 for r in range(len(batch))
                 if all(got[k * len(batch) + r] is GetStatus.HIT for k in range(len(sizes)))
             ]
+            if rows and not await self._writable(pool.device, deadline):
+                rows = []
             try:
                 with copying(pool.device, chunk):
                     if rows:

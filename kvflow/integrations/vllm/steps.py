@@ -42,7 +42,7 @@ import attrs
 import torch
 
 from kvflow.errors import BackendError
-from kvflow.events import make_event
+from kvflow.events import DeviceEvent, make_event
 from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
@@ -158,6 +158,20 @@ def device_needs_event(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def engine_event(pool: SyncPool) -> DeviceEvent | None:
+    """An event recorded now on the engine's current stream, for a cache on a device (None on the
+    CPU, where the forward is done when the host returns from it): a store reads no block before
+    it, a load writes none (with asynchronous scheduling the stream may still run an earlier
+    step, writing blocks vLLM has just handed to a loading request)."""
+    layout = pool.layout
+    assert layout is not None  # a worker's pool has its KV caches
+    if not device_needs_event(layout.device):
+        return None
+    event = make_event(layout.device)
+    event.record()
+    return event
+
+
 @attrs.define(eq=False)
 class BlockSteps:
     """Whole-block loads before the forward, whole-block stores after it, both within the step."""
@@ -170,7 +184,7 @@ class BlockSteps:
         """Load every block now, the step's loads in one call; the results (the caller records
         them at once)."""
         watch = Stopwatch()
-        future = self.pool.submit_retrieve_many(spans)
+        future = self.pool.submit_retrieve_many(spans, after=engine_event(self.pool))
         watch.watch(future)
         results: Sequence[RetrieveResult | None] | None = wait_ended(future, "load")
         if results is None:  # the call failed as a whole: every load of the step failed
@@ -193,13 +207,8 @@ class BlockSteps:
             return StepOutcome(dropped=tuple(saves))
         if not saves:
             return StepOutcome()
-        written = None
-        layout = self.pool.layout
-        assert layout is not None  # a worker's pool has its KV caches
-        if device_needs_event(layout.device):
-            # The host returns from the forward before the device finishes it: order the reads.
-            written = make_event(layout.device)
-            written.record()
+        # The host returns from the forward before the device finishes it: order the reads.
+        written = engine_event(self.pool)
         # The step's stores in one call: one plan and batched backend calls for every request.
         released, watch = threading.Event(), Stopwatch()
         future = self.pool.submit_store_many(saves, after=written, on_released=released.set)

@@ -41,6 +41,7 @@ from kvflow.integrations.vllm.steps import (
     LayerwiseSteps,
     StepOutcome,
     each_result,
+    engine_event,
 )
 from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.integrations.vllm.topology import EngineShape, check_layer_names
@@ -149,7 +150,7 @@ class WorkerSide:
                 batch = CallFuture(time.monotonic())
                 batch.set_exception(RuntimeError("no KV caches registered"))
             else:
-                batch = steps.pool.submit_retrieve_many(spans)
+                batch = steps.pool.submit_retrieve_many(spans, after=engine_event(steps.pool))
             for span, future in zip(spans, each_result(batch, len(spans))):
                 watch = Stopwatch().watch(future)
                 self._async_loads[span.request_id] = _AsyncLoad(span, future, batch.answer_by, watch)

@@ -676,7 +676,7 @@ def test_an_overdue_asynchronous_load_is_not_reported_until_its_get_ends(
     sides: Sides = open_sides(load_async=True)
     _stored_r1(sides)
     held: CallFuture[Any] = CallFuture(float("inf"))
-    monkeypatch.setattr(SyncPool, "submit_retrieve_many", lambda pool, spans: held)
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", lambda pool, spans, **kwargs: held)
     loading = FakeRequest("r2", TOKENS)
     assert sides.admit(loading, [9, 10, 11]) == (12, True)
     (worker,) = sides.workers
@@ -741,7 +741,7 @@ def test_preempted_request_aborted_while_reloading_is_reported_only_as_received(
     sides.step(FakeSchedulerOutput(preempted_req_ids={"r"}))  # its blocks are freed
 
     held: CallFuture[Any] = CallFuture(float("inf"))
-    monkeypatch.setattr(SyncPool, "submit_retrieve_many", lambda pool, spans: held)
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", lambda pool, spans, **kwargs: held)
     deadline = time.monotonic() + 10
     while (answer := sides.admit(request, [1, 2, 3])) == (None, False):
         assert time.monotonic() < deadline
@@ -833,6 +833,53 @@ def test_stores_of_device_caches_wait_for_the_forward_to_finish(
     _prefill(reader, again, [1, 2, 3, 4], computed=0)
     loaded = _block(reader.caches[0], 1)
     assert all(torch.equal(got, old + 1) for got, old in zip(loaded, stale))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"load_async": True, "load_wait_s": 30.0}, {"layerwise": True}],
+    ids=["synchronous", "asynchronous", "layerwise"],
+)
+def test_loads_into_device_caches_wait_for_the_engines_earlier_work(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]
+) -> None:
+    """With asynchronous scheduling a GPU's stream may still run an earlier step that writes the
+    blocks vLLM has just handed to a loading request (their previous owner's KV). Each load writes
+    them only after an event recorded on the engine's stream as the step's loads start."""
+    from kvflow import sync_layerwise
+    from kvflow.integrations.vllm import steps
+
+    writer: Sides = open_sides(**extra)
+    _stored_r1(writer)
+    stored = _block(writer.caches[0], 5)
+    gate = _GateEvent()
+    monkeypatch.setattr(steps, "device_needs_event", lambda device: True)
+    monkeypatch.setattr(steps, "make_event", lambda device: gate)
+    monkeypatch.setattr(sync_layerwise, "make_event", lambda device: gate)
+    reader: Sides = open_sides(**extra)
+    cache = reader.caches[0]
+    again = FakeRequest("r2", TOKENS)
+    assert reader.admit(again, [1, 2, 3, 4]) == (12, "load_async" in extra)
+
+    def device() -> None:
+        """The earlier step writes blocks 1-3 for their previous owner, then its event fires."""
+        time.sleep(0.2)
+        for name in LAYERS:
+            cache[name][1:4].fill_(9.0)
+        gate.done.set()
+
+    earlier_step = threading.Thread(target=device)
+    earlier_step.start()
+    try:
+        if "load_async" in extra:
+            (sent,) = reader.step(BUSY)  # the step that sends the load waits for it (load_wait_s)
+            assert sent == (None, {"r2"})
+        else:
+            _prefill(reader, again, [1, 2, 3, 4], computed=0)
+    finally:
+        earlier_step.join()
+    assert all(torch.equal(got, want) for got, want in zip(_block(cache, 1), stored))
+    assert gate.recorded and reader.workers[0].counters.loaded_blocks == 3
 
 
 def test_a_step_waits_up_to_load_wait_s_for_an_asynchronous_load_and_reports_it_at_once(
