@@ -151,6 +151,11 @@ def _classify(name: str, entry: KVCacheEntry) -> tuple[LayoutKind, list[torch.Te
     if isinstance(entry, torch.Tensor):
         shape = tuple(entry.shape)
         if entry.dim() == 4:
+            if shape[3] % 2:
+                raise LayoutError(
+                    f"layer {name!r}: a vLLM CPU cache {list(shape)} holds K and V of one head size "
+                    f"side by side in its last dimension, so it must be even, not {shape[3]}"
+                )
             return LayoutKind.VLLM_CPU, [entry], shape[2]
         if entry.dim() == 5 and shape[0] == 2 and shape[1] != 2:
             return LayoutKind.FLASH_ATTN, [entry[0], entry[1]], shape[2]
@@ -171,6 +176,8 @@ def _classify(name: str, entry: KVCacheEntry) -> tuple[LayoutKind, list[torch.Te
                 and a[-1] != b[-1]
                 and (first.dim() == 3 or a[2] == 1)
             ):
+                if first.dim() == 3:  # [N, B, D] holds a block as [N, B, 1, D] does: one order, one key
+                    first, second = first.unsqueeze(2), second.unsqueeze(2)
                 return LayoutKind.MLA_TUPLE, [first, second], a[1]
     raise LayoutError(f"layer {name!r}: unsupported KV cache {_describe(entry)}; supported: {SUPPORTED}")
 

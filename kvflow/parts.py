@@ -19,7 +19,7 @@ import torch
 from kvflow.errors import LayoutError
 from kvflow.layout import LayoutKind
 
-__all__ = ["Part", "object_planes", "part_views", "plane_shapes"]
+__all__ = ["Part", "object_planes", "part_views", "plane_shapes", "plane_strides"]
 
 
 @attrs.frozen(eq=False)
@@ -56,7 +56,7 @@ def part_views(kind: LayoutKind, planes: Sequence[torch.Tensor]) -> list[Part]:
     if kind is LayoutKind.MLA:  # [rows, B, D]
         (t,) = planes
         return [Part("latent", 0, _heads_last(t))]
-    nope, rope = planes  # MLA tuple: [rows, B, (1,) D_nope], [rows, B, (1,) D_rope]
+    nope, rope = planes  # MLA tuple: [rows, B, 1, D_nope], [rows, B, 1, D_rope]
     return [Part("latent", 0, _heads_last(nope)), Part("latent", nope.size(-1), _heads_last(rope))]
 
 
@@ -76,9 +76,10 @@ def plane_shapes(
     return [(b, 1, widths[0]), (b, 1, widths[1])]
 
 
-def _strides(shape: tuple[int, ...], order: str) -> list[int]:
+def plane_strides(shape: tuple[int, ...], order: str) -> list[int]:
     """Element strides of a dense block of ``shape`` whose dims (numbered from 1) lie outermost to
-    innermost as ``order`` lists them; dims of size 1 are not listed and get any stride."""
+    innermost as ``order`` lists them; dims of size 1 are not listed and get any stride.
+    LayoutError when ``order`` does not describe a block of ``shape``."""
     listed = [int(c) for c in order if c != "0"]
     if sorted(listed) != sorted(d + 1 for d, n in enumerate(shape) if n > 1):
         raise LayoutError(f"plane order {order!r} does not describe a block of shape {shape}")
@@ -110,7 +111,7 @@ def object_planes(
     out: list[torch.Tensor] = []
     at = offset // itemsize
     for shape, order in zip(shapes, orders):
-        strides = _strides(shape, order)
+        strides = plane_strides(shape, order)
         out.append(
             typed.as_strided((rows, *shape), (row_nbytes // itemsize, *strides), typed.storage_offset() + at)
         )

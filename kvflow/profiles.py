@@ -35,7 +35,7 @@ from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
 from kvflow.errors import ConfigError, LayoutError, RequestError
 from kvflow.keys import VERSION, KeyScope
 from kvflow.layout import LayoutKind
-from kvflow.parts import plane_shapes
+from kvflow.parts import plane_shapes, plane_strides
 
 __all__ = ["SLOTS", "Profile", "ProfileBook", "is_book_key"]
 
@@ -56,6 +56,16 @@ ANNOUNCE_EVERY_S = 60.0
 _MEANING = re.compile(
     r"^(?P<dtype>[a-z0-9_]+)\.(?:kv(?P<heads>\d+)x(?P<size>\d+)|mla(?P<latent>\d+)(?:\+(?P<rope>\d+))?)$"
 )
+
+
+# The layout kinds that hold each meaning: (MLA?, number of part widths) -> kinds.
+_KINDS_OF = {
+    (False, 1): frozenset(
+        {LayoutKind.VLLM_CPU, LayoutKind.FLASHINFER, LayoutKind.FLASH_ATTN, LayoutKind.KV_TUPLE}
+    ),
+    (True, 1): frozenset({LayoutKind.MLA}),
+    (True, 2): frozenset({LayoutKind.MLA_TUPLE}),
+}
 
 
 def _ranges(value: object) -> tuple[tuple[int, int], ...]:
@@ -104,8 +114,15 @@ class Profile:
             )
         if self.num_kv_heads % self.head_groups:
             raise ConfigError(f"{self.num_kv_heads} KV heads do not split into {self.head_groups} groups")
-        self.kind  # noqa: B018 - the order must name a known layout kind
-        plane_shapes(self.kind, self.block_size, self.group_heads, self.widths)
+        if self.kind not in _KINDS_OF[(self.mla, len(self.widths))]:
+            raise ConfigError(f"the order {self.order!r} cannot hold KV of the meaning {self.meaning!r}")
+        if len(self.plane_orders) != len(self.shapes):
+            raise ConfigError(f"the order {self.order!r} does not give {len(self.shapes)} plane orders")
+        for shape, order in zip(self.shapes, self.plane_orders):
+            try:
+                plane_strides(shape, order)
+            except LayoutError as exc:
+                raise ConfigError(f"a profile of {self.model!r}: {exc}") from None
         try:  # every object it names must have a key (the order is key text, say)
             next(self.scopes())
         except RequestError as exc:

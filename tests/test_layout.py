@@ -95,6 +95,24 @@ def test_pairs_that_are_not_kv_or_mla_parts_are_refused(entry: object) -> None:
         KVLayout.from_kv_caches({"layer0": entry})  # type: ignore[dict-item]
 
 
+def test_a_vllm_cpu_cache_of_odd_width_is_refused() -> None:
+    """K and V lie side by side in the last dimension: an odd one would make V a column wider than
+    the head size every other engine reads it as."""
+    with pytest.raises(
+        LayoutError, match=r"^layer 'a': a vLLM CPU cache \[4, 2, 8, 9\] .* must be even, not 9$"
+    ):
+        KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 8, 9)})
+
+
+def test_mla_parts_of_three_and_four_dimensions_lie_and_are_named_alike() -> None:
+    """``[N, B, D]`` and ``[N, B, 1, D]`` hold a block's latent in the same bytes: one order, so
+    engines of either shape share keys and read each other's objects."""
+    three = KVLayout.from_kv_caches({"l": (torch.zeros(4, 8, 6), torch.zeros(4, 8, 2))})
+    four = KVLayout.from_kv_caches({"l": (torch.zeros(4, 8, 1, 6), torch.zeros(4, 8, 1, 2))})
+    assert three.order == four.order == "mla_tuple.13.13"
+    assert three.format().meaning == four.format().meaning
+
+
 def test_an_unsupported_cache_is_described_shape_by_shape() -> None:
     with pytest.raises(
         LayoutError, match=r"^layer 'x': unsupported KV cache \(tensor\[2, 3\], tensor\[4\]\); supported: "

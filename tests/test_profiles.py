@@ -14,6 +14,7 @@ import torch
 from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.backends.base import Backend, GetStatus, ObjectRef
 from kvflow.backends.memory import MemoryBackend
+from kvflow.keys import KeyScope
 from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, _slot_key, is_book_key
 from tests.helpers import FaultyBackend, kv_keys
 
@@ -52,6 +53,10 @@ def test_a_profile_travels_as_json_and_names_its_objects() -> None:
         PROFILE.to_json().replace('"head_groups":2', '"head_groups":3'),  # 8 heads in 3 groups
         PROFILE.to_json().replace("flash_attn", "paged_magic"),  # an unknown layout kind
         PROFILE.to_json().replace('"hash_tokens":16', '"hash_tokens":5'),  # not a divisor
+        PROFILE.to_json().replace("flash_attn.123.123", "mla.12"),  # K and V heads in an MLA layout
+        PROFILE.to_json().replace("kv8x4", "mla512+64"),  # an MLA meaning in a K/V layout
+        PROFILE.to_json().replace("flash_attn.123.123", "flash_attn.21.21"),  # a dim left out
+        PROFILE.to_json().replace("flash_attn.123.123", "flash_attn.123"),  # one plane of two
     ],
 )
 def test_a_malformed_announcement_is_refused(text: str) -> None:
@@ -84,7 +89,8 @@ async def test_a_full_book_is_reported_and_the_pool_keeps_working(caplog: pytest
     for groups in (1, 2, 4, 8):
         for first in range(4):
             ranges = ((0, first + 1), (first + 1, 4)) if first < 3 else ((0, 4),)
-            profile = attrs.evolve(PROFILE, head_groups=groups, layer_ranges=ranges)
+            order = "flash_attn.13.13" if groups == 8 else PROFILE.order  # one head: no head dim
+            profile = attrs.evolve(PROFILE, head_groups=groups, layer_ranges=ranges, order=order)
             await ProfileBook(backend, profile).announce(float("inf"))
     assert sum(is_book_key(k) for k in backend.stored_keys()) == SLOTS
     late = ProfileBook(backend, attrs.evolve(PROFILE, block_size=32))
@@ -503,7 +509,7 @@ def test_a_layerwise_profile_of_a_126_layer_model_fits_an_announcement() -> None
     profile = Profile(
         model="meta-llama/Llama-3.1-405B-Instruct",
         meaning="bfloat16.kv8x128",
-        order="flash_attn.123.123",
+        order="flash_attn.13.13",  # one KV head per rank (TP=8): no head dim in the order
         block_size=16,
         hash_tokens=16,
         layer_ranges=tuple((i, i + 1) for i in range(126)),
@@ -540,3 +546,35 @@ async def test_a_failed_read_of_the_book_does_not_announce_the_profile_again(
     await book.announce(float("inf"))
     await book.announce(float("inf"))
     assert sum(is_book_key(k) for k in backend.inner.stored_keys()) == 1
+
+
+async def test_objects_of_an_announcement_whose_layout_cannot_hold_its_meaning_are_never_loaded() -> None:
+    """A slot announces K/V heads (the reader's own meaning) in an MLA layout, which has no K or V
+    part (another program, another kvflow, a corrupt write), and objects are stored under it. The
+    book skips it: the reader neither promises nor reports those blocks (copying them moved no
+    byte, and the cache's old bytes came back as loaded)."""
+    backend = MemoryBackend()
+    tokens = list(range(32))
+    mine = {name: t.fill_(7.0) for name, t in caches(4).items()}
+    reader = KVPool.create(PoolConfig(model="m"), layout=KVLayout.from_kv_caches(mine), backend=backend)
+    try:
+        own = reader._transfer.profile
+        foreign = json.loads(own.to_json()) | {"order": "mla.12"}
+        await _put_slot(backend, "m", own.meaning, 0, json.dumps(foreign))
+        fine = reader._transfer.hashing.fine(KVRequest(tokens=tokens))
+        junk = torch.zeros(2 * 16 * 4 * 4, dtype=torch.uint8)  # as the announcement sizes them: one
+        # plane [tokens, 4 columns] of float32 per layer
+        scope = KeyScope(
+            model="m", meaning=own.meaning, order="mla.12", block_size=16, layers=(0, 2), heads=(0, 4)
+        )
+        await backend.put(
+            [
+                ObjectRef(scope.prefix + fine[b].hex(), [junk.data_ptr()], [junk.numel()], junk.numel())
+                for b in (0, 1)
+            ]
+        )
+        assert await reader.lookup(KVRequest(tokens=tokens)) == 0
+        got = await reader.retrieve(KVRequest(tokens=tokens, block_ids=[0, 1]))
+        assert got.hit_blocks == 0
+    finally:
+        await reader.aclose()

@@ -506,3 +506,52 @@ async def test_a_reshaped_load_of_straddling_blocks_never_addresses_past_its_chu
         for i in range(n_r):
             assert torch.equal(kc[i], k[layer, i * rblock : (i + 1) * rblock])
             assert torch.equal(vc[i], v[layer, i * rblock : (i + 1) * rblock])
+
+
+# -- caches the sweeps above do not draw ------------------------------------------------------------
+
+
+async def _tp1_to_tp2_rank1(
+    src: object, dst: object, dst_heads: int = 1, **parallel: object
+) -> RetrieveResult:
+    """``src`` (one layer) stored by a TP=1 engine, loaded into ``dst`` by rank 1 of TP=2."""
+    backend = MemoryBackend()
+    tokens = list(range(TOKENS))
+    config = PoolConfig(model="m", hash_tokens=4)
+    writer = KVPool.create(config, layout=KVLayout.from_kv_caches({"l0": src}), backend=backend)  # type: ignore[dict-item]
+    assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1, 0]))).stored == 2
+    reader = KVPool.create(
+        config,
+        layout=KVLayout.from_kv_caches({"l0": dst}),  # type: ignore[dict-item]
+        backend=backend,
+        parallel=ParallelConfig(tp_rank=1, tp_size=2, **parallel),  # type: ignore[arg-type]
+    )
+    return await reader.retrieve(KVRequest(tokens=tokens, block_ids=list(range(TOKENS // dst_block(dst)))))
+
+
+def dst_block(cache: object) -> int:
+    return cache[0].size(1) if isinstance(cache, tuple) else cache.size(2)  # type: ignore[no-any-return, attr-defined]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+async def test_an_fp8_cache_loads_from_another_tp_size_bit_for_bit(dtype: torch.dtype) -> None:
+    """torch has no ``index_copy_`` for fp8: the copy moves the bits as integers."""
+    src = torch.randn(2, 3, 8, 2, HEAD_SIZE).to(dtype)  # flash_attn: K|V, blocks, tokens, 2 heads, D
+    dst = torch.zeros(2, 3, 8, 1, HEAD_SIZE).to(dtype)
+    got = await _tp1_to_tp2_rank1(src, dst, num_kv_heads=2)
+    assert got.hit_blocks == 2
+    for block, stored in ((0, 1), (1, 0)):
+        assert torch.equal(dst[:, block, :, 0].view(torch.uint8), src[:, stored, :, 1].view(torch.uint8))
+
+
+async def test_an_mla_cache_of_three_dimensional_parts_loads_into_four_dimensional_ones() -> None:
+    """A (nope, rope) cache of ``[N, B, D]`` parts stored in blocks of 8, read as ``[N, B, 1, D]``
+    parts in blocks of 4 (another block size: the copy goes through the parts' views)."""
+    nope, rope = torch.randn(2, 8, NOPE), torch.randn(2, 8, ROPE)
+    into = torch.full((4, 4, 1, NOPE), float("nan")), torch.full((4, 4, 1, ROPE), float("nan"))
+    got = await _tp1_to_tp2_rank1((nope, rope), into, use_mla=True)
+    assert got.hit_blocks == 4
+    for block in range(4):
+        stored, half = (1, 0)[block // 2], block % 2
+        assert torch.equal(into[0][block, :, 0], nope[stored, 4 * half : 4 * half + 4])
+        assert torch.equal(into[1][block, :, 0], rope[stored, 4 * half : 4 * half + 4])

@@ -134,15 +134,13 @@ def copy_into(
                         h[0] - heads[0] : h[1] - heads[0],
                         c[0] - dst.column : c[1] - dst.column,
                     ]
-                    into.copy_(
-                        src.view[
-                            0,
-                            t[0] - source.first_token : t[1] - source.first_token,
-                            h[0] - scope.heads[0] : h[1] - scope.heads[0],
-                            c[0] - src.column : c[1] - src.column,
-                        ],
-                        non_blocking=True,
-                    )
+                    value = src.view[
+                        0,
+                        t[0] - source.first_token : t[1] - source.first_token,
+                        h[0] - scope.heads[0] : h[1] - scope.heads[0],
+                        c[0] - src.column : c[1] - src.column,
+                    ]
+                    _bits(into).copy_(_bits(value), non_blocking=True)
 
 
 def copy_rows(
@@ -187,7 +185,17 @@ def copy_rows(
                     target = dst.view[
                         :, :, h[0] - heads[0] : h[1] - heads[0], c[0] - dst.column : c[1] - dst.column
                     ]
-                    target.index_copy_(0, index, value)
+                    _bits(target).index_copy_(0, index, _bits(value))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its element size (the same strides and memory): copies move the bits
+    exactly, and for every dtype (torch has no copy kernels of some, fp8's ``index_copy_``)."""
+    bits = _BITS.get(t.element_size())
+    return t if bits is None else t.view(bits)
 
 
 def _on_device(buffer: torch.Tensor, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
