@@ -16,6 +16,8 @@ from kvflow.backends.base import Backend, GetStatus, ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import KeyScope
 from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, _slot_key, is_book_key
+from kvflow.transfer import core
+from kvflow.transfer import staging as staging_module
 from tests.helpers import FaultyBackend, kv_keys
 
 PROFILE = Profile(
@@ -275,37 +277,77 @@ async def test_a_prompt_loads_from_several_other_splits_in_the_order_they_were_a
             assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 2])
 
 
-async def test_a_block_whose_other_objects_outgrow_a_staging_chunk_is_recomputed_and_said_so(
+@pytest.mark.parametrize(
+    ("floor", "staging_bytes", "loaded"),
+    [(64 << 20, 4096, 2), (4096, 4096, 0), (4096, 8192, 2)],
+    ids=["a larger chunk made", "past the bound", "the bound raised"],
+)
+async def test_a_block_whose_other_objects_outgrow_a_staging_chunk_loads_through_a_larger_one(
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    floor: int,
+    staging_bytes: int,
+    loaded: int,
 ) -> None:
     """The reader's staging chunk holds one of its own blocks; a block written by an engine with
-    blocks twice as large needs twice that. The block is reported for recomputation (never half
-    loaded), the log says what to raise, and a reader with a chunk large enough loads it."""
+    blocks twice as large needs twice that. The pool makes chunks large enough for it, up to
+    staging_bytes or 64 MiB, whichever is larger (``floor`` stands for the 64 MiB). Past that bound
+    the block is reported for recomputation (never half loaded) and the log says what to raise;
+    raising it loads the block."""
+    monkeypatch.setattr(core, "_SCRATCH_BYTES", floor)
     backend = MemoryBackend()
     tokens = list(range(32))
     big = {f"l{i}": torch.randn(2, 4, 32, 4, 4) for i in range(2)}
     writer = KVPool.create(PoolConfig(hash_tokens=16), layout=KVLayout.from_kv_caches(big), backend=backend)
     assert (await writer.store(KVRequest(tokens=tokens, block_ids=[1]))).stored == 1
-    for staging_bytes, loaded in ((4096, 0), (8192, 2)):
-        mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
-        reader = KVPool.create(
-            PoolConfig(staging="always", staging_bytes=staging_bytes),
-            layout=KVLayout.from_kv_caches(mine),
-            backend=backend,
+    mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(
+        PoolConfig(staging="always", staging_bytes=staging_bytes),
+        layout=KVLayout.from_kv_caches(mine),
+        backend=backend,
+    )
+    staging = reader._transfer.staging
+    assert staging is not None and staging.chunk_bytes == staging_bytes  # 4096: one of its own blocks
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        got = await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))
+    assert got.hit_blocks == loaded
+    if loaded:
+        for name, cache in mine.items():
+            assert torch.equal(cache[:, 3], big[name][:, 1, :16]) and torch.equal(
+                cache[:, 5], big[name][:, 1, 16:]
+            )
+    else:
+        assert got.failed_block_ids == (3, 5)
+        assert (
+            "more than a load holds at once (4096 bytes" in caplog.text
+            and "raise staging_bytes" in caplog.text
         )
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="kvflow"):
-            got = await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))
-        assert got.hit_blocks == loaded
-        if loaded:
-            for name, cache in mine.items():
-                assert torch.equal(cache[:, 3], big[name][:, 1, :16]) and torch.equal(
-                    cache[:, 5], big[name][:, 1, 16:]
-                )
-        else:
-            assert got.failed_block_ids == (3, 5)
-            assert "do not fit a staging chunk; raise staging_bytes" in caplog.text
-            assert not mine["l0"].any()  # nothing half-written
+        assert not mine["l0"].any()  # nothing half-written
+
+
+async def test_a_pool_that_does_not_stage_makes_larger_chunks_when_a_later_block_needs_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its host chunks for other splits' objects are made on first use, as large as that load
+    needs (here 4 KiB: chunks of at least 32 MiB, lowered to 4 KiB); a later load from blocks
+    twice as large gets chunks made for it, instead of missing because it came second."""
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(core, "_SCRATCH_BYTES", 16384)
+    backend = MemoryBackend()
+    first, second = list(range(32)), list(range(100, 132))
+    halves = await store_split(backend, first, 2)  # objects of 2 KiB: 4 KiB a block
+    big = await store_large_blocks(backend, second)  # objects of 8 KiB
+    mine = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(mine), backend=backend)
+    assert reader._transfer.staging is None
+    assert (await reader.retrieve(KVRequest(tokens=first, block_ids=[3, 5]))).hit_blocks == 2
+    assert reader._transfer._scratch is not None and reader._transfer._scratch.chunk_bytes == 4096
+    assert (await reader.retrieve(KVRequest(tokens=second, block_ids=[1, 2]))).hit_blocks == 2
+    for name, cache in mine.items():
+        assert torch.equal(cache[:, 3, :, 2:], halves[1][name][:, 0])
+        assert torch.equal(cache[:, 1], big[name][:, 1, :16]) and torch.equal(
+            cache[:, 2], big[name][:, 1, 16:]
+        )
 
 
 @pytest.mark.parametrize("writer_block", [16, 32], ids=["rows of equal blocks", "blocks twice as large"])
@@ -343,9 +385,13 @@ async def test_a_load_from_another_split_cancelled_in_its_get_gives_its_chunk_ba
     assert (await reader.retrieve(KVRequest(tokens=tokens, block_ids=[3, 5]))).hit_blocks == 2
 
 
-async def test_a_split_whose_blocks_outgrow_staging_is_passed_over_for_the_next() -> None:
-    """The first split announced wrote blocks twice as large as the reader's staging chunk holds;
-    the next one (TP=2, the reader's block size) fits, and the blocks come from it."""
+async def test_a_split_whose_blocks_outgrow_what_a_load_holds_is_passed_over_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first split announced wrote blocks twice as large as a load of the reader may hold (its
+    staging_bytes, and the 64 MiB floor lowered to it); the next one (TP=2, the reader's block
+    size) fits, and the blocks come from it."""
+    monkeypatch.setattr(core, "_SCRATCH_BYTES", 4096)
     backend = MemoryBackend()
     tokens = list(range(32))
     await store_large_blocks(backend, tokens)

@@ -454,17 +454,29 @@ class Transfer:
         return 0, p.stage_layers(p.pp_size - 1, self.format.num_layers)[1]
 
     async def scratch(self, nbytes: int) -> StagingPool | None:
-        """Host chunks for objects of other profiles (the staging chunks when the pool stages),
-        made and registered with the backend on first use; None when one object of ``nbytes``
-        does not fit a chunk."""
-        pool = self.staging or self._scratch
-        if pool is None:
-            layout = self.require_layout()
-            device = Device.of(layout.device)
-            total = max(nbytes, min(self.config.staging_bytes, _SCRATCH_BYTES))
-            pool = self._scratch = StagingPool.create(device, total, nbytes)
-            _register(self.backend, pool.buffers())
-        return pool if nbytes <= pool.chunk_bytes else None
+        """Host chunks of at least ``nbytes`` for objects of other profiles: the staging chunks when
+        the pool stages and they are large enough, else chunks of their own, made and registered
+        with the backend on first use and made again, at least twice as large, when a block needs
+        more. None past :attr:`scratch_limit` (one block's objects larger than that)."""
+        staging, pool = self.staging, self._scratch
+        if staging is not None and nbytes <= staging.chunk_bytes:
+            return staging
+        if pool is not None and nbytes <= pool.chunk_bytes:
+            return pool
+        limit = self.scratch_limit
+        if nbytes > limit:
+            return None
+        chunk = min(limit, max(nbytes, 2 * pool.chunk_bytes if pool is not None else 0))
+        total = max(chunk, min(self.config.staging_bytes, _SCRATCH_BYTES))
+        # (chunks of a pool made before are given back to it, and it goes once they all are)
+        pool = self._scratch = StagingPool.create(Device.of(self.require_layout().device), total, chunk)
+        _register(self.backend, pool.buffers())
+        return pool
+
+    @property
+    def scratch_limit(self) -> int:
+        """The most bytes of other profiles' objects a block may need and still be loaded."""
+        return max(self.config.staging_bytes, _SCRATCH_BYTES)
 
 
 #: Buffers registered with a backend that pins them (``registers_memory``), kept allocated for as

@@ -443,7 +443,10 @@ class LoadJob:
             pool = await transfer.scratch(largest)
             if pool is None:
                 log.warning(
-                    "a block's objects (%d bytes) do not fit a staging chunk; raise staging_bytes", largest
+                    "a block's objects of another split (%d bytes) are more than a load holds at once "
+                    "(%d bytes: staging_bytes, or 64 MiB if larger); raise staging_bytes",
+                    largest,
+                    transfer.scratch_limit,
                 )
                 continue
             filled |= await self._fetch_and_copy(unit, profile, pool, wanted, layers, deadline)
