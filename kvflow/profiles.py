@@ -435,6 +435,8 @@ class ProfileBook:
                 continue
             if (profile.dcp_size, profile.pcp_size) != (self.own.dcp_size, self.own.pcp_size):
                 continue  # context shards split tokens differently: not transformed
+            if max(profile.dcp_size, profile.pcp_size) > 1 and profile.block_size != self.own.block_size:
+                continue  # a shard's block need not hold consecutive tokens: no copy by token ranges
             seen.append(profile)
         self._seen = tuple(seen)
         self._read_at = time.monotonic()

@@ -624,3 +624,20 @@ async def test_objects_of_an_announcement_whose_layout_cannot_hold_its_meaning_a
         assert got.hit_blocks == 0
     finally:
         await reader.aclose()
+
+
+async def test_context_sharded_profiles_of_another_block_size_are_not_read() -> None:
+    """With decode or prefill context parallelism a rank's block holds its shard of the tokens,
+    not a run of consecutive ones: only shards of the reader's own block size (in another layout,
+    say) are read; another block size would be copied by token ranges it does not hold."""
+    backend = MemoryBackend()
+    for shard in ({"dcp_size": 2}, {"pcp_size": 2}):
+        own = attrs.evolve(PROFILE, **shard)  # type: ignore[arg-type]
+        other_layout = attrs.evolve(own, order="flash_attn.213.213")
+        other_block = attrs.evolve(own, block_size=32)
+        for profile in (other_layout, other_block):
+            await ProfileBook(backend, profile).announce(float("inf"))
+        assert await ProfileBook(backend, own).others(float("inf")) == (other_layout,)
+    unsharded = attrs.evolve(PROFILE, block_size=32)  # without shards, another block size is read
+    await ProfileBook(backend, unsharded).announce(float("inf"))
+    assert unsharded in await ProfileBook(backend, PROFILE).others(float("inf"))
