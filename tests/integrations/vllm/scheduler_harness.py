@@ -14,6 +14,10 @@ position of the request on every rank (attention, then tensor parallelism's all-
 it. With correct inputs it writes correct KV and samples the clean model's token; with a wrong
 input anywhere it writes poisoned KV (``POISON``) and samples a wrong token, so whatever was
 computed from wrong KV stays recognisable wherever it goes: into vLLM's outputs or into the store.
+Each layer runs as vLLM runs a batch: every scheduled request's new KV of the layer is written
+before any request's attention reads (so a request reading, through the prefix cache, a block
+another request of the step rewrites reads the new KV), and a request that read wrong KV at one
+layer writes poison at every later one.
 
 Faults come from :class:`Faults` (a backend wrapper, ``harness-local://``): gets that scribble over
 their blocks and then fail, and delayed puts and gets (of KV objects: the profile book's small
@@ -440,8 +444,7 @@ class Harness:
         for layer, name in enumerate(LAYERS):
             for worker in self.workers:
                 worker.wait_for_layer_load(name)
-            for req_id, start, end in work:
-                inputs_ok[req_id] &= self._compute(req_id, start, end, layer)
+            inputs_ok = self._compute_layer(work, layer, inputs_ok)
             for worker, cache in zip(self.workers, self.caches):
                 worker.save_kv_layer(name, cache[name], None)  # type: ignore[arg-type]
         sampled = {req_id: self._sample(req_id, end, inputs_ok[req_id]) for req_id, _, end in work}
@@ -502,27 +505,46 @@ class Harness:
         """The KV-head group of a rank: ranks of one group hold the same KV."""
         return rank * min(self.tp, self.num_kv_heads) // self.tp
 
-    def _compute(self, req_id: str, start: int, end: int, layer: int) -> bool:
-        """Layer ``layer`` of positions ``[start, end)``: check every input on every rank, then write
-        correct KV (or, from a wrong input, poison). Whether every input was right."""
-        digests = prefix_digests(self.requests[req_id].tokens(end))
+    def _compute_layer(
+        self, work: list[tuple[str, int, int]], layer: int, inputs_ok: dict[str, bool]
+    ) -> dict[str, bool]:
+        """Layer ``layer`` of the step's batch: every request writes its positions' KV (poison when
+        its inputs were already wrong), then each request's reads are checked on every rank; one
+        that read a wrong value writes poison instead, which may spoil another's reads, so the
+        checks repeat until no verdict changes. Whether each request's inputs are still right."""
+        digests = {req_id: prefix_digests(self.requests[req_id].tokens(end)) for req_id, _, end in work}
+        ok = dict(inputs_ok)
+        for req_id, start, end in work:
+            self._write(req_id, range(start, end), layer, digests[req_id], ok[req_id])
+        changed = True
+        while changed:
+            changed = False
+            for req_id, start, end in work:
+                if ok[req_id] and not self._reads_right(req_id, start, layer, digests[req_id]):
+                    ok[req_id], changed = False, True
+                    self._write(req_id, range(start, end), layer, digests[req_id], False)
+                    if (req_id, start) not in self.wrong_inputs:
+                        self.wrong_inputs.append((req_id, start))
+        return ok
+
+    def _reads_right(self, req_id: str, start: int, layer: int, digests: list[int]) -> bool:
+        """Whether every position before ``start`` holds the request's correct KV on every rank."""
         name = LAYERS[layer]
-        ok = True
-        for p, block, slot in self._slots(req_id, range(start)):
-            for rank, cache in enumerate(self.caches):
-                if not bool(
-                    (cache[name][block, :, slot] == kv_value(digests[p], layer, self.group(rank))).all()
-                ):
-                    ok = False
-        if not ok and (req_id, start) not in self.wrong_inputs:
-            self.wrong_inputs.append((req_id, start))
-        for p, block, slot in self._slots(req_id, range(start, end)):
+        return all(
+            bool((cache[name][block, :, slot] == kv_value(digests[p], layer, self.group(rank))).all())
+            for p, block, slot in self._slots(req_id, range(start))
+            for rank, cache in enumerate(self.caches)
+        )
+
+    def _write(self, req_id: str, positions: range, layer: int, digests: list[int], good: bool) -> None:
+        """The KV of ``positions`` at ``layer`` on every rank: correct, or poison."""
+        name = LAYERS[layer]
+        for p, block, slot in self._slots(req_id, positions):
             for rank, cache in enumerate(self.caches):
                 target = cache[name][block, :, slot]
                 if FAULTS.in_flight.overlaps(target.data_ptr(), target.data_ptr() + target.nbytes):
                     self.writes_under_transfer.append((req_id, p))
-                target.fill_(kv_value(digests[p], layer, self.group(rank)) if ok else POISON)
-        return ok
+                target.fill_(kv_value(digests[p], layer, self.group(rank)) if good else POISON)
 
     def _sample(self, req_id: str, end: int, inputs_ok: bool) -> list[int]:
         """A token once the step computed every token vLLM knows of the request (a chunk of a
