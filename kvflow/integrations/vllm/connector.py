@@ -74,7 +74,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         local = config.backend.startswith("local:")
         self._cache_hit_source = CacheHitSource.HOST if local else CacheHitSource.EXTERNAL_UNSPECIFIED
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, shape)
+            recompute = transfer.kv_load_failure_policy == "recompute"
+            self._scheduler = SchedulerSide(config, shape, recomputes_failures=recompute)
             weak = weak_hash_warning(vllm_config.cache_config.prefix_caching_hash_algo)
             if weak is not None and config.role.loads:
                 log.warning(weak)

@@ -36,6 +36,9 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     order), which the workers put in the events of the blocks they stored; else empty.
     ``idle``: the step computes no token (every request it has waits, for instance for its load):
     a worker may wait longer for asynchronous loads in it (``ConnectorConfig.load_idle_wait_s``).
+    ``bad_reads``: blocks this step's requests read that hold wrong KV (a failed load's, or
+    computed from one, kept in vLLM's prefix cache since): workers report them with the step's
+    load errors, so that vLLM recomputes every request reading them from there on.
     """
 
     step: int = 0
@@ -44,6 +47,7 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     saves: tuple[KVRequest, ...] = ()
     save_tokens: tuple[tuple[int, ...], ...] = attrs.field(default=())
     idle: bool = False
+    bad_reads: tuple[int, ...] = ()
 
     @save_tokens.validator
     def _one_per_save(self, _: object, value: tuple[tuple[int, ...], ...]) -> None:

@@ -83,6 +83,8 @@ class SchedulerSide:
 
     config: ConnectorConfig
     shape: EngineShape
+    # vLLM's kv_load_failure_policy is "recompute": a failed block stays in its prefix cache
+    recomputes_failures: bool = True
     _pool: SyncPool | None = attrs.field(default=None, init=False)
     _lookups: Lookups | None = attrs.field(default=None, init=False)
     _requests: dict[str, _Tracked] = attrs.field(factory=dict, init=False)
@@ -244,17 +246,17 @@ class SchedulerSide:
                 self._trust.fresh(new_ids[0])
             work.append((tracked, computed, computed + scheduled.get(req_id, 0)))
         block = self.shape.block_size
-        self._trust.computed(
-            [
-                StepWork(
-                    reads=t.block_ids[: -(-before // block)],
-                    writes=t.block_ids[before // block : -(-after // block)],
-                    read_to=before % block or None,
-                    written_to=after % block or None,
-                )
-                for t, before, after in work
-            ]
-        )
+        done = [
+            StepWork(
+                reads=t.block_ids[: -(-before // block)],
+                writes=t.block_ids[before // block : -(-after // block)],
+                read_to=before % block or None,
+                written_to=after % block or None,
+            )
+            for t, before, after in work
+        ]
+        self._trust.computed(done)
+        bad_reads = self._bad_reads(done)
         saves: list[KVRequest] = []
         if self.config.role.stores:
             for tracked, _, after in work:  # only now: a save may read blocks another request loads
@@ -275,7 +277,21 @@ class SchedulerSide:
             saves=tuple(saves),
             save_tokens=tokens,
             idle=not any(scheduled.values()),
+            bad_reads=bad_reads,
         )
+
+    def _bad_reads(self, work: list[StepWork]) -> tuple[int, ...]:
+        """Blocks the step reads that hold wrong KV. With the recompute policy vLLM keeps a failed
+        block in its prefix cache, meant for its request to recompute in place; if that request is
+        preempted or aborted first, or another one reads the block while it is recomputed in
+        chunks, that reader would compute from it. Reported as load errors, they make vLLM
+        recompute the reader from there (with the fail policy vLLM evicts failed blocks)."""
+        if not self.recomputes_failures:
+            return ()
+        bad = self._trust.bad_reads(work)
+        if bad:
+            log.info("%d block(s) read this step hold KV of a failed load: vLLM recomputes them", len(bad))
+        return tuple(sorted(bad))
 
     def _save_tokens(self, span: KVRequest) -> tuple[int, ...]:
         block = self.shape.block_size

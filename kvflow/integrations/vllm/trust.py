@@ -27,7 +27,7 @@ bad too. That costs a caching chance after a failure, never correctness.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
@@ -115,13 +115,24 @@ class BlockTrust:
 
     def _read_deps(self, item: StepWork) -> Deps:
         """What ``item`` reads depends on: each read block's, and its tail's where it reads that."""
-        deps = frozenset().union(*(self._deps.get(b, _CLEAN) for b in item.reads))
+        return frozenset().union(*(deps for _, deps in self._reads(item)))
+
+    def _reads(self, item: StepWork) -> Iterator[tuple[int, Deps]]:
+        """Each block ``item`` reads, with what the positions it reads of it depend on."""
         last = len(item.reads) - 1
         for i, block in enumerate(item.reads):
+            deps = self._deps.get(block, _CLEAN)
             tail = self._tails.get(block)
             if tail is not None and (i < last or item.read_to is None or item.read_to > tail[0]):
-                deps |= tail[1]
-        return deps
+                deps = deps | tail[1]
+            yield block, deps
+
+    def bad_reads(self, work: Sequence[StepWork]) -> set[int]:
+        """The blocks ``work`` reads whose KV (what of it the reader reads) is ``BAD``, as it holds
+        once the step wrote (call after :meth:`computed`: a block another request of the step
+        rewrites whole from good inputs is read good, as vLLM writes a layer's KV of the whole
+        batch before any request's attention reads it)."""
+        return {block for item in work for block, deps in self._reads(item) if BAD in deps}
 
     def fresh(self, blocks: Iterable[int]) -> None:
         """vLLM handed ``blocks`` out anew (they hold no position of their request yet): they

@@ -141,6 +141,7 @@ class WorkerSide:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""
         steps = self._steps
         self._idle = meta.idle
+        self._load_errors.update(meta.bad_reads)  # (reported with the step's output)
         if meta.async_loads:
             # The step's asynchronous loads in one call; each request's future resolves when it ended.
             spans = list(meta.async_loads)

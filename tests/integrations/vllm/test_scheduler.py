@@ -382,7 +382,18 @@ class Reach:
     wrong_inputs: int
 
 
-def run(engines: Engines, seed: int, *, tp: int, async_scheduling: bool, load_async: bool) -> Reach:
+def run(
+    engines: Engines,
+    seed: int,
+    *,
+    tp: int,
+    async_scheduling: bool,
+    load_async: bool,
+    budget: int | None = None,
+    long_prefill: int = 0,
+) -> Reach:
+    """One scenario; ``budget`` replaces the drawn token budget and ``long_prefill`` sets vLLM's cap
+    on a prompt's tokens per step (neither changes what else the seed draws)."""
     rng = random.Random(seed)
     writer = engines(tp=tp)
     seeds = [[*b[: rng.choice([8, 12, 20, 32])], 7] for b in BASES]
@@ -400,13 +411,16 @@ def run(engines: Engines, seed: int, *, tp: int, async_scheduling: bool, load_as
         faults.fail_gets, faults.fail_gets_left = True, 1
         faults.fail_gets_matching = rng.choice(scheduler_harness.block_hashes(BASE)[:4]).hex()
     extra = {"load_async": True} if load_async else {}
+    num_blocks, drawn_budget = rng.choice([13, 16, 24]), rng.choice([16, 32, 64])
     engine = engines(
         tp=tp,
         async_scheduling=async_scheduling,
-        num_blocks=rng.choice([13, 16, 24]),
-        max_num_batched_tokens=rng.choice([16, 32, 64]),
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget or drawn_budget,
         extra=extra,
     )
+    if long_prefill:
+        engine.scheduler.scheduler_config.long_prefill_token_threshold = long_prefill
     todo = prompts(rng, rng.randrange(4, 9))
     added: list[tuple[str, list[int], int]] = []
     aborted: set[str] = set()
@@ -459,6 +473,32 @@ def test_random_scenario(
     engines: Engines, seed: int, tp: int, async_scheduling: bool, load_async: bool
 ) -> None:
     run(engines, seed, tp=tp, async_scheduling=async_scheduling, load_async=load_async)
+
+
+@pytest.mark.parametrize(
+    ("seed", "budget", "long_prefill"),
+    [(89, None, 0), (128, None, 0), (100, 16, 4)],
+    ids=["owner preempted", "owner aborted", "sharer of a chunked recompute"],
+)
+def test_no_request_computes_from_a_failed_block_vllm_keeps_in_its_prefix_cache(
+    engines: Engines, seed: int, budget: int | None, long_prefill: int
+) -> None:
+    """With the recompute policy vLLM keeps a block whose load failed in its prefix cache, for its
+    request to recompute in place. Seeds where another request reads it first: the request whose
+    load failed is preempted (89) or aborted (128) before it recomputed the block, or rewrites it
+    a few tokens a step under a prefill cap while a sharer reads all of it (100). kvflow reports
+    such reads as load errors, so vLLM recomputes the readers: every output is the clean model's
+    (checked in ``run``) and every stored object too (the fixture)."""
+    reach = run(
+        engines,
+        seed,
+        tp=1,
+        async_scheduling=False,
+        load_async=False,
+        budget=budget,
+        long_prefill=long_prefill,
+    )
+    assert reach.loads and reach.wrong_inputs, reach  # a load failed, and some step computed from it
 
 
 def test_a_random_scenario_reaches_preemption_aborts_and_a_failed_load(engines: Engines) -> None:

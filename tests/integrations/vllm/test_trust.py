@@ -115,3 +115,30 @@ def test_a_block_handed_out_anew_forgets_its_previous_users_verdict() -> None:
     trust.computed([StepWork(reads=[10], writes=[11], written_to=1)])
     trust.computed([StepWork(reads=[10, 11], writes=[11], read_to=1, written_to=2)])
     assert not trust.bad(11) and trust.untrusted == 0
+
+
+def test_the_bad_blocks_a_step_reads_are_named_as_it_holds_them_once_written() -> None:
+    """Block 11's load failed and 12 was computed from it. A reader of 10-12 reads them bad; in a
+    step where another request rewrites 11 whole from good inputs, a reader of 11 reads it good
+    (vLLM writes the batch's KV before attention reads); rewritten only in part, a reader of the
+    whole block reads its bad tail, while its writer's next step, reading only what it rewrote,
+    reads nothing bad."""
+    trust = BlockTrust()
+    trust.loading(1, load(10, 11))
+    trust.computed([StepWork(reads=[10, 11], writes=[12])])
+    trust.settle(1, {11})
+    reader = StepWork(reads=[10, 11, 12], writes=[13])
+    trust.computed([reader])
+    assert trust.bad_reads([reader]) == {11, 12}
+    whole = StepWork(reads=[10], writes=[11])
+    sharer = StepWork(reads=[10, 11], writes=[20])
+    trust.computed([whole, sharer])
+    assert trust.bad_reads([whole, sharer]) == set()
+    trust.loading(2, load(30, 31))
+    trust.settle(2, {31})
+    half = StepWork(reads=[30], writes=[31], written_to=2)  # positions 0-1 of 31 rewritten
+    whole_reader = StepWork(reads=[30, 31], writes=[40])
+    trust.computed([half, whole_reader])
+    assert trust.bad_reads([half, whole_reader]) == {31}
+    next_step = StepWork(reads=[30, 31], writes=[31], read_to=2)
+    assert trust.bad_reads([next_step]) == set()
