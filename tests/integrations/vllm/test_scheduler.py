@@ -475,6 +475,14 @@ def test_random_scenario(
     run(engines, seed, tp=tp, async_scheduling=async_scheduling, load_async=load_async)
 
 
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_random_scenario_under_a_prefill_cap(engines: Engines, seed: int, tp: int) -> None:
+    """The sweep above with a budget of 16 tokens a step and at most 2 of a prompt's (vLLM's
+    ``long_prefill_token_threshold``): prompts and recomputes move in chunks ending inside blocks."""
+    run(engines, 100 + seed, tp=tp, async_scheduling=False, load_async=False, budget=16, long_prefill=2)
+
+
 @pytest.mark.parametrize(
     ("seed", "budget", "long_prefill"),
     [(89, None, 0), (128, None, 0), (100, 16, 4)],
