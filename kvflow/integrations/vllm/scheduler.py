@@ -51,7 +51,7 @@ from kvflow.integrations.vllm.lookups import Lookups
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.topology import EngineShape
-from kvflow.integrations.vllm.trust import BlockTrust, StepWork
+from kvflow.integrations.vllm.trust import BadRead, BlockTrust, StepWork
 from kvflow.loop import ANSWER_GRACE_S, CallFuture
 from kvflow.metrics import Observations, TransferCounters
 from kvflow.request import KVRequest
@@ -255,8 +255,7 @@ class SchedulerSide:
             )
             for t, before, after in work
         ]
-        self._trust.computed(done)
-        bad_reads = self._bad_reads(done)
+        bad_reads = self._bad_reads(work, self._trust.computed(done))
         saves: list[KVRequest] = []
         if self.config.role.stores:
             for tracked, _, after in work:  # only now: a save may read blocks another request loads
@@ -280,18 +279,44 @@ class SchedulerSide:
             bad_reads=bad_reads,
         )
 
-    def _bad_reads(self, work: list[StepWork]) -> tuple[int, ...]:
-        """Blocks the step reads that hold wrong KV. With the recompute policy vLLM keeps a failed
-        block in its prefix cache, meant for its request to recompute in place; if that request is
-        preempted or aborted first, or another one reads the block while it is recomputed in
-        chunks, that reader would compute from it. Reported as load errors, they make vLLM
-        recompute the reader from there (with the fail policy vLLM evicts failed blocks)."""
-        if not self.recomputes_failures:
+    def _bad_reads(self, work: list[tuple[_Tracked, int, int]], found: dict[int, BadRead]) -> tuple[int, ...]:
+        """Blocks to report so that vLLM recomputes the requests of the step that read wrong KV.
+
+        With the recompute policy vLLM keeps a failed block in its prefix cache, meant for its
+        request to recompute in place; if that request is preempted or aborted first, or another
+        one reads the block while it is recomputed in chunks, that reader computes from it. vLLM
+        rewinds, for a reported block, the first running request holding it among its computed
+        blocks, and only reverts the step of the others holding it. So:
+
+        - a bad block nobody is recomputing is reported: some holder recomputes it;
+        - one being recomputed is not (that would rewind its recomputing request, which may be
+          part-way through it, and a reader reading it every step would then stop it for ever):
+          the reader is rewound to the first block it alone holds after it, if it has one (its
+          KV from there on is recomputed once the block is good); else, if the reader samples in
+          this step, the block is reported all the same (its token must not be emitted); else
+          nothing is reported: what it computes is bad (never stored), and is found when read.
+
+        With the fail policy vLLM evicts failed blocks, so nothing is reported."""
+        if not self.recomputes_failures or not found:
             return ()
-        bad = self._trust.bad_reads(work)
-        if bad:
-            log.info("%d block(s) read this step hold KV of a failed load: vLLM recomputes them", len(bad))
-        return tuple(sorted(bad))
+        holders = Counter(b for t in self._requests.values() for b in set(t.block_ids))
+        block = self.shape.block_size
+        report: set[int] = set()
+        for i, bad in found.items():
+            tracked, before, after = work[i]
+            if not bad.repairing:
+                report.add(bad.block)
+                continue
+            read = tracked.block_ids[: -(-before // block)]
+            later = read[read.index(bad.block) :] if bad.block in read else []
+            alone = next((b for b in later if holders[b] == 1), None)
+            if alone is not None:
+                report.add(alone)
+            elif after >= tracked.request.num_tokens:  # it samples a token in this step
+                report.add(bad.block)
+        if report:
+            log.info("%d block(s) read this step hold KV of a failed load: vLLM recomputes them", len(report))
+        return tuple(sorted(report))
 
     def _save_tokens(self, span: KVRequest) -> tuple[int, ...]:
         block = self.shape.block_size

@@ -15,7 +15,10 @@ steps whose verdict it waits for, or ``BAD``.
   was: that *tail* keeps what it depended on. (vLLM recomputes a failed block in place, and a
   request sharing it through the prefix cache may read all of it after a step that rewrote only
   its first positions.) A request that reads only the block's first positions (the writer's own
-  next step) does not read its tail; one that reads the whole block does. A block vLLM hands out
+  next step) does not read its tail; one that reads the whole block does. Within a step positions
+  are followed one request at a time: several requests may write parts of one block (a failed
+  block's request recomputing it and a sharer vLLM rewound onto it), and a request reads what the
+  others wrote before it in the block. A block vLLM hands out
   anew holds nothing yet: it forgets its previous user's dependencies (:meth:`BlockTrust.fresh`).
 - When S settles, blocks depending on S drop the dependency if no load of S failed; otherwise they
   are ``BAD``, and stay so until a step rewrites them whole from trusted inputs. A loaded block is
@@ -33,7 +36,7 @@ import attrs
 
 from kvflow.request import KVRequest
 
-__all__ = ["BAD", "BlockTrust", "StepWork"]
+__all__ = ["BAD", "BadRead", "BlockTrust", "StepWork"]
 
 #: The dependency of a block whose KV is wrong (a failed load, or computed from one).
 BAD = -1
@@ -55,6 +58,15 @@ class StepWork:
     written_to: int | None = None
 
 
+@attrs.frozen
+class BadRead:
+    """A request of a step read wrong KV: ``block`` is the first block it read it from;
+    ``repairing``: another request of the step rewrites that block from good inputs."""
+
+    block: int
+    repairing: bool
+
+
 @attrs.define
 class BlockTrust:
     """Dependencies of the blocks that are not trusted. Used from the scheduler thread only."""
@@ -72,67 +84,36 @@ class BlockTrust:
             self._loaded[block] = step
             self._tails.pop(block, None)
 
-    def computed(self, work: Sequence[StepWork]) -> None:
-        """A step's forward: every written block takes the dependencies of what its request read.
+    def computed(self, work: Sequence[StepWork]) -> dict[int, BadRead]:
+        """A step's forward: every position written takes the dependencies of what its request read.
+        Return, for each request (its index in ``work``) that read ``BAD`` KV, the first block it
+        read it from.
 
-        Requests of one step may read blocks another writes in it (vLLM's prefix cache), so the
-        statuses are propagated until they stop changing.
+        Requests of one step may read what another writes in it (vLLM's prefix cache; vLLM writes
+        a layer's KV of the whole batch before any attention reads it), and several may write one
+        block (a failed block's request recomputing it and a sharer vLLM rewound onto it), so the
+        positions each request writes are followed through the step. A request reads only
+        positions before its first one, so no request reads what it writes, nor, through others,
+        what depends on that: starting from nothing and growing, the dependencies settle.
         """
+        step = _Step(_Snapshot(dict(self._deps), dict(self._tails)), work)
         for item in work:
             for block in item.writes:
                 self._loaded.pop(block, None)  # from now on computed, not only loaded
-        tails = {  # the positions a partly written block keeps from before, and their dependencies
-            item.writes[-1]: (item.written_to, self._stale(item.writes[-1], item.written_to))
-            for item in work
-            if item.writes and item.written_to is not None
-        }
-        for item in work:
-            for block in item.writes:
-                tail = tails.get(block)
-                if tail is not None and tail[1]:
-                    self._tails[block] = tail
-                else:
-                    self._tails.pop(block, None)
-        for _ in range(len(work) + 1):
-            changed = False
-            for item in work:
-                deps = self._read_deps(item)
-                for block in item.writes:
-                    if self._deps.get(block, _CLEAN) != deps:
-                        changed = True
-                        self._set(block, deps)
-            if not changed:
-                return
-
-    def _stale(self, block: int, written_to: int) -> Deps:
-        """What the positions of ``block`` from ``written_to`` on depend on before this step."""
-        head = self._deps.get(block, _CLEAN)
-        tail = self._tails.get(block)
-        if tail is None:
-            return head
-        start, deps = tail
-        return deps | (head if written_to < start else _CLEAN)
-
-    def _read_deps(self, item: StepWork) -> Deps:
-        """What ``item`` reads depends on: each read block's, and its tail's where it reads that."""
-        return frozenset().union(*(deps for _, deps in self._reads(item)))
-
-    def _reads(self, item: StepWork) -> Iterator[tuple[int, Deps]]:
-        """Each block ``item`` reads, with what the positions it reads of it depend on."""
-        last = len(item.reads) - 1
-        for i, block in enumerate(item.reads):
-            deps = self._deps.get(block, _CLEAN)
-            tail = self._tails.get(block)
-            if tail is not None and (i < last or item.read_to is None or item.read_to > tail[0]):
-                deps = deps | tail[1]
-            yield block, deps
-
-    def bad_reads(self, work: Sequence[StepWork]) -> set[int]:
-        """The blocks ``work`` reads whose KV (what of it the reader reads) is ``BAD``, as it holds
-        once the step wrote (call after :meth:`computed`: a block another request of the step
-        rewrites whole from good inputs is read good, as vLLM writes a layer's KV of the whole
-        batch before any request's attention reads it)."""
-        return {block for item in work for block, deps in self._reads(item) if BAD in deps}
+        for block, spans in step.written.items():
+            # a block holds its new KV up to the furthest position written; before it, also what
+            # no request wrote (every request reads the positions before its own, so they count
+            # among its inputs in any case), after it what it held before
+            ends = [end for _, _, end in spans]
+            end = None if None in ends else max(e for e in ends if e is not None)
+            head = step.deps_between(block, 0, end, spans)
+            tail = None if end is None else step.before.span(block, end, None)
+            self._set(block, head)
+            if tail and end is not None:
+                self._tails[block] = (end, tail)
+            else:
+                self._tails.pop(block, None)
+        return step.bad_reads()
 
     def fresh(self, blocks: Iterable[int]) -> None:
         """vLLM handed ``blocks`` out anew (they hold no position of their request yet): they
@@ -190,3 +171,88 @@ class BlockTrust:
             self._deps[block] = deps
         else:
             self._deps.pop(block, None)
+
+
+#: A request's positions written in one block: ``(request, first, end)``, ``end`` None to its end.
+_Span = tuple[int, int, "int | None"]
+
+
+@attrs.frozen
+class _Snapshot:
+    """What the blocks depended on before a step: their heads' dependencies, and their tails."""
+
+    deps: dict[int, Deps]
+    tails: dict[int, tuple[int, Deps]]
+
+    def span(self, block: int, first: int, end: int | None) -> Deps:
+        """What positions ``[first, end)`` of ``block`` depended on (``end`` None: to its end)."""
+        head = self.deps.get(block, _CLEAN)
+        tail = self.tails.get(block)
+        if tail is None:
+            return head
+        start, deps = tail
+        return (head if first < start else _CLEAN) | (deps if end is None or end > start else _CLEAN)
+
+
+class _Step:
+    """One step's writes, followed position by position: what each request's inputs depend on."""
+
+    def __init__(self, before: _Snapshot, work: Sequence[StepWork]) -> None:
+        self.work = work
+        self.before = before
+        self.written: dict[int, list[_Span]] = {}
+        for r, item in enumerate(work):
+            last = len(item.writes) - 1
+            for i, block in enumerate(item.writes):
+                own_first = i == 0 and bool(item.reads) and item.reads[-1] == block
+                first = (item.read_to or 0) if own_first else 0
+                end = item.written_to if i == last else None
+                self.written.setdefault(block, []).append((r, first, end))
+        self.inputs: list[Deps] = [_CLEAN] * len(work)
+        for _ in range(len(work) + 1):  # grows until settled (no request reads its own writes)
+            changed = False
+            for r, item in enumerate(work):
+                deps = frozenset().union(*(d for _, d in self._reads(item)))
+                if deps != self.inputs[r]:
+                    self.inputs[r], changed = deps, True
+            if not changed:
+                break
+
+    def _reads(self, item: StepWork) -> Iterator[tuple[int, Deps]]:
+        """Each block ``item`` reads, with what the positions it reads of it depend on."""
+        last = len(item.reads) - 1
+        for i, block in enumerate(item.reads):
+            end = item.read_to if i == last else None
+            yield block, self.deps_between(block, 0, end, self.written.get(block, []))
+
+    def deps_between(self, block: int, first: int, end: int | None, spans: Sequence[_Span]) -> Deps:
+        """What positions ``[first, end)`` of ``block`` depend on once the step wrote ``spans``."""
+        deps: set[int] = set()
+        covered: list[tuple[int, int | None]] = []
+        for r, a, b in spans:
+            if (end is None or a < end) and (b is None or b > first):
+                deps |= self.inputs[r]
+                covered.append((a, b))
+        at = first  # the positions no span covers keep what they held
+        for a, b in sorted(covered, key=lambda c: c[0]):
+            if a > at:
+                deps |= self.before.span(block, at, a)
+            if b is None:
+                return frozenset(deps)
+            at = max(at, b)
+        if end is None or at < end:
+            deps |= self.before.span(block, at, end)
+        return frozenset(deps)
+
+    def bad_reads(self) -> dict[int, BadRead]:
+        """Each request that read ``BAD`` KV: the first block it read it from, and whether a request
+        of the step rewrites that block from good inputs (it is being recomputed)."""
+        found: dict[int, BadRead] = {}
+        for r, item in enumerate(self.work):
+            block = next((b for b, deps in self._reads(item) if BAD in deps), None)
+            if block is not None:
+                repairing = any(
+                    w != r and BAD not in self.inputs[w] for w, _, _ in self.written.get(block, ())
+                )
+                found[r] = BadRead(block, repairing)
+        return found

@@ -649,3 +649,38 @@ def test_a_decode_block_completed_after_a_recompute_is_stored(
         second.stored_objects_are_correct([[*A[:8], 7], full])
         have = _stored_hashes(faults)
         assert [i for i, h in enumerate(block_hashes(full[:-1])) if h not in have] == []
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+@pytest.mark.parametrize("sharers", [2, 3])
+def test_sharers_of_a_failed_block_recomputed_in_chunks_all_finish(
+    engines: Engines, cap: int, sharers: int
+) -> None:
+    """Block 2 of A fails to load for the first request, which recomputes it ``cap`` tokens a step;
+    requests sharing A through vLLM's prefix cache arrive the step after and read all of block 2
+    every step. Reporting their reads must not rewind the requests recomputing the block (vLLM
+    rewinds the first running request holding a reported block), or none of them ever ends: each
+    ends, with the clean model's outputs."""
+    first = engines()
+    engines.serve(first, A)
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_left = True, 1
+    faults.fail_gets_matching = scheduler_harness.block_hashes(A)[2].hex()
+    engine = engines(max_num_batched_tokens=16)
+    engine.scheduler.scheduler_config.long_prefill_token_threshold = cap
+    owner = engine.add(A_LONG, max_tokens=3)
+    engine.step()
+    prompts = [[*A, *range(500 + 50 * j, 505 + 50 * j)] for j in range(sharers)]
+    ids = [engine.add(p, max_tokens=8) for p in prompts]
+    steps = 0
+    while engine.scheduler.has_requests() or engine._queued:
+        engine.step()
+        steps += 1
+        assert steps < 400, f"no end after {steps} steps; the last ones computed {engine.computed[-9:]}"
+        if not engine.scheduler.has_unfinished_requests():
+            engine.flush()
+    faults.fail_gets = False
+    engines.prompts += [A_LONG, *prompts]
+    for req_id, prompt, n in [(owner, A_LONG, 3), *((i, p, 8) for i, p in zip(ids, prompts))]:
+        assert engine.requests[req_id].finished, req_id
+        assert engine.requests[req_id].outputs == engine.expected_outputs(prompt, n), req_id

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvflow.integrations.vllm.trust import BlockTrust, StepWork
+from kvflow.integrations.vllm.trust import BadRead, BlockTrust, StepWork
 from kvflow.request import KVRequest
 
 
@@ -117,28 +117,39 @@ def test_a_block_handed_out_anew_forgets_its_previous_users_verdict() -> None:
     assert not trust.bad(11) and trust.untrusted == 0
 
 
-def test_the_bad_blocks_a_step_reads_are_named_as_it_holds_them_once_written() -> None:
-    """Block 11's load failed and 12 was computed from it. A reader of 10-12 reads them bad; in a
-    step where another request rewrites 11 whole from good inputs, a reader of 11 reads it good
+def test_a_step_names_the_bad_blocks_its_requests_read_as_it_wrote_them() -> None:
+    """Block 11's load failed and 12 was computed from it. A reader of 10-12 reads 11 first bad; in
+    a step where another request rewrites 11 whole from good inputs, a reader of 11 reads it good
     (vLLM writes the batch's KV before attention reads); rewritten only in part, a reader of the
-    whole block reads its bad tail, while its writer's next step, reading only what it rewrote,
-    reads nothing bad."""
+    whole block reads its bad tail (the block being recomputed), while its writer's next step,
+    reading only what it rewrote, reads nothing bad."""
     trust = BlockTrust()
     trust.loading(1, load(10, 11))
     trust.computed([StepWork(reads=[10, 11], writes=[12])])
     trust.settle(1, {11})
-    reader = StepWork(reads=[10, 11, 12], writes=[13])
-    trust.computed([reader])
-    assert trust.bad_reads([reader]) == {11, 12}
-    whole = StepWork(reads=[10], writes=[11])
-    sharer = StepWork(reads=[10, 11], writes=[20])
-    trust.computed([whole, sharer])
-    assert trust.bad_reads([whole, sharer]) == set()
+    assert trust.computed([StepWork(reads=[10, 11, 12], writes=[13])]) == {0: BadRead(11, repairing=False)}
+    assert trust.computed([StepWork(reads=[10], writes=[11]), StepWork(reads=[10, 11], writes=[20])]) == {}
     trust.loading(2, load(30, 31))
     trust.settle(2, {31})
     half = StepWork(reads=[30], writes=[31], written_to=2)  # positions 0-1 of 31 rewritten
-    whole_reader = StepWork(reads=[30, 31], writes=[40])
-    trust.computed([half, whole_reader])
-    assert trust.bad_reads([half, whole_reader]) == {31}
-    next_step = StepWork(reads=[30, 31], writes=[31], read_to=2)
-    assert trust.bad_reads([next_step]) == set()
+    assert trust.computed([half, StepWork(reads=[30, 31], writes=[40])]) == {1: BadRead(31, repairing=True)}
+    assert trust.bad(40)
+    assert trust.computed([StepWork(reads=[30, 31], writes=[31], read_to=2)]) == {}  # its next step
+    assert trust.trusted([31])
+
+
+def test_a_block_two_requests_rewrite_in_one_step_holds_what_they_wrote() -> None:
+    """A failed block recomputed in place by its request (positions 0-1) while a sharer vLLM rewound
+    onto it writes positions 2-3 from what the first wrote in the same step: the block is good, and
+    a request reading all of it in that step reads it good. Written only up to position 3 by the
+    two, its last position keeps its bad tail."""
+    for sharer_end, bad in ((None, {}), (3, {0: BadRead(12, repairing=True)})):
+        trust = BlockTrust()
+        trust.loading(1, load(10, 11, 12))
+        trust.settle(1, {12})  # block 12's load failed
+        owner = StepWork(reads=[10, 11], writes=[12], written_to=2)
+        sharer = StepWork(reads=[10, 11, 12], read_to=2, writes=[12], written_to=sharer_end)
+        reader = StepWork(reads=[10, 11, 12], writes=[13])
+        assert trust.computed([reader, sharer, owner]) == bad
+        assert trust.bad(12) == bool(bad) and trust.bad(13) == bool(bad)
+        assert trust.computed([StepWork(reads=[10, 11, 12], read_to=3, writes=[12])]) == {}
