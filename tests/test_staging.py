@@ -1101,3 +1101,77 @@ async def test_a_load_whose_engine_event_never_comes_writes_nothing_and_fails(st
     assert (
         staging_pool is None if staging == "never" else staging_pool is not None and staging_pool.in_use == 0
     )
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole blocks", "layerwise"])
+async def test_a_load_cancelled_while_waiting_for_the_engines_event_gives_its_chunks_back(
+    layerwise: bool,
+) -> None:
+    """The gets are done and the load waits for an earlier step on the engine's stream when its
+    caller gives up (a cancelled SyncPool future, a layerwise step left): every chunk comes back."""
+    src = LAYOUTS["flash_attn"]()
+    backend = MemoryBackend()
+    config = staged(layerwise=layerwise, staging_bytes=64 * 4096)
+    await pool(src, backend, config, late_device()).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    reader = pool(zeros_like_caches(src), backend, config, late_device())
+    staging_pool = reader._transfer.staging
+    assert staging_pool is not None
+    slow = LateEvent(3600.0)
+    slow.record()
+    request = KVRequest(block_ids=DST_IDS, tokens=TOKENS)
+    with anyio.move_on_after(0.3) as scope:
+        await load(reader, request, layerwise=layerwise, after=slow)
+    assert scope.cancelled_caught and staging_pool.in_use == 0
+
+
+@attrs.define(eq=False)
+class CountedLateEvent(LateEvent):
+    queries: int = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return super().query()
+
+
+@pytest.mark.parametrize("staging", ["always", "never"])
+async def test_a_layerwise_load_waits_for_an_engine_event_that_never_comes_once(staging: str) -> None:
+    """Each layer has its own deadline; once one layer's wait for the event ran out, the other
+    layers fail at once instead of each waiting its own timeout for the same event."""
+    src = LAYOUTS["flash_attn"]()  # three layers
+    backend = MemoryBackend()
+    config = attrs.evolve(staged(layerwise=True, timeout_s=0.2), staging=staging)
+    device = late_device() if staging == "always" else None
+    await pool(src, backend, config, device).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    reader = pool(zeros_like_caches(src), backend, config, late_device() if device else None)
+    never = CountedLateEvent(3600.0)
+    never.record()
+    queried: list[int] = []
+    with anyio.fail_after(10):
+        async with reader.layerwise_retrieve(
+            [KVRequest(block_ids=DST_IDS, tokens=TOKENS)], depth=1, after=never
+        ) as loader:
+            async for outcome in loader:
+                assert not outcome.ok
+                queried.append(never.queries)
+    assert loader.results()[0].hit_blocks == 0
+    assert queried[0] > 0 and queried == [queried[0]] * 3  # no layer after the first asked again
+
+
+async def test_a_reshaped_load_copies_into_the_cache_on_the_staging_device() -> None:
+    """Objects of another split too large for a staging chunk go through chunks of their own;
+    their copies into the cache use the staging chunks' device (one copy stream, which ``after``
+    orders once), not a device of their own."""
+    backend = MemoryBackend()
+    src, ids = await stored_by_a_tp1_writer(backend, BLOCK)
+    device = late_device()
+    reader, dst = tp2_reader(backend, staged(staging_bytes=3 * 1 * BLOCK * 16 * 2), device, BLOCK)
+    earlier = earlier_step_writing(dst)
+    got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS), after=earlier)
+    await finish_the_device(earlier)
+    transfer = reader._transfer
+    assert transfer.staging is not None and transfer._scratch is not None
+    assert transfer._scratch.device is transfer.staging.device is device
+    assert got.hit_blocks == len(DST_IDS)
+    for name in dst:
+        for i, block in enumerate(DST_IDS):
+            assert torch.equal(dst[name][block, 0], head_of(src, ids, name, i, 1)), (name, i)

@@ -469,7 +469,10 @@ class Transfer:
         chunk = min(limit, max(nbytes, 2 * pool.chunk_bytes if pool is not None else 0))
         total = max(chunk, min(self.config.staging_bytes, _SCRATCH_BYTES))
         # (chunks of a pool made before are given back to it, and it goes once they all are)
-        pool = self._scratch = StagingPool.create(Device.of(self.require_layout().device), total, chunk)
+        # one copy stream for the job's copies into the cache (a load's after= orders it once)
+        device = staging.device if staging is not None else pool.device if pool is not None else None
+        device = device or Device.of(self.require_layout().device)
+        pool = self._scratch = StagingPool.create(device, total, chunk)
         _register(self.backend, pool.buffers())
         return pool
 

@@ -299,6 +299,8 @@ class LoadJob:
     # short of chunks may finish and reuse one before this unit is handed out
     _events: dict[Unit, list[DeviceEvent]] = attrs.field(init=False, factory=dict)
     _waiting: anyio.Lock = attrs.field(init=False, factory=anyio.Lock)  # the first wait for ``after``
+    _streams_wait: set[int] = attrs.field(init=False, factory=set)  # ids of devices whose copy stream waits
+    _after_failed: bool = attrs.field(default=False, init=False)  # it did not complete in time
 
     def __attrs_post_init__(self) -> None:
         self._order = self.transfer.load_order(len(self.plan))
@@ -337,27 +339,33 @@ class LoadJob:
         return len(status) - status.count(GetStatus.HIT)
 
     async def _writable(self, device: Device | None, deadline: float) -> bool:
-        """Whether the cache may be written now: ``after`` completed (once per job; every later
-        call returns at once). ``device``: the copies into the cache go through its copy stream,
-        which waits for ``after`` on the device; None: the host writes (a backend's get, a host
-        copy), so the loop polls it. False when it did not complete by the deadline or the
-        device reported an error: write nothing, the blocks fail."""
-        if self.after is None:
+        """Whether the cache may be written now, after ``after``. ``device``: the copies into the
+        cache go through its copy stream, which waits for ``after`` on the device (once per
+        device); None: the host writes (a backend's get, a host copy), so the loop polls it. Once
+        the host saw it complete, every later call returns at once. False when it did not complete
+        by the deadline or the device reported an error, then and for the rest of the job: write
+        nothing, the blocks fail."""
+        if self.after is None or (device is not None and id(device) in self._streams_wait):
             return True
         async with self._waiting:
             after = self.after
-            if after is None:  # another unit waited
+            if after is None or (device is not None and id(device) in self._streams_wait):
                 return True
+            if self._after_failed:
+                return False
             try:
                 timeout_s = max(0.0, deadline - time.monotonic())
                 if device is None:
                     await poll_until(after.query, timeout_s, "the engine's event before a load")
                 else:
                     await device.copies_wait_for(after, timeout_s)
+                    self._streams_wait.add(id(device))
+                if device is None or after.query():  # seen complete: nothing waits for it any more
+                    self.after = None
             except Exception as exc:  # a timeout, or the device's error: load nothing
+                self._after_failed = True
                 log.warning("a load writes nothing into the cache: %s", exc)
                 return False
-            self.after = None
             return True
 
     async def _take(self, pool: StagingPool, deadline: float) -> Chunk | None:
@@ -391,12 +399,12 @@ class LoadJob:
                 got = await transfer.get(
                     shape.objects(chunk.buffer, keys[start : start + len(part)]), deadline
                 )
+                rows = [i for i, r in enumerate(got) if r is GetStatus.HIT]
+                if rows and not await self._writable(staging.device, deadline):
+                    rows, got = [], [GetStatus.FAILED] * len(part)
             except BaseException:
                 staging.give_back(chunk)  # nothing was copied into the cache from it
                 raise
-            rows = [i for i, r in enumerate(got) if r is GetStatus.HIT]
-            if rows and not await self._writable(staging.device, deadline):
-                rows, got = [], [GetStatus.FAILED] * len(part)
             try:
                 scatter(
                     staging.device, layout, shape, chunk, [self.plan.block_ids[part[i]] for i in rows], rows
@@ -500,12 +508,12 @@ class LoadJob:
                 raise AssertionError(f"a batch of {at} bytes was packed for a chunk of {pool.chunk_bytes}")
             try:
                 got = dict(zip(offsets, await self.transfer.get(refs, deadline)))
+                complete = [j for j in batch if all(got[s.key] is GetStatus.HIT for s in wanted[j])]
+                if complete and not await self._writable(pool.device, deadline):
+                    complete = []
             except BaseException:
                 pool.give_back(chunk)
                 raise
-            complete = [j for j in batch if all(got[s.key] is GetStatus.HIT for s in wanted[j])]
-            if complete and not await self._writable(pool.device, deadline):
-                complete = []
             try:
                 self._copy(profile, pool, chunk, complete, wanted, offsets, layers)
                 filled.update(complete)
@@ -549,16 +557,16 @@ class LoadJob:
                     refs.append(ObjectRef(key, [base + offsets[k] + r * nbytes], [nbytes], nbytes))
             try:
                 got = await transfer.get(refs, deadline)
+                rows = [
+                    r
+                    for r in range(len(batch))
+                    if all(got[k * len(batch) + r] is GetStatus.HIT for k in range(len(sizes)))
+                ]
+                if rows and not await self._writable(pool.device, deadline):
+                    rows = []
             except BaseException:
                 pool.give_back(chunk)
                 raise
-            rows = [
-                r
-                for r in range(len(batch))
-                if all(got[k * len(batch) + r] is GetStatus.HIT for k in range(len(sizes)))
-            ]
-            if rows and not await self._writable(pool.device, deadline):
-                rows = []
             try:
                 with copying(pool.device, chunk):
                     if rows:
