@@ -291,15 +291,17 @@ class SchedulerSide:
         - a bad block nobody is recomputing is reported: some holder recomputes it;
         - one being recomputed is not (that would rewind its recomputing request, which may be
           part-way through it, and a reader reading it every step would then stop it for ever):
-          the reader is rewound to the first block it alone holds after it, if it has one (its
-          KV from there on is recomputed once the block is good); else, if the reader samples in
-          this step, the block is reported all the same (its token must not be emitted); else
-          nothing is reported: what it computes is bad (never stored), and is found when read.
+          the next block the reader has computed is reported instead, if it has one: only
+          requests that read the bad block too hold that one among their computed blocks (a
+          request recomputing the bad block has not got past it), so a reader is rewound there,
+          and its KV from there on is recomputed once the bad block is good. Else, if the reader
+          samples in this step, the bad block is reported all the same (its token must not be
+          emitted; this may rewind a request recomputing the block); else nothing is: what it
+          computes is bad (never stored), and is found when read.
 
         With the fail policy vLLM evicts failed blocks, so nothing is reported."""
         if not self.recomputes_failures or not found:
             return ()
-        holders = Counter(b for t in self._requests.values() for b in set(t.block_ids))
         block = self.shape.block_size
         report: set[int] = set()
         for i, bad in found.items():
@@ -308,10 +310,9 @@ class SchedulerSide:
                 report.add(bad.block)
                 continue
             read = tracked.block_ids[: -(-before // block)]
-            later = read[read.index(bad.block) :] if bad.block in read else []
-            alone = next((b for b in later if holders[b] == 1), None)
-            if alone is not None:
-                report.add(alone)
+            later = read[read.index(bad.block) + 1 :] if bad.block in read else []
+            if later:  # held, among computed blocks, only by requests that read the bad block too
+                report.add(later[0])
             elif after >= tracked.request.num_tokens:  # it samples a token in this step
                 report.add(bad.block)
         if report:

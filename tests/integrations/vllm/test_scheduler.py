@@ -652,15 +652,16 @@ def test_a_decode_block_completed_after_a_recompute_is_stored(
 
 
 @pytest.mark.parametrize("cap", [1, 2, 3])
-@pytest.mark.parametrize("sharers", [2, 3])
+@pytest.mark.parametrize(("sharers", "tail"), [(2, 5), (3, 5), (2, 1), (3, 1)])
 def test_sharers_of_a_failed_block_recomputed_in_chunks_all_finish(
-    engines: Engines, cap: int, sharers: int
+    engines: Engines, cap: int, sharers: int, tail: int
 ) -> None:
     """Block 2 of A fails to load for the first request, which recomputes it ``cap`` tokens a step;
     requests sharing A through vLLM's prefix cache arrive the step after and read all of block 2
-    every step. Reporting their reads must not rewind the requests recomputing the block (vLLM
-    rewinds the first running request holding a reported block), or none of them ever ends: each
-    ends, with the clean model's outputs."""
+    every step (with ``tail`` tokens of their own: one token, and they hold no block of their own
+    and sample at once). Reporting their reads must not rewind the requests recomputing the block
+    (vLLM rewinds the first running request holding a reported block), or none of them ever ends:
+    each ends, with the clean model's outputs."""
     first = engines()
     engines.serve(first, A)
     faults = scheduler_harness.FAULTS
@@ -670,7 +671,7 @@ def test_sharers_of_a_failed_block_recomputed_in_chunks_all_finish(
     engine.scheduler.scheduler_config.long_prefill_token_threshold = cap
     owner = engine.add(A_LONG, max_tokens=3)
     engine.step()
-    prompts = [[*A, *range(500 + 50 * j, 505 + 50 * j)] for j in range(sharers)]
+    prompts = [[*A, *range(500 + 50 * j, 500 + 50 * j + tail)] for j in range(sharers)]
     ids = [engine.add(p, max_tokens=8) for p in prompts]
     steps = 0
     while engine.scheduler.has_requests() or engine._queued:
