@@ -470,8 +470,10 @@ class Transfer:
         total = max(chunk, min(self.config.staging_bytes, _SCRATCH_BYTES))
         # (chunks of a pool made before are given back to it, and it goes once they all are)
         # one copy stream for the job's copies into the cache (a load's after= orders it once)
-        device = staging.device if staging is not None else pool.device if pool is not None else None
-        device = device or Device.of(self.require_layout().device)
+        if staging is not None:
+            device = staging.device
+        else:
+            device = pool.device if pool is not None else Device.of(self.require_layout().device)
         pool = self._scratch = StagingPool.create(device, total, chunk)
         _register(self.backend, pool.buffers())
         return pool

@@ -96,6 +96,8 @@ class BlockTrust:
         positions before its first one, so no request reads what it writes, nor, through others,
         what depends on that: starting from nothing and growing, the dependencies settle.
         """
+        if not self._deps and not self._tails:  # every block is trusted (the usual step): so is
+            return {}  # whatever this step writes, and nothing it reads is bad
         step = _Step(_Snapshot(dict(self._deps), dict(self._tails)), work)
         for item in work:
             for block in item.writes:
