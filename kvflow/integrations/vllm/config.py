@@ -15,7 +15,8 @@ Keys (all optional; docs/vllm.md has the same table with examples):
 ``model_id``            the model name in every key; default vLLM's ``served_model_name``. Set it to
                         share a store between engines that load the same weights from different paths.
 ``load_async``          load hits between engine steps (vLLM's asynchronous loading) instead of
-                        before the step's forward (default false).
+                        before the step's forward. Default: true when vLLM schedules asynchronously
+                        (its default), false otherwise: :func:`sync_load_warning` says why.
 ``layerwise``           one object per block and layer: stores put each layer as soon as the forward
                         wrote it, loads fetch layer l+1 while layer l computes (default false). A
                         store written in one mode is not seen by the other.
@@ -57,7 +58,7 @@ import attrs
 from kvflow.config import PoolConfig, parse_size, split_url
 from kvflow.errors import ConfigError
 
-__all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole", "weak_hash_warning"]
+__all__ = ["DEFAULT_BACKEND", "ConnectorConfig", "KVRole", "sync_load_warning", "weak_hash_warning"]
 
 DEFAULT_BACKEND = "local://"
 
@@ -160,10 +161,16 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(
-        cls, extra: Mapping[str, object] | None, *, role: KVRole = KVRole.BOTH, kv_events: bool = False
+        cls,
+        extra: Mapping[str, object] | None,
+        *,
+        role: KVRole = KVRole.BOTH,
+        kv_events: bool = False,
+        async_scheduling: bool = False,
     ) -> ConnectorConfig:
         """Parse vLLM's ``kv_connector_extra_config``; raise ConfigError naming any bad key.
-        ``role`` and ``kv_events`` come from vLLM's ``kv_role`` and KV events settings."""
+        ``role``, ``kv_events`` and ``async_scheduling`` come from vLLM's ``kv_role``, KV events and
+        scheduler settings; ``load_async`` defaults to ``async_scheduling``."""
         extra = extra or {}
         unknown = set(extra) - _KEYS
         if unknown:
@@ -173,6 +180,7 @@ class ConnectorConfig:
             )
         kwargs: dict[str, object] = {key: _text(extra, key) for key in _TEXTS if key in extra}
         kwargs.update({key: _number(extra, key) for key in _FLOATS if key in extra})
+        kwargs.setdefault("load_async", async_scheduling)
         kwargs.update({key: _flag(extra, key) for key in _FLAGS if key in extra})
         if "layerwise_depth" in extra:
             kwargs["layerwise_depth"] = _integer(extra, "layerwise_depth")
@@ -240,6 +248,21 @@ def _flag(extra: Mapping[str, object], key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
     return value
+
+
+def sync_load_warning(config: ConnectorConfig, *, async_scheduling: bool, recompute: bool) -> str | None:
+    """What to tell an operator who asked for loads before the forward (``load_async`` false) from
+    an engine that schedules asynchronously and recomputes failed loads. vLLM (0.32) plans step N+1
+    before step N's output arrives; when a load of step N fails, it rewinds the request to the
+    failed block but still delivers the token its step N+1 computed from that block: a wrong token.
+    An asynchronous load fails before any forward reads its blocks. None where this cannot happen."""
+    if config.load_async or not async_scheduling or not recompute or not config.role.loads:
+        return None
+    return (
+        "load_async=false with vLLM's asynchronous scheduling: when a load fails, vLLM recomputes "
+        "the request but may still return one token computed from the failed blocks. Leave "
+        "load_async unset (or true), or run vLLM with async_scheduling=False"
+    )
 
 
 def weak_hash_warning(hash_algo: str) -> str | None:

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, weak_hash_warning
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, sync_load_warning, weak_hash_warning
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, TransferCounters
@@ -62,10 +62,12 @@ class KVFlowConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         events = vllm_config.kv_events_config
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         config = ConnectorConfig.from_extra_config(
             transfer.kv_connector_extra_config,
             role=KVRole.of(transfer.kv_role),
             kv_events=bool(events is not None and events.enable_kv_cache_events),
+            async_scheduling=async_scheduling,
         )
         shape = describe_engine(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
@@ -79,6 +81,9 @@ class KVFlowConnector(KVConnectorBase_V1):
             weak = weak_hash_warning(vllm_config.cache_config.prefix_caching_hash_algo)
             if weak is not None and config.role.loads:
                 log.warning(weak)
+            unsafe = sync_load_warning(config, async_scheduling=async_scheduling, recompute=recompute)
+            if unsafe is not None:
+                log.warning(unsafe)
             if config.role.loads and self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kv_load_failure_policy=%r: a block evicted between lookup and load fails the "

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+from vllm.v1.request import Request, RequestStatus
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.clients import open_lookup_pool, open_store
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
 
@@ -98,6 +98,7 @@ class SchedulerSide:
     # maybe steps before the last one.
     _async_bad: dict[str, set[int]] = attrs.field(factory=dict, init=False)
     _trust: BlockTrust = attrs.field(factory=BlockTrust, init=False)
+    _repairs: dict[bytes, int] | None = attrs.field(default=None, init=False)  # memo, until the next step
     _reports: Counter[int] = attrs.field(factory=Counter, init=False)  # step -> workers that settled it
     _step: int = attrs.field(default=0, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)  # lookups
@@ -164,6 +165,9 @@ class SchedulerSide:
         hashes = tuple(request.block_hashes)
         block = self.shape.block_size
         local_blocks = num_computed_tokens // block
+        read = hashes[: local_blocks + 1]  # the block past the aligned hit too: vLLM's may end in it
+        if self.recomputes_failures and self._reads_repair(read):
+            return None, False
         self._local_hits[req_id] = num_computed_tokens
         if self._lookups is None or len(hashes) <= local_blocks:
             return 0, False
@@ -173,6 +177,28 @@ class SchedulerSide:
         self._answered[req_id] = (hit - num_computed_tokens, len(hashes) * block - num_computed_tokens)
         tokens = external_tokens(hit, num_computed_tokens, request.num_tokens)
         return tokens, tokens > 0 and self.config.load_async
+
+    def _reads_repair(self, hashes: Sequence[bytes]) -> bool:
+        """Whether vLLM's prefix cache would give a request of these block hashes a ``BAD`` block
+        that a running request is recomputing. Such a request waits (vLLM asks again next step)
+        until the block is good: admitted, it would read wrong KV, and vLLM, told so, may rewind
+        the request recomputing the block instead of it, every step (docs/vllm.md)."""
+        if self._repairs is None:  # once a step: which bad blocks running requests still compute
+            self._repairs = {}
+            block = self.shape.block_size
+            for tracked in self._requests.values() if self._trust.any_bad else ():
+                request = tracked.request
+                if request.status != RequestStatus.RUNNING:
+                    continue
+                ahead = min(len(tracked.block_ids), len(request.block_hashes))
+                for i in range(request.num_computed_tokens // block, ahead):
+                    if self._trust.bad(tracked.block_ids[i]):
+                        self._repairs[request.block_hashes[i]] = tracked.block_ids[i]
+        repairs = self._repairs
+        waits = bool(repairs) and any(h in repairs for h in hashes)
+        if waits:
+            log.debug("a request waits for a block being recomputed after a failed load")
+        return waits
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -214,6 +240,7 @@ class SchedulerSide:
         """This step's loads (before the forward), asynchronous loads and saves. Resets the step."""
         if self._lookups is not None:
             self._lookups.new_step()
+        self._repairs = None
         self._step += 1
         step = self._step
         scheduled = scheduler_output.num_scheduled_tokens
@@ -366,6 +393,7 @@ class SchedulerSide:
         requests) whose load failed on some worker, and (KV events on) the blocks workers stored."""
         if self.config.kv_events:
             self._tally.add(kv_cache_events)
+        self._repairs = None
         bad = set(invalid_block_ids or ())
         failed = failed_recving or set()
         self._reports.update(settled_steps)

@@ -165,6 +165,13 @@ class BlockTrust:
         return BAD in self._deps.get(block, _CLEAN) or (tail is not None and BAD in tail[1])
 
     @property
+    def any_bad(self) -> bool:
+        """Whether some block holds ``BAD`` KV (in whole or in its tail)."""
+        return any(BAD in deps for deps in self._deps.values()) or any(
+            BAD in deps for _, deps in self._tails.values()
+        )
+
+    @property
     def untrusted(self) -> int:
         return len(self._deps.keys() | self._tails.keys())
 

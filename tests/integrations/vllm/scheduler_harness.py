@@ -336,6 +336,9 @@ class Harness:
             ],
         )
         config.cache_config.num_gpu_blocks = self.num_blocks
+        # vLLM's CPU platform turns asynchronous scheduling off; this engine runs vLLM's
+        # AsyncScheduler as a GPU engine would, and the connector reads the setting
+        config.scheduler_config.async_scheduling = self.async_scheduling
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(
             vllm_config=config,

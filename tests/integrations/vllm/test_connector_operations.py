@@ -26,7 +26,7 @@ import kvflow.integrations.vllm.events as events_module
 from kvflow.backends import SCHEMES
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.mooncake.health import StoreHealth
-from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, weak_hash_warning
+from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, sync_load_warning, weak_hash_warning
 from kvflow.integrations.vllm.events import EventTally, KVFlowKVEvents, WorkerEvent
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics
 from kvflow.integrations.vllm.worker import WorkerSide
@@ -82,6 +82,25 @@ def test_a_block_hash_that_is_not_collision_resistant_is_warned_about() -> None:
     for algo in ("xxhash", "xxhash_cbor"):
         warning = weak_hash_warning(algo)
         assert warning is not None and algo in warning and "Use sha256" in warning
+
+
+def test_loads_follow_vllms_scheduling_unless_set_and_an_unsafe_choice_is_warned_about() -> None:
+    """Under vLLM's asynchronous scheduling a failed load before the forward can reach the outputs
+    (test_scheduler.py), so ``load_async`` defaults to vLLM's ``async_scheduling``; an operator
+    who sets it false there is told what it risks, unless nothing is loaded or failures fail."""
+    assert ConnectorConfig.from_extra_config({}, async_scheduling=True).load_async
+    assert not ConnectorConfig.from_extra_config({}, async_scheduling=False).load_async
+    assert ConnectorConfig.from_extra_config({"load_async": True}).load_async
+    chosen = ConnectorConfig.from_extra_config({"load_async": False}, async_scheduling=True)
+    assert not chosen.load_async
+    warning = sync_load_warning(chosen, async_scheduling=True, recompute=True)
+    assert warning is not None and "async_scheduling=False" in warning
+    assert sync_load_warning(chosen, async_scheduling=False, recompute=True) is None
+    assert sync_load_warning(chosen, async_scheduling=True, recompute=False) is None
+    producer = attrs.evolve(chosen, role=KVRole.PRODUCER)
+    assert sync_load_warning(producer, async_scheduling=True, recompute=True) is None
+    default = ConnectorConfig.from_extra_config({}, async_scheduling=True)
+    assert sync_load_warning(default, async_scheduling=True, recompute=True) is None
 
 
 def test_kv_role_is_read_from_vllm_with_a_clear_error() -> None:

@@ -150,6 +150,37 @@ def test_a_load_failing_on_one_rank_stores_nothing_computed_from_it_even_for_a_p
     assert second.wrong_inputs  # the failed step did compute from junk (then vLLM recomputed it)
 
 
+@pytest.mark.parametrize("sharers", [0, 1, 3])
+def test_under_async_scheduling_a_failed_load_never_reaches_the_outputs(
+    engines: Engines, sharers: int
+) -> None:
+    """vLLM's asynchronous scheduling (its default) plans step N+1 before step N's output arrives.
+    A load before N's forward that fails (here one block of A's; an eviction between lookup and
+    load does the same) gets its request rewound to the failed block, but vLLM still delivers the
+    token that N+1 computed from that block, and requests admitted meanwhile read it through the
+    prefix cache. So the connector loads asynchronously there unless told otherwise: a failed
+    asynchronous load is reported before any forward reads its blocks. Every output is the clean
+    model's (with loads before the forward, the request whose load failed returned another first
+    token)."""
+    first = engines()
+    engines.serve(first, A)
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_left = True, 1
+    faults.fail_gets_matching = scheduler_harness.block_hashes(A)[2].hex()
+    engine = engines(max_num_batched_tokens=16, async_scheduling=True)  # load_async left unset
+    owner = engine.add(A_LONG, max_tokens=3)
+    engine.step()
+    prompts = [[*A, *range(500 + 50 * j, 505 + 50 * j)] for j in range(sharers)]
+    ids = [engine.add(p, max_tokens=8) for p in prompts]
+    engine.run()
+    faults.fail_gets = False
+    engines.prompts += [A_LONG, *prompts]
+    assert [load[4] for load in engine.loads] == [True] * len(engine.loads) and engine.loads
+    for req_id, prompt, n in [(owner, A_LONG, 3), *((i, p, 8) for i, p in zip(ids, prompts))]:
+        assert engine.requests[req_id].finished, req_id
+        assert engine.requests[req_id].outputs == engine.expected_outputs(prompt, n), req_id
+
+
 def test_async_scheduling_never_stores_what_a_request_admitted_onto_a_failed_load_computed(
     engines: Engines,
 ) -> None:
@@ -162,7 +193,7 @@ def test_async_scheduling_never_stores_what_a_request_admitted_onto_a_failed_loa
     engines.serve(first, A[:12])
     faults = scheduler_harness.FAULTS
     faults.fail_gets, faults.fail_gets_left = True, 1
-    second = engines(async_scheduling=True)
+    second = engines(async_scheduling=True, extra={"load_async": False})  # as an operator may ask
     r0 = second.add(A_LONG, max_tokens=3)
     second.step()  # step N: R0 loads (and fails); its output is not processed yet
     r1 = second.add(B_SHARED, max_tokens=3)
@@ -410,7 +441,7 @@ def run(
     elif kind == 3:
         faults.fail_gets, faults.fail_gets_left = True, 1
         faults.fail_gets_matching = rng.choice(scheduler_harness.block_hashes(BASE)[:4]).hex()
-    extra = {"load_async": True} if load_async else {}
+    extra = {"load_async": load_async}  # (unset, it follows async_scheduling)
     num_blocks, drawn_budget = rng.choice([13, 16, 24]), rng.choice([16, 32, 64])
     engine = engines(
         tp=tp,
@@ -445,7 +476,7 @@ def run(
     faults.fail_gets = False
     engines.prompts += [p for _, p, _ in added if p not in engines.prompts]
     engines.prompts += [s for s in seeds if s not in engines.prompts]
-    if not async_scheduling:
+    if load_async or not async_scheduling:  # (docs/vllm.md: sync loads under async scheduling)
         for req_id, prompt, max_tokens in added:
             if req_id in aborted:
                 continue
@@ -466,6 +497,7 @@ def run(
         (1, True, False),
         (2, True, False),
         (1, False, True),
+        (1, True, True),
         (2, True, True),
     ],
 )
@@ -652,7 +684,7 @@ def test_a_decode_block_completed_after_a_recompute_is_stored(
 
 
 @pytest.mark.parametrize("cap", [1, 2, 3])
-@pytest.mark.parametrize(("sharers", "tail"), [(2, 5), (3, 5), (2, 1), (3, 1)])
+@pytest.mark.parametrize(("sharers", "tail"), [(2, 5), (3, 5), (2, 1), (3, 1), (4, 1), (5, 1), (4, 5)])
 def test_sharers_of_a_failed_block_recomputed_in_chunks_all_finish(
     engines: Engines, cap: int, sharers: int, tail: int
 ) -> None:
