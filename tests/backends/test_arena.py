@@ -11,8 +11,11 @@ import logging
 import os
 import shutil
 import stat
+import struct
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +296,20 @@ def test_every_process_must_cut_the_store_alike(store_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"holds 16 slots of 16384 bytes.*asks for 8 slots of 32768"):
         open_arena(store_dir, slots=8, slot=32 * KiB)
     anyio.run(made.aclose)
+
+
+def test_a_store_made_now_refuses_a_capacity_whose_earlier_cut_would_match_it(store_dir: Path) -> None:
+    """docs/arena-backend.md: a store opened with another capacity is a ConfigError. A store of 128
+    slots (2 sets of 64) opened with a URL asking 191 slots (2 sets of 95) is refused, though an
+    earlier kvflow cut 191 slots into 2 sets of 64 too: the store records the rule that cut it, so
+    only a store with no record (an earlier kvflow's) is taken as the earlier cut of a URL (before,
+    the second URL silently got the smaller store)."""
+    made = open_arena(store_dir, slots=128)
+    try:
+        with pytest.raises(ConfigError, match=r"holds 128 slots .*asks for 190 slots .*same capacity"):
+            open_arena(store_dir, slots=191)
+    finally:
+        anyio.run(made.aclose)
 
 
 def test_a_file_that_is_not_an_arena_is_refused(store_dir: Path) -> None:
@@ -629,6 +646,41 @@ async def test_a_cancelled_put_gives_its_slots_back_even_while_the_lock_is_busy(
     await stuck.aclose()
 
 
+@pytest.mark.parametrize("then", ["put", "remove", "clear", "close"])
+async def test_slots_a_failed_put_could_not_give_back_are_freed_at_the_next_exclusive_section(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """A put whose publish and give-back both time out (another process held the lock a little
+    longer than ``lock_timeout``) leaves its slots being written by this live process. The backend
+    frees them at its next exclusive section (a put's claim, a remove, a clear) or its close, so
+    the key stores and reads again, from any instance (before, it read PRESENT to every put and
+    MISS to every get until the process ended)."""
+    backend = open_arena(store_dir, lock_timeout_s=0.05)
+    other = open_arena(store_dir)  # another process's lock: its own open file
+    try:
+
+        def stall(row: int) -> None:  # the other takes the lock while the put copies
+            fcntl.flock(other._arena.lock.fd, fcntl.LOCK_EX)
+
+        monkeypatch.setattr(arena, "_mid_write_hook", stall)
+        assert await put_all(backend, ["k"]) == [PutStatus.FAILED]
+        monkeypatch.setattr(arena, "_mid_write_hook", None)
+        fcntl.flock(other._arena.lock.fd, fcntl.LOCK_UN)
+        if then == "put":
+            assert await put_all(backend, ["another"]) == [PutStatus.STORED]
+        elif then == "remove":
+            assert await backend.remove(["another"]) == [False]
+        elif then == "clear":
+            assert await backend.clear() == 0
+        else:
+            await backend.aclose()
+        assert await put_all(other, ["k"]) == [PutStatus.STORED]
+        assert await get_one(other, "k") == (GetStatus.HIT, bytes(filled("k")))
+    finally:
+        await backend.aclose()
+        await other.aclose()
+
+
 async def test_a_get_never_copies_a_slot_written_again_while_it_paused(
     store_dir: Path, checkpoint_often: None
 ) -> None:
@@ -665,6 +717,118 @@ def test_looking_at_a_short_file_that_is_not_an_arena_is_refused(store_dir: Path
     (store_dir / "arena").write_bytes(b"KVFARENA\x01")  # the magic, but not a whole header
     with pytest.raises(ConfigError, match="is not a kvflow arena"):
         ArenaBackend.attach(f"arena://{store_dir}")
+
+
+def test_looking_at_no_store_creates_nothing(store_dir: Path) -> None:
+    """A look (``kvflow store``) at a store that is not there is a ConfigError that makes nothing:
+    no directory, no parents, and in an empty directory no lock file or arena."""
+    for missing in (store_dir / "a" / "b", store_dir):
+        with pytest.raises(ConfigError, match="there is no arena store"):
+            ArenaBackend.attach(f"arena://{missing}")
+        assert not store_dir.exists()
+    store_dir.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="there is no arena store"):
+        ArenaBackend.attach(f"arena://{store_dir}")
+    assert list(store_dir.iterdir()) == []
+
+
+_ATTACH = """
+import sys
+from kvflow.backends.arena import ArenaBackend
+from kvflow.errors import ConfigError
+try:
+    ArenaBackend.attach(sys.argv[1])
+except ConfigError as exc:
+    print("ConfigError:", exc)
+else:
+    print("attached")
+"""
+
+
+def attach_in_a_child(store_dir: Path) -> str:
+    """What ``ArenaBackend.attach`` (``kvflow store stats|ls|clear``) says of the store at
+    ``store_dir``, asked in a child process: a look that hangs fails the test instead of hanging it."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _ATTACH, f"arena://{store_dir}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"looking at the store {store_dir} hung")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_looking_at_a_store_whose_arena_is_a_fifo_is_refused_not_waited_on(store_dir: Path) -> None:
+    """``kvflow store stats arena://DIR`` opens the arena without blocking and checks what it is
+    before reading it: a FIFO there is refused with what to do (before, opening it waited forever
+    for a writer)."""
+    store_dir.mkdir(mode=0o700)
+    os.mkfifo(store_dir / "arena", 0o600)
+    said = attach_in_a_child(store_dir)
+    assert said.startswith("ConfigError:") and "is not a file" in said and "remove it" in said, said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user owns")
+def test_looking_at_another_users_store_is_refused_before_anything_in_it_is_read(store_dir: Path) -> None:
+    """Another user made the store's directory first (the default one is in sticky /dev/shm) and
+    put a FIFO where the arena goes: the look refuses the directory, as opening the store does,
+    before it opens anything in it (before, it read, here hung on, another user's file)."""
+    store_dir.mkdir(mode=0o755)
+    os.mkfifo(store_dir / "arena", 0o644)
+    os.chown(store_dir, 12345, 12345)
+    os.chown(store_dir / "arena", 12345, 12345)
+    said = attach_in_a_child(store_dir)
+    assert said.startswith("ConfigError:") and "belongs to another user" in said, said
+
+
+_HEADER_FIELDS = {
+    "ways": (12, "<I"),
+    "slot": (16, "<Q"),
+    "sets": (24, "<Q"),
+    "offset": (32, "<Q"),
+    "cut": (40, "<Q"),
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("ways", 0, "1 sets of 0 slots"),
+        ("sets", 0, "0 sets of 16 slots"),
+        ("slot", 1000, "slots of 1000 bytes"),
+        ("offset", 4096, "puts the slots at byte 4096"),
+        ("cut", 7, "unknown cut"),
+        ("size", 4096, "is 4096 bytes long"),
+    ],
+)
+def test_a_damaged_header_is_reported_as_damage_with_what_to_do(
+    store_dir: Path, field: str, value: int, problem: str
+) -> None:
+    """A store whose arena header no kvflow writes (or whose file is not as long as it says) is
+    damaged, whether a tool looks at it or an engine opens it: the error says so and how to make
+    it anew (before, a look said "capacity must be at least one slot", as if the URL were wrong)."""
+    anyio.run(open_arena(store_dir).aclose)
+    arena_file = store_dir / "arena"
+    if field == "size":
+        os.truncate(arena_file, value)
+    else:
+        at, form = _HEADER_FIELDS[field]
+        with open(arena_file, "r+b") as f:
+            f.seek(at)
+            f.write(struct.pack(form, value))
+    looks: list[Callable[[], ArenaBackend]] = [
+        lambda: ArenaBackend.attach(f"arena://{store_dir}"),  # kvflow store stats|ls|clear
+        lambda: open_arena(store_dir),  # an engine
+    ]
+    for look in looks:
+        with pytest.raises(ConfigError) as info:
+            look()
+        said = str(info.value)
+        assert f"the arena at {arena_file} is damaged" in said and problem in said, said
+        assert f"rm {arena_file}" in said and "capacity must" not in said, said
 
 
 # --- geometry, writers' verdicts, opening beside a creator -----------------------------------------
@@ -811,6 +975,9 @@ def test_an_arena_an_earlier_kvflow_cut_opens_with_the_same_url(
     with monkeypatch.context() as patch:
         patch.setattr(arena_store.Geometry, "of", arena_store.Geometry.earlier_of)
         arena_store.ArenaFile.open(config).close()
+    with open(store_dir / "arena", "r+b") as f:  # an earlier kvflow's header ends before the cut
+        f.seek(40)
+        f.write(bytes(8))
     arena = arena_store.ArenaFile.open(config)
     try:
         assert (arena.geometry.ways, arena.geometry.sets) == (64, 1)

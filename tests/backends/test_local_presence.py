@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,6 +189,32 @@ def test_the_ring_going_round_while_it_is_read_forgets_everything(
     monkeypatch.setattr(PresenceMemory, "_read", overtaken)
     memory.refresh()
     assert not memory.keys
+
+
+def test_a_reader_overtaken_by_a_writer_yet_to_publish_its_count_forgets_everything(
+    journal: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer writes its entries, then its count. A reader 4000 entries behind that reads the
+    ring between the two reads slots the writer just overwrote (the victim's removal, entry 0,
+    among them) while the count still says nothing went round. The writer publishes where it will
+    end before its entries, so the reader sees it was overtaken and forgets everything (before, it
+    kept remembering the removed victim as present)."""
+    memory = remembering(journal, "victim")
+    count = append_removed(journal, 0, ["victim", *(f"other-{i}" for i in range(3999))])
+    refreshed: list[int] = []
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if offset == presence._COUNT_AT:  # the count: this writer's entries are in the ring already
+            memory.refresh()
+            refreshed.append(offset)
+        return os.pwrite(fd, data, offset)
+
+    monkeypatch.setattr(presence, "os", types.SimpleNamespace(pwrite=pwrite, pread=os.pread))
+    late = [f"late-{i}" for i in range(200)]  # slots 4000 .. 4095, then 0 .. 103
+    assert append_removed(journal, count, late) == count + 200
+    monkeypatch.setattr(presence, "os", os)
+    assert refreshed and name_hash("victim") not in {name_hash(n) for n in late}
+    assert "victim" not in memory.keys
 
 
 def test_names_with_one_hash_are_remembered_once(journal: int, monkeypatch: pytest.MonkeyPatch) -> None:

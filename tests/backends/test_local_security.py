@@ -231,6 +231,51 @@ async def test_a_symlink_planted_as_an_object_is_never_a_hit_nor_followed(tmp_pa
     await backend.aclose()
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "another user's file"])
+async def test_an_entry_that_is_not_kvflows_at_a_keys_name_fails_its_puts_and_is_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """An entry in objects/ that is not kvflow's is no object to any call: lookups and gets miss
+    it, a put of its key answers FAILED (before, the put set its time and answered PRESENT, so the
+    key could never be stored), remove and clear leave it, and a warning names it once. Removed by
+    hand, the key stores again."""
+    if kind == "another user's file" and os.geteuid() != 0:
+        pytest.skip("needs root to make a file another user owns")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(object_file("k", b"e" * 100))
+    backend = open_store(tmp_path / "store")
+    entry = tmp_path / "store" / "objects" / "k"
+    if kind == "symlink":
+        entry.symlink_to(elsewhere)
+    elif kind == "fifo":
+        os.mkfifo(entry, 0o600)
+    else:
+        entry.write_bytes(object_file("k", b"p" * 100))
+        os.chown(entry, NOBODY, NOBODY)
+    before = entry.lstat()
+    with caplog.at_level(logging.WARNING, logger="kvflow.backends.local.space"):
+        for _ in range(2):
+            assert await backend.put([ref("k", bytearray(b"v" * 100))]) == [PutStatus.FAILED]
+        assert await backend.exists(["k"]) == [False]
+        assert await backend.get([ref("k", bytearray(100))]) == [GetStatus.MISS]
+        assert await backend.remove(["k"]) == [False]
+        assert await backend.clear() == 0
+    after = entry.lstat()
+    assert (after.st_ino, after.st_mode, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_mode,
+        before.st_mtime_ns,
+    )
+    assert elsewhere.read_bytes() == object_file("k", b"e" * 100)
+    reported = [r.getMessage() for r in caplog.records if "not kvflow's" in r.getMessage()]
+    assert len(reported) == 1 and str(entry) in reported[0], reported
+    entry.unlink()
+    assert await backend.put([ref("k", bytearray(b"v" * 100))]) == [PutStatus.STORED]
+    target = bytearray(100)
+    assert await backend.get([ref("k", target)]) == [GetStatus.HIT] and target == b"v" * 100
+    await backend.aclose()
+
+
 # --- modes -----------------------------------------------------------------------------------------
 
 

@@ -72,6 +72,10 @@ class ArenaBackend:
     _too_large_logged: bool = attrs.field(default=False, init=False)
     _hashes: KeyHashes = attrs.field(factory=KeyHashes, init=False)
     _life: Lifetime = attrs.field(init=False)  # the calls running: the arena stays mapped for them
+    # Rows claimed by puts that failed and could not give them back (the lock timed out): still
+    # WRITING by this live process, so their keys read PRESENT to puts and MISS to gets until
+    # :meth:`_free_stranded` frees them, in this instance's next exclusive section or its close.
+    _stranded: set[int] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._arena = ArenaFile.open(self.config)
@@ -90,7 +94,7 @@ class ArenaBackend:
         """The store ``url`` names, cut as it was made whatever capacity and slot the URL gives; a
         ConfigError when there is none (for tools that look at a store: nothing is created)."""
         config = ArenaConfig.from_url(url)
-        geometry = stored_geometry(config.path)
+        geometry = stored_geometry(config)  # the directory checked first; the arena read, never waited on
         if geometry is None:
             raise ConfigError(
                 f"there is no arena store at {config.path} (nothing to show or clear); check the URL"
@@ -139,6 +143,7 @@ class ArenaBackend:
                 await self._write(objects, claimed)
                 keys, sizes = keys_of(objects), nbytes_of(objects)
                 async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+                    self._free_stranded()
                     order = list(claimed)
                     self._arena.publish(
                         list(claimed.values()), [sizes[i] for i in order], [keys[i] for i in order]
@@ -188,6 +193,7 @@ class ArenaBackend:
         hashes = key_hashes([keys[i] for i in fits])  # new keys, mostly: not remembered
         now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+            self._free_stranded()  # first: a key of this put may be one of theirs
             claims = self._arena.claim(hashes, now)
             for i, got in zip(fits, claims):
                 if isinstance(got, PutStatus):
@@ -198,14 +204,30 @@ class ArenaBackend:
             repeats.update((fits[k], fits[f]) for k, f in repeats_of([keys[i] for i in fits]).items())
 
     async def _give_back(self, rows: Iterable[int]) -> None:
-        """Free claimed slots after a failure or a cancellation (shielded: it runs even when cancelled)."""
+        """Free claimed slots after a failure or a cancellation, with any that earlier puts could
+        not give back (shielded: it runs even when cancelled). When the lock times out they are
+        kept (``_stranded``) for the next exclusive section of this instance, or its close."""
+        self._stranded.update(rows)
+        if not self._stranded:
+            return
         with anyio.CancelScope(shield=True):
             try:
                 async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-                    for row in rows:
-                        self._arena.release(row)
+                    self._free_stranded()
             except TimeoutError as exc:
-                logger.error("arena backend: claimed slots stay taken until this process ends: %s", exc)
+                logger.error(
+                    "arena backend: %d claimed slots could not be given back yet (%s); their keys read "
+                    "PRESENT to puts and MISS to gets until this backend's next put, remove, clear or "
+                    "close frees them (or this process ends)",
+                    len(self._stranded),
+                    exc,
+                )
+
+    def _free_stranded(self) -> None:
+        """Free the slots that failed puts could not give back (under the exclusive lock)."""
+        if self._stranded:
+            self._arena.release(sorted(self._stranded))
+            self._stranded.clear()
 
     def _log_too_large(self, obj: ObjectRef) -> None:
         if not self._too_large_logged:
@@ -308,12 +330,20 @@ class ArenaBackend:
         with self._life.call():
             try:
                 async with self._arena.lock.held(mode, self.config.lock_timeout_s):
+                    if mode == EXCLUSIVE:
+                        self._free_stranded()
                     yield self._arena
             except TimeoutError as exc:
                 raise BackendError(f"the arena store {self.root} cannot answer: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close: no call starts any more; return once no put or get runs (they copy the caller's
-        memory until they return). The arena is unmapped once the last call has returned (a
-        lookup still waiting for the lock answers from it first)."""
-        await self._life.close()
+        memory until they return) and the slots failed puts could not give back are freed (or the
+        lock timed out again: they stay taken until this process ends). The arena is unmapped once
+        the last call has returned (a lookup still waiting for the lock answers from it first)."""
+        if self._life.closed:  # another close runs: wait as it does
+            await self._life.close()
+            return
+        with self._life.call():  # the arena stays mapped while the stranded slots are given back
+            await self._life.close()
+            await self._give_back(())

@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvflow.backends.arena.config import ArenaConfig
+from kvflow.backends.arena.config import MAX_SLOT, ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
 from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
@@ -54,7 +54,6 @@ from kvflow.backends.local.safety import (
     open_root,
     open_store_file,
     opening,
-    unusable_message,
 )
 from kvflow.errors import BackendUnavailableError, ConfigError
 
@@ -79,7 +78,10 @@ ARENA_NAME = "arena"
 _NEW_NAME = "arena.new"
 _MAGIC = b"KVFARENA"
 _VERSION = 1
-_HEADER = struct.Struct("<8sIIQQQ")  # magic, version, ways, slot bytes, sets, offset of the slots
+# magic, version, ways, slot bytes, sets, offset of the slots, cut (the rule that chose ways and sets)
+_HEADER = struct.Struct("<8sIIQQQQ")
+_EARLIER_CUT = 0  # sets of at most WAYS slots (Geometry.earlier_of); kvflows that wrote no cut
+_WIDE_CUT = 1  # sets of WAYS slots or a few more (Geometry.of): every store made since it is recorded
 _PAGE = 4096
 WAYS = 64
 _ALLOCATE_BYTES_PER_S = 1 << 30  # posix_fallocate on tmpfs, a slow host's (12 GB/s measured here)
@@ -408,9 +410,17 @@ class ArenaFile:
         self._table[_STATE][ready] = FREE
         return int(ready.sum())
 
-    def release(self, row: int) -> None:
-        """Give back a slot this process claimed and will not publish."""
-        self._words[row] = FREE
+    def release(self, rows: Sequence[int]) -> None:
+        """Give back slots this process claimed and will not publish: each row still being
+        written by this process is freed (any other is left alone: it is not this process's)."""
+        if not rows:
+            return
+        at = np.asarray(rows, dtype=np.intp)
+        table = self._table
+        mine = (table[_STATE, at] == WRITING) & (table[_NS : _START + 1, at] == self._me_words[:, None]).all(
+            axis=0
+        )
+        table[_STATE, at[mine]] = FREE
 
     def remove(self, hashes: Hashes) -> list[bool]:
         """Free the published objects of these hashes; False where there is none."""
@@ -434,22 +444,29 @@ class Query:
     found: npt.NDArray[np.bool_]  # the slot holds an object of that size
 
 
-def stored_geometry(path: str) -> Geometry | None:
-    """How the arena in directory ``path`` is cut, read from its header; None when there is none."""
-    try:
-        fd = os.open(f"{path}/{ARENA_NAME}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ConfigError(unusable_message(path, exc)) from exc
-    try:
-        data = os.pread(fd, _HEADER.size, 0)
-    finally:
-        os.close(fd)
-    if len(data) < _HEADER.size or data[:8] != _MAGIC:
-        raise ConfigError(f"{path}/{ARENA_NAME} is not a kvflow arena; remove it or give another directory")
-    _, _, ways, slot_bytes, sets, _ = _HEADER.unpack(data)
-    return Geometry(ways, slot_bytes, sets)
+def stored_geometry(config: ArenaConfig) -> Geometry | None:
+    """How the arena of the store ``config`` names is cut, read from its header; None when there is
+    no store there. Creates nothing (for tools that look at a store).
+
+    The directory is checked first, as opening the store checks it (another user's, a symlink, open
+    to writes by others: a ConfigError that says what to do), and the header is read through a
+    descriptor of the arena verified to be a regular file of the store: a FIFO or a symlink there
+    is refused, never waited on or followed. A header that is not an arena's, or is damaged, is a
+    ConfigError too.
+    """
+    root = os.path.normpath(config.path)
+    access = Access.of(config.group)
+    path = f"{root}/{ARENA_NAME}"
+    with opening(root) as fds:
+        try:
+            fds.append(open_root(root, access, create=False))
+            fds.append(open_store_file(fds[0], ARENA_NAME, path, access, create=False))
+            return _read_header(fds[1], path)[0]
+        except FileNotFoundError:
+            return None
+        finally:
+            while fds:
+                os.close(fds.pop())
 
 
 def _exists(root_fd: int, name: str) -> bool:
@@ -493,7 +510,13 @@ def _create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
                 "(df -h /dev/shm)"
             ) from exc
         header = _HEADER.pack(
-            _MAGIC, _VERSION, geometry.ways, geometry.slot_bytes, geometry.sets, geometry.data_offset
+            _MAGIC,
+            _VERSION,
+            geometry.ways,
+            geometry.slot_bytes,
+            geometry.sets,
+            geometry.data_offset,
+            _WIDE_CUT,
         )
         os.pwrite(fd, header, 0)
         os.rename(_NEW_NAME, ARENA_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
@@ -507,21 +530,55 @@ def _create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
 
 
 def _check_header(fd: int, path: str, geometry: Geometry, earlier: Geometry) -> Geometry:
-    """How the arena is cut: ``geometry`` or ``earlier``."""
+    """How the arena is cut: ``geometry``, or ``earlier`` for a store an earlier kvflow made (one
+    whose header records no cut: a store made since records it, and opens only as ``geometry``)."""
+    found, cut = _read_header(fd, path)
+    if found != geometry and (cut != _EARLIER_CUT or found != earlier):
+        raise ConfigError(
+            f"{path} holds {found.describe()}, but this URL asks for {geometry.describe()}: give every "
+            "process the same capacity and slot, or remove the store to make it anew"
+        )
+    return found
+
+
+def _read_header(fd: int, path: str) -> tuple[Geometry, int]:
+    """How the arena file ``fd`` (at ``path``) is cut, and the rule that cut it (``_EARLIER_CUT``
+    for a header that records none). ConfigError when it is not an arena, is of another format
+    version, or is damaged (a header no kvflow writes, or a file of another size than it says)."""
     data = os.pread(fd, _HEADER.size, 0)
-    size = os.fstat(fd).st_size
     if len(data) < _HEADER.size or data[:8] != _MAGIC:
         raise ConfigError(f"{path} is not a kvflow arena; remove it or give another directory")
-    _, version, ways, slot_bytes, sets, offset = _HEADER.unpack(data)
+    _, version, ways, slot_bytes, sets, offset, cut = _HEADER.unpack(data)
     if version != _VERSION:
         raise ConfigError(
             f"{path} is an arena of format version {version}, this kvflow reads version {_VERSION}; "
             "remove it (its KV is only a cache) or use another directory"
         )
     found = Geometry(ways, slot_bytes, sets)
-    if found not in (geometry, earlier) or offset != found.data_offset or size != found.file_bytes:
+    problem = _damage(found, offset, cut, os.fstat(fd).st_size)
+    if problem:
         raise ConfigError(
-            f"{path} holds {found.describe()}, but this URL asks for {geometry.describe()}: give every "
-            "process the same capacity and slot, or remove the store to make it anew"
+            f"the arena at {path} is damaged: {problem}. Remove it (rm {path}; its KV is only a "
+            "cache) and the next process to open the store makes it anew"
         )
-    return found
+    return found, cut
+
+
+def _damage(found: Geometry, offset: int, cut: int, size: int) -> str:
+    """What is wrong with a header that says ``found``, ``offset`` and ``cut`` of a file of
+    ``size`` bytes; "" when nothing is."""
+    if found.ways < 1 or found.sets < 1:
+        return f"its header gives {found.sets} sets of {found.ways} slots"
+    if not _PAGE <= found.slot_bytes <= MAX_SLOT or found.slot_bytes % _PAGE:
+        largest = MAX_SLOT >> 20
+        return (
+            f"its header gives slots of {found.slot_bytes} bytes, not a multiple of 4KiB up to {largest}MiB"
+        )
+    if cut not in (_EARLIER_CUT, _WIDE_CUT):
+        return f"its header names an unknown cut ({cut})"
+    if offset != found.data_offset:
+        return f"its header puts the slots at byte {offset}; {found.describe()} start at {found.data_offset}"
+    if size != found.file_bytes:
+        whole = found.file_bytes
+        return f"its header says it holds {found.describe()}, {whole} bytes, but it is {size} bytes long"
+    return ""

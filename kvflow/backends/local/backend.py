@@ -146,10 +146,11 @@ class LocalBackend:
         todo: list[int] = []
         for i, obj in enumerate(objects):
             # Earlier objects of a batch (a prefix's head) get newer stamps, so LRU evicts tails first.
-            if self._touch(obj.key, stamp - i):
-                results[i] = PutStatus.PRESENT
-            else:
+            found = self._touch(obj.key, stamp - i)
+            if found is None:
                 todo.append(i)
+            else:
+                results[i] = found
         if todo:
             await self._put_new(objects, todo, results, stamp, pacer)
         self._stats.count_puts(objects, results)
@@ -284,21 +285,52 @@ class LocalBackend:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _touch(self, key: str, stamp: int) -> bool:
-        """Mark an object used; False when it does not exist."""
+    def _touch(self, key: str, stamp: int) -> PutStatus | None:
+        """Mark the object of ``key`` used: PRESENT; None when there is none (the put writes it).
+
+        An entry at its name that is not kvflow's (:meth:`_foreign`) is not an object: FAILED,
+        and it is neither touched, replaced nor removed (lookups and gets miss it too).
+        """
         name = object_file_name(key)
         fd = self._ledger.objects_fd
         try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.debug("local backend: could not look at %r: %s", key, exc)
+            return PutStatus.FAILED
+        if self._foreign(name, st):
+            return PutStatus.FAILED
+        try:
             os.utime(name, ns=(stamp, stamp), dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
-            return False
+            return None  # evicted since: written anew
         except PermissionError:
             # Another group member's object: only its owner may set a time, anyone may set "now".
             with contextlib.suppress(OSError):
                 os.utime(name, dir_fd=fd, follow_symlinks=False)
         except OSError as exc:  # it is there (a read-only filesystem, an I/O error): its LRU time stays
             logger.debug("local backend: could not mark %r used: %s", key, exc)
-        return True
+        return PutStatus.PRESENT
+
+    def _foreign(self, name: str, st: os.stat_result) -> bool:
+        """Whether ``st``, of entry ``name`` in objects/, is not one of kvflow's objects (a symlink,
+        a FIFO, another user's file, one open to writes by others); reported once if so. kvflow
+        leaves such an entry alone: whoever knows where it came from removes it."""
+        problem = self._ledger.access.foreign(st)
+        if problem:
+            self._ledger.report_foreign("objects", name, problem)
+        return problem is not None
+
+    def _taken_by(self, name: str) -> PutStatus:
+        """What a put whose publish found ``name`` taken answers: PRESENT, or FAILED when what took
+        it is not kvflow's."""
+        try:
+            st = os.stat(name, dir_fd=self._ledger.objects_fd, follow_symlinks=False)
+        except OSError:
+            return PutStatus.PRESENT  # (gone already: it was there, another writer's, a moment ago)
+        return PutStatus.FAILED if self._foreign(name, st) else PutStatus.PRESENT
 
     async def _put_new(
         self,
@@ -377,7 +409,7 @@ class LocalBackend:
                 follow_symlinks=False,
             )
         except FileExistsError:
-            return PutStatus.PRESENT
+            return self._taken_by(name)
         except OSError as exc:
             logger.debug("local backend: publishing %r failed: %s", obj.key, exc)
             return PutStatus.FAILED

@@ -9,15 +9,19 @@ appended since it last looked and forgets those names. Readers take no lock.
 
 The journal lives in the lock file, after the usage counter::
 
-    offset 16   u64   entries ever appended
+    offset 16   u64   entries ever appended (the count)
+    offset 24   u64   the count the append in progress (or the last one) ends at (the pending end)
     offset 64   u64 x RING   name hashes; entry n at 64 + 8 * (n % RING)
 
-A reader that fell more than ``RING`` entries behind, or sees the count move while it reads the
-entries, forgets everything. What it answers from memory is a hint, as every lookup is: an object
-may be evicted right after any answer, and a get checks what it reads, so a stale "present" costs a
-miss, never wrong data. A process killed between removing an object and appending its entry leaves
-others remembering that object until they forget everything (the memory is bounded; a full memory
-starts afresh).
+An append writes the pending end first, then its entries, then the count: like a seqlock, a
+reader reads the count, the entries, then the pending end, and an entry it read may have been
+overwritten only if that end is more than ``RING`` past where it started reading. A reader that
+fell more than ``RING`` entries behind, or is overtaken so while it reads, forgets everything. (A
+writer from before the pending end publishes its count only: a reader then sees the count move.)
+What it answers from memory is a hint, as every lookup is: an object may be evicted right after any
+answer, and a get checks what it reads, so a stale "present" costs a miss, never wrong data. A
+process killed between removing an object and appending its entry leaves others remembering that
+object until they forget everything (the memory is bounded; a full memory starts afresh).
 """
 
 from __future__ import annotations
@@ -31,15 +35,17 @@ import attrs
 
 from kvflow.backends.local.format import name_hash
 
-__all__ = ["RING", "PresenceMemory", "append_removed", "read_journal_count"]
+__all__ = ["RING", "PresenceMemory", "append_removed", "journal_end", "read_journal_count"]
 
 logger = logging.getLogger(__name__)
 
 RING = 4096
 _COUNT_AT = 16
+_PENDING_AT = 24  # right after the count: one read gets both
 _RING_AT = 64
 JOURNAL_END = _RING_AT + 8 * RING
 _U64 = struct.Struct("<Q")
+_ENDS = struct.Struct("<QQ")  # the count, then the pending end
 _LIMIT = 1 << 17  # names remembered per backend instance
 
 
@@ -49,9 +55,22 @@ def read_journal_count(fd: int) -> int:
     return _U64.unpack(data)[0] if len(data) == 8 else 0
 
 
+def journal_end(fd: int) -> int:
+    """How far any writer has written the journal, or begun to: the larger of the count and the
+    pending end (a lock file older than the pending end has zeros there)."""
+    data = os.pread(fd, _ENDS.size, _COUNT_AT)
+    if len(data) < _ENDS.size:
+        return read_journal_count(fd)
+    count, pending = _ENDS.unpack(data)
+    return max(int(count), int(pending))
+
+
 def append_removed(fd: int, count: int, names: Sequence[str]) -> int:
     """Record removed object files after ``count`` entries (under the store's lock); return the new
-    count. The entries are written before the count, so a reader that sees the count sees them."""
+    count. The pending end is written first, so a reader that may have read an entry this append
+    overwrote sees, after reading, that it was overtaken; the entries are written before the
+    count, so a reader that sees the count sees them."""
+    os.pwrite(fd, _U64.pack(count + len(names)), _PENDING_AT)
     hashes = [name_hash(n) for n in names[-RING:]]
     first = count + len(names) - len(hashes)
     while hashes:
@@ -114,7 +133,7 @@ class PresenceMemory:
             self.forget()
             return
         hashes = self._read(seen, count)
-        if read_journal_count(self.lock_fd) - seen > RING:  # the ring went round while it was read
+        if journal_end(self.lock_fd) - seen > RING:  # a writer went round the ring while it was read
             self.forget()
             return
         for h in hashes:

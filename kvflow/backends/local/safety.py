@@ -257,15 +257,20 @@ def unusable_message(root: str, exc: OSError) -> str:
     )
 
 
-def open_root(root: str, access: Access) -> int:
-    """Open (creating it and its parents if missing) and verify the store directory ``root``."""
+def open_root(root: str, access: Access, *, create: bool = True) -> int:
+    """Open (creating it and its parents if missing) and verify the store directory ``root``.
+
+    ``create`` False: nothing is made; FileNotFoundError when ``root`` or a parent is missing (for
+    tools that look at a store, which check it before they read anything in it).
+    """
     parent, name = os.path.split(root)
     if not name or not parent:
         raise ConfigError(f"the local backend needs a directory of its own, not {root!r}")
-    _make_parents(parent, access)
+    if create:
+        _make_parents(parent, access)
     parent_fd = os.open(parent, _PATH_ONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # search access is enough
     try:
-        return _open_dir(parent_fd, name, root, access, may_fix=None)
+        return _open_dir(parent_fd, name, root, access, may_fix=None, create=create)
     finally:
         os.close(parent_fd)
 
@@ -291,16 +296,21 @@ def _make_parents(parent: str, access: Access) -> None:
             os.close(fd)
 
 
-def _open_dir(dir_fd: int, name: str, path: str, access: Access, *, may_fix: bool | None) -> int:
-    """Open (creating it if missing) directory ``name`` in ``dir_fd``, never through a symlink.
+def _open_dir(
+    dir_fd: int, name: str, path: str, access: Access, *, may_fix: bool | None, create: bool = True
+) -> int:
+    """Open (creating it if missing and ``create``) directory ``name`` in ``dir_fd``, never through
+    a symlink.
 
     ``may_fix`` None: fix modes only when it is a kvflow store of this user (it holds our lock file).
     """
-    try:
-        os.mkdir(name, 0o700, dir_fd=dir_fd)
-        created = True
-    except FileExistsError:
-        created = False
+    created = False
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            created = True
+        except FileExistsError:
+            pass
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
@@ -324,11 +334,14 @@ def _open_lock(root_fd: int, path: str, access: Access) -> int:
 def open_store_file(root_fd: int, name: str, path: str, access: Access, *, create: bool = True) -> int:
     """Open (read-write; creating it, empty, if ``create``) the store's file ``name`` in ``root_fd``.
 
-    Never through a symlink; a file kvflow did not make, or one open to users the access does not
-    trust, is refused with a ConfigError (its modes are corrected when it is this user's). Raises
-    FileNotFoundError when it is missing and ``create`` is False.
+    Never through a symlink, and never blocking: what is there is opened ``O_NONBLOCK`` (a FIFO
+    never hangs the caller) and checked through the descriptor before anything is read; a file
+    kvflow did not make (not a regular file, another user's), or one open to users the access does
+    not trust, is refused with a ConfigError (its modes are corrected when it is this user's). The
+    descriptor returned is blocking again. Raises FileNotFoundError when it is missing and
+    ``create`` is False.
     """
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     created = False
     if create:
         try:
@@ -345,6 +358,7 @@ def open_store_file(root_fd: int, name: str, path: str, access: Access, *, creat
             raise
     try:
         access.verify(fd, path, directory=False, created=created, may_fix=True)
+        os.set_blocking(fd, True)  # a regular file: the flag changes nothing, but none is left set
     except BaseException:
         os.close(fd)
         raise
