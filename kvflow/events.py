@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from kvflow.errors import ConfigError, MissingDependencyError, RequestError
+from kvflow.request import as_index
 
 __all__ = [
     "CpuEvent",
@@ -32,6 +33,7 @@ __all__ = [
     "DeviceEvent",
     "LayerEvents",
     "NpuEvent",
+    "check_after",
     "make_event",
     "poll_until",
     "wait_event",
@@ -152,6 +154,23 @@ class NpuEvent:
         return self._event if self._recorded else None
 
 
+def check_after(after: object) -> None:
+    """Refuse an ``after=`` that is neither None nor a :class:`DeviceEvent` (something with
+    ``record()`` and ``query()``), with a TypeError that says what to pass. Called once per call at
+    the API edge: deep inside, a wrong object would only look like an event that never completes."""
+    if after is None or type(after) in _KVFLOW_EVENTS:  # (the protocol's isinstance takes microseconds)
+        return
+    if not isinstance(after, DeviceEvent):
+        raise TypeError(
+            f"after= must be a kvflow DeviceEvent (record() and query(); e.g. "
+            f"kvflow.events.make_event(device), recorded on the engine's stream) or None, got "
+            f"{type(after).__module__}.{type(after).__qualname__}"
+        )
+
+
+_KVFLOW_EVENTS = frozenset({CpuEvent, CudaEvent, NpuEvent})
+
+
 def make_event(device: torch.device | str) -> DeviceEvent:
     """A new, unrecorded event of the kind ``device`` needs: cpu, cuda or npu."""
     kind = device.type if isinstance(device, torch.device) else device.split(":")[0]
@@ -202,8 +221,10 @@ class LayerEvents:
         return self._events[layer] is not None
 
     def record(self, layer: int) -> None:
-        """Record layer ``layer``'s event on the engine's current stream. Engine thread only."""
-        if not 0 <= layer < len(self._events):
+        """Record layer ``layer``'s event on the engine's current stream. Engine thread only.
+        ``layer``: an integer (RequestError for a ``bool``, a float, one out of range)."""
+        layer = as_index(layer, "a layer")
+        if layer >= len(self._events):
             raise RequestError(f"layer {layer} is out of range: the KV cache has {len(self._events)} layers")
         if self._sealed:
             raise RequestError(f"layer {layer} was recorded after the pass ended; record before seal()")

@@ -12,12 +12,14 @@ block only when every layer is present, and :meth:`~KVPool.layerwise_store` /
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any
 
+import anyio
 import attrs
 
 from kvflow.backends import Backend, open_backend
@@ -25,14 +27,14 @@ from kvflow.backends.memory import MemoryBackend
 from kvflow.config import PoolConfig
 from kvflow.device import Device
 from kvflow.errors import ConfigError
-from kvflow.events import DeviceEvent, LayerEvents
+from kvflow.events import DeviceEvent, LayerEvents, check_after
 from kvflow.layerwise import LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
 from kvflow.profiles import Profile
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
-from kvflow.transfer import LoadJob, StoreJob, Transfer
+from kvflow.transfer import LoadJob, StoreJob, Transfer, TransferSpec
 from kvflow.transfer.together import together
 
 __all__ = ["KVPool", "check_timeout"]
@@ -82,9 +84,22 @@ class KVPool:
         buffers when blocks go through host memory (``config.staging``). Without a layout it only
         looks up, as an engine's scheduler does, and needs the ``format`` the workers' layouts have.
         ``device``: the shim of the caches' device (default: from the layout; tests pass their own).
+
+        The configuration is checked against the layout before a backend is opened; a backend this
+        opened itself is closed again when the backend refuses the pool (ConfigError, LayoutError).
+        A ``backend`` passed in stays the caller's to close then.
         """
         config = config or PoolConfig()
-        backend = backend if backend is not None else open_backend(config.backend)
+        # Checked before a backend is opened: a refused configuration opens nothing.
+        spec = TransferSpec.of(config, parallel=parallel or ParallelConfig(), layout=layout, format=format)
+        opened = backend is None  # then nobody else holds it: closed here if the pool is refused
+        backend = open_backend(config.backend) if backend is None else backend
+        try:
+            transfer = Transfer.open(spec, backend=backend, device=device)
+        except BaseException:
+            if opened:
+                _close_unused(backend)
+            raise
         if config.model == _UNNAMED and not isinstance(backend, MemoryBackend):
             log.warning(
                 "this pool names no model (PoolConfig.model is %r): in a shared store every such pool "
@@ -92,14 +107,6 @@ class KVPool:
                 "other's KV; give each model's pools its name, PoolConfig(model=...)",
                 _UNNAMED,
             )
-        transfer = Transfer.open(
-            config,
-            backend=backend,
-            parallel=parallel or ParallelConfig(),
-            layout=layout,
-            format=format,
-            device=device,
-        )
         return cls(_transfer=transfer, _token=_CREATE)
 
     # -- what it is ------------------------------------------------------------------------------
@@ -190,9 +197,12 @@ class KVPool:
         the rest); keys already present are skipped. Failures are results.
 
         ``after``: an event recorded on the engine's stream after the work that writes the blocks
-        (a device cache's forward); no block is read before it completed. ``on_released``: called
+        (a device cache's forward); no block is read before it completed (a
+        :class:`~kvflow.events.DeviceEvent`; TypeError for anything else). ``on_released``: called
         once, on this loop, as soon as the blocks are no longer read (copied out to staging, or
-        stored), possibly before the store ends; the engine may then reuse them.
+        stored), possibly before the store ends; the engine may then reuse them. A store refused
+        before anything is read (a bad request, timeout or ``after``, a closed pool) calls it
+        before raising.
         """
         results = await self.store_many([request], after=after, on_released=on_released, timeout_s=timeout_s)
         return results[0]
@@ -209,10 +219,13 @@ class KVPool:
         in order: their blocks go to the backend together, in calls of up to its batch size, so the
         fixed cost of a call is paid once for all of them. ``on_released`` is called once, when no
         block of any of them is read any more. A block two requests share is put once (the
-        later one reads ``PRESENT`` once the first is stored, else the first's failure)."""
+        later one reads ``PRESENT`` once the first is stored, else the first's failure); two
+        requests that name one engine block for blocks of different hashes are refused
+        (RequestError): an engine block holds one block of one prompt."""
         transfer = self._transfer
         try:
             check_timeout(timeout_s)
+            check_after(after)
             deadline = transfer.deadline(timeout_s)  # from the call: the plan's hashing counts
             job = StoreJob(transfer, transfer.plan(requests), on_released)
             transfer.begin()
@@ -246,7 +259,8 @@ class KVPool:
         ``after``: an event recorded on the engine's stream after the work already queued there
         (a device cache's earlier steps may still write blocks vLLM has just handed to this
         request); nothing is written into the cache before it completed, and the blocks fail if it
-        does not complete in time. The gets themselves start at once.
+        does not complete in time (a :class:`~kvflow.events.DeviceEvent`; TypeError for anything
+        else). The gets themselves start at once.
         """
         return (await self.retrieve_many([request], after=after, timeout_s=timeout_s))[0]
 
@@ -261,6 +275,7 @@ class KVPool:
         request in order: their blocks come from the backend together, in calls of up to its
         batch size. No two of them may name one destination block (RequestError)."""
         check_timeout(timeout_s)
+        check_after(after)
         transfer = self._transfer
         deadline = transfer.deadline(timeout_s)  # from the call: the plan's hashing counts
         job = LoadJob(transfer, transfer.plan(requests, loads=True), after)
@@ -314,6 +329,11 @@ class KVPool:
         """
         self._require_layerwise()
         check_timeout(timeout_s)
+        if not isinstance(events, LayerEvents):
+            raise TypeError(
+                f"events must be a kvflow.events.LayerEvents (LayerEvents.create(num_layers, factory), "
+                f"recorded as the layers are written), got {type(events).__qualname__}"
+            )
         transfer = self._transfer
         return LayerwiseStorer(transfer, transfer.plan(requests), _timeout(self, timeout_s), events)
 
@@ -332,6 +352,7 @@ class KVPool:
         """
         self._require_layerwise()
         check_timeout(timeout_s)
+        check_after(after)
         transfer = self._transfer
         return LayerwiseRetriever(
             transfer, transfer.plan(requests, loads=True), _timeout(self, timeout_s), depth, after
@@ -343,6 +364,28 @@ class KVPool:
                 "layer-by-layer transfers need a pool made with PoolConfig(layerwise=True); use the "
                 "same setting in every pool that shares the store, so that lookups see per-layer objects"
             )
+
+
+def _close_unused(backend: Backend) -> None:
+    """Close a backend that a refused :meth:`KVPool.create` opened from its config's URL. No call
+    ever ran on it, so its close waits for nothing and ends here, on the caller's thread: on a loop
+    of its own, or, when an event loop runs on this thread (an async caller, SyncPool's loop
+    thread), in the caller's task. Never raises: the caller raises why the pool was refused."""
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop runs on this thread
+            anyio.run(backend.aclose)
+            return
+        closing = backend.aclose()  # runs now, in the caller's task, up to its first wait
+        try:
+            closing.send(None)
+        except StopIteration:
+            return
+        closing.close()  # it would wait: left to the garbage collector
+        log.warning("the backend a refused pool opened did not close at once; it is left open")
+    except Exception as exc:
+        log.warning("closing the backend a refused pool opened failed: %r", exc)
 
 
 def _timeout(pool: KVPool, timeout_s: float | None) -> float:

@@ -26,10 +26,15 @@ import attrs
 
 from kvflow.errors import RequestError
 
-__all__ = ["KVRequest"]
+__all__ = ["KVRequest", "as_index"]
 
 
-def _index(value: object, what: str) -> int:
+def as_index(value: object, what: str) -> int:
+    """``value`` as a non-negative ``int``: an integer (numpy and torch integers too), never a
+    ``bool`` or a float; RequestError naming ``what`` otherwise. The one check of every index an
+    engine passes (block ids, offsets, layers)."""
+    if type(value) is int and value >= 0:  # the common case, without the calls below
+        return value
     if isinstance(value, bool):
         raise RequestError(f"{what} must be an integer, got {value!r}")
     try:
@@ -47,7 +52,7 @@ def _block_ids(values: Iterable[object]) -> tuple[int, ...]:
     given = tuple(values)
     ids = cast("tuple[int, ...]", given) if set(map(type, given)) <= {int} else ()  # checked in C
     if len(ids) != len(given) or min(ids, default=0) < 0:  # numpy or torch integers, or a bad one
-        ids = tuple(_index(v, "a block id") for v in given)
+        ids = tuple(as_index(v, "a block id") for v in given)
     if len(set(ids)) != len(ids):
         twice = sorted(b for b, n in Counter(ids).items() if n > 1)
         raise RequestError(
@@ -77,7 +82,7 @@ def _hashes(values: Iterable[bytes] | None) -> tuple[bytes, ...] | None:
 
 
 def _offset(value: object) -> int:
-    return _index(value, "block_offset")
+    return as_index(value, "block_offset")
 
 
 @attrs.frozen(kw_only=True)

@@ -21,7 +21,7 @@ from kvflow.backends import Backend
 from kvflow.config import PoolConfig
 from kvflow.device import Device
 from kvflow.errors import PoolClosedError
-from kvflow.events import DeviceEvent
+from kvflow.events import DeviceEvent, check_after
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
 from kvflow.ownership import ParallelConfig
@@ -114,12 +114,15 @@ class SyncPool:
         """Start :meth:`KVPool.store`, reading no block before ``after`` (an event recorded on the
         engine's stream after the forward) completed. ``on_released`` is called from the loop
         thread (so it must be thread-safe, e.g. ``threading.Event.set``) once the blocks are no
-        longer read (also for a store that never started); the future resolves when the store
-        ended (a cancelled one is done at once: ``future.ended`` says when its call ended)."""
-        return self._submit(
-            lambda t: self._pool.store(request, after=after, on_released=on_released, timeout_s=t),
+        longer read (also for a store that never started; from the calling thread, before the
+        error is raised, for one refused here: a bad ``after`` or timeout, a closed pool); the
+        future resolves when the store ended (a cancelled one is done at once: ``future.ended``
+        says when its call ended)."""
+        return self._submit_store(
+            lambda t, released: self._pool.store(request, after=after, on_released=released, timeout_s=t),
+            after,
+            on_released,
             timeout_s,
-            on_unstarted=on_released,
         )
 
     def submit_retrieve(
@@ -129,6 +132,7 @@ class SyncPool:
         the engine's stream now, after the work that may still write the blocks) completed. Do
         not reuse the request's blocks before the future is done, or, once you cancelled it,
         before ``future.ended`` is set: a get may write them until the call has ended."""
+        check_after(after)
         return self._submit(lambda t: self._pool.retrieve(request, after=after, timeout_s=t), timeout_s)
 
     def submit_store_many(
@@ -141,10 +145,13 @@ class SyncPool:
     ) -> CallFuture[list[StoreResult]]:
         """Start :meth:`KVPool.store_many` (an engine step's stores in one call), as
         :meth:`submit_store`; the future's answer is one result per request, in order."""
-        return self._submit(
-            lambda t: self._pool.store_many(requests, after=after, on_released=on_released, timeout_s=t),
+        return self._submit_store(
+            lambda t, released: self._pool.store_many(
+                requests, after=after, on_released=released, timeout_s=t
+            ),
+            after,
+            on_released,
             timeout_s,
-            on_unstarted=on_released,
         )
 
     def submit_retrieve_many(
@@ -156,6 +163,7 @@ class SyncPool:
     ) -> CallFuture[list[RetrieveResult]]:
         """Start :meth:`KVPool.retrieve_many` (an engine step's loads in one call), as
         :meth:`submit_retrieve`; the future's answer is one result per request, in order."""
+        check_after(after)
         return self._submit(lambda t: self._pool.retrieve_many(requests, after=after, timeout_s=t), timeout_s)
 
     def lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
@@ -202,6 +210,25 @@ class SyncPool:
         return stop_pool(self._loop, self._pool, timeout_s)
 
     # -- the wait rule ---------------------------------------------------------------------------
+
+    def _submit_store(
+        self,
+        call: Callable[[float, Callable[[], None] | None], Awaitable[T]],
+        after: DeviceEvent | None,
+        on_released: Callable[[], None] | None,
+        timeout_s: float | None,
+    ) -> CallFuture[T]:
+        """:meth:`_submit` a store, ``call(timeout, released)``: ``on_released`` is called once,
+        by the store on the loop, by the loop when it could not start it in time, or here, before
+        the error is raised, when it is refused at submission."""
+        released = _once(on_released)
+        try:
+            check_after(after)
+            return self._submit(lambda t: call(t, released), timeout_s, on_unstarted=released)
+        except BaseException:
+            if released is not None:
+                released()
+            raise
 
     def _submit(
         self,
@@ -259,6 +286,22 @@ def stop_pool(loop: LoopThread, pool: KVPool, timeout_s: float | None) -> bool:
     closed = closed or pool.closed_cleanly
     stopped = loop.stop(max(0.0, deadline - time.monotonic()) + ANSWER_GRACE_S)
     return closed and stopped
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``fn`` made safe to call from two threads: only the first call runs it."""
+    if fn is None:
+        return None
+    left = [fn]
+
+    def once() -> None:
+        try:
+            first = left.pop()  # atomic: one caller gets it
+        except IndexError:
+            return
+        first()
+
+    return once
 
 
 async def _by_deadline(

@@ -40,7 +40,7 @@ from kvflow.layerwise import LayerOutcome, LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
 from kvflow.pool import check_timeout
-from kvflow.request import KVRequest
+from kvflow.request import KVRequest, as_index
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.sync import SyncPool, start_pool, stop_pool
 
@@ -302,7 +302,7 @@ class SyncLayerwisePool(SyncPool):
         of the forward rests on KV that did not arrive, and the storer skips the layers not
         recorded."""
         step = self._current()
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         step.saved = True
         if step.events is not None and not step.load_failed:
             step.events.record(layer)
@@ -315,7 +315,7 @@ class SyncLayerwisePool(SyncPool):
         failed, because the engine computes without the layer. :meth:`wait_for_save` has the blocks.
         """
         check_timeout(timeout_s)
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         step = self._step
         if step is None or step.loader is None:
             return True
@@ -383,9 +383,12 @@ class SyncLayerwisePool(SyncPool):
             self._step = _Step()
         return self._step
 
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
+    def _check_layer(self, layer: int) -> int:
+        """``layer`` as an int in range; RequestError for a ``bool``, a float, one out of range."""
+        layer = as_index(layer, "a layer")
+        if layer >= self.num_layers:
             raise RequestError(f"layer {layer} is out of range: the KV cache has {self.num_layers} layers")
+        return layer
 
     def _end(self, step: _Step, timeout_s: float) -> None:
         if step.wait_finished(timeout_s):

@@ -10,6 +10,7 @@ import time
 import anyio
 import anyio.lowlevel
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -223,3 +224,15 @@ async def test_cuda_event_gates_a_store_of_a_device_to_host_copy() -> None:
     assert got.hit_blocks == blocks
     for name in host:
         assert torch.equal(dst[name], gpu[name].cpu())
+
+
+@pytest.mark.parametrize("layer", [True, 1.0])
+def test_layer_events_refuse_a_layer_that_is_not_an_integer(layer: object) -> None:
+    """``record(True)`` used to record layer 1 and ``record(1.0)`` to raise a bare TypeError from a
+    list index: a layer is checked as KVRequest checks block ids. Nothing is recorded then."""
+    events = LayerEvents.create(3, CpuEvent)
+    with pytest.raises(RequestError, match="a layer must be"):
+        events.record(layer)  # type: ignore[arg-type]
+    assert not any(events.recorded(n) for n in range(3))
+    events.record(np.int64(1))  # type: ignore[arg-type]
+    assert events.recorded(1)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
+import numpy as np
 import pytest
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -968,3 +969,22 @@ def test_a_layerwise_load_from_mixed_profiles_reports_exactly_the_blocks_it_load
                 assert block_bytes(dst[name], block) == block_bytes(src[name], block), (name, block)
 
     anyio.run(run)
+
+
+@pytest.mark.parametrize("layer", [True, 1.0, "1"])
+def test_a_layer_that_is_not_an_integer_is_refused(layer: object) -> None:
+    """Block ids and offsets refuse bools and non-integers (KVRequest); so does the step face's
+    ``layer``, by the same check: before, ``True`` silently meant layer 1 and ``1.0`` passed the
+    range check to fail later with a bare TypeError. Nothing is recorded for a refused layer; an
+    integer numpy layer is taken as the int it is."""
+    src = LAYOUTS["vllm_cpu"]()
+    with make_engine(src, MemoryBackend()) as kv:
+        kv.start_store(request([0, 1]))
+        with pytest.raises(RequestError, match="a layer must be"):
+            kv.save_layer(layer)  # type: ignore[arg-type]
+        with pytest.raises(RequestError, match="a layer must be"):
+            kv.wait_for_layer_load(layer)  # type: ignore[arg-type]
+        for n in range(kv.num_layers):
+            kv.save_layer(np.int64(n))  # type: ignore[arg-type]
+        result = kv.wait_for_save()
+        assert result.stored["r"].ok and result.stored["r"].stored == 2

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,10 +24,12 @@ from kvflow import (
     PoolConfig,
     PutStatus,
     RequestError,
+    SyncPool,
 )
 from kvflow.backends import ObjectRef
 from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.base import BackendCapabilities
+from kvflow.events import CpuEvent, LayerEvents
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.ownership import owner
 from kvflow.profiles import is_book_key
@@ -35,8 +39,10 @@ from tests.helpers import (
     NUM_BLOCKS,
     FaultyBackend,
     block_bytes,
+    bounded_shm,
     kv_keys,
     kv_puts,
+    open_fds,
     zeros_like_caches,
 )
 
@@ -779,3 +785,134 @@ async def test_a_pool_that_names_no_model_over_a_shared_store_is_warned_about(
         await pool.aclose()
         warned.append(any("names no model" in r.getMessage() for r in caplog.records))
     assert warned == [False, False, True]
+
+
+async def test_a_store_refuses_one_engine_block_named_as_two_different_prompt_blocks() -> None:
+    """Two requests of one store name engine block 1 as block 1 of prompt A and as block 0 of
+    prompt B. Accepted, block 1's bytes would be published under B's key too, and a reader of
+    prompt B would get a HIT with A's KV. ``store_many`` and the layerwise storer refuse it with
+    RequestError before anything is read (``on_released`` still called); nothing is stored."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend()
+    puts: list[str] = []
+
+    async def record(objects: Sequence[ObjectRef]) -> None:
+        puts.extend(o.key for o in objects)
+
+    backend.put_hook = record
+    pool = make_pool(src, backend)
+    prompt_b = list(range(9000, 9000 + BLOCK * 3))
+    requests = [
+        KVRequest(block_ids=[0, 1], tokens=TOKENS, request_id="a"),
+        KVRequest(block_ids=[1], tokens=prompt_b, request_id="b"),  # engine block 1 again
+    ]
+    released: list[str] = []
+    with pytest.raises(RequestError, match="block id 1 is named as block 1 of request 'a' and as block 0"):
+        await pool.store_many(requests, on_released=lambda: released.append("x"))
+    assert released == ["x"]
+    layerwise = KVPool.create(
+        PoolConfig(layerwise=True), layout=KVLayout.from_kv_caches(src), backend=backend
+    )  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="block id 1 is named as block 1"):
+        layerwise.layerwise_store(requests, LayerEvents.completed(3))
+    assert puts == []
+    assert await pool.lookup(KVRequest(tokens=prompt_b)) == 0
+    await layerwise.aclose()
+    await pool.aclose()
+
+
+@pytest.mark.parametrize("face", ["KVPool", "SyncPool"])
+def test_a_pool_its_config_refuses_opens_no_backend(face: str) -> None:
+    """A pool that opens its backend from its config's URL checks the config against the KV
+    caches first (here ``hash_tokens`` that does not divide the block size): refused, it has
+    opened nothing (no store directory made, no descriptor left), however often it is retried."""
+    layout = KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]())  # type: ignore[arg-type]
+    with bounded_shm() as root:
+        config = PoolConfig(backend=f"local://{root}/store", hash_tokens=5, timeout_s=2.0)
+        gc.collect()
+        before = open_fds()
+        for _ in range(3):
+            with pytest.raises(ConfigError, match="hash_tokens=5 must divide the block size 16"):
+                if face == "KVPool":
+                    KVPool.create(config, layout=layout)
+                else:
+                    SyncPool.open(config, layout=layout)
+        gc.collect()
+        assert open_fds() == before
+        assert not (root / "store").exists()
+
+
+@pytest.mark.parametrize("face", ["KVPool", "KVPool on a loop", "SyncPool"])
+def test_a_pool_its_backend_refuses_closes_the_backend_it_opened(
+    face: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What only the backend can refuse (objects larger than an arena's slots) is checked once the
+    pool has opened it from its URL; refused, the pool closes that backend again (nobody else holds
+    it): called outside an event loop, inside one (as from an async engine), or through SyncPool
+    (on its loop thread), no descriptor is left behind."""
+    layout = KVLayout.from_kv_caches({"l0": torch.zeros(4, 2, BLOCK, 256)})  # 32 KiB blocks
+    with bounded_shm() as root:
+        config = PoolConfig(backend=f"arena://{root}/store?capacity=64KiB&slot=4KiB", timeout_s=2.0)
+
+        async def on_a_loop() -> None:
+            KVPool.create(config, layout=layout)
+
+        gc.collect()
+        before = open_fds()
+        for _ in range(3):
+            with pytest.raises(ConfigError, match="objects of at most 4096 bytes"):
+                if face == "KVPool":
+                    KVPool.create(config, layout=layout)
+                elif face == "SyncPool":
+                    SyncPool.open(config, layout=layout)
+                else:
+                    anyio.run(on_a_loop)
+        gc.collect()
+        assert open_fds() == before
+    assert not [r for r in caplog.records if "refused pool" in r.getMessage()]  # closed, not abandoned
+
+
+@pytest.mark.parametrize("staging", ["never", "always"])
+async def test_an_after_that_is_not_a_device_event_is_refused_before_anything_moves(staging: str) -> None:
+    """``after`` must be a DeviceEvent (``record()`` and ``query()``). Something else (a
+    threading.Event, say) is a programming error that every call refuses at once with a TypeError
+    saying what to pass: before, a retrieve took it for an event that never completed and failed
+    every block (it looked like an empty store), and a store raised an AttributeError from deep
+    inside its put. Nothing is read or written; a refused store still calls ``on_released``."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    config = PoolConfig(timeout_s=2.0, staging=staging)  # type: ignore[arg-type]
+    writer = KVPool.create(config, layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    request = KVRequest(block_ids=[0, 1, 2], tokens=TOKENS)
+    assert (await writer.store(request)).stored == 3
+    dst = zeros_like_caches(src)
+    reader = KVPool.create(config, layout=KVLayout.from_kv_caches(dst), backend=backend)  # type: ignore[arg-type]
+    wrong = threading.Event()
+    expected = r"after= must be a kvflow DeviceEvent .* got threading.Event"
+    with pytest.raises(TypeError, match=expected):
+        await reader.retrieve(request, after=wrong)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=expected):
+        await reader.retrieve_many([request], after=wrong)  # type: ignore[arg-type]
+    assert all(not t.any() for t in dst.values())  # nothing written
+    other = KVRequest(block_ids=[3], tokens=list(range(7000, 7000 + BLOCK)))
+    released: list[str] = []
+    with pytest.raises(TypeError, match=expected):
+        await writer.store(other, after=wrong, on_released=lambda: released.append("x"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=expected):
+        await writer.store_many([other], after=wrong, on_released=lambda: released.append("x"))  # type: ignore[arg-type]
+    assert released == ["x", "x"]
+    assert await writer.lookup(other) == 0  # nothing stored
+    layerwise = KVPool.create(
+        PoolConfig(layerwise=True, staging=staging),  # type: ignore[arg-type]
+        layout=KVLayout.from_kv_caches(dst),
+        backend=MemoryBackend(),
+    )
+    with pytest.raises(TypeError, match=expected):
+        layerwise.layerwise_retrieve([request], after=wrong)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"events must be a kvflow.events.LayerEvents .* got Event"):
+        layerwise.layerwise_store([request], wrong)  # type: ignore[arg-type]
+    done = CpuEvent()
+    done.record()
+    assert (await reader.retrieve(request, after=done)).hit_blocks == 3  # an event is taken as before
+    for pool in (writer, reader, layerwise):
+        await pool.aclose()

@@ -118,3 +118,40 @@ def test_given_hashes_may_come_with_a_partial_block_of_tokens() -> None:
         [KVRequest(block_ids=[0], tokens=[*TOKENS, 1, 2, 3, 4, 5], block_hashes=hashes)], FORMAT, 8
     )
     assert plan.hashes == hashes[:1]
+
+
+def test_a_store_plan_refuses_one_engine_block_named_for_two_prompt_blocks_and_names_both() -> None:
+    """Each engine block holds one block of one prompt. Two requests of one store naming engine
+    block 1 as block 1 of prompt A and block 0 of prompt B would publish A's bytes under B's key
+    (a wrong hit for every later reader of B): the plan refuses it, naming the block and both
+    requests. One engine block two requests name under one hash (a shared prefix) is fine."""
+    other = list(range(9000, 9000 + 16 * 3))
+    with pytest.raises(
+        RequestError,
+        match=r"^block id 1 is named as block 1 of request 'a' and as block 0 of request 'b', which hold "
+        "different KV",
+    ):
+        BlockPlan.build(
+            [
+                KVRequest(block_ids=[0, 1], tokens=TOKENS, request_id="a"),
+                KVRequest(block_ids=[1], tokens=other, request_id="b"),
+            ],
+            FORMAT,
+            8,
+        )
+    with pytest.raises(
+        RequestError, match=r"block 0 of request #0 of the batch and as block 2 of request #1"
+    ):
+        BlockPlan.build(
+            [
+                KVRequest(block_ids=[5], tokens=TOKENS),
+                KVRequest(block_ids=[5], tokens=TOKENS, block_offset=2),
+            ],
+            FORMAT,
+            8,
+        )
+    shared = [*TOKENS[:16], *other[:16]]  # the same first block, then another prompt
+    plan = BlockPlan.build(
+        [KVRequest(block_ids=[0, 1], tokens=TOKENS), KVRequest(block_ids=[0, 2], tokens=shared)], FORMAT, 8
+    )
+    assert plan.block_ids == [0, 1, 0, 2] and plan.hashes[0] == plan.hashes[2]

@@ -11,7 +11,16 @@ import attrs
 import pytest
 import torch
 
-from kvflow import GetStatus, KVLayout, KVRequest, MemoryBackend, PoolClosedError, PoolConfig, SyncPool
+from kvflow import (
+    ConfigError,
+    GetStatus,
+    KVLayout,
+    KVRequest,
+    MemoryBackend,
+    PoolClosedError,
+    PoolConfig,
+    SyncPool,
+)
 from kvflow.backends import ObjectRef
 from kvflow.loop import ANSWER_GRACE_S, wait_answer
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
@@ -219,3 +228,55 @@ def test_a_blocking_transfer_that_does_not_end_once_cancelled_says_it_is_stuck()
         assert future.ended.wait(10)  # it ends once the get returns
     finally:
         sync.close(timeout_s=10)
+
+
+@pytest.mark.parametrize("call", ["submit_store", "submit_store_many"])
+def test_a_store_refused_at_submission_still_says_it_released_the_blocks(call: str) -> None:
+    """``on_released`` is promised also for a store that never started, as the async face does for
+    one it refuses: a store refused at submission (a bad timeout, an ``after`` that is not an
+    event, a closed pool) calls it once, on the calling thread, before the error is raised. An
+    engine waiting for it to reuse its blocks is not left waiting."""
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]()), backend=MemoryBackend())  # type: ignore[arg-type]
+    request = KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])
+    released: list[str] = []
+
+    def submit(**kwargs: object) -> object:
+        if call == "submit_store":
+            return pool.submit_store(request, on_released=lambda: released.append("x"), **kwargs)  # type: ignore[arg-type]
+        return pool.submit_store_many([request], on_released=lambda: released.append("x"), **kwargs)  # type: ignore[arg-type]
+
+    try:
+        with pytest.raises(ConfigError, match="timeout_s must be a finite number"):
+            submit(timeout_s=-1.0)
+        assert released == ["x"]
+        with pytest.raises(TypeError, match="after= must be a kvflow DeviceEvent"):
+            submit(after=threading.Event())
+        assert released == ["x", "x"]
+    finally:
+        assert pool.close()
+    with pytest.raises(PoolClosedError):
+        submit()
+    assert released == ["x", "x", "x"]
+
+
+def test_every_submit_refuses_an_after_that_is_not_an_event_at_once() -> None:
+    """A non-event ``after`` is refused on the calling thread with a TypeError that says what to
+    pass, never sent to the loop (where a retrieve took it for an event that never completed)."""
+    src = LAYOUTS["vllm_cpu"]()
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=MemoryBackend())  # type: ignore[arg-type]
+    request = KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])
+    wrong = threading.Event()
+    try:
+        for submit in (
+            lambda: pool.submit_retrieve(request, after=wrong),  # type: ignore[arg-type]
+            lambda: pool.submit_retrieve_many([request], after=wrong),  # type: ignore[arg-type]
+            lambda: pool.retrieve(request, after=wrong),  # type: ignore[arg-type]
+            lambda: pool.store(request, after=wrong),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(
+                TypeError, match=r"after= must be a kvflow DeviceEvent .* got threading.Event"
+            ):
+                submit()
+        assert pool.lookup(KVRequest(tokens=TOKENS[:BLOCK])) == 0  # nothing stored
+    finally:
+        assert pool.close()

@@ -6,6 +6,7 @@ from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.jobs import LoadJob, StoreJob
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
+from kvflow.transfer.spec import TransferSpec
 
 __all__ = [
     "BlockPlan",
@@ -14,6 +15,7 @@ __all__ = [
     "LoadJob",
     "StoreJob",
     "Transfer",
+    "TransferSpec",
     "Unit",
     "is_programming_error",
     "request_hashes",

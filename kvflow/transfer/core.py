@@ -47,6 +47,7 @@ from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.objects import BlockObjects
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
 from kvflow.transfer.reshape import sources
+from kvflow.transfer.spec import TransferSpec
 from kvflow.transfer.staging import StagingPool, UnitShape
 
 __all__ = ["Transfer", "Unit"]
@@ -95,99 +96,40 @@ class Transfer:
         self.put_checks_present = capable and self.staging is None and not self.config.layerwise
 
     @classmethod
-    def open(
-        cls,
-        config: PoolConfig,
-        *,
-        backend: Backend,
-        parallel: ParallelConfig,
-        layout: KVLayout | None = None,
-        format: KVFormat | None = None,
-        device: Device | None = None,
-    ) -> Transfer:
-        """Check the layout against the backend, choose direct or staged transfers, and register
-        the memory the backend will read and write (the cache's, or the staging buffers).
+    def open(cls, spec: TransferSpec, *, backend: Backend, device: Device | None = None) -> Transfer:
+        """A transfer of ``spec`` (a configuration already checked against the KV caches) over
+        ``backend``: check what depends on the backend, choose direct or staged transfers, and
+        register the memory the backend will read and write (the cache's, or the staging
+        buffers). Nothing is registered before every check passed.
 
-        A pool that only looks up passes ``format`` instead of ``layout``. ``device`` replaces the
-        shim of the cache's device (tests use one whose events complete late).
+        ``device`` replaces the shim of the cache's device (tests use one whose events complete late).
         """
-        if layout is None:
-            if format is None:
-                raise ConfigError(
-                    "a pool needs the KV caches' layout (to store and retrieve) or their KVFormat "
-                    "(to look up only, as an engine's scheduler does)"
-                )
-            return cls._make(config, backend, format, parallel, None, None)
-        mine = layout.format(_total_kv_heads(layout, parallel))
-        if format is not None and format != mine:
-            raise ConfigError(f"format {format} disagrees with the layout's {mine}; pass one")
-        if parallel.pp_layers is not None and parallel.pp_layers[parallel.pp_rank] != layout.num_layers:
-            raise ConfigError(
-                f"pp_layers={parallel.pp_layers} gives stage {parallel.pp_rank} "
-                f"{parallel.pp_layers[parallel.pp_rank]} layers, but its KV caches have {layout.num_layers}"
-            )
-        unreachable = layout.device.type != "cpu" and not backend.capabilities.device_memory
-        if unreachable and config.staging == "never":
-            raise LayoutError(
-                f"the KV caches are on {layout.device}, which this backend cannot read or write, and "
-                "PoolConfig(staging='never') forbids staging them through host memory: set "
-                "staging='auto', or use a backend whose transport moves device memory (docs/device.md)"
-            )
-        units: list[int | None] = list(range(layout.num_layers)) if config.layerwise else [None]
-        largest = max(sum(layout.plane_views[p].size(1) for p in layout.unit_planes(u)) for u in units)
-        limit = backend.capabilities.max_object_bytes
-        if limit is not None and largest > limit:
-            raise ConfigError(
-                f"this pool's objects (a block{' layer' if config.layerwise else ''} of its KV caches) "
-                f"are {largest} bytes, but the backend stores objects of at most {limit} bytes: give "
-                f"it room for them (arena://...?slot={-(-largest // 4096) * 4}KiB or more)"
-            )
+        config, layout, largest = spec.config, spec.layout, spec.largest
         staging = None
-        if config.staging == "always" or unreachable:
-            device = device or Device.of(layout.device)
-            staging = StagingPool.create(device, config.staging_bytes, largest)
-            _register(backend, staging.buffers())
-        else:
-            for addr, nbytes in layout.allocations():
-                backend.register_memory(addr, nbytes)
-        return cls._make(config, backend, mine, parallel, layout, staging)
-
-    @classmethod
-    def _make(
-        cls,
-        config: PoolConfig,
-        backend: Backend,
-        format: KVFormat,
-        parallel: ParallelConfig,
-        layout: KVLayout | None,
-        staging: StagingPool | None,
-    ) -> Transfer:
-        hash_tokens = config.hash_tokens or format.block_size
-        if format.block_size % hash_tokens:
-            raise ConfigError(
-                f"hash_tokens={hash_tokens} must divide the block size {format.block_size} "
-                "(a block's key is the prompt's hash at the block's last token)"
-            )
-        stages = [parallel.stage_layers(s, format.num_layers) for s in range(parallel.pp_size)]
-        ranges = [(n, n + 1) for a, b in stages for n in range(a, b)] if config.layerwise else stages
-        profile = Profile(
-            model=config.model,
-            meaning=format.meaning,
-            order=format.order,
-            block_size=format.block_size,
-            hash_tokens=hash_tokens,
-            layer_ranges=tuple(ranges),
-            head_groups=parallel.num_kv_head_groups,
-            dcp_size=parallel.dcp_size,
-            pcp_size=parallel.pcp_size,
-        )
-        if profile.num_kv_heads % parallel.num_kv_head_groups:
-            raise ConfigError(
-                f"the KV format says {profile.num_kv_heads} KV heads, which do not split over "
-                f"{parallel.num_kv_head_groups} KV-head groups of {parallel}"
-            )
-        book = ProfileBook(backend, profile)
-        return cls(backend, config, format, parallel, layout, profile, book, staging)
+        if layout is not None:
+            unreachable = layout.device.type != "cpu" and not backend.capabilities.device_memory
+            if unreachable and config.staging == "never":
+                raise LayoutError(
+                    f"the KV caches are on {layout.device}, which this backend cannot read or write, and "
+                    "PoolConfig(staging='never') forbids staging them through host memory: set "
+                    "staging='auto', or use a backend whose transport moves device memory (docs/device.md)"
+                )
+            limit = backend.capabilities.max_object_bytes
+            if limit is not None and largest > limit:
+                raise ConfigError(
+                    f"this pool's objects (a block{' layer' if config.layerwise else ''} of its KV "
+                    f"caches) are {largest} bytes, but the backend stores objects of at most {limit} "
+                    f"bytes: give it room for them (arena://...?slot={-(-largest // 4096) * 4}KiB or more)"
+                )
+            if config.staging == "always" or unreachable:
+                device = device or Device.of(layout.device)
+                staging = StagingPool.create(device, config.staging_bytes, largest)
+                _register(backend, staging.buffers())
+            else:
+                for addr, nbytes in layout.allocations():
+                    backend.register_memory(addr, nbytes)
+        book = ProfileBook(backend, spec.profile)
+        return cls(backend, config, spec.format, spec.parallel, layout, spec.profile, book, staging)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -498,26 +440,3 @@ def _register(backend: Backend, buffers: list[torch.Tensor]) -> None:
 
 #: Host memory a pool that does not stage sets aside, on first use, for objects of other profiles.
 _SCRATCH_BYTES = 64 << 20
-
-
-def _total_kv_heads(layout: KVLayout, parallel: ParallelConfig) -> int:
-    """The model's KV heads, checked against the heads the cache holds on this rank."""
-    if layout.mla:
-        if not parallel.use_mla and parallel.tp_size > 1:
-            raise ConfigError(
-                f"the KV caches are {layout.kind.value} (MLA) but ParallelConfig(use_mla=False): "
-                "set use_mla=True so that every TP rank shares one copy"
-            )
-        return 1
-    if parallel.use_mla:
-        raise ConfigError(f"ParallelConfig(use_mla=True) but the KV caches are {layout.kind.value}, not MLA")
-    total = parallel.num_kv_heads
-    if total is None:
-        return layout.heads
-    expected = max(1, total // parallel.tp_size)
-    if layout.heads != expected:
-        raise ConfigError(
-            f"num_kv_heads={total} over tp_size={parallel.tp_size} puts {expected} KV heads on each "
-            f"rank, but the KV caches hold {layout.heads}; give the model's total KV heads"
-        )
-    return total

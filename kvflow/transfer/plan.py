@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import attrs
 
@@ -69,10 +70,13 @@ class BlockPlan:
     def build(
         cls, requests: Sequence[KVRequest], hashing: Hashing, num_blocks: int, *, loads: bool = False
     ) -> BlockPlan:
-        """Check every request against the cache (``num_blocks``) and the pool's block size;
-        ``loads``: the requests are loaded, so no two of them may name one destination block (one
-        get would write it twice, and a failed second copy would spoil what the first reported
-        loaded).
+        """Check every request against the cache (``num_blocks``) and the pool's block size, and
+        that an engine block two requests both name holds one block of one prompt: a store may
+        read one block for two requests of a shared prefix (the same hash), never under two hashes
+        (its bytes would be published under a key they do not belong to, a wrong hit for every
+        later reader). ``loads``: the requests are loaded, so no two of them may name one
+        destination block at all (one get would write it twice, and a failed second copy would
+        spoil what the first reported loaded).
 
         Raises RequestError before anything moves. Pure; safe from any thread.
         """
@@ -113,15 +117,10 @@ class BlockPlan:
             origins.extend([r] * (end - first))
             fine.append(prompt)
             spans.append((start, len(hashes)))
-        if loads and len(requests) > 1 and len(set(block_ids)) < len(block_ids):
-            taken: set[int] = set()
-            for block_id in block_ids:
-                if block_id in taken:
-                    raise RequestError(
-                        f"block id {block_id} is the destination of two requests of one load; load "
-                        "each block into one request's blocks only"
-                    )
-                taken.add(block_id)
+        if len(requests) > 1:  # (ids within one request: KVRequest checked them)
+            distinct = len(set(block_ids))  # (both counts in C: a shared prefix costs no Python loop)
+            if distinct < len(block_ids) and (loads or len(set(zip(block_ids, hashes))) > distinct):
+                _refuse_shared(requests, hashes, block_ids, indices, origins, loads=loads)
         return cls(tuple(requests), tuple(spans), hashes, block_ids, indices, origins, tuple(fine))
 
     def __len__(self) -> int:
@@ -130,3 +129,40 @@ class BlockPlan:
     @property
     def request_ids(self) -> tuple[str, ...]:
         return tuple(r.request_id for r in self.requests)
+
+
+def _refuse_shared(
+    requests: Sequence[KVRequest],
+    hashes: list[bytes],
+    block_ids: list[int],
+    indices: list[int],
+    origins: list[int],
+    *,
+    loads: bool,
+) -> NoReturn:
+    """Raise RequestError for the first engine block that several requests name (flat block ``j``
+    is in engine block ``block_ids[j]``): in a load at all, in a store under different hashes.
+    Called once the counts said there is one."""
+    first: dict[int, int] = {}  # engine block -> the flat block that named it first
+    for j, block_id in enumerate(block_ids):
+        k = first.setdefault(block_id, j)
+        if k == j:
+            continue
+        if loads:
+            raise RequestError(
+                f"block id {block_id} is the destination of two requests of one load; load "
+                "each block into one request's blocks only"
+            )
+        if hashes[k] != hashes[j]:
+            raise RequestError(
+                f"block id {block_id} is named as block {indices[k]} of {_name(requests, origins[k])} "
+                f"and as block {indices[j]} of {_name(requests, origins[j])}, which hold different "
+                "KV; an engine block holds one block of one prompt, so name each block id only for "
+                "the prompt block it holds (requests sharing a prefix may name its blocks each)"
+            )
+    raise AssertionError("_refuse_shared was called for a batch it finds nothing wrong with")
+
+
+def _name(requests: Sequence[KVRequest], r: int) -> str:
+    request_id = requests[r].request_id
+    return f"request {request_id!r}" if request_id else f"request #{r} of the batch"
