@@ -62,8 +62,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
-    if "mooncake-master" in args_list:  # its own flags follow it: handed over as they are
-        at = args_list.index("mooncake-master")
+    at = _command_at(args_list)
+    if at is not None and args_list[at] == "mooncake-master":  # its own flags follow it, as they are
         before = _parser_top().parse_args(args_list[:at])
         logging.basicConfig(level=logging.DEBUG if before.verbose else logging.WARNING)
         from kvflow.tools.mooncake_master import main as master_main
@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except KVFlowError as exc:  # a bad URL or option, a store that cannot be reached: say so, no traceback
         print(f"kvflow {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _command_at(argv: list[str]) -> int | None:
+    """Where the command is: the first word that is no option (the top-level options take no
+    values), so that a later word (an option's value, say) is never taken for a command."""
+    return next((i for i, word in enumerate(argv) if not word.startswith("-")), None)
 
 
 def _parser_top() -> argparse.ArgumentParser:

@@ -48,6 +48,7 @@ __all__ = [
     "CATALOGUE",
     "LATENCY_BUCKETS_S",
     "LOAD_FAILURE_CAUSES",
+    "RESERVED_LABELS",
     "STORE_FAILURE_CAUSES",
     "LabelledMetrics",
     "MeteredPool",
@@ -434,8 +435,25 @@ class LabelledMetrics:
         self._child(name, label).set(value)
 
 
+#: Label names the catalogue's metrics use themselves (and ``le``, a histogram's buckets): a
+#: user's label of that name would collide with them.
+RESERVED_LABELS: frozenset[str] = frozenset({"le", *(spec.label for spec in CATALOGUE if spec.label)})
+
+
+def _check_labelnames(labelnames: Iterable[str]) -> None:
+    """Refuse label names that are also kvflow's own (:data:`RESERVED_LABELS`), with ConfigError."""
+    taken = sorted(RESERVED_LABELS.intersection(labelnames))
+    if taken:
+        raise ConfigError(
+            f"metric label name(s) {taken} collide with the labels of kvflow's own metrics "
+            f"(reserved: {sorted(RESERVED_LABELS)}): choose other label names"
+        )
+
+
 def create_parents(make: MetricFactory, prefix: str, labelnames: Sequence[str]) -> dict[str, Any]:
-    """One parent metric per catalogue entry, named ``prefix + name``."""
+    """One parent metric per catalogue entry, named ``prefix + name``; ConfigError for a label
+    name that is kvflow's own (:data:`RESERVED_LABELS`)."""
+    _check_labelnames(labelnames)
     parents = {}
     for spec in CATALOGUE:
         names = [*labelnames, *([spec.label] if spec.label else [])]
@@ -456,13 +474,39 @@ def _prometheus_client() -> Any | None:
         return None
 
 
+def _register(registry: Any, make: MetricFactory, prefix: str, labelnames: list[str]) -> dict[str, Any]:
+    """:func:`create_parents` in ``registry``, all or nothing: prometheus_client refusing one (a
+    name the registry already holds from outside kvflow, a label name it does not take) is a
+    ConfigError, and none of kvflow's metrics stay registered."""
+    made: list[Any] = []
+
+    def make_one(spec: MetricSpec, name: str, names: list[str]) -> Any:
+        made.append(make(spec, name, names))
+        return made[-1]
+
+    try:
+        return create_parents(make_one, prefix, labelnames)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # prometheus_client: "Duplicated timeseries in CollectorRegistry"
+        for metric in made:
+            registry.unregister(metric)
+        raise ConfigError(
+            f"cannot register kvflow's {prefix}* metrics with label names {labelnames}: {exc}. If "
+            "another metric in this registry already uses the name, pass another registry= or "
+            "prefix= to PoolMetrics"
+        ) from exc
+
+
 @attrs.define(eq=False, init=False)
 class PoolMetrics:
     """kvflow's metrics in a ``prometheus_client`` registry (the default one unless ``registry``),
     named ``prefix + name`` and labelled with ``labels``. Without prometheus_client, a no-op.
 
     Several (one per model, say) share a registry when they have the same label names: they
-    share its metrics, each writing its own label values.
+    share its metrics, each writing its own label values. Other label names under the same
+    prefix in one registry, a label name kvflow uses itself (:data:`RESERVED_LABELS`), or
+    names the registry already holds from elsewhere raise ConfigError.
     """
 
     enabled: bool
@@ -493,7 +537,16 @@ class PoolMetrics:
         shared = _PARENTS.setdefault(target, {})
         key = (prefix, tuple(sorted(labels)))
         if key not in shared:
-            shared[key] = create_parents(make, prefix, sorted(labels))
+            _check_labelnames(labels)
+            others = [names for p, names in shared if p == prefix]
+            if others:
+                raise ConfigError(
+                    f"PoolMetrics with label names {sorted(labels)}: this registry already holds "
+                    f"kvflow's {prefix}* metrics with label names {list(others[0])}; label names must "
+                    "match within a registry and prefix: use the same names, or another registry= "
+                    "or prefix="
+                )
+            shared[key] = _register(target, make, prefix, sorted(labels))
         self._writer = LabelledMetrics.create(shared[key], [labels[name] for name in sorted(labels)])
 
     def record(self, observations: Observations) -> None:

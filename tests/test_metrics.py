@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvflow.metrics as metrics_module
-from kvflow import KVLayout, KVPool, KVRequest, PoolConfig, RequestError
+from kvflow import ConfigError, KVLayout, KVPool, KVRequest, PoolConfig, RequestError
 from kvflow.keys import hash_blocks
 from kvflow.metrics import (
     CATALOGUE,
@@ -177,6 +177,48 @@ def test_pool_metrics_with_label_names_in_another_order_share_a_registry() -> No
     PoolMetrics(labels={"engine": "1", "model_name": "b"}, registry=registry).looked_up(0, 32, 0.01)
     assert registry.get_sample_value("kvflow_lookups_total", {"model_name": "a", "engine": "0"}) == 1
     assert registry.get_sample_value("kvflow_lookups_total", {"model_name": "b", "engine": "1"}) == 1
+
+
+@pytest.mark.parametrize("label", ["cause", "client", "le"])
+def test_a_label_name_kvflow_uses_itself_is_refused_with_its_name(label: str) -> None:
+    """A user's label named like a kvflow metric's own label (``cause`` of the failure counters,
+    ``client`` of store_reachable, a histogram's ``le``) would collide with it (duplicate label
+    names: prometheus_client accepts them and the scrape breaks): PoolMetrics refuses it with a
+    ConfigError naming it, and registers nothing, so a corrected PoolMetrics then works."""
+    registry = CollectorRegistry()
+    with pytest.raises(ConfigError, match=rf"\['{label}'\].*choose other label names"):
+        PoolMetrics(labels={"model_name": "m", label: "x"}, registry=registry)
+    assert list(registry.collect()) == []
+    PoolMetrics(labels={"model_name": "m", f"my_{label}": "x"}, registry=registry).looked_up(4, 8, 0.01)
+    assert _value(registry, "kvflow_lookups_total", **{f"my_{label}": "x"}) == 1
+
+
+def test_other_label_names_in_one_registry_and_prefix_say_to_match_or_use_another() -> None:
+    """PoolMetrics with other label names than an earlier one of the same registry and prefix
+    cannot share its metrics: a ConfigError says the names must match or to pass another
+    registry= or prefix= (not prometheus_client's raw "Duplicated timeseries"); another prefix in
+    the same registry works, and the first PoolMetrics keeps recording."""
+    registry = CollectorRegistry()
+    first = PoolMetrics(labels={"model_name": "a"}, registry=registry)
+    with pytest.raises(ConfigError, match=r"label names must match.*registry= or prefix="):
+        PoolMetrics(labels={"model_name": "b", "engine": "0"}, registry=registry)
+    other = PoolMetrics(labels={"model_name": "b", "engine": "0"}, registry=registry, prefix="kvflow2_")
+    first.looked_up(4, 8, 0.01)
+    other.looked_up(0, 8, 0.01)
+    assert _value(registry, "kvflow_lookups_total", model_name="a") == 1
+    assert registry.get_sample_value("kvflow2_lookups_total", {"model_name": "b", "engine": "0"}) == 1
+
+
+def test_a_name_the_registry_holds_from_elsewhere_is_a_config_error_and_leaves_nothing() -> None:
+    """A registry where another metric already has one of kvflow's names: ConfigError saying to
+    pass another registry= or prefix=, and none of kvflow's metrics stay half-registered."""
+    from prometheus_client import Counter
+
+    registry = CollectorRegistry()
+    Counter("kvflow_stored_blocks", "someone else's", registry=registry)
+    with pytest.raises(ConfigError, match="registry= or prefix="):
+        PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    assert [m.name for m in registry.collect()] == ["kvflow_stored_blocks"]
 
 
 @pytest.mark.parametrize("call", ["store", "retrieve"])

@@ -248,3 +248,100 @@ def test_a_models_name_finds_its_objects_under_every_engine_variant() -> None:
     assert _names("llama", "llama") and _names("llama#0123456789abcdef", "llama")
     assert not _names("llama2#0123456789abcdef", "llama") and not _names("llama#x", "llama")
     assert not _names("llama#0123456789abcdef", "llama#") and not _names("a#llama", "llama")
+
+
+def test_only_the_command_word_starts_a_mooncake_master(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``mooncake-master`` is a command only where the command stands (the first word that is no
+    option): as another command's value (``kvflow store ls ... --model mooncake-master``) it is
+    that value, and no master starts; ``kvflow -v mooncake-master --port 1`` still hands the words
+    after it to the master."""
+    import kvflow.tools.mooncake_master as mooncake_master
+
+    started: list[list[str]] = []
+
+    def fake_master(argv: list[str]) -> int:
+        started.append(argv)
+        return 0
+
+    monkeypatch.setattr(mooncake_master, "main", fake_master)
+    store = tmp_path / "mooncake-master"
+    rc = main(["store", "ls", f"local://{store}", "--model", "mooncake-master"])
+    assert not started
+    assert rc != 0 and "no store at" in capsys.readouterr().err  # `store ls` itself answered
+    assert main(["-v", "mooncake-master", "--port", "1"]) == 0
+    assert started == [["--port", "1"]]
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["bench", "--staged"]])
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "npux", "cuda:99"])
+def test_a_device_the_tools_cannot_use_is_a_one_line_error_before_anything_runs(
+    argv: list[str], device: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow demo --device foo` (a typo), a malformed index, or a device this machine does not
+    have is refused up front with one line naming it and exit 2, as a bad --backend is (not a
+    torch traceback and exit 1); nothing is stored or measured."""
+    from kvflow.tools import demo
+
+    monkeypatch.setattr(demo, "open_backend", lambda url: pytest.fail("the demo opened a backend"))
+    monkeypatch.setattr(
+        "kvflow.tools.bench_staged.make_kv_caches", lambda *a: pytest.fail("the bench made caches")
+    )
+    assert main([*argv, "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert device in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cuda_on_a_machine_without_cuda_says_to_use_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--device cuda:0` where torch sees no CUDA device (a CPU-only build) is exit 2 with a line
+    saying so, not "Torch not compiled with CUDA enabled" from deep inside the run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda:0"]) == 2
+    err = capsys.readouterr().err
+    assert "sees no cuda device" in err and "use --device cpu" in err, err
+
+
+def test_bench_plot_to_a_file_it_cannot_write_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow bench --plot` into a missing directory, onto a directory, or in a format matplotlib
+    does not write is one line and exit 2 before anything is measured (not a savefig traceback
+    after minutes of measuring)."""
+    pytest.importorskip("matplotlib")
+    ran: list[str] = []
+
+    async def fake_run(url: str, *, quick: bool, progress: bool) -> dict[str, object]:
+        ran.append(url)
+        return {}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    for target in (tmp_path / "no-such-dir" / "x.png", tmp_path, tmp_path / "x.nosuchformat"):
+        assert main(["bench", "--quick", "--plot", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert str(target) in err and len(err.strip().splitlines()) == 1, err
+    assert not ran
+
+
+def test_bench_plot_that_fails_to_write_keeps_the_results_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plot that cannot be written after the run (the directory went away meanwhile) is one line
+    and exit 2, and the results were printed first: nothing measured is lost."""
+    pytest.importorskip("matplotlib")
+    row = {"object_kib": 64.0, "batch": 1, "memcpy_gbps": 1.0, "store_gbps": 2.0, "retrieve_gbps": 3.0}
+    result: dict[str, object] = {"backend": "memory://", "store_retrieve": [row]}
+    target = tmp_path / "gone" / "x.png"
+    target.parent.mkdir()
+
+    async def fake_run(url: str, *, quick: bool, progress: bool) -> dict[str, object]:
+        target.parent.rmdir()
+        return result
+
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    assert main(["bench", "--json", "--plot", str(target)]) == 2
+    out = capsys.readouterr()
+    assert json.loads(out.out) == result
+    assert f"--plot {target}: could not write the plot" in out.err and len(out.err.strip().splitlines()) == 1

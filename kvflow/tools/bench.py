@@ -244,17 +244,22 @@ def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool, plot: s
 
         return int(layerwise_main(as_json=as_json, quick=quick))
     if plot is not None:
-        from kvflow.tools.bench_plot import check_plotting
+        from kvflow.tools.bench_plot import check_plot_path
 
-        check_plotting()  # before the run: say at once when matplotlib is missing
+        check_plot_path(plot)  # before the run: say at once when matplotlib or the file cannot be had
     result = anyio.run(functools.partial(run_bench, url, quick=quick, progress=not as_json))
-    if plot is not None:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _print_table(url, result)
+    if plot is not None:  # after the results: a file that fails to write loses none of them
         from kvflow.tools.bench_plot import plot_throughput
 
         plot_throughput(result, plot)
-    if as_json:
-        print(json.dumps(result))
-        return 0
+    return 0
+
+
+def _print_table(url: str, result: dict[str, Any]) -> None:
     print(f"backend {url}")
     columns = (
         ("store GB/s", "store_gbps"),
@@ -299,4 +304,3 @@ def bench_main(url: str, *, as_json: bool, quick: bool, layerwise: bool, plot: s
         f"pipeline overhead: store {p['store_us_per_block']:.2f} us/block, retrieve "
         f"{p['retrieve_us_per_block']:.2f} us/block; 100k keys in {p['keys_ms_per_100k']:.1f} ms"
     )
-    return 0

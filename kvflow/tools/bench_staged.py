@@ -26,7 +26,7 @@ from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.request import KVRequest
 from kvflow.tools.bench import NullBackend
-from kvflow.tools.workload import Geometry, make_kv_caches
+from kvflow.tools.workload import Geometry, check_device, make_kv_caches
 
 __all__ = ["run_staged_bench", "staged_main"]
 
@@ -113,6 +113,7 @@ async def _device(g: Geometry, blocks: int, repeat: int, device: str) -> dict[st
 
 
 def run_staged_bench(*, device: str = "cpu", quick: bool = False) -> dict[str, Any]:
+    check_device(device)
     g = Geometry(num_layers=8 if quick else 32)
     blocks, repeat = (32, 2) if quick else (128, 5)
     if device == "cpu":

@@ -22,7 +22,14 @@ from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.request import KVRequest
 from kvflow.tools.baselines import memcpy_gbps
-from kvflow.tools.workload import Geometry, block_matches, chat_workload, fill_block, make_kv_caches
+from kvflow.tools.workload import (
+    Geometry,
+    block_matches,
+    chat_workload,
+    check_device,
+    fill_block,
+    make_kv_caches,
+)
 
 __all__ = ["DemoSummary", "run_demo"]
 
@@ -102,6 +109,7 @@ async def run_demo(
     ``keep``, the objects engine A stored are removed at the end. ``device``: where the KV caches
     live (``cuda``, ``npu``); ``staged``: move blocks through host staging even for host caches
     (how the device path runs on a CPU)."""
+    check_device(device)  # before anything opens or runs
     g = geometry or Geometry()
     requests = chat_workload(g.block_size)
     max_blocks = max(len(r) for r in requests) // g.block_size

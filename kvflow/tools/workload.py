@@ -4,16 +4,19 @@ as a real model's would)."""
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import attrs
 import torch
 
+from kvflow.errors import ConfigError, MissingDependencyError
 from kvflow.keys import hash_blocks
 
 __all__ = [
     "Geometry",
     "chat_workload",
+    "check_device",
     "expected_block",
     "fill_block",
     "make_kv_caches",
@@ -34,6 +37,37 @@ class Geometry:
     def block_nbytes(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * self.num_kv_heads * self.block_size * 2 * self.head_dim * itemsize
+
+
+def check_device(device: str) -> None:
+    """Refuse, before anything runs, a device the tools cannot put KV caches on: ConfigError for a
+    name that is not ``cpu``, ``cuda[:N]`` or ``npu[:N]`` or a device this machine does not have,
+    MissingDependencyError for ``npu`` without ``torch_npu``."""
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda", "npu"):
+        raise ConfigError(f"--device {device!r}: the KV caches live on cpu, cuda[:N] or npu[:N]")
+    if kind == "npu":
+        try:
+            importlib.import_module("torch_npu")  # registers the "npu" device type with torch
+        except ImportError:
+            raise MissingDependencyError(
+                "torch_npu", f"--device {device}", "pip install 'kvflow[npu]' (Ascend's torch_npu)"
+            ) from None
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a device name: use cpu, cuda[:N] or npu[:N]") from None
+    if parsed.type == "cpu":
+        return
+    module = torch.cuda if parsed.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+    count = module.device_count() if module.is_available() else 0
+    if count == 0:
+        raise ConfigError(
+            f"--device {device}: this machine's torch sees no {parsed.type} device (a CPU-only build, "
+            "or none visible): use --device cpu"
+        )
+    if parsed.index is not None and parsed.index >= count:
+        raise ConfigError(f"--device {device}: there are {count} {parsed.type} device(s), 0 to {count - 1}")
 
 
 def make_kv_caches(geometry: Geometry, num_blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:

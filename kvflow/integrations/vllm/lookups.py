@@ -9,15 +9,23 @@ thread:
 - when the scheduler asks, it waits for the answer at most what is left of ``wait_s`` for the
   current step (all lookups of one step share that budget). If the store answered, the answer is
   used at once; if not, vLLM is told "ask again next step" (``None``) and the lookup keeps running;
+- the answer is kept: vLLM asks again, step after step, about a request whose blocks it could not
+  allocate, and each ask of the next step gets the kept answer at once, with no new lookup and no
+  wait. It is looked up afresh after a step without an ask (the request may have been allocated,
+  run and been preempted since: it holds more of the store now), when its blocks changed, and once
+  forgotten (:meth:`Lookups.forget`: allocated or finished) or cleared;
 - an answer from block 0 still serves a request whose own prefix cache turned out to hold the first
   blocks, as long as it reaches past them; otherwise the lookup is asked again from the first block
   vLLM does not hold;
 - a lookup still running when its answer is due (the future's ``answer_by``: the pool's own
-  bound plus the loop's grace) counts as "nothing cached".
+  bound plus the loop's grace) counts as "nothing cached" (and that answer is kept too).
 
 So a slow or dead store delays admissions by at most the lookup timeout (and the grace) and each
-step by at most ``wait_s``. Each answered lookup leaves its seconds (start to answer) for the
-stats (:meth:`Lookups.take_seconds`). Used from the scheduler thread only.
+step by at most ``wait_s``. A kept answer may age while vLLM keeps asking: the store may lose
+objects it counted (the load then fails and vLLM recomputes them) or gain some (a missed hit, never
+wrong data). A request's first answer leaves its seconds (start to answer) for the stats
+(:meth:`Lookups.take_seconds`), once until the request is forgotten: the scheduler counts a
+lookup once per allocation. Used from the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -42,33 +50,41 @@ LookupStart = Callable[[tuple[bytes, ...], int], "CallFuture[int]"]
 
 
 @attrs.define(eq=False)
-class _Pending:
+class _Lookup:
+    """One request's lookup: running, then (``hit`` set) answered and kept."""
+
     future: CallFuture[int]
-    num_blocks: int
+    block_hashes: tuple[bytes, ...]
     block_offset: int
     watch: Stopwatch
+    hit: int | None = None  # the answer, once there is one (0 for a failed or overdue lookup)
+    asked: int = 0  # the step of the last ask
 
-    def serves(self, num_blocks: int, block_offset: int, block_size: int) -> bool:
-        """Whether this lookup answers for a request of ``num_blocks`` whose first ``block_offset``
+    def serves(self, block_hashes: tuple[bytes, ...], block_offset: int, block_size: int) -> bool:
+        """Whether this lookup answers for a request of these blocks whose first ``block_offset``
         blocks vLLM holds."""
-        if num_blocks != self.num_blocks or block_offset < self.block_offset:
+        if block_hashes != self.block_hashes or block_offset < self.block_offset:
             return False
         if block_offset == self.block_offset:
             return True
         # From an earlier block: usable once it shows the store's run reaches past vLLM's blocks.
-        if not self.future.done() or self.future.exception() is not None:
-            return False
-        return self.future.result() >= block_offset * block_size
+        hit = self.hit
+        future = self.future
+        if hit is None and future.done() and not future.cancelled() and future.exception() is None:
+            hit = future.result()  # answered, not yet asked for
+        return hit is not None and hit >= block_offset * block_size
 
 
 @attrs.define(eq=False)
 class Lookups:
-    """The lookups of requests waiting for admission, by request id."""
+    """The lookups of requests waiting for admission (running or answered), by request id."""
 
     start: LookupStart
     block_size: int
     wait_s: float
-    _pending: dict[str, _Pending] = attrs.field(factory=dict, init=False)
+    _lookups: dict[str, _Lookup] = attrs.field(factory=dict, init=False)
+    _sampled: set[str] = attrs.field(factory=set, init=False)  # requests whose seconds were taken
+    _step: int = attrs.field(default=0, init=False)
     _budget_s: float = attrs.field(default=0.0, init=False)
     _seconds: list[float] = attrs.field(factory=list, init=False)
 
@@ -77,54 +93,75 @@ class Lookups:
 
     def new_step(self) -> None:
         """A scheduler step ended: the next one may wait ``wait_s`` again."""
+        self._step += 1
         self._budget_s = self.wait_s
 
     def prefetch(self, req_id: str, block_hashes: tuple[bytes, ...]) -> None:
         """Start looking up a request vLLM just received (from block 0)."""
-        if block_hashes and req_id not in self._pending:
-            self._pending[req_id] = self._begin(block_hashes, 0)
+        if block_hashes and req_id not in self._lookups:
+            self._lookups[req_id] = self._begin(block_hashes, 0)
 
     def poll(self, req_id: str, block_hashes: tuple[bytes, ...], block_offset: int) -> int | None:
         """Leading tokens of the request the store holds (blocks before ``block_offset`` count as
-        held), or None while the lookup is still running."""
-        pending = self._pending.get(req_id)
-        if pending is None or not pending.serves(len(block_hashes), block_offset, self.block_size):
-            pending = self._pending[req_id] = self._begin(block_hashes, block_offset)
-        started = time.monotonic()
-        try:
-            hit = pending.future.result(timeout=max(0.0, self._budget_s))
-        except concurrent.futures.TimeoutError:
-            self._budget_s -= time.monotonic() - started
-            if time.monotonic() < pending.future.answer_by:
+        held), or None while the lookup is still running. Asked again in the next step, it
+        answers from the kept answer when that serves."""
+        lookup = self._lookups.get(req_id)
+        if (
+            lookup is None
+            or (lookup.hit is not None and lookup.asked < self._step - 1)  # a step without an ask
+            or not lookup.serves(block_hashes, block_offset, self.block_size)
+        ):
+            lookup = self._lookups[req_id] = self._begin(block_hashes, block_offset)
+        lookup.asked = self._step
+        if lookup.hit is None:
+            hit = self._wait(req_id, lookup)
+            if hit is None:
                 return None
-            log.warning("kvflow lookup for request %s overran its timeout; computing it", req_id)
-            pending.future.cancel()
-            hit = 0
-        except Exception as exc:  # a store that is down means "no hit", never a failed request
-            log.warning("kvflow lookup for request %s failed, computing it: %r", req_id, exc)
-            hit = 0
-        else:
-            self._budget_s -= time.monotonic() - started
-        del self._pending[req_id]
-        self._seconds.append(pending.watch.seconds)
-        return max(hit, block_offset * self.block_size)
+            lookup.hit = hit
+            if req_id not in self._sampled:
+                self._sampled.add(req_id)
+                self._seconds.append(lookup.watch.seconds)
+        return max(lookup.hit, block_offset * self.block_size)
 
     def take_seconds(self) -> list[float]:
-        """The seconds of each lookup answered since the previous call."""
+        """The seconds of each request's first answer since the previous call."""
         seconds, self._seconds = self._seconds, []
         return seconds
 
     def forget(self, req_id: str) -> None:
-        """Drop a request's lookup (it finished while waiting)."""
-        self._pending.pop(req_id, None)
+        """Drop a request's lookup and its kept answer. Call it when the request finished and when
+        vLLM allocated its blocks (its answer is used: readmitted after a preemption, it is looked
+        up afresh and its seconds are taken again, as the scheduler counts it again)."""
+        self._lookups.pop(req_id, None)
+        self._sampled.discard(req_id)
 
     def clear(self) -> None:
-        self._pending.clear()
+        """Drop every lookup and kept answer (vLLM reset its prefix cache): the next asks look up
+        afresh. A request's seconds are still taken once until it is forgotten."""
+        self._lookups.clear()
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._lookups)
 
-    def _begin(self, block_hashes: tuple[bytes, ...], block_offset: int) -> _Pending:
+    def _wait(self, req_id: str, lookup: _Lookup) -> int | None:
+        """The lookup's answer within what is left of the step's budget; None if it is not due yet."""
+        started = time.monotonic()
+        try:
+            hit = lookup.future.result(timeout=max(0.0, self._budget_s))
+        except concurrent.futures.TimeoutError:
+            self._budget_s -= time.monotonic() - started
+            if time.monotonic() < lookup.future.answer_by:
+                return None
+            log.warning("kvflow lookup for request %s overran its timeout; computing it", req_id)
+            lookup.future.cancel()
+            return 0
+        except Exception as exc:  # a store that is down means "no hit", never a failed request
+            log.warning("kvflow lookup for request %s failed, computing it: %r", req_id, exc)
+            return 0
+        self._budget_s -= time.monotonic() - started
+        return hit
+
+    def _begin(self, block_hashes: tuple[bytes, ...], block_offset: int) -> _Lookup:
         watch = Stopwatch()
         future = self.start(block_hashes, block_offset)
-        return _Pending(future, len(block_hashes), block_offset, watch.watch(future))
+        return _Lookup(future, block_hashes, block_offset, watch.watch(future), asked=self._step)

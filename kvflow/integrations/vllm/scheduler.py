@@ -214,6 +214,8 @@ class SchedulerSide:
         answered = self._answered.pop(req_id, None)
         if answered is not None:
             self._counters = self._counters.with_lookup(*answered)
+        if self._lookups is not None:
+            self._lookups.forget(req_id)  # its answer is used: readmitted, it is looked up afresh
         first, end = load_range(num_local, num_external_tokens, self.shape.block_size)
         tracked = self._requests.get(req_id)
         if tracked is None:

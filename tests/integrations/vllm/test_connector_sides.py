@@ -305,7 +305,9 @@ def test_lookup_that_is_still_running_asks_vllm_to_come_back() -> None:
     assert lookups.poll("r", (b"a", b"b"), 0) is None
     assert lookups.poll("r", (b"a", b"b"), 0) is None and len(futures) == 1  # the same lookup
     futures[0].set_result(8)
-    assert lookups.poll("r", (b"a", b"b"), 0) == 8 and len(lookups) == 0
+    assert lookups.poll("r", (b"a", b"b"), 0) == 8
+    lookups.forget("r")  # allocated: its answer is used
+    assert len(lookups) == 0
     assert lookups.poll("r", (b"a", b"b"), 1) is None and len(futures) == 2
     assert lookups.poll("r", (b"a", b"b", b"c"), 1) is None and len(futures) == 3  # changed: ask afresh
     futures[2].set_exception(ConnectionError("store down"))
@@ -1013,6 +1015,32 @@ def test_a_request_vllm_could_not_allocate_for_is_counted_as_one_lookup(open_sid
     interval = sides.scheduler.take_interval()
     assert interval is not None
     assert (interval.counters.lookups, interval.counters.lookup_hit_tokens) == (1, 12)
+
+
+def test_a_request_vllm_asks_again_for_gives_one_lookup_latency_sample(open_sides: Any) -> None:
+    """Asked again over several steps for a request it could not allocate, the scheduler side
+    gives one ``lookup_seconds`` sample per counted lookup: the histogram's count and
+    ``lookups_total`` agree (docs/operations.md), and the kept answer serves every ask."""
+    sides: Sides = open_sides()
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [1, 2, 3, 4])
+    _prefill(sides, first, [1, 2, 3, 4])
+    sides.scheduler.take_interval()  # r1's lookup
+    again = FakeRequest("r2", TOKENS)
+    sides.scheduler.on_new_request(again)  # type: ignore[arg-type]
+    for _ in range(5):  # vLLM could not allocate r2's blocks for 5 steps: it asks each step
+        assert sides.scheduler.get_num_new_matched_tokens(again, 0) == (12, False)  # type: ignore[arg-type]
+        sides.scheduler.build_connector_meta(BUSY)  # type: ignore[arg-type]
+    assert sides.admit(again, [5, 6, 7, 8]) == (12, False)
+    interval = sides.scheduler.take_interval()
+    assert interval is not None
+    assert interval.counters.lookups == 1
+    assert len(interval.lookup_s) == 1
+    # readmitted (after a preemption, in the very next step): looked up afresh, counted again
+    sides.scheduler.build_connector_meta(BUSY)  # type: ignore[arg-type]
+    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
+    interval = sides.scheduler.take_interval()
+    assert interval is not None and interval.counters.lookups == 1 and len(interval.lookup_s) == 1
 
 
 def test_a_replica_rank_counts_only_its_own_blocks_as_not_stored(open_sides: Any, tmp_path: Path) -> None:
