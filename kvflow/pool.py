@@ -86,8 +86,10 @@ class KVPool:
         ``device``: the shim of the caches' device (default: from the layout; tests pass their own).
 
         The configuration is checked against the layout before a backend is opened; a backend this
-        opened itself is closed again when the backend refuses the pool (ConfigError, LayoutError).
-        A ``backend`` passed in stays the caller's to close then.
+        opened itself is closed again when the backend refuses the pool (ConfigError, LayoutError):
+        every kvflow backend closes at once when no call ever ran on it; a backend of another scheme
+        whose close has to wait is left open when this runs on an event loop (a warning says so). A
+        ``backend`` passed in stays the caller's to close then.
         """
         config = config or PoolConfig()
         # Checked before a backend is opened: a refused configuration opens nothing.

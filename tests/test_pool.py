@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -18,6 +19,7 @@ from kvflow import (
     KVLayout,
     KVPool,
     KVRequest,
+    LayoutError,
     MemoryBackend,
     ParallelConfig,
     PoolClosedError,
@@ -870,6 +872,34 @@ def test_a_pool_its_backend_refuses_closes_the_backend_it_opened(
         gc.collect()
         assert open_fds() == before
     assert not [r for r in caplog.records if "refused pool" in r.getMessage()]  # closed, not abandoned
+
+
+def test_a_pool_refused_in_a_loop_callback_closes_the_backend_it_opened() -> None:
+    """The same, called from a plain callback of a running loop (no task): the backend's close,
+    with no call ever run on it, needs no task either, and leaves no descriptor behind."""
+    layout = KVLayout.from_kv_caches({"l0": torch.zeros(4, 2, BLOCK, 256, device="meta")})
+    with bounded_shm() as root:
+        config = PoolConfig(backend=f"local://{root}/store", staging="never")  # a device it cannot reach
+
+        async def main() -> BaseException | None:
+            loop = asyncio.get_running_loop()
+            refused: asyncio.Future[BaseException | None] = loop.create_future()
+
+            def callback() -> None:
+                try:
+                    KVPool.create(config, layout=layout)
+                    refused.set_result(None)
+                except Exception as exc:
+                    refused.set_result(exc)
+
+            loop.call_soon(callback)
+            return await refused
+
+        gc.collect()
+        before = open_fds()
+        assert isinstance(asyncio.run(main()), LayoutError)
+        gc.collect()
+        assert open_fds() == before
 
 
 @pytest.mark.parametrize("staging", ["never", "always"])

@@ -118,8 +118,11 @@ class BlockPlan:
             fine.append(prompt)
             spans.append((start, len(hashes)))
         if len(requests) > 1:  # (ids within one request: KVRequest checked them)
-            distinct = len(set(block_ids))  # (both counts in C: a shared prefix costs no Python loop)
-            if distinct < len(block_ids) and (loads or len(set(zip(block_ids, hashes))) > distinct):
+            # each engine block's last hash, compared with every naming of it: C loops only, so
+            # a step's requests sharing a prefix cost no Python loop
+            named = dict(zip(block_ids, hashes))
+            repeated = len(named) < len(block_ids)
+            if repeated and (loads or list(map(named.__getitem__, block_ids)) != hashes):
                 _refuse_shared(requests, hashes, block_ids, indices, origins, loads=loads)
         return cls(tuple(requests), tuple(spans), hashes, block_ids, indices, origins, tuple(fine))
 
