@@ -1,6 +1,7 @@
 """The arena file: one pre-allocated region of fixed-size slots and the table that says what each holds.
 
-``<dir>/arena`` is a header page, a table with one row per slot, the keys (for listing the store:
+``<dir>/arena`` is a header page (how the store is cut, and the file's making and checks:
+:mod:`kvflow.backends.arena.header`), a table with one row per slot, the keys (for listing the store:
 the table names a key by its hash), and the slots. Every process maps
 the whole file (``MAP_SHARED | MAP_POPULATE``): its pages are allocated once, when the store is
 created, so a put copies into memory that is already there, at memcpy speed, instead of asking the
@@ -31,11 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
-import logging
 import mmap
 import os
-import struct
 from collections.abc import Sequence
 
 import attrs
@@ -43,7 +41,18 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvflow.backends.arena.config import MAX_SLOT, ArenaConfig
+from kvflow.backends.arena.config import ArenaConfig
+from kvflow.backends.arena.header import (
+    ARENA_NAME,
+    COLUMNS,
+    KEY_BYTES,
+    PAGE,
+    WAYS,
+    Geometry,
+    exists,
+    open_or_create,
+    stored_geometry,
+)
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
 from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
@@ -55,7 +64,7 @@ from kvflow.backends.local.safety import (
     open_store_file,
     opening,
 )
-from kvflow.errors import BackendUnavailableError, ConfigError
+from kvflow.errors import BackendUnavailableError
 
 __all__ = [
     "ARENA_NAME",
@@ -72,27 +81,13 @@ __all__ = [
     "stored_geometry",
 ]
 
-logger = logging.getLogger(__name__)
-
-ARENA_NAME = "arena"
-_NEW_NAME = "arena.new"
-_MAGIC = b"KVFARENA"
-_VERSION = 1
-# magic, version, ways, slot bytes, sets, offset of the slots, cut (the rule that chose ways and sets)
-_HEADER = struct.Struct("<8sIIQQQQ")
-_EARLIER_CUT = 0  # sets of at most WAYS slots (Geometry.earlier_of); kvflows that wrote no cut
-_WIDE_CUT = 1  # sets of WAYS slots or a few more (Geometry.of): every store made since it is recorded
-_PAGE = 4096
-WAYS = 64
 _ALLOCATE_BYTES_PER_S = 1 << 30  # posix_fallocate on tmpfs, a slow host's (12 GB/s measured here)
-KEY_BYTES = 256  # per slot: the key's length (u16), then the key (utf-8), for listing the store
 _KEY_TOO_LONG = KEY_BYTES - 1  # a length no key is given: the key was not kept
 _LENGTH = [n.to_bytes(2, "little") for n in range(KEY_BYTES)]
 
 FREE, WRITING, READY = 0, 1, 2
 # The table's columns.
 _STATE, _NS, _PID, _START, _K0, _K1, _NBYTES, _USED = range(8)
-_COLUMNS = 8
 _STATUS: dict[int, int | PutStatus | None] = {
     PRESENT: PutStatus.PRESENT,
     NO_SPACE: PutStatus.NO_SPACE,
@@ -101,10 +96,6 @@ _STATUS: dict[int, int | PutStatus | None] = {
 
 Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
 Words = npt.NDArray[np.uint64]  # one word of each key
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // _PAGE) * _PAGE
 
 
 def key_hashes(keys: Sequence[str]) -> Hashes:
@@ -140,54 +131,6 @@ class KeyHashes:
         return _words([known[k] for k in keys])
 
 
-@attrs.frozen
-class Geometry:
-    """How a store of ``capacity`` bytes is cut: ``sets`` x ``ways`` slots of ``slot_bytes``."""
-
-    ways: int
-    slot_bytes: int
-    sets: int
-
-    @classmethod
-    def of(cls, config: ArenaConfig) -> Geometry:
-        """Sets of ``WAYS`` slots or a few more, so that fewer than ``sets`` of the capacity's whole
-        slots are left out (a store of fewer than ``2 * WAYS`` slots is one set of all of them)."""
-        slots = config.capacity_bytes // config.slot_bytes
-        sets = max(1, slots // WAYS)
-        return cls(slots // sets, config.slot_bytes, sets)
-
-    @classmethod
-    def earlier_of(cls, config: ArenaConfig) -> Geometry:
-        """How a kvflow that made sets of at most ``WAYS`` slots cut the same capacity (its stores
-        keep working as they were made)."""
-        slots = config.capacity_bytes // config.slot_bytes
-        ways = min(WAYS, slots)
-        return cls(ways, config.slot_bytes, slots // ways)
-
-    @property
-    def rows(self) -> int:
-        return self.sets * self.ways
-
-    @property
-    def tags_offset(self) -> int:
-        return _PAGE + _pages(self.rows * _COLUMNS * 8)
-
-    @property
-    def keys_offset(self) -> int:
-        return self.tags_offset + _pages(self.rows)
-
-    @property
-    def data_offset(self) -> int:
-        return self.keys_offset + _pages(self.rows * KEY_BYTES)
-
-    @property
-    def file_bytes(self) -> int:
-        return self.data_offset + self.rows * self.slot_bytes
-
-    def describe(self) -> str:
-        return f"{self.rows} slots of {self.slot_bytes} bytes ({self.sets} sets of {self.ways})"
-
-
 @attrs.define
 class ArenaFile:
     """The mapped arena of one store directory, and its lock. Close it with :meth:`close`."""
@@ -212,15 +155,15 @@ class ArenaFile:
     def __attrs_post_init__(self) -> None:
         rows = self._rows = self.geometry.rows
         self._keys_at = self.geometry.keys_offset
-        self._table = np.frombuffer(self._map, dtype="<u8", count=rows * _COLUMNS, offset=_PAGE).reshape(
-            _COLUMNS, rows
+        self._table = np.frombuffer(self._map, dtype="<u8", count=rows * COLUMNS, offset=PAGE).reshape(
+            COLUMNS, rows
         )
-        self._words = memoryview(self._map)[_PAGE : _PAGE + rows * _COLUMNS * 8].cast("Q")
+        self._words = memoryview(self._map)[PAGE : PAGE + rows * COLUMNS * 8].cast("Q")
         tags = self.geometry.tags_offset
         self._tags = np.frombuffer(self._map, dtype=np.uint8, count=rows, offset=tags)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
-        self._columns = tuple(self._table[column] for column in range(_COLUMNS))
+        self._columns = tuple(self._table[column] for column in range(COLUMNS))
         self._me_words = np.array([self.me.namespace, self.me.pid, self.me.start], dtype=np.uint64)
 
     @classmethod
@@ -237,13 +180,11 @@ class ArenaFile:
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
             lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
             wait = config.lock_timeout_s
-            if not _exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
+            if not exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
                 wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
             try:
                 with lock.held_blocking(EXCLUSIVE, wait):
-                    fd, geometry = _open_or_create(
-                        fds[0], root, access, geometry, Geometry.earlier_of(config)
-                    )
+                    fd, geometry = open_or_create(fds[0], root, access, geometry, Geometry.earlier_of(config))
                     fds.append(fd)
             except TimeoutError as exc:
                 raise BackendUnavailableError(f"cannot open the arena at {root}: {exc}") from None
@@ -442,143 +383,3 @@ class Query:
     sizes: npt.NDArray[np.int64]  # the bytes each object must have
     rows: npt.NDArray[np.int64]  # each key's slot; -1: none; UNKNOWN: not looked for yet
     found: npt.NDArray[np.bool_]  # the slot holds an object of that size
-
-
-def stored_geometry(config: ArenaConfig) -> Geometry | None:
-    """How the arena of the store ``config`` names is cut, read from its header; None when there is
-    no store there. Creates nothing (for tools that look at a store).
-
-    The directory is checked first, as opening the store checks it (another user's, a symlink, open
-    to writes by others: a ConfigError that says what to do), and the header is read through a
-    descriptor of the arena verified to be a regular file of the store: a FIFO or a symlink there
-    is refused, never waited on or followed. A header that is not an arena's, or is damaged, is a
-    ConfigError too.
-    """
-    root = os.path.normpath(config.path)
-    access = Access.of(config.group)
-    path = f"{root}/{ARENA_NAME}"
-    with opening(root) as fds:
-        try:
-            fds.append(open_root(root, access, create=False))
-            fds.append(open_store_file(fds[0], ARENA_NAME, path, access, create=False))
-            return _read_header(fds[1], path)[0]
-        except FileNotFoundError:
-            return None
-        finally:
-            while fds:
-                os.close(fds.pop())
-
-
-def _exists(root_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _open_or_create(
-    root_fd: int, root: str, access: Access, geometry: Geometry, earlier: Geometry
-) -> tuple[int, Geometry]:
-    """The arena file's descriptor, after creating it (allocated and zeroed) if missing, and how it
-    is cut: ``geometry``, or ``earlier`` for a store an earlier kvflow made. Under the lock."""
-    path = f"{root}/{ARENA_NAME}"
-    try:
-        fd = open_store_file(root_fd, ARENA_NAME, path, access, create=False)
-    except FileNotFoundError:
-        fd = _create(root_fd, root, access, geometry)
-    try:
-        return fd, _check_header(fd, path, geometry, earlier)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _create(root_fd: int, root: str, access: Access, geometry: Geometry) -> int:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(_NEW_NAME, dir_fd=root_fd)  # left by a creator that died: we hold the lock
-    fd = open_store_file(root_fd, _NEW_NAME, f"{root}/{_NEW_NAME}", access)
-    try:
-        try:
-            os.posix_fallocate(fd, 0, geometry.file_bytes)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                raise
-            raise ConfigError(
-                f"the arena backend cannot take {geometry.file_bytes} bytes in {root}: the filesystem "
-                f"has no room ({exc.strerror}). Give a smaller capacity, or free memory there "
-                "(df -h /dev/shm)"
-            ) from exc
-        header = _HEADER.pack(
-            _MAGIC,
-            _VERSION,
-            geometry.ways,
-            geometry.slot_bytes,
-            geometry.sets,
-            geometry.data_offset,
-            _WIDE_CUT,
-        )
-        os.pwrite(fd, header, 0)
-        os.rename(_NEW_NAME, ARENA_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(_NEW_NAME, dir_fd=root_fd)
-        raise
-    logger.info("arena backend: created %s/%s, %s", root, ARENA_NAME, geometry.describe())
-    return fd
-
-
-def _check_header(fd: int, path: str, geometry: Geometry, earlier: Geometry) -> Geometry:
-    """How the arena is cut: ``geometry``, or ``earlier`` for a store an earlier kvflow made (one
-    whose header records no cut: a store made since records it, and opens only as ``geometry``)."""
-    found, cut = _read_header(fd, path)
-    if found != geometry and (cut != _EARLIER_CUT or found != earlier):
-        raise ConfigError(
-            f"{path} holds {found.describe()}, but this URL asks for {geometry.describe()}: give every "
-            "process the same capacity and slot, or remove the store to make it anew"
-        )
-    return found
-
-
-def _read_header(fd: int, path: str) -> tuple[Geometry, int]:
-    """How the arena file ``fd`` (at ``path``) is cut, and the rule that cut it (``_EARLIER_CUT``
-    for a header that records none). ConfigError when it is not an arena, is of another format
-    version, or is damaged (a header no kvflow writes, or a file of another size than it says)."""
-    data = os.pread(fd, _HEADER.size, 0)
-    if len(data) < _HEADER.size or data[:8] != _MAGIC:
-        raise ConfigError(f"{path} is not a kvflow arena; remove it or give another directory")
-    _, version, ways, slot_bytes, sets, offset, cut = _HEADER.unpack(data)
-    if version != _VERSION:
-        raise ConfigError(
-            f"{path} is an arena of format version {version}, this kvflow reads version {_VERSION}; "
-            "remove it (its KV is only a cache) or use another directory"
-        )
-    found = Geometry(ways, slot_bytes, sets)
-    problem = _damage(found, offset, cut, os.fstat(fd).st_size)
-    if problem:
-        raise ConfigError(
-            f"the arena at {path} is damaged: {problem}. Remove it (rm {path}; its KV is only a "
-            "cache) and the next process to open the store makes it anew"
-        )
-    return found, cut
-
-
-def _damage(found: Geometry, offset: int, cut: int, size: int) -> str:
-    """What is wrong with a header that says ``found``, ``offset`` and ``cut`` of a file of
-    ``size`` bytes; "" when nothing is."""
-    if found.ways < 1 or found.sets < 1:
-        return f"its header gives {found.sets} sets of {found.ways} slots"
-    if not _PAGE <= found.slot_bytes <= MAX_SLOT or found.slot_bytes % _PAGE:
-        largest = MAX_SLOT >> 20
-        return (
-            f"its header gives slots of {found.slot_bytes} bytes, not a multiple of 4KiB up to {largest}MiB"
-        )
-    if cut not in (_EARLIER_CUT, _WIDE_CUT):
-        return f"its header names an unknown cut ({cut})"
-    if offset != found.data_offset:
-        return f"its header puts the slots at byte {offset}; {found.describe()} start at {found.data_offset}"
-    if size != found.file_bytes:
-        whole = found.file_bytes
-        return f"its header says it holds {found.describe()}, {whole} bytes, but it is {size} bytes long"
-    return ""
