@@ -45,7 +45,11 @@ async def close_while_running(
         ended.append(time.monotonic())
 
     async def close(after_s: float) -> None:
-        await anyio.sleep(after_s)  # the call is in Mooncake, waiting for the peer
+        # Once the call is in Mooncake, waiting for the peer. (A fixed delay raced a loop slowed by
+        # a busy machine: the close began first, so the call was refused and never started.)
+        while not backend._copies.count:
+            await anyio.sleep(0.01)
+        await anyio.sleep(after_s)
         await backend.aclose()
         closed.append(time.monotonic())
 
@@ -54,9 +58,11 @@ async def close_while_running(
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run)
+                tg.start_soon(close, 0.0)
                 tg.start_soon(close, 0.3)
-                tg.start_soon(close, 0.6)
-                await anyio.sleep(0.3 + RESUME_AFTER_S)
+                while not backend._copies.count:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(RESUME_AFTER_S)
                 closed_before_resume = bool(closed)
                 os.kill(holder_pid, signal.SIGCONT)
     finally:
