@@ -97,6 +97,8 @@ class SchedulerSide:
     # of a request reported failed whole): a worker reports its failures as its own load ends,
     # maybe steps before the last one.
     _async_bad: dict[str, set[int]] = attrs.field(factory=dict, init=False)
+    # Requests whose asynchronous load failed, until vLLM allocates them again: computed, not loaded.
+    _load_failed: set[str] = attrs.field(factory=set, init=False)
     _trust: BlockTrust = attrs.field(factory=BlockTrust, init=False)
     _repairs: dict[bytes, int] | None = attrs.field(default=None, init=False)  # memo, until the next step
     _reports: Counter[int] = attrs.field(factory=Counter, init=False)  # step -> workers that settled it
@@ -169,7 +171,9 @@ class SchedulerSide:
         if self.recomputes_failures and self._reads_repair(read):
             return None, False
         self._local_hits[req_id] = num_computed_tokens
-        if self._lookups is None or len(hashes) <= local_blocks:
+        if self._lookups is None or len(hashes) <= local_blocks or req_id in self._load_failed:
+            # (a failed asynchronous load that vLLM rewound to block 0 is not tried again: loaded
+            # again, the same failure would free its blocks again, for ever)
             return 0, False
         hit = self._lookups.poll(req_id, hashes, local_blocks)
         if hit is None:
@@ -214,6 +218,7 @@ class SchedulerSide:
         answered = self._answered.pop(req_id, None)
         if answered is not None:
             self._counters = self._counters.with_lookup(*answered)
+        self._load_failed.discard(req_id)
         if self._lookups is not None:
             self._lookups.forget(req_id)  # its answer is used: readmitted, it is looked up afresh
         first, end = load_range(num_local, num_external_tokens, self.shape.block_size)
@@ -414,6 +419,8 @@ class SchedulerSide:
             if load is not None:
                 reported = self._async_bad.pop(req_id, set())
                 self._trust.load_ended(load, reported)
+                if reported:
+                    self._load_failed.add(req_id)
                 judged_bad = judged_bad or bool(reported)
         if judged_bad:
             for tracked in self._requests.values():
@@ -432,6 +439,7 @@ class SchedulerSide:
         their step, so nothing else holds a block."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
+        self._load_failed.discard(req_id)
         self._local_hits.pop(req_id, None)
         self._answered.pop(req_id, None)
         self._pending_loads.pop(req_id, None)

@@ -181,6 +181,43 @@ def test_under_async_scheduling_a_failed_load_never_reaches_the_outputs(
         assert engine.requests[req_id].outputs == engine.expected_outputs(prompt, n), req_id
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async scheduling", "sync scheduling"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["one failed get", "every get fails"])
+def test_a_request_whose_asynchronous_load_failed_from_its_first_block_is_computed(
+    engines: Engines, async_scheduling: bool, persistent: bool
+) -> None:
+    """An asynchronous load that fails from block 0 leaves the request with nothing computed, and
+    vLLM frees its blocks and asks the connector again. Answered with the same hit, it loaded,
+    failed and was freed again: every step for ever when the store's gets keep failing (a segment
+    on an unreachable node, a read error) while lookups still find the objects, and, with requests
+    sharing the prefix in a small cache, vLLM's head-of-line wait for the blocks of an asynchronous
+    load stopped every request after one failed get. The request is computed instead; every
+    output is the clean model's."""
+    first = engines()
+    engines.serve(first, A)
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets = True
+    if not persistent:
+        faults.fail_gets_left = 1
+        faults.fail_gets_matching = scheduler_harness.block_hashes(A)[0].hex()
+    extra = {} if async_scheduling else {"load_async": True}  # asynchronous loads either way
+    engine = engines(num_blocks=24, max_num_batched_tokens=16, async_scheduling=async_scheduling, extra=extra)
+    prompts = [(A_LONG, 3), *(([*A, *range(500 + 50 * j, 505 + 50 * j)], 8) for j in range(2))]
+    ids = [engine.add(p, max_tokens=n) for p, n in prompts]
+    steps = 0
+    while engine.scheduler.has_requests() or engine._queued:
+        engine.step()
+        steps += 1
+        assert steps < 300, f"no end: {len(engine.loads)} loads, {len(engine.computed)} computes"
+        if not engine.scheduler.has_unfinished_requests():
+            engine.flush()
+    faults.fail_gets = False
+    engines.prompts += [p for p, _ in prompts]
+    assert engine.loads and all(load[4] for load in engine.loads)
+    for req_id, (prompt, n) in zip(ids, prompts):
+        assert engine.requests[req_id].outputs == engine.expected_outputs(prompt, n), req_id
+
+
 def test_async_scheduling_never_stores_what_a_request_admitted_onto_a_failed_load_computed(
     engines: Engines,
 ) -> None:
