@@ -831,17 +831,29 @@ def test_a_pool_its_config_refuses_opens_no_backend(face: str) -> None:
     layout = KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]())  # type: ignore[arg-type]
     with bounded_shm() as root:
         config = PoolConfig(backend=f"local://{root}/store", hash_tokens=5, timeout_s=2.0)
-        gc.collect()
-        before = open_fds()
-        for _ in range(3):
-            with pytest.raises(ConfigError, match="hash_tokens=5 must divide the block size 16"):
-                if face == "KVPool":
-                    KVPool.create(config, layout=layout)
-                else:
-                    SyncPool.open(config, layout=layout)
-        gc.collect()
-        assert open_fds() == before
+        _refused_without_a_trace(face, config, layout, "hash_tokens=5 must divide the block size 16")
         assert not (root / "store").exists()
+
+
+def _refused_without_a_trace(face: str, config: PoolConfig, layout: KVLayout, match: str) -> None:
+    """Create the pool three times through ``face``: refused each time (ConfigError matching
+    ``match``), leaving no descriptor open."""
+
+    async def on_a_loop() -> None:
+        KVPool.create(config, layout=layout)
+
+    gc.collect()
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises(ConfigError, match=match):
+            if face == "KVPool":
+                KVPool.create(config, layout=layout)
+            elif face == "SyncPool":
+                SyncPool.open(config, layout=layout)
+            else:
+                anyio.run(on_a_loop)
+    gc.collect()
+    assert open_fds() == before
 
 
 @pytest.mark.parametrize("face", ["KVPool", "KVPool on a loop", "SyncPool"])
@@ -855,22 +867,7 @@ def test_a_pool_its_backend_refuses_closes_the_backend_it_opened(
     layout = KVLayout.from_kv_caches({"l0": torch.zeros(4, 2, BLOCK, 256)})  # 32 KiB blocks
     with bounded_shm() as root:
         config = PoolConfig(backend=f"arena://{root}/store?capacity=64KiB&slot=4KiB", timeout_s=2.0)
-
-        async def on_a_loop() -> None:
-            KVPool.create(config, layout=layout)
-
-        gc.collect()
-        before = open_fds()
-        for _ in range(3):
-            with pytest.raises(ConfigError, match="objects of at most 4096 bytes"):
-                if face == "KVPool":
-                    KVPool.create(config, layout=layout)
-                elif face == "SyncPool":
-                    SyncPool.open(config, layout=layout)
-                else:
-                    anyio.run(on_a_loop)
-        gc.collect()
-        assert open_fds() == before
+        _refused_without_a_trace(face, config, layout, "objects of at most 4096 bytes")
     assert not [r for r in caplog.records if "refused pool" in r.getMessage()]  # closed, not abandoned
 
 

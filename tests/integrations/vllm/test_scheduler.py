@@ -60,6 +60,20 @@ class Engines:
         assert harness.scheduler.reset_prefix_cache() is True  # an idle engine holds no block
 
 
+def finish(engine: Harness, *, max_steps: int) -> None:
+    """Step until every request ended (as ``Harness.run``), failing after ``max_steps`` steps: a
+    livelock keeps stepping, loading or computing, and never ends."""
+    for _ in range(max_steps):
+        if not (engine.scheduler.has_requests() or engine._queued):
+            return
+        engine.step()
+        if not engine.scheduler.has_unfinished_requests():
+            engine.flush()
+    raise AssertionError(
+        f"no end after {max_steps} steps: {len(engine.loads)} loads; last computed {engine.computed[-9:]}"
+    )
+
+
 @pytest.fixture
 def engines(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Engines]:
     faults = Faults()
@@ -204,13 +218,7 @@ def test_a_request_whose_asynchronous_load_failed_from_its_first_block_is_comput
     engine = engines(num_blocks=24, max_num_batched_tokens=16, async_scheduling=async_scheduling, extra=extra)
     prompts = [(A_LONG, 3), *(([*A, *range(500 + 50 * j, 505 + 50 * j)], 8) for j in range(2))]
     ids = [engine.add(p, max_tokens=n) for p, n in prompts]
-    steps = 0
-    while engine.scheduler.has_requests() or engine._queued:
-        engine.step()
-        steps += 1
-        assert steps < 300, f"no end: {len(engine.loads)} loads, {len(engine.computed)} computes"
-        if not engine.scheduler.has_unfinished_requests():
-            engine.flush()
+    finish(engine, max_steps=300)
     faults.fail_gets = False
     engines.prompts += [p for p, _ in prompts]
     assert engine.loads and all(load[4] for load in engine.loads)
@@ -742,13 +750,7 @@ def test_sharers_of_a_failed_block_recomputed_in_chunks_all_finish(
     engine.step()
     prompts = [[*A, *range(500 + 50 * j, 500 + 50 * j + tail)] for j in range(sharers)]
     ids = [engine.add(p, max_tokens=8) for p in prompts]
-    steps = 0
-    while engine.scheduler.has_requests() or engine._queued:
-        engine.step()
-        steps += 1
-        assert steps < 400, f"no end after {steps} steps; the last ones computed {engine.computed[-9:]}"
-        if not engine.scheduler.has_unfinished_requests():
-            engine.flush()
+    finish(engine, max_steps=400)
     faults.fail_gets = False
     engines.prompts += [A_LONG, *prompts]
     for req_id, prompt, n in [(owner, A_LONG, 3), *((i, p, 8) for i, p in zip(ids, prompts))]:
