@@ -117,13 +117,17 @@ class _Step:
 
     # -- engine thread ------------------------------------------------------------------------
 
-    def spawn(self, submit: Callable[..., concurrent.futures.Future[None]], *args: Any) -> None:
+    def spawn(
+        self, submit: Callable[..., concurrent.futures.Future[None]], *args: Any, loads: bool = False
+    ) -> None:
+        """Run ``submit(*args)`` (a load when ``loads``) as one of the step's drivers. If it cannot
+        be submitted (a closed pool) it has ended at once: a load, with no layer handed out."""
         with self._cond:
             self._running += 1
         try:
             self.futures.append(submit(*args))
         except BaseException:
-            self.finish()
+            self.finish(load_ended=loads)
             raise
 
     def wait_layer(self, layer: int, timeout_s: float) -> LayerOutcome | bool | None:
@@ -271,8 +275,8 @@ class SyncLayerwisePool(SyncPool):
         engine_done = self.event_factory()
         engine_done.record()
         loader = self._pool.layerwise_retrieve(requests, depth=self.depth, after=engine_done)  # plans only
-        step.loader = loader
-        step.spawn(self._loop.submit, _drive_load, step, loader)
+        step.loader = loader  # (refused below, the step's load has failed: its layers wait no more)
+        step.spawn(self._loop.submit, _drive_load, step, loader, loads=True)
 
     def start_store(self, requests: Sequence[KVRequest]) -> None:
         """Store ``requests``' owned blocks as the step's layers are saved. Once per step, before its

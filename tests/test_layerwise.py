@@ -29,6 +29,7 @@ from kvflow import (
     KVRequest,
     MemoryBackend,
     ParallelConfig,
+    PoolClosedError,
     PoolConfig,
     PutStatus,
     RequestError,
@@ -435,6 +436,20 @@ def test_a_layer_whose_get_fails_fails_every_block_of_the_request() -> None:
         result = kv.wait_for_save(timeout_s=5)
     assert result.loaded["r"].statuses == (GetStatus.FAILED,) * 8
     assert result.failed_block_ids == frozenset(ALL)
+
+
+def test_a_load_the_closed_pool_refused_fails_its_layers_at_once() -> None:
+    """``start_load`` on a pool closed under the engine (or in a forked child) raises
+    PoolClosedError; the step's layer waits then say False at once, not after the pool's timeout
+    (before, each waited its 30 s: the refused load counted as still running)."""
+    src = LAYOUTS["kv_tuple"]()
+    kv = make_engine(zeros_like_caches(src), MemoryBackend(), timeout_s=30)
+    kv.close()
+    with pytest.raises(PoolClosedError):
+        kv.start_load(request(ALL))
+    start = time.monotonic()
+    assert forward(kv) == [False, False, False]
+    assert time.monotonic() - start < 10  # not after the 30 s timeout
 
 
 def test_a_step_stores_no_layer_after_a_failed_load() -> None:
