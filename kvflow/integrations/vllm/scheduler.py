@@ -419,7 +419,7 @@ class SchedulerSide:
             if load is not None:
                 reported = self._async_bad.pop(req_id, set())
                 self._trust.load_ended(load, reported)
-                if reported:
+                if reported and req_id in self._requests:  # (not one finished meanwhile)
                     self._load_failed.add(req_id)
                 judged_bad = judged_bad or bool(reported)
         if judged_bad:

@@ -379,6 +379,25 @@ class Harness:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
         self.requests[req_id].finished = True
 
+    def connector_state(self) -> dict[str, object]:
+        """What the scheduler-side connector still keeps per request (empty on an idle engine)."""
+        side = self.scheduler.connector._scheduler  # type: ignore[union-attr]
+        kept = {
+            name: getattr(side, f"_{name}")
+            for name in (
+                "requests",
+                "local_hits",
+                "answered",
+                "pending_loads",
+                "pending_async",
+                "async_loads",
+                "async_bad",
+                "load_failed",
+            )
+        }
+        kept["lookups"] = dict(side._lookups._lookups) if side._lookups is not None else {}
+        return {name: value for name, value in kept.items() if value}
+
     def expected_outputs(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
         tokens = list(prompt)
         for _ in range(max_tokens):

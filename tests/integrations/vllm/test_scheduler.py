@@ -58,6 +58,7 @@ class Engines:
         assert harness.free_blocks() == harness.free_blocks_at_start
         assert not harness.scheduler.requests
         assert harness.scheduler.reset_prefix_cache() is True  # an idle engine holds no block
+        assert harness.connector_state() == {}  # the connector forgot every request
 
 
 def finish(engine: Harness, *, max_steps: int) -> None:
@@ -374,10 +375,17 @@ def test_slow_stores_finish_inside_their_step_and_finished_requests_hold_nothing
     assert harness.scheduler.reset_prefix_cache() is True  # right after the last request finished
 
 
-def test_abort_during_an_asynchronous_load_keeps_its_blocks_until_the_load_ends(engines: Engines) -> None:
+@pytest.mark.parametrize("fails", [False, True], ids=["the load succeeds", "the load fails"])
+def test_abort_during_an_asynchronous_load_keeps_its_blocks_until_the_load_ends(
+    engines: Engines, fails: bool
+) -> None:
+    """The blocks stay vLLM's until the load ended; then they are free, and (the fixture checks)
+    the connector keeps nothing of the request, also when the load failed (it kept the id of a
+    request whose asynchronous load failed, to compute it when vLLM asks again, for good)."""
     first = engines(extra={"load_async": True})
     engines.serve(first, A)
     scheduler_harness.FAULTS.get_delay_s = 0.3
+    scheduler_harness.FAULTS.fail_gets = fails
     second = engines(extra={"load_async": True})
     req_id = second.add(A_LONG, max_tokens=3)
     second.step()  # the load starts and runs for 0.3 s
