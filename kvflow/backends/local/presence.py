@@ -17,6 +17,8 @@ An append writes the pending end first, then its entries, then the count: like a
 reader reads the count, the entries, then the pending end, and an entry it read may have been
 overwritten only if that end is more than ``RING`` past where it started reading. A reader that
 fell more than ``RING`` entries behind, or is overtaken so while it reads, forgets everything. (A
+writer killed between the pending end and the count leaves the end ahead until the next append:
+meanwhile a reader far enough behind forgets everything at each refresh, a hint lost, no more.) (A
 writer from before the pending end publishes its count only: a reader then sees the count move.)
 What it answers from memory is a hint, as every lookup is: an object may be evicted right after any
 answer, and a get checks what it reads, so a stale "present" costs a miss, never wrong data. A
