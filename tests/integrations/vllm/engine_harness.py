@@ -11,13 +11,14 @@ path (``kvflow.integrations.vllm`` or ``tests.integrations.vllm.probe_connector`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +175,10 @@ def run_engine(spec: EngineSpec, *, timeout_s: float = 300.0) -> EngineRun:
     Blocks the calling thread for the whole run. Raises :class:`EngineError` when the process
     fails, times out or prints something that is not the expected JSON.
     """
+    shm_before = _vllm_shm()
     try:
         # TMPDIR: vLLM's IPC sockets go there, and a killed or crashed engine leaves them behind
-        with tempfile.TemporaryDirectory(prefix="kvflow-engine-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="kvflow-engine-") as tmp, _removing_new_vllm_shm(shm_before):
             env = _child_env(spec)
             if "TMPDIR" not in spec.env:
                 env["TMPDIR"] = tmp
@@ -210,6 +212,27 @@ def run_engine(spec: EngineSpec, *, timeout_s: float = 300.0) -> EngineRun:
     )
     events = tuple(tuple(batch) for batch in payload.get("kv_events", ()))
     return EngineRun(batches, payload["timings"], proc.stderr, events, payload.get("prometheus", ""))
+
+
+def _vllm_shm() -> set[str]:
+    """The shared-memory segments of vLLM's CPU tensor-parallel communicator (``vllm_dist_*``)."""
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
+    except FileNotFoundError:
+        return set()
+
+
+@contextlib.contextmanager
+def _removing_new_vllm_shm(before: set[str]) -> Iterator[None]:
+    """Remove the ``vllm_dist_*`` segments that appeared while the body ran (an engine process of
+    this test's: vLLM unlinks them as it shuts down, but one killed on a busy machine leaves
+    them, 8 MiB a TP=2 engine)."""
+    try:
+        yield
+    finally:
+        for name in _vllm_shm() - before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
 
 
 def make_prompt(seed: int, length: int, *, vocab_size: int = 512) -> tuple[int, ...]:
