@@ -253,6 +253,7 @@ def start_segment_holder(master: str, *, segment: str = "2GB", mount_s: float = 
             "--protocol=tcp",
             f"--global_segment_size={segment}",
             f"--master_server_address={master}",
+            f"--port={free_port()}",  # (its default, 50052, would clash with a second holder's)
         ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

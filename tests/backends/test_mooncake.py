@@ -37,7 +37,7 @@ from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, Mi
 from kvflow.layout import KVCacheEntry, KVFormat, KVLayout
 from kvflow.regions import buffer_address
 from kvflow.request import KVRequest
-from kvflow.tools.mooncake_master import MasterProcess, NotIsolatedError, free_port
+from kvflow.tools.mooncake_master import MasterProcess, NotIsolatedError, free_port, start_segment_holder
 
 MakeBackend = Callable[[str], MooncakeBackend]
 REPO = Path(__file__).resolve().parents[2]
@@ -606,6 +606,41 @@ async def test_master_loss_fails_fast_and_recovery_needs_no_restart(
     got = await backend.get([contiguous(after[0].key, dst, 0, 1000), contiguous(before[1].key, dst, 0, 1000)])
     assert got == [GetStatus.HIT, GetStatus.MISS]
     assert bytes(dst.buf[:1000]) == src.read(after[0])
+
+
+@pytest.mark.mooncake
+def test_two_segment_holders_lend_memory_side_by_side(
+    mooncake_master_factory: Callable[..., MasterProcess],
+) -> None:
+    """Storage nodes on one host (here, one namespace): each holder gets a port of its own (on
+    mooncake_client's default port, the second one exited while mounting)."""
+    master = mooncake_master_factory()
+    with (
+        start_segment_holder(master.address, segment="16MB") as first,
+        start_segment_holder(master.address, segment="16MB") as second,
+    ):
+        assert first.process.poll() is None and second.process.poll() is None
+
+
+@pytest.mark.mooncake
+async def test_object_sizes_of_a_lost_master_raise_not_say_none(
+    mooncake_master_factory: Callable[..., MasterProcess], mooncake_backends: MakeBackend
+) -> None:
+    """``object_sizes`` (what ``kvflow store ls`` lists) answers -1 only for a key that is not
+    stored: Mooncake leaves every key out of its answer when the master does not answer, which read
+    as "no such object" for every key, with the master still counted reachable."""
+    master = mooncake_master_factory()
+    backend = mooncake_backends(master.url(segment="16MiB", timeout=10))
+    keys = prefix()
+    src = Slab(1 << 20, seed=3).register(backend)
+    stored = [contiguous(f"{keys}{i}", src, i * 1000, 1000) for i in range(3)]
+    assert await backend.put(stored) == [PutStatus.STORED] * 3
+    names = [o.key for o in stored]
+    assert await backend.object_sizes([*names, f"{keys}absent"]) == [1000, 1000, 1000, -1]
+    master.kill()
+    with pytest.raises(BackendUnavailableError):
+        await backend.object_sizes(names)
+    assert not backend.health().reachable
 
 
 @pytest.mark.mooncake

@@ -243,15 +243,24 @@ class MooncakeBackend:
         return parse_usage(await self._fetch("/metrics"))
 
     async def object_sizes(self, keys: Sequence[str]) -> list[int]:
-        """Each key's object size in bytes (-1 where there is none), asking the master in batches."""
+        """Each key's object size in bytes (-1 where there is none), asking the master in batches.
+        BackendUnavailableError when the master does not answer (never "none" for every key)."""
 
         def sizes(store: NativeStore, batch: list[str]) -> list[int]:
             found = store.batch_get_replica_desc(batch)
-            return [_replica_size(found.get(key)) for key in batch]
+            # A key left out is absent, or the master did not answer: an exists call says which
+            # (an error code there, which marks the master down).
+            missing = [key for key in batch if key not in found]
+            codes = store.batch_is_exist(missing) if missing else []
+            errors = {key: code for key, code in zip(missing, codes) if code < 0}
+            return [errors.get(key, _replica_size(found.get(key))) for key in batch]
 
         result: list[int] = []
         for start in range(0, len(keys), self.config.max_batch):
             result += await self._key_call("size", keys[start : start + self.config.max_batch], sizes)
+        bad = [c for c in result if c < -1]
+        if bad:
+            raise BackendUnavailableError(f"Mooncake could not tell object sizes: {code_name(bad[0])}")
         return result
 
     async def _fetch(self, path: str) -> str:
