@@ -409,6 +409,68 @@ async def test_a_split_whose_blocks_outgrow_what_a_load_holds_is_passed_over_for
             assert torch.equal(cache[:, 5, :, 2 * rank : 2 * rank + 2], halves[rank][name][:, 1])
 
 
+class CountingExists(MemoryBackend):
+    """Counts the KV keys (not the book's) that lookups ask about."""
+
+    asked = 0
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.asked += sum(not is_book_key(k) for k in keys)
+        return await super().exists(keys)
+
+
+@pytest.mark.parametrize("held", [0, 1, 2, 5, 8])
+async def test_a_lookup_asks_another_split_only_as_far_as_it_holds_the_prompt(held: int) -> None:
+    """A TP=2 engine holds the first ``held`` of 24 blocks of a prompt the reader (TP=1) never
+    stored. The lookup finds them, and asks about the other split's objects in order, stopping
+    soon after the first block it lacks: a prompt nobody stored costs one block's keys per split,
+    not the whole prompt's (a long cold prompt took seconds with a layerwise split in the book)."""
+    backend = CountingExists()
+    tokens = list(range(24 * 16))
+    await store_split(backend, list(range(1000, 1016)), 1)  # announces the split
+    await store_split(backend, tokens, held)
+    reader = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches(4)), backend=backend)
+    backend.asked = 0
+    assert await reader.lookup(KVRequest(tokens=tokens)) == held * 16
+    elsewhere = backend.asked - 24  # the reader's own keys: one call for the whole prompt
+    assert 2 * (held + 1) <= elsewhere <= 2 * (4 * held + 1)  # two objects (one per rank) a block
+
+
+async def test_a_lookup_promises_no_block_whose_objects_outgrow_what_each_rank_may_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TP=2 engine wrote blocks of 32 tokens: two objects of 4096 bytes per block. A load holds
+    4096 bytes of another split's objects at once (staging_bytes, the 64 MiB floor lowered). A
+    TP=1 reader needs both objects per block: its lookup says 0, as its load would fail (the lookup
+    said 64 tokens before, and every load of them failed). Each rank of a TP=2 reader needs one:
+    the lookup promises the prompt, and both ranks load it."""
+    monkeypatch.setattr(core, "_SCRATCH_BYTES", 4096)
+    backend = MemoryBackend()
+    tokens = list(range(64))
+    halves = await store_split(backend, tokens, 2, block=32)
+    config = PoolConfig(staging_bytes=4096)
+    whole = {name: torch.zeros_like(c) for name, c in caches(4).items()}
+    one = KVPool.create(config, layout=KVLayout.from_kv_caches(whole), backend=backend)
+    assert await one.lookup(KVRequest(tokens=tokens)) == 0
+    assert (await one.retrieve(KVRequest(tokens=tokens, block_ids=range(4)))).hit_blocks == 0
+
+    two = ParallelConfig(tp_size=2, num_kv_heads=4)
+    for rank in range(2):
+        mine = {name: torch.zeros_like(c) for name, c in caches(2).items()}
+        pool = KVPool.create(
+            config,
+            layout=KVLayout.from_kv_caches(mine),
+            backend=backend,
+            parallel=attrs.evolve(two, tp_rank=rank),
+        )
+        assert await pool.lookup(KVRequest(tokens=tokens)) == 64  # for every rank of the engine
+        assert (await pool.retrieve(KVRequest(tokens=tokens, block_ids=range(4)))).hit_blocks == 4
+        for name, cache in mine.items():
+            for j in range(4):  # the prompt's block j is half of the writer's block j // 2
+                big, half = divmod(j, 2)
+                assert torch.equal(cache[:, j], halves[rank][name][:, big, half * 16 : (half + 1) * 16])
+
+
 async def test_a_prompt_the_first_split_fills_whole_is_not_looked_for_in_the_next() -> None:
     """Two other splits hold the prompt (TP=4 announced first, then TP=2): its blocks all come from
     the first, the second is not read."""

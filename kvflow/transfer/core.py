@@ -46,7 +46,7 @@ from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.objects import BlockObjects
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
-from kvflow.transfer.reshape import sources
+from kvflow.transfer.reshape import Source, distinct_bytes, sources
 from kvflow.transfer.spec import TransferSpec
 from kvflow.transfer.staging import StagingPool, UnitShape
 
@@ -353,16 +353,26 @@ class Transfer:
         first = min((part.index(False) for part in parts if False in part), default=n)
         if first == n:
             return (offset + n) * block
-        # ... and from there on, those held in every namespace or whole under another profile.
+        # ... and from there on, those held in every namespace or whole under another profile,
+        # asked in order, a few blocks first and four times as many each round, up to the first
+        # block that no profile holds: a prompt nobody stored costs one block's keys per profile.
         held = [all(t) for t in zip(*(part[first:] for part in parts))]
-        more = await self._held_elsewhere(
-            fine, [offset + first + i for i, h in enumerate(held) if not h], deadline
-        )
+        missing = [offset + first + i for i, h in enumerate(held) if not h]
+        more: set[int] = set()
+        at, size = 0, 1
+        while at < len(missing):
+            asked = missing[at : at + size]
+            found_there = await self._held_elsewhere(fine, asked, deadline)
+            more |= found_there
+            if len(found_there) < len(asked):
+                break
+            at, size = at + size, size * 4
         held = [h or (offset + first + i) in more for i, h in enumerate(held)]
         return (offset + first + (held.index(False) if False in held else len(held))) * block
 
     async def _held_elsewhere(self, fine: list[bytes], indices: list[int], deadline: float) -> set[int]:
-        """Which of the prompt's blocks ``indices`` another profile in the store holds whole."""
+        """Which of the prompt's blocks ``indices`` another profile in the store holds whole, in
+        objects that every rank's load can hold (:meth:`_loadable`)."""
         others = await self.book.others(deadline)
         if not others:
             return set()
@@ -372,8 +382,10 @@ class Transfer:
         for index in indices:
             per_profile = []
             for profile in others:
-                found = sources(profile, fine, (index * block, (index + 1) * block), layers=self.model_layers)
-                keys = [s.key for s in found] if found else []
+                tokens = (index * block, (index + 1) * block)
+                found = sources(profile, fine, tokens, layers=self.model_layers) or []
+                usable = found and self._loadable(profile, fine, tokens, found)
+                keys = [s.key for s in found] if usable else []
                 per_profile.append(keys)
                 flat.extend(keys)
             wanted[index] = per_profile
@@ -388,6 +400,29 @@ class Transfer:
             for index, per_profile in wanted.items()
             if any(keys and all(present[k] for k in keys) for keys in per_profile)
         }
+
+    def _loadable(
+        self, profile: Profile, fine: list[bytes], tokens: tuple[int, int], found: list[Source]
+    ) -> bool:
+        """Whether each rank's load of the block from ``found`` (its objects of ``profile``, for
+        every rank) fits :attr:`scratch_limit`, as the load requires: each of this engine's objects
+        (one rank's, of one unit) is filled from its own share of them."""
+        limit = self.scratch_limit
+        if sum(distinct_bytes(found).values()) <= limit:  # all of them fit: so does any share
+            return True
+        for scope in self._lookup_scopes:
+            share = sources(
+                profile,
+                fine,
+                tokens,
+                layers=scope.layers,
+                heads=scope.heads,
+                dcp_rank=scope.dcp[0],
+                pcp_rank=scope.pcp[0],
+            )
+            if share and sum(distinct_bytes(share).values()) > limit:
+                return False
+        return True
 
     @property
     def model_layers(self) -> tuple[int, int]:

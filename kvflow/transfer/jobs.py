@@ -36,7 +36,7 @@ from kvflow.profiles import LOAD_READ_EVERY_S, Profile
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.plan import BlockPlan
-from kvflow.transfer.reshape import Source, copy_into, copy_rows, sources
+from kvflow.transfer.reshape import Source, copy_into, copy_rows, distinct_bytes, sources
 from kvflow.transfer.staging import Chunk, StagingPool, copying, gather, scatter
 
 __all__ = ["LoadJob", "StoreJob"]
@@ -447,7 +447,9 @@ class LoadJob:
                     wanted[j] = found
             if not wanted:
                 continue
-            largest = max(sum(_distinct(found).values()) for found in wanted.values())  # one block per chunk
+            largest = max(
+                sum(distinct_bytes(found).values()) for found in wanted.values()
+            )  # one block per chunk
             pool = await transfer.scratch(largest)
             if pool is None:
                 log.warning(
@@ -477,7 +479,7 @@ class LoadJob:
         batches: list[list[int]] = [[]]
         used, placed = 0, set[str]()
         for j, found in wanted.items():
-            sizes = _distinct(found)
+            sizes = distinct_bytes(found)
             assert sum(sizes.values()) <= pool.chunk_bytes, (
                 "checked by the caller: a chunk holds any one block"
             )
@@ -667,8 +669,3 @@ class LoadJob:
 def _failures(statuses: list[PutStatus]) -> int:
     """How many of ``statuses`` did not store (no space or a failure)."""
     return statuses.count(PutStatus.NO_SPACE) + statuses.count(PutStatus.FAILED)
-
-
-def _distinct(found: list[Source]) -> dict[str, int]:
-    """The bytes of each distinct object a block needs (blocks of a batch may share objects)."""
-    return {s.key: s.nbytes for s in found}

@@ -12,6 +12,7 @@ chunk first (:meth:`kvflow.transfer.jobs.LoadJob.get` drives it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -23,7 +24,7 @@ from kvflow.layout import KVLayout
 from kvflow.parts import Part, object_planes, part_views
 from kvflow.profiles import Profile
 
-__all__ = ["Source", "copy_into", "copy_rows", "sources"]
+__all__ = ["Source", "copy_into", "copy_rows", "distinct_bytes", "sources"]
 
 
 @attrs.frozen
@@ -53,7 +54,7 @@ def sources(
     size, per_hash = profile.block_size, profile.hash_tokens
     if layers is not None and not profile.covers(layers):
         return None
-    scopes = list(profile.scopes(layers=layers, heads=heads, dcp_rank=dcp_rank, pcp_rank=pcp_rank))
+    scopes = _scopes(profile, layers, heads, dcp_rank, pcp_rank)
     out: list[Source] = []
     for block in range(tokens[0] // size, (tokens[1] - 1) // size + 1):
         last = (block + 1) * size // per_hash - 1
@@ -64,6 +65,24 @@ def sources(
             Source(s.prefix + digest, s, block * size, profile.object_nbytes(s.layers)) for s in scopes
         )
     return out
+
+
+def distinct_bytes(found: Sequence[Source]) -> dict[str, int]:
+    """The bytes of each distinct object of ``found`` (a block's sources may name one object twice)."""
+    return {s.key: s.nbytes for s in found}
+
+
+@functools.lru_cache(maxsize=1024)
+def _scopes(
+    profile: Profile,
+    layers: tuple[int, int] | None,
+    heads: tuple[int, int] | None,
+    dcp_rank: int | None,
+    pcp_rank: int | None,
+) -> tuple[KeyScope, ...]:
+    """:meth:`Profile.scopes`, made once per profile and question: :func:`sources` asks it per block,
+    and each scope keeps its key prefix."""
+    return tuple(profile.scopes(layers=layers, heads=heads, dcp_rank=dcp_rank, pcp_rank=pcp_rank))
 
 
 def _overlap(a: int, a_len: int, b: int, b_len: int) -> tuple[int, int] | None:
