@@ -147,6 +147,16 @@ def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Pa
     assert left and all(left)
 
 
+def test_copy_threads_bench_times_the_copy_loop_beside_torch_on_one_and_all_threads() -> None:
+    """The three copies are timed (the script fails if one copied other bytes) and the ratio is
+    the one the figures report."""
+    row = json.loads(ok(run("benchmarks/copy_threads.py", "--mib", "2", "--repeat", "2", "--json")))
+    assert row["mib"] == 2 and row["threads"] >= 1
+    for name in ("copy_loop", "torch_one_thread", "torch_all_threads"):
+        assert positive(row[f"{name}_ms"]), row
+    assert row["all_threads_vs_copy_loop"] == pytest.approx(row["copy_loop_ms"] / row["torch_all_threads_ms"])
+
+
 def test_arena_copy_bench_reports_the_slot_copies_beside_kvflow_and_removes_its_store() -> None:
     """Each size's row has the copies into and out of the arena's slots and kvflow's store and
     retrieve as ratios of what they report (the script fails if a retrieve returns other bytes),
