@@ -165,8 +165,9 @@ class KVPool:
 
         True when every call ended and the backend closed. False when a call was still running
         at the bound (a device copy or a backend call that does not return: it may still read or
-        write the KV cache, so do not free it) or the backend did not close in time. A second
-        close waits for the first and answers as things stand then."""
+        write the KV cache, so do not free it) or the backend did not close in time. A later
+        close waits for the one before it; once no call runs any more it closes a backend left
+        open (bounded), else it answers as things stand."""
         check_timeout(timeout_s)
         return await self._transfer.aclose(timeout_s)
 

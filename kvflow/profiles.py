@@ -31,7 +31,7 @@ import anyio
 import attrs
 import torch
 
-from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, cancelled_as_fault
 from kvflow.errors import ConfigError, LayoutError, RequestError
 from kvflow.keys import VERSION, KeyScope
 from kvflow.layout import LayoutKind
@@ -316,7 +316,7 @@ class ProfileBook:
         not change costs a get, not a parse."""
         objects = self._objects()
         try:
-            with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
                 present = await self.backend.exists([o.key for o in objects])
                 here = [i for i, there in enumerate(present) if there]
                 got = await self.backend.get([objects[i] for i in here]) if here else []
@@ -378,7 +378,7 @@ class ProfileBook:
             view = self._buffer[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
             view.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             try:
-                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
                     (status,) = await self.backend.put([self._objects()[slot]])
             except Exception as exc:
                 log.debug("announcing the profile failed: %r", exc)

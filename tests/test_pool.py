@@ -327,7 +327,7 @@ async def test_aclose_abandons_a_backend_that_does_not_close_within_its_timeout(
     with anyio.fail_after(10), caplog.at_level("WARNING", logger="kvflow"):
         assert await pool.aclose(timeout_s=0.1) is False  # its own timeout, not the pool's 60 s
     assert [r.getMessage() for r in caplog.records] == [
-        "the backend did not close within 0.1 s; abandoning it"
+        "the backend did not close within 0.1 s; a later close tries again"
     ]
     with pytest.raises(PoolClosedError, match=r"^this pool was closed; create a new one$"):
         await pool.store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
@@ -572,6 +572,39 @@ async def test_a_second_close_begun_while_the_first_waits_answers_as_things_stan
             await close("second", None)  # returns with the first, not at once
             tg.cancel_scope.cancel()
     assert answers == [("first", False), ("second", False)]
+
+
+async def test_a_later_close_closes_the_backend_the_first_left_open_once_no_call_runs() -> None:
+    """The first close spends its bound waiting for a put, and the backend's own close (a network
+    client's goodbye: one wait) is cut short: False. Once the put ended, a later close closes the
+    backend and says True (it answered False and left the backend open for good before)."""
+
+    @attrs.define
+    class Polite(FaultyBackend):
+        said_goodbye: bool = False
+
+        async def aclose(self) -> None:
+            await anyio.sleep(0.01)
+            await self.inner.aclose()
+            self.said_goodbye = True
+
+    backend, go = Polite(), anyio.Event()
+
+    async def held(_: Sequence[ObjectRef]) -> None:
+        await go.wait()
+
+    backend.put_hook = held
+    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(LAYOUTS["mla"]()), backend=backend)  # type: ignore[arg-type]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.store, KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]))
+            while "put" not in backend.calls:
+                await anyio.sleep(0.001)
+            assert await pool.aclose(timeout_s=0.1) is False
+            assert not backend.said_goodbye
+            go.set()
+        assert await pool.aclose() is True
+    assert backend.said_goodbye and pool.closed_cleanly
 
 
 async def test_a_close_cancelled_from_outside_still_closes_the_backend() -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,7 +35,7 @@ from kvflow import (
     PutStatus,
 )
 from kvflow.backends.base import ObjectRef
-from kvflow.errors import BackendError, BackendUnavailableError, RequestError
+from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, RequestError
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
 from kvflow.transfer import ByteBudget, run_batches
@@ -410,6 +411,75 @@ async def test_a_cancelled_waiter_leaves_the_others_waiting_for_the_next_release
     assert got == [60] and budget.held == 60
 
 
+async def test_small_requests_cannot_keep_passing_one_that_needs_the_whole_budget() -> None:
+    """First come, first served: while small holders come and go without a pause, one request
+    for all of the budget is let in once those before it gave their bytes back (it waited until
+    its deadline before, and its blocks failed, on every call while other traffic flowed)."""
+    budget = ByteBudget(100)
+    got: list[int] = []
+    stop = anyio.Event()
+
+    async def traffic() -> None:
+        while not stop.is_set():
+            held = await budget.acquire(10)
+            await anyio.sleep(0.001)
+            budget.release(held)
+
+    async def big() -> None:
+        got.append(await budget.acquire(100))
+        budget.release(100)
+        stop.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(traffic)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(big)
+    assert got == [100] and budget.held == 0
+
+
+async def test_a_waiter_cancelled_at_the_head_lets_those_behind_it_in_and_a_granted_one_gives_back() -> None:
+    """The head of the queue gives up: the one behind it, which fits, is let in at once. One
+    cancelled after its bytes were handed to it gives them back."""
+    budget = ByteBudget(100)
+    held = await budget.acquire(50)
+    order: list[str] = []
+    head = anyio.CancelScope()
+
+    async def wants(name: str, nbytes: int, scope: anyio.CancelScope | None = None) -> None:
+        with scope or anyio.CancelScope():
+            await budget.acquire(nbytes)
+            order.append(name)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wants, "head", 100, head)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(wants, "small", 50)
+            await anyio.wait_all_tasks_blocked()
+            assert order == []  # behind the head, though it fits
+            head.cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert order == ["small"] and budget.held == 100
+    budget.release(50)
+    budget.release(held)
+
+    granted = anyio.CancelScope()
+
+    async def cancelled_once_granted() -> None:
+        with granted:
+            await budget.acquire(100)
+            order.append("never")
+
+    held = await budget.acquire(100)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancelled_once_granted)
+        await anyio.wait_all_tasks_blocked()
+        granted.cancel()  # the waiter is cancelled, and has not run since ...
+        budget.release(held)  # ... when the release hands it the 100 bytes
+    assert order == ["small"] and budget.held == 0
+
+
 # --- together: one call inline, several at once ---------------------------------------------------
 
 
@@ -469,3 +539,86 @@ async def test_together_raises_a_failing_calls_own_error_and_cancels_the_rest() 
         with pytest.raises(ExceptionGroup) as group:
             await together([fails, also_fails])
     assert sorted(type(e).__name__ for e in group.value.exceptions) == ["BackendError", "RequestError"]
+
+
+# --- a custom backend that answers outside the protocol ---------------------------------------------
+
+
+@attrs.define(eq=False)
+class OffProtocol(FaultyBackend):
+    """Answers as a hand-written backend might: ``put`` with truth values, ``exists`` with None for
+    an absent key (in a tuple), or a ``max_batch`` that is not a positive integer."""
+
+    batch: object = 4
+    exists_answers: str = "list"
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch  # type: ignore[return-value]
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        statuses = await super().put(objects)
+        if any(is_book_key(o.key) for o in objects):
+            return statuses
+        return [s is PutStatus.STORED for s in statuses]  # type: ignore[misc]
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        found = await super().exists(keys)
+        return tuple(True if f else None for f in found)  # type: ignore[return-value]
+
+
+async def test_statuses_that_are_not_the_protocols_are_a_type_error_that_names_it() -> None:
+    """``put`` answering True/False was taken for "stored nothing, failed nothing" (ok=True)."""
+    pool_ = pool(LAYOUTS["vllm_cpu"](), OffProtocol())
+    with pytest.raises(TypeError, match=r"answered True for an object: its calls must return PutStatus"):
+        await pool_.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK]))
+
+
+async def test_exists_answering_none_for_absent_keys_in_a_tuple_is_read_as_truth_values() -> None:
+    """A lookup counted a None (absent) as held, and promised blocks the store did not have."""
+    backend = OffProtocol()
+    writer = pool(LAYOUTS["vllm_cpu"](), backend.inner)
+    assert (await writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK]))).stored == 2
+    reader = pool(LAYOUTS["vllm_cpu"](), backend)
+    assert await reader.lookup(KVRequest(tokens=TOKENS[: 4 * BLOCK])) == 2 * BLOCK
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.5, float("inf"), None, True])
+def test_a_backend_whose_max_batch_is_not_a_positive_integer_is_refused(batch: object) -> None:
+    """It raised ZeroDivisionError or TypeError from the first store or retrieve."""
+    with pytest.raises(ConfigError, match=r"max_batch is .*: it must be a positive integer"):
+        pool(LAYOUTS["vllm_cpu"](), OffProtocol(batch=batch))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() tells a stray cancellation")
+@pytest.mark.parametrize("max_batch", [8, 2])
+async def test_a_cancellation_the_backend_raises_itself_fails_its_objects(max_batch: int) -> None:
+    """A hand-written asyncio client cancels its reply futures when the connection drops: the
+    CancelledError reached the caller with one batch (inline) and was a failure with several (a
+    task group). Either way it is a fault of the store now: its blocks fail, nothing raises, and
+    a cancellation of the caller still cancels."""
+
+    @attrs.define(eq=False)
+    class Dropped(FaultyBackend):
+        @property
+        def max_batch(self) -> int:
+            return max_batch
+
+        async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+            if "get" in self.hang_on:
+                await anyio.sleep_forever()
+            reply = asyncio.get_running_loop().create_future()
+            reply.cancel()  # the connection dropped
+            return await reply  # type: ignore[no-any-return]
+
+    backend = Dropped()
+    writer = pool(LAYOUTS["vllm_cpu"](), backend.inner)
+    request = KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS[: 4 * BLOCK])
+    assert (await writer.store(request)).stored == 4
+    reader = pool(zeros_like_caches(LAYOUTS["vllm_cpu"]()), backend)
+    got = await reader.retrieve(request)
+    assert got.hit_blocks == 0 and len(got.failed_block_ids) == 4
+    with anyio.move_on_after(0.05) as scope:  # a real cancellation is not swallowed
+        backend.hang_on.add("get")
+        await reader.retrieve(request)
+    assert scope.cancelled_caught

@@ -11,7 +11,10 @@ off the loop with ``anyio.to_thread.run_sync`` and a bounded ``CapacityLimiter``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+import sys
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Protocol, overload, runtime_checkable
 
@@ -27,6 +30,7 @@ __all__ = [
     "ObjectBatch",
     "ObjectRef",
     "PutStatus",
+    "cancelled_as_fault",
     "keys_of",
     "nbytes_of",
     "repeats_of",
@@ -136,6 +140,21 @@ class ObjectBatch(Sequence[ObjectRef]):
     def __iter__(self) -> Iterator[ObjectRef]:
         sizes, nbytes = self.sizes, self.nbytes
         return (ObjectRef(k, row, sizes, nbytes) for k, row in zip(self.keys, self.addrs.tolist()))
+
+
+@contextlib.contextmanager
+def cancelled_as_fault() -> Iterator[None]:
+    """Around a backend call: a ``CancelledError`` the backend raised itself, with no cancellation
+    pending on this task (a future of its client cancelled when a connection dropped), becomes a
+    ``ConnectionError``, a store fault like any other. A real cancellation passes as it is (before
+    Python 3.11 the two cannot be told apart: every one passes)."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if sys.version_info < (3, 11) or task is None or task.cancelling():
+            raise
+        raise ConnectionError("the backend cancelled its own call (a dropped connection?)") from None
 
 
 def keys_of(objects: Sequence[ObjectRef]) -> Sequence[str]:
@@ -252,7 +271,8 @@ class Backend(Protocol):
 
     @property
     def max_batch(self) -> int:
-        """Largest number of objects the pool should pass in one call."""
+        """Largest number of objects the pool passes to one ``put`` or ``get`` (a positive
+        integer). ``exists`` and ``remove`` get a request's keys in one call, whatever their count."""
         ...
 
     @property

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import anyio
 
-from kvflow.backends.base import ObjectRef, nbytes_of
+from kvflow.backends.base import ObjectRef, cancelled_as_fault, nbytes_of
 from kvflow.errors import BackendError, BackendUnavailableError, KVFlowError, RequestError
 from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.together import together
@@ -55,6 +55,7 @@ async def run_batches(
     cancelled the rest.
     """
     results: list[R] = [failed] * len(objects)
+    kind = type(failed)
     if not objects:
         return results
     if time.monotonic() >= deadline:
@@ -76,9 +77,16 @@ async def run_batches(
             if time.monotonic() >= deadline:  # the budget came free late (the loop was held up)
                 log.warning("a backend call for %d objects not started: its deadline passed", len(batch))
                 return
-            answers = await call(batch)
+            with cancelled_as_fault():
+                answers = await call(batch)
             if len(answers) != len(batch):
                 raise KVFlowError(f"backend returned {len(answers)} results for {len(batch)} keys")
+            if set(map(type, answers)) != {kind}:
+                wrong = next(a for a in answers if type(a) is not kind)
+                raise TypeError(
+                    f"the backend answered {wrong!r} for an object: its calls must return "
+                    f"{kind.__name__} members, one per object (docs/api.md)"
+                )
             results[start : start + len(batch)] = answers
         except Exception as exc:  # a backend fault becomes per-key failures
             if is_programming_error(exc):

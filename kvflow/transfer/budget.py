@@ -2,38 +2,64 @@
 
 from __future__ import annotations
 
+import collections
+
 import anyio
 import attrs
 
 __all__ = ["ByteBudget"]
 
 
+@attrs.define(eq=False)
+class _Waiter:
+    need: int
+    granted: anyio.Event = attrs.field(factory=anyio.Event)
+
+
 @attrs.define
 class ByteBudget:
-    """At most ``limit`` bytes held at once; a request larger than the limit waits for all of it.
+    """At most ``limit`` bytes held at once, handed out first come, first served: a request waits
+    behind every request that came before it, so small ones cannot keep passing a large one (a
+    request larger than the limit waits for all of it), and a release wakes only those it lets in.
 
-    Use from one event loop. Waiters are woken whenever bytes are released and re-check.
+    Use from one event loop.
     """
 
     limit: int
     _held: int = 0
-    _changed: anyio.Event = attrs.field(factory=anyio.Event)
+    _queue: collections.deque[_Waiter] = attrs.field(factory=collections.deque)
 
     @property
     def held(self) -> int:
         return self._held
 
     async def acquire(self, nbytes: int) -> int:
-        """Wait until ``nbytes`` (capped at the limit) fit; return what was taken, for :meth:`release`."""
+        """Wait until ``nbytes`` (capped at the limit) fit after every earlier request; return
+        what was taken, for :meth:`release`."""
         need = min(nbytes, self.limit)
-        while self._held + need > self.limit:
-            changed = self._changed
-            await changed.wait()
-        self._held += need
+        if not self._queue and self._held + need <= self.limit:
+            self._held += need
+            return need
+        waiter = _Waiter(need)
+        self._queue.append(waiter)
+        try:
+            await waiter.granted.wait()
+        except BaseException:  # cancelled: granted meanwhile (give it back) or still queued
+            if waiter.granted.is_set():
+                self.release(need)
+            else:
+                self._queue.remove(waiter)
+                self._grant()  # those behind it may fit now
+            raise
         return need
 
     def release(self, held: int) -> None:
         self._held -= held
-        if self._changed.statistics().tasks_waiting:  # a new event only when one was waited on
-            self._changed.set()
-            self._changed = anyio.Event()
+        self._grant()
+
+    def _grant(self) -> None:
+        queue = self._queue
+        while queue and self._held + queue[0].need <= self.limit:
+            waiter = queue.popleft()
+            self._held += waiter.need
+            waiter.granted.set()

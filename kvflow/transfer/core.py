@@ -33,7 +33,7 @@ import anyio
 import attrs
 import torch
 
-from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, cancelled_as_fault
 from kvflow.config import PoolConfig
 from kvflow.device import Device
 from kvflow.errors import ConfigError, LayoutError, PoolClosedError, RequestError
@@ -86,7 +86,7 @@ class Transfer:
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
     _closed: bool = attrs.field(default=False, init=False)
-    _close_ended: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # the first aclose returned
+    _closing: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)  # one aclose at a time
     _backend_closed: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -105,6 +105,12 @@ class Transfer:
         ``device`` replaces the shim of the cache's device (tests use one whose events complete late).
         """
         config, layout, largest = spec.config, spec.layout, spec.largest
+        batch = backend.max_batch
+        if type(batch) is not int or batch < 1:
+            raise ConfigError(
+                f"the backend's max_batch is {batch!r}: it must be a positive integer, the most "
+                "objects one put or get is given"
+            )
         staging = None
         if layout is not None:
             unreachable = layout.device.type != "cpu" and not backend.capabilities.device_memory
@@ -158,17 +164,15 @@ class Transfer:
         """Refuse new calls, wait (bounded) for calls in flight, then close the backend (bounded).
         True when every call has ended and the backend closed; False when a call was still
         running at the bound (it may still read or write the KV cache) or the backend did not
-        close in time. A second close waits for the first and says how things stand then."""
-        if self._closed:
-            with anyio.CancelScope(shield=True):
-                await self._close_ended.wait()
-            return self.closed_cleanly
-        self._closed = True
+        close in time. A later close waits for the one before it; if that one left the backend
+        open and no call runs any more, it closes the backend (bounded), else it answers as
+        things stand."""
+        first, self._closed = not self._closed, True
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         with anyio.CancelScope(shield=True):
-            try:
+            async with self._closing:
                 deadline = time.monotonic() + limit
-                if self._inflight:
+                if first and self._inflight:
                     self._idle = anyio.Event()
                     with anyio.move_on_after(limit):
                         await self._idle.wait()
@@ -179,14 +183,16 @@ class Transfer:
                             self._inflight,
                             limit,
                         )
-                with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
-                    await self.backend.aclose()
-                self._backend_closed = not scope.cancelled_caught
-                if scope.cancelled_caught:
-                    log.warning("the backend did not close within %.1f s; abandoning it", limit)
-            finally:
-                self._close_ended.set()
+                if not self._backend_closed and (first or not self._inflight):
+                    await self._close_backend(deadline, limit)
         return self.closed_cleanly
+
+    async def _close_backend(self, deadline: float, limit: float) -> None:
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
+            await self.backend.aclose()
+        self._backend_closed = not scope.cancelled_caught
+        if scope.cancelled_caught:
+            log.warning("the backend did not close within %.1f s; a later close tries again", limit)
 
     def deadline(self, timeout_s: float | None) -> float:
         """The deadline of a call given its ``timeout_s`` (default: the pool's), from now."""
@@ -299,16 +305,20 @@ class Transfer:
         if not keys:
             return []
         try:
-            with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
                 found = await self.backend.exists(keys)
         except Exception as exc:  # a fault of the store means "unknown", never a crash
             if is_programming_error(exc):
                 raise  # a misconfigured backend must not look like an empty cache forever
             log.warning("exists() of %d keys failed: %r", len(keys), exc)
             return None
+        if not isinstance(found, list):  # a tuple, an array: what the protocol's list[bool] means
+            found = list(found)
         if len(found) != len(keys):
             log.warning("exists() returned %d answers for %d keys", len(found), len(keys))
             return None
+        if found.count(True) + found.count(False) != len(found):  # None for False, say: as truth values
+            found = [bool(answer) for answer in found]
         return found
 
     async def remove(self, request: KVRequest, deadline: float) -> int:
