@@ -9,7 +9,9 @@ The wait rule (one for every synchronous face): a call given ``timeout_s`` has a
 ``timeout_s`` after the call was made (not after the loop picked it up). The pool bounds its own
 work by that deadline and answers with results (failed blocks, no hit) by then; a caller that waits
 gives the loop :data:`ANSWER_GRACE_S` more to deliver that answer, then gives up with TimeoutError
-and cancels the call. :attr:`CallFuture.answer_by` is that moment.
+and cancels the call. :attr:`CallFuture.answer_by` is that moment. A wait made on the loop thread
+itself (from an ``on_released`` or a future's done-callback, which run there) could only end by its
+timeout, the loop frozen meanwhile: it raises RuntimeError at once instead.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ T = TypeVar("T")
 ANSWER_GRACE_S = 1.0
 #: How long :meth:`LoopThread.start` waits for the new thread's loop to run.
 _START_TIMEOUT_S = 30.0
+_FORKED = "this pool's loop thread runs in the process this one was forked from; open a new pool here"
+_STOPPED = "the kvflow loop thread has stopped; open a new pool"
 
 
 class CallFuture(concurrent.futures.Future[T]):
@@ -55,6 +59,8 @@ class CallFuture(concurrent.futures.Future[T]):
         #: is done at once, while its call may still run to its end (a copy on the device, a
         #: backend call that does not return when cancelled) and touch its blocks until then.
         self.ended = threading.Event()
+        #: the thread whose loop answers it (set by :meth:`LoopThread.submit`): waits there are refused
+        self.loop_thread: threading.Thread | None = None
 
 
 def wait_answer(future: CallFuture[T], *, holds_blocks: bool = False) -> T:
@@ -63,14 +69,17 @@ def wait_answer(future: CallFuture[T], *, holds_blocks: bool = False) -> T:
     ``holds_blocks``: the call reads or writes the caller's KV blocks (a store, a retrieve). Then a
     cancelled call is given :data:`ANSWER_GRACE_S` more to really end, and a TimeoutError that
     says "stuck" means it did not: its blocks may still be read or written, so they must not be
-    reused (restart the pool)."""
+    reused (restart the pool). RuntimeError at once (and the call cancelled) on the loop thread that
+    answers the call: the wait would block the answer."""
+    if future.loop_thread is threading.current_thread() and not future.done():
+        future.cancel()
+        raise RuntimeError(_on_loop_message("waiting for a kvflow call"))
     no_bound = future.answer_by == float("inf")  # submitted without one: wait for the answer
     try:
         return future.result(None if no_bound else max(0.0, future.answer_by - time.monotonic()))
     except concurrent.futures.TimeoutError:
-        if future.done() and not future.cancelled():  # the call's own answer (a TimeoutError it raised)
+        if not future.cancel():  # answered after all (the call's own TimeoutError, or an answer just now)
             return future.result()
-        future.cancel()
         if holds_blocks and not future.ended.wait(ANSWER_GRACE_S):
             raise TimeoutError(
                 "a kvflow transfer is stuck: it did not end within its timeout, nor once cancelled (a "
@@ -100,6 +109,8 @@ class LoopThread:
     # Futures not yet resolved: the loop's end cancels them, so no caller waits on a dead loop.
     _pending: set[CallFuture[Any]] = attrs.field(factory=set, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    # Set under _lock before the loop's last look at the inbox: nothing appended after it would run.
+    _inbox_closed: bool = attrs.field(default=False, init=False)
     _forked: bool = attrs.field(default=False, init=False)  # this is a child forked after start
 
     def start(self) -> LoopThread:
@@ -118,36 +129,55 @@ class LoopThread:
     def running(self) -> bool:
         return self._loop is not None and not self._stopping
 
+    @property
+    def forked(self) -> bool:
+        """This is a child process forked after :meth:`start`: the loop runs in the parent."""
+        return self._forked
+
+    def check_off_loop(self, what: str) -> None:
+        """RuntimeError when called on the loop thread: ``what`` would wait on the loop it blocks."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(_on_loop_message(what))
+
+    def check_can_wait(self, what: str) -> None:
+        """:meth:`check_off_loop`, and PoolClosedError in a forked child (whose wait nothing would end)."""
+        self.check_off_loop(what)
+        if self._forked:
+            raise PoolClosedError(_FORKED)
+
     def submit(
         self, fn: Callable[..., Awaitable[T]], *args: Any, answer_by: float | None = None
     ) -> CallFuture[T]:
         """Run ``fn(*args)`` on the loop; never waits for the loop. The future resolves with its
         result or exception; cancelling the future cancels the call (one cancelled before it
         started still starts, cancelled, so its own cleanup runs). ``answer_by`` (default: never)
-        is recorded on the future for :func:`wait_answer`."""
+        is recorded on the future for :func:`wait_answer`. PoolClosedError when the call would
+        never run (a stopped or forked loop)."""
         loop = self._loop
         if self._forked:
-            raise PoolClosedError(
-                "this pool's loop thread runs in the process this one was forked from; open a new pool here"
-            )
+            raise PoolClosedError(_FORKED)
         if loop is None or self._stopping:
             raise PoolClosedError("the kvflow loop thread is not running; open a new pool")
         future: CallFuture[T] = CallFuture(float("inf") if answer_by is None else answer_by)
-        with self._lock:
+        future.loop_thread = self._thread
+        with self._lock:  # one step with the loop's last look at the inbox: run, or refused here
+            if self._inbox_closed:
+                raise PoolClosedError(_STOPPED)
             self._pending.add(future)
+            self._inbox.append((fn, args, future))
         future.add_done_callback(self._forget)
-        self._inbox.append((fn, args, future))
         try:
             loop.call_soon_threadsafe(self._notify)
-        except RuntimeError:  # the loop closed meanwhile
+        except RuntimeError:  # the loop closed meanwhile, after its last look ran the call, cancelled
             future.cancel()
             future.ended.set()
-            raise PoolClosedError("the kvflow loop thread has stopped; open a new pool") from None
+            raise PoolClosedError(_STOPPED) from None
         return future
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout_s: float) -> T:
         """Run ``fn(*args)`` on the loop and wait for it; TimeoutError (and the call cancelled)
-        after ``timeout_s``."""
+        after ``timeout_s``. RuntimeError at once on the loop thread."""
+        self.check_off_loop("LoopThread.call")
         return wait_answer(self.submit(fn, *args, answer_by=time.monotonic() + timeout_s))
 
     def stop(self, timeout_s: float = 10.0) -> bool:
@@ -155,8 +185,10 @@ class LoopThread:
 
         Owners close their work first; whatever is left was given up on. Returns False when the
         thread did not end in time (a call blocking the loop); it is then abandoned, and ends with
-        the process (a daemon thread).
+        the process (a daemon thread). RuntimeError at once on the loop thread (it cannot wait
+        for itself to end).
         """
+        self.check_off_loop("stopping the kvflow loop thread")
         thread, loop = self._thread, self._loop
         if thread is None:
             return True
@@ -191,9 +223,10 @@ class LoopThread:
             self._loop = None
             self._ready.set()
             with self._lock:
+                self._inbox_closed = True
                 orphans, self._pending = self._pending, set()
             for future in orphans:  # submitted, but the loop ended before they ran
-                _answer(future, error=PoolClosedError("the kvflow loop thread has stopped; open a new pool"))
+                _answer(future, error=PoolClosedError(_STOPPED))
                 future.ended.set()
 
     def _forget(self, future: concurrent.futures.Future[Any]) -> None:
@@ -212,8 +245,11 @@ class LoopThread:
                 while self._inbox and not self._stop_requested:
                     tg.start_soon(self._call, *self._inbox.popleft())
             tg.cancel_scope.cancel()
-            while self._inbox:  # submitted before the stop: started cancelled, so their cleanup runs
-                tg.start_soon(self._call, *self._inbox.popleft())
+            with self._lock:  # from now on submit refuses calls, rather than leave them unrun
+                self._inbox_closed = True
+                left, self._inbox = self._inbox, collections.deque()
+            for call in left:  # submitted before the stop: started cancelled, so their cleanup runs
+                tg.start_soon(self._call, *call)
 
     def _notify(self) -> None:
         """On the loop (a plain callback): new calls are in the inbox."""
@@ -270,6 +306,14 @@ def _after_fork_in_child() -> None:
 
 _STARTED: weakref.WeakSet[LoopThread] = weakref.WeakSet()
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _on_loop_message(what: str) -> str:
+    return (
+        f"{what} was called on kvflow's loop thread (from an on_released or a future's done-callback, "
+        "which run there): it would wait on the loop it blocks. Call it from another thread, or use "
+        "a submit_* method (or the async KVPool) there"
+    )
 
 
 def _answer(future: CallFuture[T], *, result: Any = None, error: BaseException | None = None) -> None:

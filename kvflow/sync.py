@@ -1,10 +1,12 @@
 """SyncPool: the synchronous face of a :class:`~kvflow.KVPool`, for engines that cannot await.
 
 The pool lives on kvflow's loop thread (:class:`~kvflow.loop.LoopThread`). Every method may be
-called from any thread but the loop thread. ``submit_*`` return a :class:`~kvflow.loop.CallFuture`
-at once; the blocking forms wait by the one rule of :mod:`kvflow.loop`: a call's ``timeout_s``
-(default: the pool's) counts from the call, the pool answers within it, and a caller gives up with
-TimeoutError only when the loop did not deliver that answer in time.
+called from any thread but the loop thread; there (in an ``on_released``, a future's done-callback)
+only ``submit_*`` work, and a blocking call raises RuntimeError at once rather than wait on the loop
+it blocks. ``submit_*`` return a :class:`~kvflow.loop.CallFuture` at once; the blocking forms wait
+by the one rule of :mod:`kvflow.loop`: a call's ``timeout_s`` (default: the pool's) counts from the
+call, the pool answers within it, and a caller gives up with TimeoutError only when the loop did not
+deliver that answer in time.
 """
 
 from __future__ import annotations
@@ -167,7 +169,9 @@ class SyncPool:
         return self._submit(lambda t: self._pool.retrieve_many(requests, after=after, timeout_s=t), timeout_s)
 
     def lookup(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
-        """Blocking lookup; TimeoutError when no answer came by its timeout (plus the grace)."""
+        """Blocking lookup; TimeoutError when no answer came by its timeout (plus the grace).
+        RuntimeError at once on the loop thread, as every blocking call's here."""
+        self._loop.check_off_loop("SyncPool.lookup")
         return wait_answer(self.submit_lookup(request, timeout_s=timeout_s))
 
     def store(
@@ -176,20 +180,24 @@ class SyncPool:
         """Blocking store; TimeoutError when no answer came by its timeout (plus the grace), one
         that says "stuck" when the store did not end once cancelled either (do not reuse the
         blocks then: :func:`kvflow.loop.wait_answer`)."""
+        self._loop.check_off_loop("SyncPool.store")
         return wait_answer(self.submit_store(request, after=after, timeout_s=timeout_s), holds_blocks=True)
 
     def retrieve(
         self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
     ) -> RetrieveResult:
         """Blocking retrieve; TimeoutError as :meth:`store`'s."""
+        self._loop.check_off_loop("SyncPool.retrieve")
         return wait_answer(self.submit_retrieve(request, after=after, timeout_s=timeout_s), holds_blocks=True)
 
     def remove(self, request: KVRequest, *, timeout_s: float | None = None) -> int:
         """Blocking :meth:`KVPool.remove`: delete this rank's objects of the prompt's blocks."""
+        self._loop.check_off_loop("SyncPool.remove")
         return wait_answer(self._submit(lambda t: self._pool.remove(request, timeout_s=t), timeout_s))
 
     def profiles(self, *, timeout_s: float | None = None) -> tuple[Profile, ...]:
         """Blocking :meth:`KVPool.profiles`: the other engines' splits of this model in the store."""
+        self._loop.check_off_loop("SyncPool.profiles")
         return wait_answer(self._submit(lambda t: self._pool.profiles(timeout_s=t), timeout_s))
 
     # -- the end ---------------------------------------------------------------------------------
@@ -206,7 +214,9 @@ class SyncPool:
         """Close the pool (waiting for calls in flight) and stop the loop thread, all within
         ``timeout_s`` (default: the pool's timeout). Returns False when something had to be
         abandoned (a call still running, which may still read or write the KV cache; a backend
-        that would not close; a loop thread held by a blocking call)."""
+        that would not close; a loop thread held by a blocking call). An error of the backend's
+        close is raised, once the loop thread has stopped. RuntimeError at once on the loop thread
+        (nothing is closed then)."""
         return stop_pool(self._loop, self._pool, timeout_s)
 
     # -- the wait rule ---------------------------------------------------------------------------
@@ -274,18 +284,27 @@ def start_pool(
 
 def stop_pool(loop: LoopThread, pool: KVPool, timeout_s: float | None) -> bool:
     """Close ``pool`` on ``loop`` and stop the loop, within ``timeout_s`` (default: the pool's).
-    False when something had to be abandoned."""
+    False when something had to be abandoned. The loop stops even when the pool's close raises
+    (a backend's error), which then reaches the caller."""
     check_timeout(timeout_s)
+    loop.check_off_loop("closing a SyncPool")
     limit = pool.config.timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + limit
+    try:
+        closed = _close(loop, pool, limit, deadline)
+    finally:  # also when the close raised (a backend's error): no loop thread is left behind
+        stopped = loop.stop(max(0.0, deadline - time.monotonic()) + ANSWER_GRACE_S)
+    return closed and stopped
+
+
+def _close(loop: LoopThread, pool: KVPool, limit: float, deadline: float) -> bool:
+    """Close ``pool`` on ``loop`` by ``deadline``: whether it closed cleanly (by this close or another)."""
     try:
         closed = wait_answer(loop.submit(pool.aclose, limit, answer_by=deadline)) if loop.running else False
     except (TimeoutError, PoolClosedError, concurrent.futures.CancelledError):  # (another thread stopped it)
         closed = False
     # another thread's close, or a loop that ended under the pool: as that close left it
-    closed = closed or pool.closed_cleanly
-    stopped = loop.stop(max(0.0, deadline - time.monotonic()) + ANSWER_GRACE_S)
-    return closed and stopped
+    return closed or pool.closed_cleanly
 
 
 def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:

@@ -34,7 +34,7 @@ import attrs
 from kvflow.backends import Backend, GetStatus
 from kvflow.config import PoolConfig, positive_int
 from kvflow.device import Device
-from kvflow.errors import ConfigError, RequestError
+from kvflow.errors import ConfigError, PoolClosedError, RequestError
 from kvflow.events import DeviceEvent, LayerEvents, make_event
 from kvflow.layerwise import LayerOutcome, LayerwiseRetriever, LayerwiseStorer
 from kvflow.layout import KVFormat, KVLayout
@@ -83,6 +83,7 @@ class _Step:
     saved: bool = False  # save_layer was called (engine thread)
     load_timed_out: bool = False  # the engine stopped waiting for a layer (engine thread)
     load_failed: bool = False  # a layer's load wait said False: later layers rest on missing KV
+    closed: bool = False  # the pool was closed under the step (by any thread): nothing it loaded counts
     futures: list[concurrent.futures.Future[None]] = attrs.field(factory=list)
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _running: int = 0
@@ -149,7 +150,7 @@ class _Step:
             if self._error is not None:
                 raise self._error
             stored, loaded = self._stored, self._loaded
-        if self.load_timed_out:  # the engine computed without some layer: nothing loaded is usable
+        if self.load_timed_out or self.closed:  # the engine computed without some layer: recompute all
             loaded = [
                 RetrieveResult(r.block_ids, (GetStatus.FAILED,) * len(r.block_ids), r.block_size)
                 for r in loaded
@@ -240,7 +241,10 @@ class SyncLayerwisePool(SyncPool):
         try:
             return cls._on_loop(loop, pool, depth=depth, event_factory=event_factory)
         except BaseException:
-            stop_pool(loop, pool, None)
+            try:
+                stop_pool(loop, pool, None)  # stops the loop thread even when the close raises
+            except Exception:  # the refusal is the error to raise, not this
+                log.warning("closing the refused layerwise pool failed too", exc_info=True)
             raise
 
     @property
@@ -266,7 +270,7 @@ class SyncLayerwisePool(SyncPool):
         if not requests:
             return
         _check_named(requests)
-        step = self._current()
+        step = self._current(starting=True)
         if step.loader is not None:
             raise RequestError("start_load was already called in this step; pass all its requests at once")
         assert self.event_factory is not None
@@ -285,7 +289,7 @@ class SyncLayerwisePool(SyncPool):
         if not requests:
             return
         _check_named(requests)
-        step = self._current()
+        step = self._current(starting=True)
         if step.storer is not None:
             raise RequestError("start_store was already called in this step; pass all its requests at once")
         if step.saved:
@@ -315,15 +319,19 @@ class SyncLayerwisePool(SyncPool):
         """Block until layer ``layer`` of the step's loads is in place (at once when there are none).
 
         True when every block of the layer arrived. False when some block missed or failed, or
-        after ``timeout_s`` (default: the pool's timeout); then the step reports every loaded block
-        failed, because the engine computes without the layer. :meth:`wait_for_save` has the blocks.
+        after ``timeout_s`` (default: the pool's timeout), or once the pool was closed (from any
+        thread); then the step reports every loaded block failed, because the engine computes
+        without the layer. :meth:`wait_for_save` has the blocks. RuntimeError at once on the loop
+        thread, PoolClosedError in a process forked from the pool's.
         """
         check_timeout(timeout_s)
+        self._loop.check_can_wait("SyncLayerwisePool.wait_for_layer_load")
         layer = self._check_layer(layer)
         step = self._step
         if step is None or step.loader is None:
             return True
-        if step.load_timed_out:
+        if step.load_timed_out or step.closed:
+            step.load_failed = True
             return False
         deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
         arrived = step.wait_layer(layer, deadline - time.monotonic())
@@ -350,9 +358,11 @@ class SyncLayerwisePool(SyncPool):
         step's transfers are cancelled and reported failed. Raises the error a transfer raised if
         it was a programming error (a misconfigured backend), never for a failed put or get.
         Raises TimeoutError if a transfer does not stop even when cancelled; the step then stays
-        current, so that :meth:`close` still cancels and waits for it.
+        current, so that :meth:`close` still cancels and waits for it. After a :meth:`close` (from
+        any thread) it ends the step as cancelled: every block it loaded is reported failed.
         """
         check_timeout(timeout_s)
+        self._loop.check_can_wait("SyncLayerwisePool.wait_for_save")
         step = self._step
         if step is None:
             return StepResult({}, {})
@@ -364,13 +374,16 @@ class SyncLayerwisePool(SyncPool):
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Cancel the current step's transfers, close the pool and stop the loop thread (bounded by
-        ``timeout_s``, default the pool's); False when something had to be abandoned."""
+        ``timeout_s``, default the pool's); False when something had to be abandoned. Called from
+        another thread mid-step, the engine thread's step goes on to its end as a cancelled one:
+        its layer waits say False and :meth:`wait_for_save` reports every block it loaded failed.
+        In a process forked from the pool's, it returns False at once."""
         check_timeout(timeout_s)
+        self._loop.check_off_loop("closing a SyncLayerwisePool")
         deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
-        step, self._step = self._step, None
-        if step is not None:
-            if step.events is not None:
-                step.events.seal()
+        step = self._step  # left current, for the engine thread to end (in wait_for_save)
+        if step is not None and not self._loop.forked:  # (a forked child's transfers run in the parent)
+            step.closed = True  # (its events are not sealed here: the engine thread may record them)
             for future in step.futures:
                 future.cancel()
             step.wait_finished(max(0.0, deadline - time.monotonic()))
@@ -382,9 +395,16 @@ class SyncLayerwisePool(SyncPool):
     def _timeout(self) -> float:
         return self.config.timeout_s
 
-    def _current(self) -> _Step:
+    def _current(self, *, starting: bool = False) -> _Step:
+        """The current step (a new one if none); ``starting`` a transfer, PoolClosedError if the
+        pool was closed under it."""
         if self._step is None:
             self._step = _Step()
+        if starting and self._step.closed:
+            raise PoolClosedError(
+                "the pool was closed during this step: end it with wait_for_save (it reports the "
+                "step's loads failed), then open a new pool"
+            )
         return self._step
 
     def _check_layer(self, layer: int) -> int:

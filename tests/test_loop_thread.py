@@ -15,6 +15,7 @@ import pytest
 
 import kvflow.loop as loop_module
 from kvflow import (
+    ConfigError,
     GetStatus,
     KVLayout,
     KVRequest,
@@ -27,6 +28,7 @@ from kvflow import (
 from kvflow.backends import ObjectRef
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
 from kvflow.profiles import is_book_key
+from kvflow.sync_layerwise import StepResult
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, zeros_like_caches
 from tests.test_sync import BlockingBackend
 
@@ -252,3 +254,230 @@ def test_a_forked_child_is_refused_at_once_by_its_parents_pool() -> None:
         assert pool.lookup(KVRequest(tokens=TOKENS)) == 0  # the parent's pool still works
     finally:
         assert pool.close(timeout_s=2) is True
+
+
+@attrs.define(eq=False)
+class CloseRaises(FaultyBackend):
+    """A backend whose close fails (a peer gone while closing)."""
+
+    async def aclose(self) -> None:
+        raise ConnectionError("peer went away while closing")
+
+
+def layerwise_pool(backend: object, timeout_s: float = 5.0, **kwargs: object) -> SyncLayerwisePool:
+    return SyncLayerwisePool.open(
+        PoolConfig(layerwise=True, timeout_s=timeout_s),
+        layout=KVLayout.from_kv_caches(LAYOUTS["vllm_cpu"]()),
+        backend=backend,  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("face", ["SyncPool", "SyncLayerwisePool"])
+def test_a_backend_close_that_raises_still_stops_the_loop_thread(face: str) -> None:
+    pool = open_pool(CloseRaises()) if face == "SyncPool" else layerwise_pool(CloseRaises())
+    thread = pool._loop._thread
+    assert thread is not None and thread.is_alive()
+    with pytest.raises(ConnectionError, match="peer went away"):  # the caller hears of it
+        pool.close(timeout_s=2)
+    assert not thread.is_alive() and not pool._loop.running  # and no loop thread is left behind
+
+
+def test_a_refused_layerwise_pool_raises_its_own_error_and_stops_the_loop_thread() -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError, match="depth must be an integer > 0"):  # not the close's error
+        layerwise_pool(CloseRaises(), depth=0)
+    assert set(threading.enumerate()) - before == set()
+
+
+def test_a_layerwise_close_from_another_thread_mid_step_says_no_layer_is_in_place() -> None:
+    """The pool is closed (say, at shutdown) while the engine thread is in the middle of a step:
+    the layer waits that follow say False and the step reports every block it loads failed, for
+    the engine to recompute (before: they said True for layers never loaded, and the step
+    reported nothing failed)."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(hang_on={"get"}, put_checks_present=True)
+    with layerwise_pool(backend) as writer:
+        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
+    kv = SyncLayerwisePool.open(
+        PoolConfig(layerwise=True, timeout_s=5.0),
+        layout=KVLayout.from_kv_caches(zeros_like_caches(src)),
+        backend=backend,  # type: ignore[arg-type]
+    )
+    kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
+    closer = threading.Thread(target=kv.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert [kv.wait_for_layer_load(layer) for layer in range(kv.num_layers)] == [False] * kv.num_layers
+    with pytest.raises(PoolClosedError):  # no new transfer starts in the closed step
+        kv.start_store([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
+    result = kv.wait_for_save()
+    assert result.failed_block_ids == {2, 3}
+    assert kv.wait_for_save() == StepResult({}, {})  # the step has ended
+    with pytest.raises(PoolClosedError):
+        kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
+
+
+@pytest.mark.parametrize(
+    ("face", "call"),
+    [
+        ("SyncPool", "close"),
+        ("SyncPool", "store"),
+        ("SyncPool", "lookup"),
+        ("SyncLayerwisePool", "close"),
+        ("SyncLayerwisePool", "wait_for_save"),
+    ],
+)
+def test_a_blocking_call_on_the_loop_thread_is_refused_at_once(face: str, call: str) -> None:
+    """``on_released`` runs on the loop thread: a blocking call made there would wait on the loop
+    it blocks (before: the loop froze for the call's timeout, then a misleading TimeoutError, or
+    a close that failed to join its own thread and left the pool half closed)."""
+    pool = open_pool(timeout_s=1.0) if face == "SyncPool" else layerwise_pool(MemoryBackend(), timeout_s=1.0)
+    calls = {
+        "close": lambda: pool.close(timeout_s=1.0),
+        "store": lambda: pool.store(KVRequest(block_ids=[1], tokens=TOKENS[BLOCK : 2 * BLOCK])),
+        "lookup": lambda: pool.lookup(KVRequest(tokens=TOKENS)),
+        "wait_for_save": lambda: pool.wait_for_save(),  # type: ignore[attr-defined]
+    }
+    seen: list[BaseException] = []
+
+    def on_released() -> None:
+        try:
+            calls[call]()
+        except BaseException as exc:
+            seen.append(exc)
+
+    try:
+        future = pool.submit_store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=on_released)
+        assert future.result(5).stored == 1
+        assert len(seen) == 1 and isinstance(seen[0], RuntimeError)  # at once: no TimeoutError
+        assert "from another thread" in str(seen[0])
+        assert pool.lookup(KVRequest(tokens=TOKENS)) == BLOCK  # the pool still works
+    finally:
+        assert pool.close(timeout_s=2) is True
+
+
+def test_a_loop_thread_refuses_to_wait_on_itself() -> None:
+    loop = LoopThread().start()
+
+    async def answer() -> int:
+        return 42
+
+    async def waits_on_its_own_loop() -> list[str]:
+        refused = []
+        for wait in (
+            lambda: loop.call(answer, timeout_s=0.5),
+            lambda: wait_answer(loop.submit(answer, answer_by=time.monotonic() + 0.5)),
+            lambda: loop.stop(0.5),
+        ):
+            try:
+                wait()
+            except RuntimeError as exc:
+                refused.append(str(exc))
+        return refused
+
+    try:
+        refused = loop.call(waits_on_its_own_loop, timeout_s=10)
+        assert len(refused) == 3 and all("from another thread" in message for message in refused)
+        assert loop.running and loop.call(answer, timeout_s=2) == 42
+    finally:
+        assert loop.stop(2)
+
+
+def test_a_store_that_reaches_the_inbox_after_the_loops_last_look_says_it_released_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store submitted as close() runs: it passed the "stopping?" check before close began,
+    and reaches the inbox only after the loop took its last look there (the loop still open, in
+    its teardown). It is refused with PoolClosedError and its on_released is called (before: it
+    was queued, never run, and its on_released never called)."""
+    passed, drained, submitted = threading.Event(), threading.Event(), threading.Event()
+    main = LoopThread._main
+
+    async def main_then_tear_down(self: LoopThread) -> None:
+        await main(self)
+        drained.set()  # the loop's last look at its inbox is over; the loop is still open
+        submitted.wait(5)  # its teardown takes until the store was submitted
+
+    class PausedAfterTheCheck(CallFuture[object]):
+        def __init__(self, answer_by: float) -> None:
+            if threading.current_thread().name == "submitter":
+                passed.set()
+                drained.wait(5)
+            super().__init__(answer_by)
+
+    monkeypatch.setattr(LoopThread, "_main", main_then_tear_down)
+    monkeypatch.setattr(loop_module, "CallFuture", PausedAfterTheCheck)
+    pool = open_pool()
+    released = threading.Event()
+    refused: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            pool.submit_store(KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=released.set)
+        except BaseException as exc:
+            refused.append(exc)
+        finally:
+            submitted.set()
+
+    submitter = threading.Thread(target=submit, name="submitter")
+    submitter.start()
+    assert passed.wait(5)
+    pool.close(timeout_s=5)
+    submitter.join(10)
+    assert not submitter.is_alive()
+    assert released.wait(2)
+    assert len(refused) == 1 and isinstance(refused[0], PoolClosedError)
+
+
+def test_an_answer_that_arrives_as_its_waiter_gives_up_is_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    class AnsweredInTheWindow(CallFuture[object]):
+        """The loop answers after the waiter's timed wait ran out, before it cancels."""
+
+        def cancel(self) -> bool:
+            if not self.done():
+                self.set_result("the answer")
+            return super().cancel()
+
+    async def slow() -> str:
+        await anyio.sleep(10)
+        return "late"
+
+    loop = LoopThread().start()
+    monkeypatch.setattr(loop_module, "CallFuture", AnsweredInTheWindow)
+    try:
+        assert wait_answer(loop.submit(slow, answer_by=time.monotonic() + 0.05)) == "the answer"
+    finally:
+        assert loop.stop(2)
+
+
+def test_a_child_forked_mid_step_is_refused_at_once_by_the_step() -> None:
+    """Forked while a layerwise step is current (its storer waits for layer events): in the child
+    wait_for_save raises PoolClosedError and close returns False, both at once (before: the
+    parent's transfers were waited for, 2x the timeout, then a misleading "stuck")."""
+    kv = layerwise_pool(MemoryBackend(), timeout_s=2.0)
+    try:
+        kv.start_store([KVRequest(request_id="r", block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])])
+        child = os.fork()
+        if child == 0:  # the child: the loop thread stayed in the parent
+            code = 3
+            try:
+                start = time.monotonic()
+                try:
+                    kv.wait_for_save()
+                    code = 1
+                except PoolClosedError as exc:
+                    code = 0 if "forked" in str(exc) else 2
+                if code == 0 and (kv.close() is not False or time.monotonic() - start > 1):
+                    code = 4
+            except BaseException:
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for layer in range(kv.num_layers):  # the parent's step goes on
+            kv.save_layer(layer)
+        assert kv.wait_for_save().stored["r"].stored == 2
+    finally:
+        assert kv.close(timeout_s=2) is True
