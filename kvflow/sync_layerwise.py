@@ -145,20 +145,34 @@ class _Step:
         with self._cond:
             return self._cond.wait_for(lambda: not self._running, timeout_s)
 
-    def result(self) -> StepResult:
+    @property
+    def has_error(self) -> bool:
+        """A transfer of the step raised (a programming error, which wait_for_save raises)."""
         with self._cond:
-            if self._error is not None:
-                raise self._error
-            stored, loaded = self._stored, self._loaded
-        if self.load_timed_out or self.closed:  # the engine computed without some layer: recompute all
+            return self._error is not None
+
+    def wait_load_ended(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._load_ended, timeout_s)
+
+    def loads(self, *, failed: bool = False) -> dict[str, RetrieveResult]:
+        """The loader's results by request id; every block failed when ``failed``, or when the
+        engine computed without some layer (the pool closed under the step, a layer never came)."""
+        with self._cond:
+            loaded = self._loaded
+        if failed or self.load_timed_out or self.closed:
             loaded = [
                 RetrieveResult(r.block_ids, (GetStatus.FAILED,) * len(r.block_ids), r.block_size)
                 for r in loaded
             ]
-        return StepResult(
-            dict(zip(self.storer.request_ids, stored)) if self.storer else {},
-            dict(zip(self.loader.request_ids, loaded)) if self.loader else {},
-        )
+        return dict(zip(self.loader.request_ids, loaded)) if self.loader else {}
+
+    def result(self) -> StepResult:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            stored = self._stored
+        return StepResult(dict(zip(self.storer.request_ids, stored)) if self.storer else {}, self.loads())
 
 
 def _check_named(requests: Sequence[KVRequest]) -> None:
@@ -350,6 +364,25 @@ class SyncLayerwisePool(SyncPool):
             log.warning("layer %d was not loaded in time; the step's loaded blocks count as failed", layer)
         step.load_failed = True
         return False
+
+    def wait_for_load(self, timeout_s: float | None = None) -> Mapping[str, RetrieveResult]:
+        """The step's loads by request id, once its loader ended: at once after the forward waited
+        for every layer. For an engine that must know them before :meth:`wait_for_save` (vLLM
+        asks for a step's load errors before it with speculative decoding). Every block of them is
+        failed when the engine computed without some layer, the pool was closed under the step, a
+        transfer raised, or the loader did not end within ``timeout_s`` (default: the pool's;
+        :meth:`wait_for_save` then cancels it). Empty when the step loads nothing;
+        :meth:`wait_for_save` reports the loads again. RuntimeError at once on the loop thread,
+        PoolClosedError in a process forked from the pool's."""
+        check_timeout(timeout_s)
+        self._loop.check_can_wait("SyncLayerwisePool.wait_for_load")
+        step = self._step
+        if step is None or step.loader is None:
+            return {}
+        if not step.wait_load_ended(self._timeout if timeout_s is None else timeout_s):
+            step.load_timed_out = True
+            log.warning("the step's layerwise load did not end in time; its loaded blocks count as failed")
+        return step.loads(failed=step.has_error)
 
     def wait_for_save(self, timeout_s: float | None = None) -> StepResult:
         """End the step: block until every put of the step finished or failed (and every load ended).

@@ -1003,3 +1003,19 @@ def test_a_layer_that_is_not_an_integer_is_refused(layer: object) -> None:
             kv.save_layer(np.int64(n))  # type: ignore[arg-type]
         result = kv.wait_for_save()
         assert result.stored["r"].ok and result.stored["r"].stored == 2
+
+
+def test_a_steps_loads_are_known_once_its_forward_waited_for_every_layer_before_the_step_ends() -> None:
+    """vLLM with speculative decoding asks for a step's load errors before wait_for_save:
+    wait_for_load has them once the forward waited for every layer (a failed layer-1 get fails
+    its blocks), and wait_for_save reports the same. A step that loads nothing has none."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = ScriptedBackend(fail_get={1})
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
+    with make_engine(zeros_like_caches(src), backend) as kv:
+        assert kv.wait_for_load() == {}
+        kv.start_load(request([7, 6]))
+        assert forward(kv) == [True, False, False]  # (a failed layer fails the rest of the forward)
+        early = kv.wait_for_load()
+        assert set(early) == {"r"} and early["r"].failed_block_ids == (7, 6)
+        assert kv.wait_for_save().loaded == early

@@ -69,6 +69,12 @@ class KVFlowConnector(KVConnectorBase_V1):
             kv_events=bool(events is not None and events.enable_kv_cache_events),
             async_scheduling=async_scheduling,
         )
+        if config.layerwise and getattr(vllm_config.parallel_config, "use_ubatching", False):
+            raise ConfigError(
+                "layerwise=true cannot run with vLLM's micro-batching (enable_dbo, or ubatch_size > 1): "
+                "each layer then runs once per micro-batch, and a layer's store cannot tell when all of "
+                "its blocks are written; set layerwise=false"
+            )
         shape = describe_engine(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -229,8 +229,9 @@ class LayerwiseSteps:
     """Layer-by-layer loads and stores inside the forward, through kvflow's layerwise face."""
 
     engine: SyncLayerwisePool
-    _loads: tuple[KVRequest, ...] = attrs.field(default=(), init=False)
+    _loads: tuple[KVRequest, ...] = attrs.field(default=(), init=False)  # started, not yet reported
     _storing: bool = attrs.field(default=False, init=False)
+    _saved: set[int] = attrs.field(factory=set, init=False)  # layers recorded this step
     _load_failed: bool = attrs.field(default=False, init=False)
     _load_watch: Stopwatch | None = attrs.field(default=None, init=False)  # start -> last layer in
     _store_started: float = attrs.field(default=0.0, init=False)
@@ -241,11 +242,22 @@ class LayerwiseSteps:
         return self.engine
 
     def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
-        """Start the layerwise load; its results come with :meth:`finish`."""
+        """Start the layerwise load; its results come with :meth:`end_loads`."""
         self._loads = tuple(spans)
         self._load_watch = Stopwatch()
         self.engine.start_load(spans)
         return ()
+
+    def end_loads(self) -> tuple[Loaded, ...]:
+        """The step's loads, once they ended (at once after the forward waited for every layer),
+        each reported once: the caller records them when vLLM asks for the step's load errors,
+        which speculative decoding does before :meth:`finish`."""
+        loads, self._loads = self._loads, ()
+        if not loads:
+            return ()
+        watch = self._load_watch or Stopwatch()
+        loaded = self.engine.wait_for_load()
+        return tuple((span, loaded.get(span.request_id), watch.seconds) for span in loads)
 
     def wait_for_layer(self, layer: int) -> bool:
         arrived = self.engine.wait_for_layer_load(layer)
@@ -260,6 +272,11 @@ class LayerwiseSteps:
             # After a failed layer the rest of the forward may rest on missing KV: record no more
             # layers, so the storer skips them and the store never holds a partly wrong block.
             return
+        if layer in self._saved:
+            # A draft model's pass again (speculative decoding): its later passes write the KV of
+            # drafted tokens, past the blocks this step stores. Recorded once, at the first.
+            return
+        self._saved.add(layer)
         if not self._storing:
             self.engine.start_store(saves)
             self._storing = True
@@ -267,9 +284,11 @@ class LayerwiseSteps:
         self.engine.save_layer(layer)
 
     def finish(self, saves: Sequence[KVRequest]) -> StepOutcome:
+        """End the step: its loads not yet reported (:meth:`end_loads`) and its stores."""
         loads, storing, failed = self._loads, self._storing, self._load_failed
         watch, store_started = self._load_watch or Stopwatch(), self._store_started
         self._loads, self._storing, self._load_failed, self._load_watch = (), False, False, None
+        self._saved = set()
         try:
             result = self.engine.wait_for_save()
         except BackendError as exc:  # a backend fault: count everything of the step as failed

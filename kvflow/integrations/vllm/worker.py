@@ -89,6 +89,7 @@ class WorkerSide:
     _async_loads: dict[str, _AsyncLoad] = attrs.field(factory=dict, init=False)
     _load_errors: set[int] = attrs.field(factory=set, init=False)
     _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
+    _loading_step: int | None = attrs.field(default=None, init=False)  # a layerwise load not yet recorded
     _idle: bool = attrs.field(default=False, init=False)  # this step computes nothing
     _puts: list[_Put] = attrs.field(factory=list, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
@@ -162,7 +163,9 @@ class WorkerSide:
                 # Recorded now: with speculative decoding vLLM asks for load errors before
                 # wait_for_save.
                 self._record(StepOutcome(steps.load(meta.loads)))
-        if not isinstance(steps, LayerwiseSteps) or not meta.loads:
+        if isinstance(steps, LayerwiseSteps) and meta.loads:
+            self._loading_step = meta.step  # its loads end with the forward: _end_layerwise_loads
+        else:
             self._settled_steps.add(meta.step)  # every load of the step has ended (or there is none)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -177,10 +180,21 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVFlowConnectorMetadata) -> None:
         """End the step: its stores (and, layerwise, its loads) have ended when this returns."""
+        self._end_layerwise_loads()
         if self._steps is not None:
             saves = meta.saves if self.config.role.stores else ()  # the scheduler plans none either
             self._record(self._steps.finish(saves), meta)
-        self._settled_steps.add(meta.step)  # a layerwise step's loads end here
+
+    def _end_layerwise_loads(self) -> None:
+        """Record a layerwise step's loads once the forward ended, and list the step as settled:
+        when vLLM asks for the step's load errors or its worker meta, or at wait_for_save, whichever
+        comes first (speculative decoding asks before wait_for_save: a failed load reported only
+        there reached vLLM a step late, after it had emitted a token computed from it)."""
+        step, self._loading_step = self._loading_step, None
+        if step is None or not isinstance(self._steps, LayerwiseSteps):
+            return
+        self._record(StepOutcome(self._steps.end_loads()))
+        self._settled_steps.add(step)
 
     def _record(self, outcome: StepOutcome, meta: KVFlowConnectorMetadata | None = None) -> None:
         counters = self._counters
@@ -276,11 +290,13 @@ class WorkerSide:
         return done
 
     def take_load_errors(self) -> set[int]:
+        self._end_layerwise_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def worker_meta(self) -> KVFlowWorkerMeta | None:
         """The steps whose loads ended since the last call (their errors are already taken)."""
+        self._end_layerwise_loads()
         if not self._settled_steps:
             return None
         steps, self._settled_steps = tuple(sorted(self._settled_steps)), set()

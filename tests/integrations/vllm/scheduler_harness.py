@@ -276,6 +276,10 @@ class Harness:
     num_blocks: int = 48
     max_num_batched_tokens: int = 64
     extra: dict[str, Any] = attrs.field(factory=dict)
+    #: > 0: vLLM's order with speculative decoding (its model runner's deferred finalize): the step's
+    #: output (finished, load errors, worker meta) is taken before ``wait_for_save``, and between
+    #: them the drafter runs this many passes, each over an attention layer (here the last one)
+    draft_passes: int = 0
     scheduler: Scheduler = attrs.field(init=False)
     workers: list[KVFlowConnector] = attrs.field(init=False, factory=list)
     caches: list[dict[str, torch.Tensor]] = attrs.field(init=False, factory=list)
@@ -474,7 +478,8 @@ class Harness:
         for worker in self.workers:
             if not output.has_sync_kv_loads:
                 worker.start_load_kv(None)  # type: ignore[arg-type]
-            worker.wait_for_save()
+            if not self.draft_passes:
+                worker.wait_for_save()
             sending, recving = worker.get_finished(output.finished_req_ids)
             kv = KVConnectorOutput(
                 finished_sending=sending,
@@ -482,7 +487,8 @@ class Harness:
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
-            worker.clear_connector_metadata()
+            if not self.draft_passes:
+                worker.clear_connector_metadata()
             req_ids = [req_id for req_id, _, _ in work]
             outputs.append(
                 ModelRunnerOutput(
@@ -492,6 +498,14 @@ class Harness:
                     kv_connector_output=None if kv.is_empty() else kv,
                 )
             )
+        if self.draft_passes:
+            for _ in range(self.draft_passes):  # the drafter's passes, the step's metadata still bound
+                for worker, cache in zip(self.workers, self.caches):
+                    worker.wait_for_layer_load(LAYERS[-1])
+                    worker.save_kv_layer(LAYERS[-1], cache[LAYERS[-1]], None)  # type: ignore[arg-type]
+            for worker in self.workers:  # the deferred finalize
+                worker.wait_for_save()
+                worker.clear_connector_metadata()
         if FAULTS.in_flight.puts:
             self.puts_after_step.append(meta.step)
         if self.tp == 1:

@@ -17,7 +17,10 @@ from typing import Any
 
 import attrs
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm import KVFlowConnector
 from tests.integrations.vllm import scheduler_harness
 from tests.integrations.vllm.scheduler_harness import Faults, Harness, block_hashes
 
@@ -34,8 +37,13 @@ class Engines:
     model: Path
     made: list[Harness] = attrs.field(factory=list)
     prompts: list[list[int]] = attrs.field(factory=list)
+    layerwise: bool = False  # every engine made stores and loads layer by layer
+    draft_passes: int = 0  # every engine made runs vLLM's speculative-decoding order (Harness)
 
     def __call__(self, **kwargs: Any) -> Harness:
+        if self.layerwise:
+            kwargs["extra"] = {**kwargs.get("extra", {}), "layerwise": True}
+        kwargs.setdefault("draft_passes", self.draft_passes)
         harness = Harness(self.store, self.model, **kwargs)
         self.made.append(harness)
         return harness
@@ -144,6 +152,21 @@ def test_layerwise_transfers(engines: Engines) -> None:
     second = engines(extra={"layerwise": True})
     engines.serve(second, A_LONG)
     assert loaded(second) == [5] and second.wrong_inputs == []
+
+
+def test_layerwise_transfers_are_refused_under_vllms_micro_batching(engines: Engines) -> None:
+    """Micro-batching (DBO) runs each layer once per micro-batch: a layer's store would read the
+    blocks of the second micro-batch before they are written. Refused at start, naming the fix;
+    whole blocks (stored after the forward) are not."""
+    for layerwise in (True, False):
+        engine = engines(extra={"layerwise": layerwise})
+        config, kv_cache_config = engine.scheduler.vllm_config, engine.scheduler.kv_cache_config
+        config.parallel_config.enable_dbo = True
+        if layerwise:
+            with pytest.raises(ConfigError, match=r"micro-batching .*set layerwise=false"):
+                KVFlowConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        else:
+            KVFlowConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config).shutdown()
 
 
 # -- failed loads never leave wrong KV in the store -------------------------------------------------
@@ -558,6 +581,30 @@ def test_random_scenario(
     engines: Engines, seed: int, tp: int, async_scheduling: bool, load_async: bool
 ) -> None:
     run(engines, seed, tp=tp, async_scheduling=async_scheduling, load_async=load_async)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    ("layerwise", "draft_passes"),
+    [(True, 0), (True, 2), (False, 2)],
+    ids=["layerwise", "layerwise, speculative decoding", "speculative decoding"],
+)
+@pytest.mark.parametrize(("tp", "async_scheduling", "load_async"), [(1, False, False), (2, True, True)])
+def test_random_scenario_of_layerwise_engines_and_speculative_decoding(
+    engines: Engines,
+    seed: int,
+    layerwise: bool,
+    draft_passes: int,
+    tp: int,
+    async_scheduling: bool,
+    load_async: bool,
+) -> None:
+    """The sweep above, every engine layerwise and/or in vLLM's order with speculative decoding:
+    the step's output is taken before wait_for_save, and two draft passes save a layer again.
+    A layerwise load's failure reached vLLM only at wait_for_save, a step late, after it had emitted
+    a token computed from it; a layer saved twice in a step raised."""
+    engines.layerwise, engines.draft_passes = layerwise, draft_passes
+    run(engines, 200 + seed, tp=tp, async_scheduling=async_scheduling, load_async=load_async)
 
 
 @pytest.mark.parametrize("seed", range(12))
