@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import anyio
 import attrs
 
-from kvflow.errors import PoolClosedError
+from kvflow.backends.base import stray_cancellation
+from kvflow.errors import BackendUnavailableError, PoolClosedError
 
 __all__ = ["ANSWER_GRACE_S", "CallFuture", "LoopThread", "wait_answer"]
 
@@ -284,6 +285,9 @@ class LoopThread:
             try:
                 result = await fn(*args)
             except anyio.get_cancelled_exc_class():
+                if stray_cancellation():  # raised by the call itself, not by a scope: its error
+                    _answer(future, error=BackendUnavailableError("the call was cancelled from inside it"))
+                    return
                 if self._stop_requested:  # the loop stops under it: the pool was closed
                     _answer(future, error=PoolClosedError("the kvflow loop thread stopped; open a new pool"))
                 future.cancel()

@@ -158,14 +158,18 @@ class _Step:
     def loads(self, *, failed: bool = False) -> dict[str, RetrieveResult]:
         """The loader's results by request id; every block failed when ``failed``, or when the
         engine computed without some layer (the pool closed under the step, a layer never came)."""
+        loader = self.loader
+        if loader is None:
+            return {}
+        if failed or self.load_timed_out or self.closed:  # (the loader may still run: from its plan)
+            plan, size = loader.plan, loader.transfer.format.block_size
+            return {
+                rid: RetrieveResult(tuple(plan.block_ids[a:b]), (GetStatus.FAILED,) * (b - a), size)
+                for rid, (a, b) in zip(loader.request_ids, plan.spans)
+            }
         with self._cond:
             loaded = self._loaded
-        if failed or self.load_timed_out or self.closed:
-            loaded = [
-                RetrieveResult(r.block_ids, (GetStatus.FAILED,) * len(r.block_ids), r.block_size)
-                for r in loaded
-            ]
-        return dict(zip(self.loader.request_ids, loaded)) if self.loader else {}
+        return dict(zip(loader.request_ids, loaded))
 
     def result(self) -> StepResult:
         with self._cond:
@@ -379,6 +383,8 @@ class SyncLayerwisePool(SyncPool):
         step = self._step
         if step is None or step.loader is None:
             return {}
+        if step.load_timed_out or step.closed:  # failed whatever the loader says: no wait for it
+            return step.loads()
         if not step.wait_load_ended(self._timeout if timeout_s is None else timeout_s):
             step.load_timed_out = True
             log.warning("the step's layerwise load did not end in time; its loaded blocks count as failed")

@@ -1019,3 +1019,20 @@ def test_a_steps_loads_are_known_once_its_forward_waited_for_every_layer_before_
         early = kv.wait_for_load()
         assert set(early) == {"r"} and early["r"].failed_block_ids == (7, 6)
         assert kv.wait_for_save().loaded == early
+
+
+def test_the_loads_of_a_step_whose_layer_wait_timed_out_are_failed_at_once() -> None:
+    """Once a layer's wait ran out, the step's loads are failed whatever the loader says later:
+    wait_for_load answers at once instead of waiting up to the pool's timeout for the loader."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = ScriptedBackend()
+    anyio.run(lambda: make_pool(src, backend).store(KVRequest(block_ids=ALL, tokens=TOKENS)))
+    backend.get_delay_s = 1.0
+    with make_engine(zeros_like_caches(src), backend, timeout_s=3) as kv:
+        kv.start_load(request([7, 6]))
+        assert kv.wait_for_layer_load(0, timeout_s=0.1) is False
+        start = time.monotonic()
+        loaded = kv.wait_for_load()
+        assert time.monotonic() - start < 0.5
+        assert loaded["r"].failed_block_ids == (7, 6)
+        assert kv.wait_for_save().loaded == loaded

@@ -3,6 +3,7 @@ other threads (kvflow/loop.py, kvflow/sync.py, kvflow/sync_layerwise.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from kvflow import (
     SyncPool,
 )
 from kvflow.backends import ObjectRef
+from kvflow.errors import BackendUnavailableError
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
 from kvflow.profiles import is_book_key
 from kvflow.sync_layerwise import StepResult
@@ -481,3 +483,25 @@ def test_a_child_forked_mid_step_is_refused_at_once_by_the_step() -> None:
         assert kv.wait_for_save().stored["r"].stored == 2
     finally:
         assert kv.close(timeout_s=2) is True
+
+
+@attrs.define(eq=False)
+class DroppedRemove(FaultyBackend):
+    """A hand-written asyncio client: its remove awaits a reply future it cancels itself when the
+    connection drops."""
+
+    async def remove(self, keys: Sequence[str]) -> list[bool]:
+        reply = asyncio.get_running_loop().create_future()
+        reply.cancel()
+        return await reply  # type: ignore[no-any-return]
+
+
+def test_a_cancellation_a_backend_raises_itself_is_an_error_of_the_call_not_the_loops_end() -> None:
+    """The CancelledError of a remove reached the loop's task group as a cancellation nobody
+    asked for, and ended the loop thread: every later call was refused. It is the call's error now
+    (BackendUnavailableError, as remove raises when the store cannot be reached)."""
+    pool = open_pool(DroppedRemove())
+    with pytest.raises(BackendUnavailableError, match="cancelled its own call"):
+        pool.remove(KVRequest(tokens=TOKENS[:BLOCK]))
+    assert pool._loop.running and pool.lookup(KVRequest(tokens=TOKENS[:BLOCK])) == 0
+    assert pool.close(timeout_s=5) is True

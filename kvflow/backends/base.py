@@ -22,6 +22,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from kvflow.errors import BackendUnavailableError
+
 __all__ = [
     "Backend",
     "BackendCapabilities",
@@ -35,6 +37,7 @@ __all__ = [
     "nbytes_of",
     "repeats_of",
     "some_of",
+    "stray_cancellation",
 ]
 
 
@@ -142,19 +145,27 @@ class ObjectBatch(Sequence[ObjectRef]):
         return (ObjectRef(k, row, sizes, nbytes) for k, row in zip(self.keys, self.addrs.tolist()))
 
 
+def stray_cancellation() -> bool:
+    """Whether a ``CancelledError`` caught now was raised with no cancellation pending on this task:
+    by the awaited code itself (a backend's client cancelling its own future when a connection
+    dropped), not by a cancel scope. Always False before Python 3.11 (the two cannot be told apart)."""
+    if sys.version_info < (3, 11):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 @contextlib.contextmanager
 def cancelled_as_fault() -> Iterator[None]:
-    """Around a backend call: a ``CancelledError`` the backend raised itself, with no cancellation
-    pending on this task (a future of its client cancelled when a connection dropped), becomes a
-    ``ConnectionError``, a store fault like any other. A real cancellation passes as it is (before
-    Python 3.11 the two cannot be told apart: every one passes)."""
+    """Around a backend call: a :func:`stray_cancellation` becomes a
+    :class:`~kvflow.errors.BackendUnavailableError`, a store fault like any other. A real
+    cancellation passes as it is."""
     try:
         yield
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if sys.version_info < (3, 11) or task is None or task.cancelling():
+        if not stray_cancellation():
             raise
-        raise ConnectionError("the backend cancelled its own call (a dropped connection?)") from None
+        raise BackendUnavailableError("the backend cancelled its own call (a dropped connection?)") from None
 
 
 def keys_of(objects: Sequence[ObjectRef]) -> Sequence[str]:

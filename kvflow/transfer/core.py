@@ -188,7 +188,7 @@ class Transfer:
         return self.closed_cleanly
 
     async def _close_backend(self, deadline: float, limit: float) -> None:
-        with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope, cancelled_as_fault():
             await self.backend.aclose()
         self._backend_closed = not scope.cancelled_caught
         if scope.cancelled_caught:
@@ -328,7 +328,7 @@ class Transfer:
         keys = [k for u in self.units for k in self.keys(hashes, u)]
         if not keys:
             return 0
-        with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+        with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
             return sum(await self.backend.remove(keys))
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -389,12 +389,18 @@ class Transfer:
         block = self.format.block_size
         wanted: dict[int, list[list[str]]] = {}  # per block, per profile: its keys (empty: unusable)
         flat: list[str] = []
+        # whether a block's objects fit a load depends only on where it starts in the profile's blocks
+        fits: dict[tuple[int, int], bool] = {}
         for index in indices:
             per_profile = []
-            for profile in others:
+            for p, profile in enumerate(others):
                 tokens = (index * block, (index + 1) * block)
                 found = sources(profile, fine, tokens, layers=self.model_layers) or []
-                usable = found and self._loadable(profile, fine, tokens, found)
+                if found:
+                    at = (p, tokens[0] % profile.block_size)
+                    if at not in fits:
+                        fits[at] = self._loadable(profile, fine, tokens, found)
+                usable = found and fits[at]
                 keys = [s.key for s in found] if usable else []
                 per_profile.append(keys)
                 flat.extend(keys)
