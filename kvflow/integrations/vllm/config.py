@@ -265,16 +265,25 @@ def sync_load_warning(config: ConnectorConfig, *, async_scheduling: bool, recomp
     )
 
 
-def weak_hash_warning(hash_algo: str) -> str | None:
+def weak_hash_warning(hash_algo: str, *, seeded: bool) -> str | None:
     """What to tell an operator whose vLLM names blocks by a hash that is not collision resistant
     (``prefix_caching_hash_algo`` xxhash...): kvflow keys stored KV by those names, so in a store
     shared with other engines (or tenants) a prompt made to collide with another's block would load
-    that block's KV. None for sha256."""
+    that block's KV. Without ``PYTHONHASHSEED`` (``seeded`` False) vLLM also seeds such hashes at
+    random in every process: no other engine, nor this one restarted, finds what it stores. None
+    for sha256."""
     if hash_algo.startswith("sha256"):
         return None
+    shared = (
+        ""
+        if seeded
+        else " Without PYTHONHASHSEED vLLM also seeds these hashes at random in each process, so no "
+        "other engine (nor this one, restarted) finds the KV this one stores: set PYTHONHASHSEED to "
+        "one value on every engine that shares the store."
+    )
     return (
         f"prefix_caching_hash_algo={hash_algo!r} is not collision resistant, and kvflow names the KV it "
         "stores and loads by vLLM's block hashes: in a store other engines or users share, a prompt "
         "made to collide with another's block would load that block's KV. Use sha256 (vLLM's "
-        "default) unless the store serves only engines you trust"
+        "default) unless the store serves only engines you trust." + shared
     )

@@ -10,6 +10,7 @@ steps it gives vLLM: stats every step (:mod:`.stats`; Prometheus through
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,8 +85,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             recompute = transfer.kv_load_failure_policy == "recompute"
             self._scheduler = SchedulerSide(config, shape, recomputes_failures=recompute)
-            weak = weak_hash_warning(vllm_config.cache_config.prefix_caching_hash_algo)
-            if weak is not None and config.role.loads:
+            weak = weak_hash_warning(
+                vllm_config.cache_config.prefix_caching_hash_algo,
+                seeded=os.environ.get("PYTHONHASHSEED") is not None,
+            )
+            if weak is not None:
                 log.warning(weak)
             unsafe = sync_load_warning(config, async_scheduling=async_scheduling, recompute=recompute)
             if unsafe is not None:

@@ -65,6 +65,7 @@ def describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             f"KVFlowConnector supports models with one KV cache group, this one has {len(groups)} "
             "(hybrid attention); run it without the connector"
         )
+    _check_full_attention(groups[0].kv_cache_spec)
     if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
         raise ConfigError(
             "KVFlowConnector does not support decode/prefill context parallelism yet; "
@@ -98,6 +99,24 @@ def describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     )
 
 
+def _check_full_attention(spec: Any) -> None:
+    """ConfigError unless every layer keeps the KV of every token of a request (full attention, or
+    MLA). A sliding-window (or chunked-local, state-space, ...) group frees the blocks a window has
+    left and hands their ids to other requests, and puts a shared null block in their place: a
+    load into it, or a store of such a block read after its id was reused, moves wrong KV."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    inner = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else (spec,)
+    other = sorted({type(s).__name__ for s in inner if type(s) not in (FullAttentionSpec, MLAAttentionSpec)})
+    if other:
+        raise ConfigError(
+            f"KVFlowConnector stores the KV of full attention only; this model's KV cache is "
+            f"{', '.join(other)} (a window frees older blocks, and vLLM reuses them for other "
+            "requests). For a sliding-window model run vLLM with disable_sliding_window=True, or "
+            "run the model without the connector"
+        )
+
+
 def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
     """A digest of what, beside the model's name, changes the KV an engine computes for a prompt
     or how its bytes lie, so that engines differing in it never share keys (a wrong hit):
@@ -105,7 +124,8 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
     - the model's config as vLLM loaded it (overrides applied: rope scaling, head shape...; not
       its path), the weights' quantization and revision, and for a model with rotary factors
       chosen by the context length (long-rope), which ones this engine uses;
-    - the KV cache dtype (fp8 variants are all stored as bytes);
+    - the KV cache dtype (fp8 variants are all stored as bytes), and for fp8 the platform's format
+      (``float8_e4m3fn``, or ``fnuz`` on some ROCm GPUs);
     - on a CPU, how vLLM's attention kernel lays out a block (it packs K per instruction set).
 
     TP size, pipeline split and block size are not in it: kvflow keys those itself."""
@@ -118,6 +138,8 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
         "revision": model_config.revision,
         "cache_dtype": cache_config.cache_dtype,
     }
+    if str(cache_config.cache_dtype).startswith("fp8"):  # ROCm's MI300 encodes e4m3 as fnuz
+        facts["fp8_dtype"] = _platform_fp8_dtype()
     original = getattr(hf, "original_max_position_embeddings", None)
     if original is not None:  # long-rope picks its factors by the context length
         facts["long_context"] = model_config.max_model_len > original
@@ -127,6 +149,17 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
         facts["cpu_block_encoding"] = _cpu_attention_isa(model_config.dtype, block_size, spec, cache_config)
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _platform_fp8_dtype() -> str:
+    """The fp8 format vLLM's platform stores an ``fp8`` KV cache in: bytes of one are read as the
+    other wrongly (``float8_e4m3fnuz`` doubles values of ``float8_e4m3fn``), both held as uint8."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.fp8_dtype())
+    except Exception as exc:  # another vLLM: keyed apart from every engine that could say
+        return f"unknown ({type(exc).__name__})"
 
 
 def _cpu_attention_isa(dtype: Any, block_size: int, spec: Any, cache_config: Any) -> str:

@@ -78,10 +78,15 @@ def test_a_consumer_loads_and_never_stores(open_sides: Any, tmp_path: Path) -> N
 
 
 def test_a_block_hash_that_is_not_collision_resistant_is_warned_about() -> None:
-    assert weak_hash_warning("sha256") is None and weak_hash_warning("sha256_cbor") is None
-    for algo in ("xxhash", "xxhash_cbor"):
-        warning = weak_hash_warning(algo)
-        assert warning is not None and algo in warning and "Use sha256" in warning
+    """And, without PYTHONHASHSEED, that vLLM then seeds it at random per process: nothing stored
+    is ever found by another engine (or this one restarted)."""
+    for seeded in (True, False):
+        assert weak_hash_warning("sha256", seeded=seeded) is None
+        assert weak_hash_warning("sha256_cbor", seeded=seeded) is None
+        for algo in ("xxhash", "xxhash_cbor"):
+            warning = weak_hash_warning(algo, seeded=seeded)
+            assert warning is not None and algo in warning and "Use sha256" in warning
+            assert ("set PYTHONHASHSEED" in warning) is not seeded
 
 
 def test_loads_follow_vllms_scheduling_unless_set_and_an_unsafe_choice_is_warned_about() -> None:

