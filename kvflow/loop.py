@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -31,7 +32,6 @@ from typing import Any, TypeVar
 import anyio
 import attrs
 
-from kvflow.backends.base import stray_cancellation
 from kvflow.errors import BackendUnavailableError, PoolClosedError
 
 __all__ = ["ANSWER_GRACE_S", "CallFuture", "LoopThread", "wait_answer"]
@@ -285,7 +285,7 @@ class LoopThread:
             try:
                 result = await fn(*args)
             except anyio.get_cancelled_exc_class():
-                if stray_cancellation():  # raised by the call itself, not by a scope: its error
+                if anyio.current_effective_deadline() != -math.inf:  # no scope of the loop's: the call's own
                     _answer(future, error=BackendUnavailableError("the call was cancelled from inside it"))
                     return
                 if self._stop_requested:  # the loop stops under it: the pool was closed

@@ -212,7 +212,8 @@ class SyncPool:
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Close the pool (waiting for calls in flight) and stop the loop thread, all within
-        ``timeout_s`` (default: the pool's timeout). Returns False when something had to be
+        ``timeout_s`` (default: the pool's timeout), plus :data:`~kvflow.loop.ANSWER_GRACE_S` when a
+        call blocks the loop thread. Returns False when something had to be
         abandoned (a call still running, which may still read or write the KV cache; a backend
         that would not close; a loop thread held by a blocking call). An error of the backend's
         close is raised, once the loop thread has stopped. RuntimeError at once on the loop thread

@@ -107,6 +107,12 @@ def _check_full_attention(spec: Any) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
     inner = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else (spec,)
+    if any(getattr(s, "non_causal", False) for s in inner):
+        raise ConfigError(
+            "KVFlowConnector cannot reuse the KV of a model whose prefill attends both ways (a "
+            "prefix LM, non_causal attention): a block's KV depends on the tokens after it, so a "
+            "prompt prefix's KV differs between prompts; run the model without the connector"
+        )
     other = sorted({type(s).__name__ for s in inner if type(s) not in (FullAttentionSpec, MLAAttentionSpec)})
     if other:
         raise ConfigError(
@@ -125,7 +131,8 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
       its path), the weights' quantization and revision, and for a model with rotary factors
       chosen by the context length (long-rope), which ones this engine uses;
     - the KV cache dtype (fp8 variants are all stored as bytes), and for fp8 the platform's format
-      (``float8_e4m3fn``, or ``fnuz`` on some ROCm GPUs);
+      (``float8_e4m3fn``, or ``fnuz`` on some ROCm GPUs), for TurboQuant the GPU's capability
+      (its fp8 keys' format depends on it);
     - on a CPU, how vLLM's attention kernel lays out a block (it packs K per instruction set).
 
     TP size, pipeline split and block size are not in it: kvflow keys those itself."""
@@ -140,6 +147,8 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
     }
     if str(cache_config.cache_dtype).startswith("fp8"):  # ROCm's MI300 encodes e4m3 as fnuz
         facts["fp8_dtype"] = _platform_fp8_dtype()
+    if str(cache_config.cache_dtype).startswith("turboquant"):  # its fp8 keys' format follows the GPU
+        facts["device_capability"] = _device_capability()
     original = getattr(hf, "original_max_position_embeddings", None)
     if original is not None:  # long-rope picks its factors by the context length
         facts["long_context"] = model_config.max_model_len > original
@@ -159,6 +168,16 @@ def _platform_fp8_dtype() -> str:
 
         return str(current_platform.fp8_dtype())
     except Exception as exc:  # another vLLM: keyed apart from every engine that could say
+        return f"unknown ({type(exc).__name__})"
+
+
+def _device_capability() -> str:
+    """The accelerator's compute capability (TurboQuant caches pick their fp8 format by it)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.get_device_capability())
+    except Exception as exc:  # keyed apart from every engine that could say
         return f"unknown ({type(exc).__name__})"
 
 

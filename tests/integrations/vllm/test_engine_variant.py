@@ -3,6 +3,7 @@ only in what kvflow keys itself (TP, model path, context length) still do."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,16 @@ def test_engines_whose_kv_differs_get_other_variants(tmp_path: Path, monkeypatch
     monkeypatch.setattr(topology, "_platform_fp8_dtype", lambda: "torch.float8_e4m3fnuz")
     assert variant(e.engine_config(llama, cache_dtype="fp8_e4m3")) != fp8  # a GPU that encodes fp8 as fnuz
     assert variant(e.engine_config(llama)) == plain  # (a cache of the model's dtype: no fp8 format)
+    turbo = variant(e.engine_config(llama, cache_dtype="turboquant_k8v4"))
+    monkeypatch.setattr(topology, "_device_capability", lambda: "(8, 0)")
+    assert variant(e.engine_config(llama, cache_dtype="turboquant_k8v4")) != turbo  # fp8 e4b15 below SM 8.9
     monkeypatch.setattr(topology, "_cpu_attention_isa", lambda *args: "amx")
     assert variant(e.engine_config(llama)) != plain  # another CPU kernel packs blocks otherwise
 
 
-@pytest.mark.parametrize("kind", ["SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec", "uniform"])
+@pytest.mark.parametrize(
+    "kind", ["SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec", "uniform", "non_causal"]
+)
 def test_a_kv_cache_that_is_not_full_attention_is_refused_at_start(tmp_path: Path, kind: str) -> None:
     """A sliding window frees the blocks it has left, vLLM hands their ids to other requests and
     puts its shared null block in their place: a hit past the window loaded into block 0 (the
@@ -67,6 +73,7 @@ def test_a_kv_cache_that_is_not_full_attention_is_refused_at_start(tmp_path: Pat
         "SlidingWindowSpec": lambda: kvi.SlidingWindowSpec(**common, sliding_window=64),
         "ChunkedLocalAttentionSpec": lambda: kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=64),
         "MambaSpec": lambda: kvi.MambaSpec(block_size=e.BLOCK, shapes=((4,),), dtypes=(full.dtype,)),
+        "non_causal": lambda: dataclasses.replace(full, non_causal=True),
         "uniform": lambda: kvi.UniformTypeKVCacheSpecs(
             block_size=e.BLOCK,
             kv_cache_specs={"a": full, "b": kvi.SlidingWindowSpec(**common, sliding_window=64)},
@@ -75,6 +82,10 @@ def test_a_kv_cache_that_is_not_full_attention_is_refused_at_start(tmp_path: Pat
     group = kv_config.kv_cache_groups[0]
     kv_config.kv_cache_groups[0] = type(group)(group.layer_names, spec)
     name = "SlidingWindowSpec" if kind == "uniform" else kind
+    if kind == "non_causal":  # a prefix LM: a block's KV depends on the tokens after it
+        with pytest.raises(ConfigError, match=r"attends both ways"):
+            e.shape_of(config, kv_config)
+        return
     with pytest.raises(
         ConfigError, match=rf"full attention only; this model's KV cache is {name}.*disable_sliding_window"
     ):
