@@ -157,6 +157,26 @@ async def test_a_pool_whose_objects_do_not_fit_a_slot_is_refused(store_dir: Path
     await roomy.aclose()
 
 
+async def test_a_table_row_claiming_more_than_a_slot_is_never_read_past_its_slot(store_dir: Path) -> None:
+    """A row whose size says more than a slot (a damaged table, or one a hostile member of the
+    store's group wrote) matched a get asking for that size, which copied past the slot: the next
+    slots' bytes, or past the mapping. It is a FAILED get now, and nothing is written."""
+    backend = open_arena(store_dir)
+    try:
+        assert await put_all(backend, ["k"]) == [PutStatus.STORED]
+        arena_file = backend._arena
+        query = arena_file.query(backend._hashes(["k"]), [SLOT])
+        arena_file.locate(query, 0, 1, time.monotonic_ns())
+        row = int(query.rows[0])
+        arena_file._columns[6][row] = 4 * SLOT  # (_NBYTES) the row now claims four slots' bytes
+        del query  # (no view of the map may outlive the close)
+        out = bytearray(b"\x55" * (4 * SLOT))
+        assert await backend.get([obj("k", out)]) == [GetStatus.FAILED]
+        assert out == bytearray(b"\x55" * (4 * SLOT))
+    finally:
+        await backend.aclose()
+
+
 async def test_eviction_takes_the_least_recently_used_slot(store_dir: Path) -> None:
     backend = open_arena(store_dir, slots=4)  # one set of four
     assert await put_all(backend, ["a", "b", "c", "d"]) == [PutStatus.STORED] * 4

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1453,3 +1454,58 @@ async def test_a_remove_waiting_for_the_lock_at_close_runs_on_its_own_store(tmp_
         out = bytearray(4 * KiB)
         assert await b.get([ref("k", out)]) == [GetStatus.HIT] and out == payload("k", 4 * KiB)
         await b.aclose()
+
+
+def _lock_fd(backend: object) -> int:
+    if isinstance(backend, LocalBackend):
+        return backend._ledger.dirs.lock_fd
+    return backend._arena.lock.fd  # type: ignore[attr-defined, no-any-return]
+
+
+@pytest.mark.parametrize("scheme", ["local", "arena"])
+async def test_a_process_dead_inside_a_section_frees_the_store_though_a_child_it_forked_lives(
+    tmp_path: Path, scheme: str
+) -> None:
+    """``flock`` belongs to an open file, which ``fork`` shares: a process killed holding the store's
+    lock left it locked for as long as a child it had forked lived (a helper that never touches
+    kvflow), and every other process's opens and puts timed out. A forked child now holds a lock
+    file of its own. The process's death is played by closing its lock file while locked."""
+    url = f"{scheme}://{tmp_path}/store?capacity=16MiB&lock_timeout=1" + (
+        "&slot=64KiB" if scheme == "arena" else ""
+    )
+    dying = open_backend(url)
+    fd = _lock_fd(dying)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # inside a section
+    child = os.fork()
+    if child == 0:  # a helper process: it only lives on
+        time.sleep(30)
+        os._exit(0)
+    try:
+        os.close(fd)  # the parent dies: the kernel closes its descriptors
+        other = open_backend(url)
+        key, buf = "k", payload("k", 4096)
+        assert await other.put([ref(key, buf)]) == [PutStatus.STORED]
+        await other.aclose()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), fd)  # (so that the close below closes something)
+        await dying.aclose()
+
+
+async def test_a_key_holding_a_lone_surrogate_round_trips(tmp_path: Path) -> None:
+    """A key is any str; one holding a lone surrogate (text decoded with surrogateescape, say)
+    raised UnicodeEncodeError from every call of the local store (the arena took it)."""
+    backend = open_store(tmp_path / "store")
+    key, long_key = "bad\ud800key", "long\udcff" + "x" * 300  # (the long one gets a digest name)
+    try:
+        sources = [payload("one", 4096), payload("two", 4096)]
+        assert await backend.put([ref(key, sources[0]), ref(long_key, sources[1])]) == [PutStatus.STORED] * 2
+        assert await backend.exists([key, long_key, "bad\ud801key"]) == [True, True, False]
+        out = [bytearray(4096), bytearray(4096)]
+        assert await backend.get([ref(key, out[0]), ref(long_key, out[1])]) == [GetStatus.HIT] * 2
+        assert out == sources
+        assert sorted(k for k, _ in await backend.list_objects() if k) == sorted([key, long_key])
+        assert await backend.remove([key, long_key]) == [True, True]
+    finally:
+        await backend.aclose()

@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvflow.backends import lockfiles
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.header import (
     ARENA_NAME,
@@ -195,6 +196,7 @@ class ArenaFile:
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         os.close(fds.pop())  # the map keeps the file
+        lockfiles.opened(lock.fd)  # a forked child gets its own (kvflow.backends.lockfiles)
         return cls(root, geometry, lock, fds[0], mapped)
 
     def close(self) -> None:
@@ -202,6 +204,7 @@ class ArenaFile:
         self._words.release()
         del self._table, self._tags, self._anchor, self._columns
         self._map.close()
+        lockfiles.closing(self.lock.fd)
         for fd in (self.lock.fd, self._root_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -226,13 +229,17 @@ class ArenaFile:
         return rows
 
     def query(self, hashes: Hashes, sizes: Sequence[int]) -> Query:
-        """A get of the objects of these hashes and sizes, none looked for yet (:meth:`locate`)."""
+        """A get of the objects of these hashes and sizes, none looked for yet (:meth:`locate`).
+        A size larger than a slot is never found: a table row claiming one (damaged, or written by
+        a hostile member of the store's group) must not make a get copy past its slot."""
         k0, k1, sets = self._hash_words(hashes)
+        wanted = np.asarray(sizes, dtype=np.int64)
+        wanted[wanted > self.geometry.slot_bytes] = -1
         return Query(
             k0,
             k1,
             sets,
-            np.asarray(sizes, dtype=np.int64),
+            wanted,
             np.full(len(k0), UNKNOWN, dtype=np.int64),
             np.zeros(len(k0), dtype=np.bool_),
         )

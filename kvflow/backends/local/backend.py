@@ -543,7 +543,7 @@ def key_of_file_name(name: str) -> str | None:
     if name.startswith("~"):
         return None
     try:
-        return unquote_to_bytes(name).decode()
+        return unquote_to_bytes(name).decode("utf-8", "surrogatepass")
     except UnicodeDecodeError:
         return None
 

@@ -80,7 +80,7 @@ _OBJECT_NAME = re.compile(r"[A-Za-z0-9\-_,=+@%][A-Za-z0-9\-_.,=+@%]{0,199}|~[0-9
 
 def key_digest(key: str) -> bytes:
     """The 16-byte digest of a key that every object file records."""
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def name_hash(name: str) -> int:
@@ -96,7 +96,7 @@ def object_file_name(key: str) -> str:
     """
     if len(key) <= _MAX_NAME and _PLAIN.fullmatch(key):
         return key
-    raw = key.encode()
+    raw = key.encode("utf-8", "surrogatepass")  # (a str from outside may hold lone surrogates)
     escaped = "".join(
         chr(b) if chr(b) in _SAFE and not (i == 0 and b == 0x2E) else f"%{b:02X}" for i, b in enumerate(raw)
     )
@@ -108,7 +108,7 @@ def object_file_name(key: str) -> str:
 def kept_key(key: str, name: str) -> bytes:
     """What the object file ``name`` of ``key`` keeps after its payload: the key where the name is
     a digest (it cannot give the key back), else nothing."""
-    return key.encode() if name.startswith("~") else b""
+    return key.encode("utf-8", "surrogatepass") if name.startswith("~") else b""
 
 
 def kept_key_of(fd: int) -> tuple[str | None, int]:
@@ -122,7 +122,7 @@ def kept_key_of(fd: int) -> tuple[str | None, int]:
         return None, header.payload_len
     raw = os.pread(fd, header.key_len, HEADER_SIZE + header.payload_len)
     try:
-        key = raw.decode()
+        key = raw.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError:
         return None, header.payload_len
     return (key if key_digest(key) == header.digest else None), header.payload_len

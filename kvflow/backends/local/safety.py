@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import attrs
 
+from kvflow.backends import lockfiles
 from kvflow.errors import ConfigError
 
 __all__ = [
@@ -220,9 +221,11 @@ class StoreDirs:
             for name in ("objects", "tmp"):
                 fds.append(_open_dir(fds[0], name, f"{root}/{name}", access, may_fix=True))
             fds.append(_open_lock(fds[0], f"{root}/{LOCK_NAME}", access))
+        lockfiles.opened(fds[-1])  # a forked child gets its own (kvflow.backends.lockfiles)
         return cls(root, access, *fds)
 
     def close(self) -> None:
+        lockfiles.closing(self.lock_fd)
         for fd in (self.lock_fd, self.tmp_fd, self.objects_fd, self.root_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
