@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -254,3 +255,29 @@ async def test_the_arena_lists_keys_sizes_and_keys_too_long_to_keep(tmp_path: Pa
     attached = ArenaBackend.attach(f"arena://{tmp_path}/s?slot=1MiB")  # read as it was made
     assert (attached.config.slot_bytes, attached.config.capacity_bytes) == (4096, 64 * 1024)
     await attached.aclose()
+
+
+def test_ls_prints_a_key_holding_a_lone_surrogate_as_an_escape(tmp_path: Path) -> None:
+    """A key may hold a lone surrogate (the stores take any str); printing it to a UTF-8 terminal
+    raised UnicodeEncodeError, with a traceback instead of the listing."""
+    url = f"local://{tmp_path}/store?capacity=1MiB"
+    buf = bytearray(b"x" * 64)
+
+    async def put() -> None:
+        backend = LocalBackend.from_url(url)
+        try:
+            assert await backend.put([ObjectRef.of("odd\ud800key", [buffer_address(buf)], [64])])
+        finally:
+            await backend.aclose()
+
+    anyio.run(put)
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}  # (a UTF-8 terminal, strict)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "store", "ls", url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "odd\\ud800key" in done.stdout

@@ -275,11 +275,11 @@ def _print_stats(stats: dict[str, Any]) -> None:
         print(f"\n{'model':<{wm}}  {'layout':<{wl}}  {'blocks':>8} {'objects':>8} {'bytes':>12}  parts")
         for r in rows:
             counts = f"{r['blocks']:>8} {r['objects']:>8} {_size(r['bytes']):>12}"
-            print(f"{r['model']:<{wm}}  {r['layout']:<{wl}}  {counts}  {', '.join(r['parts'])}")
+            _say(f"{r['model']:<{wm}}  {r['layout']:<{wl}}  {counts}  {', '.join(r['parts'])}")
     profiles = stats["profiles"]
     if profiles:
         models = sorted({p["model"] for p in profiles})
-        print(f"\nprofile announcements: {len(profiles)} (models: {', '.join(models)})")
+        _say(f"\nprofile announcements: {len(profiles)} (models: {', '.join(models)})")
     other = stats["other"]
     if other["objects"]:
         size = _size(other["bytes"])
@@ -289,9 +289,15 @@ def _print_stats(stats: dict[str, Any]) -> None:
 def _print_objects(objects: Sequence[StoredObject]) -> None:
     for o in objects:
         if o.kind == "kv" and o.block is not None:
-            print(f"{_size(o.nbytes):>12}  {o.model}  {o.layout}  {o.part}  {o.block.block_hash.hex()}")
+            _say(f"{_size(o.nbytes):>12}  {o.model}  {o.layout}  {o.part}  {o.block.block_hash.hex()}")
         else:
-            print(f"{_size(o.nbytes):>12}  [{o.kind}]  {o.key if o.key is not None else '(digest name)'}")
+            _say(f"{_size(o.nbytes):>12}  [{o.kind}]  {o.key if o.key is not None else '(digest name)'}")
+
+
+def _say(line: str) -> None:
+    """Print a line of keys or models as they are, but a lone surrogate (a key may hold one) as an
+    escape: it cannot be written to a UTF-8 terminal."""
+    print(line.encode("utf-8", "backslashreplace").decode())
 
 
 def add_store_parser(sub: Any) -> None:

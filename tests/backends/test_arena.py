@@ -157,10 +157,14 @@ async def test_a_pool_whose_objects_do_not_fit_a_slot_is_refused(store_dir: Path
     await roomy.aclose()
 
 
-async def test_a_table_row_claiming_more_than_a_slot_is_never_read_past_its_slot(store_dir: Path) -> None:
+@pytest.mark.parametrize("claimed", [4 * SLOT, 2**64 - 1], ids=["four slots", "all ones"])
+async def test_a_table_row_claiming_more_than_a_slot_is_never_read_past_its_slot(
+    store_dir: Path, claimed: int
+) -> None:
     """A row whose size says more than a slot (a damaged table, or one a hostile member of the
     store's group wrote) matched a get asking for that size, which copied past the slot: the next
-    slots' bytes, or past the mapping. It is a FAILED get now, and nothing is written."""
+    slots' bytes, or past the mapping. It is a FAILED get now, and nothing is written; also for a
+    size whose 64 bits, read as a signed number, are the -1 a get larger than a slot asks for."""
     backend = open_arena(store_dir)
     try:
         assert await put_all(backend, ["k"]) == [PutStatus.STORED]
@@ -168,7 +172,7 @@ async def test_a_table_row_claiming_more_than_a_slot_is_never_read_past_its_slot
         query = arena_file.query(backend._hashes(["k"]), [SLOT])
         arena_file.locate(query, 0, 1, time.monotonic_ns())
         row = int(query.rows[0])
-        arena_file._columns[6][row] = 4 * SLOT  # (_NBYTES) the row now claims four slots' bytes
+        arena_file._columns[6][row] = claimed  # (_NBYTES) the row now claims more than its slot
         del query  # (no view of the map may outlive the close)
         out = bytearray(b"\x55" * (4 * SLOT))
         assert await backend.get([obj("k", out)]) == [GetStatus.FAILED]
@@ -1003,3 +1007,27 @@ def test_an_arena_an_earlier_kvflow_cut_opens_with_the_same_url(
         assert (arena.geometry.ways, arena.geometry.sets) == (64, 1)
     finally:
         arena.close()
+
+
+def test_the_lock_file_is_a_forked_childs_own_while_the_store_is_being_made(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making a large arena is the longest section there is (it allocates the whole file under the
+    exclusive lock): the lock file was registered for forked children only after it, so a process
+    killed while making the store, with a helper it had forked alive, left the store locked."""
+    from kvflow.backends import lockfiles
+    from kvflow.backends.arena import lock as arena_lock
+
+    seen: list[bool] = []
+    held_blocking = arena_lock.StoreLock.held_blocking
+
+    def watched(self: arena_lock.StoreLock, mode: int, timeout_s: float) -> Any:
+        seen.append(self.fd in lockfiles._OPEN)
+        return held_blocking(self, mode, timeout_s)
+
+    monkeypatch.setattr(arena_lock.StoreLock, "held_blocking", watched)
+    backend = open_arena(store_dir)
+    try:
+        assert seen and seen[0]
+    finally:
+        anyio.run(backend.aclose)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import kvflow.backends.local.backend as local
 import kvflow.backends.local.format as local_format
-from kvflow.backends import open_backend, pacing
+from kvflow.backends import lockfiles, open_backend, pacing
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.local.format import (
@@ -1509,3 +1509,34 @@ async def test_a_key_holding_a_lone_surrogate_round_trips(tmp_path: Path) -> Non
         assert await backend.remove([key, long_key]) == [True, True]
     finally:
         await backend.aclose()
+
+
+def test_a_forked_childs_lock_file_is_its_own_only_while_it_is_the_lock_file(tmp_path: Path) -> None:
+    """The at-fork hook (run here as a child would run it): a registered lock file becomes a new
+    open file with the same status flags, so a lock held through the old one excludes it; a number
+    that now names another file (a child that closed what it inherited and opened a log) is left
+    alone: reopening it would have rewound it and dropped O_APPEND."""
+    lock = os.open(tmp_path / "kvflow.lock", os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC)
+    log = -1
+    held = os.dup(lock)  # the parent's open file, locked
+    try:
+        lockfiles.opened(lock)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        lockfiles._after_fork_in_child()
+        with pytest.raises(BlockingIOError):  # its own open file now: the parent's lock excludes it
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert fcntl.fcntl(lock, fcntl.F_GETFL) & os.O_NONBLOCK
+        os.close(lock)  # closed without a word to the registry, as a daemonising child does
+        log = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log, lock)  # the same number names the log now
+        os.write(lock, b"line 1\n")
+        lockfiles._after_fork_in_child()
+        os.write(lock, b"line 2\n")
+        assert fcntl.fcntl(lock, fcntl.F_GETFL) & os.O_APPEND
+        assert (tmp_path / "log").read_bytes() == b"line 1\nline 2\n"
+        assert lock not in lockfiles._OPEN
+    finally:
+        lockfiles.closing(lock)
+        for fd in (lock, held, log):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -179,6 +179,8 @@ class ArenaFile:
         with opening(root) as fds:
             fds.append(open_root(root, access))
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
+            # a forked child gets its own (kvflow.backends.lockfiles), even while the store is made
+            lockfiles.opened(fds[1])
             lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
             wait = config.lock_timeout_s
             if not exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
@@ -196,7 +198,6 @@ class ArenaFile:
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         os.close(fds.pop())  # the map keeps the file
-        lockfiles.opened(lock.fd)  # a forked child gets its own (kvflow.backends.lockfiles)
         return cls(root, geometry, lock, fds[0], mapped)
 
     def close(self) -> None:

@@ -176,7 +176,7 @@ def _locate(
     """For each key ``i`` in ``[start, end)``: ``rows[i]`` = the published slot of the key, or -1
     (looked for where ``rows[i]`` is ``UNKNOWN``, or where the slot it names no longer holds the
     key, published: a put took it meanwhile); ``found[i]`` = whether that slot holds an object of
-    ``sizes[i]`` bytes, whose last use becomes ``now``."""
+    ``sizes[i]`` bytes, whose last use becomes ``now`` (a size of -1 is never found)."""
     for i in range(start, end):
         row = rows[i]
         if row >= 0 and not (state[row] == _READY and key0[row] == k0[i] and key1[row] == k1[i]):
@@ -188,7 +188,7 @@ def _locate(
                 if tags[r] == tag and key0[r] == k0[i] and key1[r] == k1[i] and state[r] == _READY:
                     row = r
         rows[i] = row
-        found[i] = row >= 0 and np.int64(nbytes[row]) == sizes[i]
+        found[i] = row >= 0 and sizes[i] >= 0 and np.int64(nbytes[row]) == sizes[i]  # (-1: never)
         if found[i]:
             used[row] = now
 
