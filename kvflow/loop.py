@@ -46,6 +46,10 @@ ANSWER_GRACE_S = 1.0
 _START_TIMEOUT_S = 30.0
 _FORKED = "this pool's loop thread runs in the process this one was forked from; open a new pool here"
 _STOPPED = "the kvflow loop thread has stopped; open a new pool"
+_CANCELLED_INSIDE = (
+    "the call was cancelled from inside it (a backend's client cancelling its own call: a dropped "
+    "connection?); check the store's connection"
+)
 
 
 class CallFuture(concurrent.futures.Future[T]):
@@ -285,11 +289,15 @@ class LoopThread:
             try:
                 result = await fn(*args)
             except anyio.get_cancelled_exc_class():
-                if anyio.current_effective_deadline() != -math.inf:  # no scope of the loop's: the call's own
-                    _answer(future, error=BackendUnavailableError("the call was cancelled from inside it"))
+                # Every cancel scope around the call is the loop's (its own, the task group's): when
+                # none of them was cancelled, the call cancelled itself (a backend's client, its own
+                # future), which works on every Python (kvflow.backends.base.stray_cancellation
+                # cannot tell before 3.11). It is the call's error, not the loop's end.
+                if anyio.current_effective_deadline() != -math.inf:
+                    _answer(future, error=BackendUnavailableError(_CANCELLED_INSIDE))
                     return
                 if self._stop_requested:  # the loop stops under it: the pool was closed
-                    _answer(future, error=PoolClosedError("the kvflow loop thread stopped; open a new pool"))
+                    _answer(future, error=PoolClosedError(_STOPPED))
                 future.cancel()
                 raise
             except BaseException as exc:

@@ -375,9 +375,9 @@ class SyncLayerwisePool(SyncPool):
         asks for a step's load errors before it with speculative decoding). Every block of them is
         failed when the engine computed without some layer, the pool was closed under the step, a
         transfer raised, or the loader did not end within ``timeout_s`` (default: the pool's;
-        :meth:`wait_for_save` then cancels it). Empty when the step loads nothing;
-        :meth:`wait_for_save` reports the loads again. RuntimeError at once on the loop thread,
-        PoolClosedError in a process forked from the pool's."""
+        :meth:`wait_for_save` then waits for it its own timeout, and cancels it). Empty when the
+        step loads nothing; :meth:`wait_for_save` reports the loads again. RuntimeError at once on
+        the loop thread, PoolClosedError in a process forked from the pool's."""
         check_timeout(timeout_s)
         self._loop.check_can_wait("SyncLayerwisePool.wait_for_load")
         step = self._step

@@ -34,7 +34,7 @@ from kvflow import (
     PoolConfig,
     PutStatus,
 )
-from kvflow.backends.base import ObjectRef
+from kvflow.backends.base import ObjectRef, cancelled_as_fault
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, RequestError
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
@@ -622,3 +622,25 @@ async def test_a_cancellation_the_backend_raises_itself_fails_its_objects(max_ba
         backend.hang_on.add("get")
         await reader.retrieve(request)
     assert scope.cancelled_caught
+
+
+async def test_a_real_cancellation_passes_cancelled_as_fault_as_it_is() -> None:
+    """Only a cancellation nobody asked for becomes a store fault: inside a cancelled scope (an
+    anyio deadline, a caller giving up) the CancelledError leaves as it came, and the scope catches
+    it; a plain asyncio cancel of the task passes too."""
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        with cancelled_as_fault():
+            await anyio.sleep(1)
+        raise AssertionError("not reached: the cancellation passes")
+    assert scope.cancelled_caught
+
+    async def cancelled_by_asyncio() -> None:
+        with cancelled_as_fault():
+            await anyio.sleep(1)
+
+    task = asyncio.ensure_future(cancelled_by_asyncio())
+    await anyio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

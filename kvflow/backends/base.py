@@ -32,12 +32,10 @@ __all__ = [
     "ObjectBatch",
     "ObjectRef",
     "PutStatus",
-    "cancelled_as_fault",
     "keys_of",
     "nbytes_of",
     "repeats_of",
     "some_of",
-    "stray_cancellation",
 ]
 
 
@@ -148,7 +146,9 @@ class ObjectBatch(Sequence[ObjectRef]):
 def stray_cancellation() -> bool:
     """Whether a ``CancelledError`` caught now was raised with no cancellation pending on this task:
     by the awaited code itself (a backend's client cancelling its own future when a connection
-    dropped), not by a cancel scope. Always False before Python 3.11 (the two cannot be told apart)."""
+    dropped), not by a cancel scope. Always False before Python 3.11 (the two cannot be told apart
+    by the task). Any task may ask, a caller's own included: unlike the loop thread's rule
+    (:mod:`kvflow.loop`), it needs to know nothing of who else may cancel the task."""
     if sys.version_info < (3, 11):
         return False
     task = asyncio.current_task()
@@ -165,7 +165,9 @@ def cancelled_as_fault() -> Iterator[None]:
     except asyncio.CancelledError:
         if not stray_cancellation():
             raise
-        raise BackendUnavailableError("the backend cancelled its own call (a dropped connection?)") from None
+        raise BackendUnavailableError(
+            "the backend cancelled its own call (a dropped connection?); check the store's connection"
+        ) from None
 
 
 def keys_of(objects: Sequence[ObjectRef]) -> Sequence[str]:

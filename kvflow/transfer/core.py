@@ -192,7 +192,11 @@ class Transfer:
             await self.backend.aclose()
         self._backend_closed = not scope.cancelled_caught
         if scope.cancelled_caught:
-            log.warning("the backend did not close within %.1f s; a later close tries again", limit)
+            log.warning(
+                "the backend did not close within %.1f s; call KVPool.aclose again to retry once no call "
+                "runs (SyncPool.close leaves it open)",
+                limit,
+            )
 
     def deadline(self, timeout_s: float | None) -> float:
         """The deadline of a call given its ``timeout_s`` (default: the pool's), from now."""
