@@ -46,7 +46,7 @@ from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
 from kvflow.transfer.objects import BlockObjects
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
-from kvflow.transfer.reshape import Source, distinct_bytes, sources
+from kvflow.transfer.reshape import Source, needed_bytes, sources
 from kvflow.transfer.spec import TransferSpec
 from kvflow.transfer.staging import StagingPool, UnitShape
 
@@ -400,12 +400,12 @@ class Transfer:
             for p, profile in enumerate(others):
                 tokens = (index * block, (index + 1) * block)
                 found = sources(profile, fine, tokens, layers=self.model_layers) or []
+                keys: list[str] = []
                 if found:
                     at = (p, tokens[0] % profile.block_size)
                     if at not in fits:
                         fits[at] = self._loadable(profile, fine, tokens, found)
-                usable = found and fits[at]
-                keys = [s.key for s in found] if usable else []
+                    keys = [s.key for s in found] if fits[at] else []
                 per_profile.append(keys)
                 flat.extend(keys)
             wanted[index] = per_profile
@@ -428,7 +428,7 @@ class Transfer:
         every rank) fits :attr:`scratch_limit`, as the load requires: each of this engine's objects
         (one rank's, of one unit) is filled from its own share of them."""
         limit = self.scratch_limit
-        if sum(distinct_bytes(found).values()) <= limit:  # all of them fit: so does any share
+        if needed_bytes(found) <= limit:  # all of them fit: so does any share
             return True
         for scope in self._lookup_scopes:
             share = sources(
@@ -440,7 +440,7 @@ class Transfer:
                 dcp_rank=scope.dcp[0],
                 pcp_rank=scope.pcp[0],
             )
-            if share and sum(distinct_bytes(share).values()) > limit:
+            if share and needed_bytes(share) > limit:
                 return False
         return True
 

@@ -36,7 +36,7 @@ from kvflow.profiles import LOAD_READ_EVERY_S, Profile
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.plan import BlockPlan
-from kvflow.transfer.reshape import Source, copy_into, copy_rows, distinct_bytes, sources
+from kvflow.transfer.reshape import Source, copy_into, copy_rows, distinct_bytes, needed_bytes, sources
 from kvflow.transfer.staging import Chunk, StagingPool, copying, gather, scatter
 
 __all__ = ["LoadJob", "StoreJob"]
@@ -447,9 +447,7 @@ class LoadJob:
                     wanted[j] = found
             if not wanted:
                 continue
-            largest = max(
-                sum(distinct_bytes(found).values()) for found in wanted.values()
-            )  # one block per chunk
+            largest = max(needed_bytes(found) for found in wanted.values())  # one block per chunk
             pool = await transfer.scratch(largest)
             if pool is None:
                 log.warning(

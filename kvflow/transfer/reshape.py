@@ -24,7 +24,7 @@ from kvflow.layout import KVLayout
 from kvflow.parts import Part, object_planes, part_views
 from kvflow.profiles import Profile
 
-__all__ = ["Source", "copy_into", "copy_rows", "distinct_bytes", "sources"]
+__all__ = ["Source", "copy_into", "copy_rows", "distinct_bytes", "needed_bytes", "sources"]
 
 
 @attrs.frozen
@@ -70,6 +70,11 @@ def sources(
 def distinct_bytes(found: Sequence[Source]) -> dict[str, int]:
     """The bytes of each distinct object of ``found`` (a block's sources may name one object twice)."""
     return {s.key: s.nbytes for s in found}
+
+
+def needed_bytes(found: Sequence[Source]) -> int:
+    """The bytes a load of ``found`` holds at once: each distinct object once."""
+    return sum(distinct_bytes(found).values())
 
 
 @functools.lru_cache(maxsize=1024)

@@ -146,9 +146,9 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
         "cache_dtype": cache_config.cache_dtype,
     }
     if str(cache_config.cache_dtype).startswith("fp8"):  # ROCm's MI300 encodes e4m3 as fnuz
-        facts["fp8_dtype"] = _platform_fp8_dtype()
+        facts["fp8_dtype"] = _platform_fact("fp8_dtype")
     if str(cache_config.cache_dtype).startswith("turboquant"):  # its fp8 keys' format follows the GPU
-        facts["device_capability"] = _device_capability()
+        facts["device_capability"] = _platform_fact("get_device_capability")
     original = getattr(hf, "original_max_position_embeddings", None)
     if original is not None:  # long-rope picks its factors by the context length
         facts["long_context"] = model_config.max_model_len > original
@@ -160,24 +160,15 @@ def engine_variant(vllm_config: VllmConfig, block_size: int, spec: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _platform_fp8_dtype() -> str:
-    """The fp8 format vLLM's platform stores an ``fp8`` KV cache in: bytes of one are read as the
-    other wrongly (``float8_e4m3fnuz`` doubles values of ``float8_e4m3fn``), both held as uint8."""
+def _platform_fact(method: str) -> str:
+    """What vLLM's platform answers to ``method()``: ``fp8_dtype`` (the format an ``fp8`` KV cache
+    is held in as bytes: ``float8_e4m3fnuz`` read as ``float8_e4m3fn`` doubles every value) or
+    ``get_device_capability`` (TurboQuant picks its keys' fp8 format by it)."""
     try:
         from vllm.platforms import current_platform
 
-        return str(current_platform.fp8_dtype())
+        return str(getattr(current_platform, method)())
     except Exception as exc:  # another vLLM: keyed apart from every engine that could say
-        return f"unknown ({type(exc).__name__})"
-
-
-def _device_capability() -> str:
-    """The accelerator's compute capability (TurboQuant caches pick their fp8 format by it)."""
-    try:
-        from vllm.platforms import current_platform
-
-        return str(current_platform.get_device_capability())
-    except Exception as exc:  # keyed apart from every engine that could say
         return f"unknown ({type(exc).__name__})"
 
 

@@ -39,11 +39,16 @@ def test_engines_whose_kv_differs_get_other_variants(tmp_path: Path, monkeypatch
     }
     assert len({plain, *differ.values()}) == len(differ) + 1, differ
     fp8 = differ["fp8 e4m3 cache"]
-    monkeypatch.setattr(topology, "_platform_fp8_dtype", lambda: "torch.float8_e4m3fnuz")
+    real = topology._platform_fact
+    monkeypatch.setattr(
+        topology, "_platform_fact", lambda m: "torch.float8_e4m3fnuz" if m == "fp8_dtype" else real(m)
+    )
     assert variant(e.engine_config(llama, cache_dtype="fp8_e4m3")) != fp8  # a GPU that encodes fp8 as fnuz
     assert variant(e.engine_config(llama)) == plain  # (a cache of the model's dtype: no fp8 format)
     turbo = variant(e.engine_config(llama, cache_dtype="turboquant_k8v4"))
-    monkeypatch.setattr(topology, "_device_capability", lambda: "(8, 0)")
+    monkeypatch.setattr(
+        topology, "_platform_fact", lambda m: "(8, 0)" if m == "get_device_capability" else real(m)
+    )
     assert variant(e.engine_config(llama, cache_dtype="turboquant_k8v4")) != turbo  # fp8 e4b15 below SM 8.9
     monkeypatch.setattr(topology, "_cpu_attention_isa", lambda *args: "amx")
     assert variant(e.engine_config(llama)) != plain  # another CPU kernel packs blocks otherwise
