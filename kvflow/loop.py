@@ -74,11 +74,12 @@ def wait_answer(future: CallFuture[T], *, holds_blocks: bool = False) -> T:
     ``holds_blocks``: the call reads or writes the caller's KV blocks (a store, a retrieve). Then a
     cancelled call is given :data:`ANSWER_GRACE_S` more to really end, and a TimeoutError that
     says "stuck" means it did not: its blocks may still be read or written, so they must not be
-    reused (restart the pool). RuntimeError at once (and the call cancelled) on the loop thread that
-    answers the call: the wait would block the answer."""
-    if future.loop_thread is threading.current_thread() and not future.done():
+    reused (restart the pool). RuntimeError at once (and the call cancelled) on a kvflow loop thread:
+    on the one that answers the call the wait would block the answer, on another it would hold that
+    loop's own calls meanwhile (and two loops waiting on each other would never answer)."""
+    if not future.done() and (future.loop_thread is threading.current_thread() or _on_a_loop_thread()):
         future.cancel()
-        raise RuntimeError(_on_loop_message("waiting for a kvflow call"))
+        raise RuntimeError(_on_loop_message("waiting for a kvflow call", own=future.loop_thread))
     no_bound = future.answer_by == float("inf")  # submitted without one: wait for the answer
     try:
         return future.result(None if no_bound else max(0.0, future.answer_by - time.monotonic()))
@@ -140,9 +141,10 @@ class LoopThread:
         return self._forked
 
     def check_off_loop(self, what: str) -> None:
-        """RuntimeError when called on the loop thread: ``what`` would wait on the loop it blocks."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(_on_loop_message(what))
+        """RuntimeError when called on a kvflow loop thread: on this one ``what`` would wait on the
+        loop it blocks, on another it would hold that loop (see :func:`wait_answer`)."""
+        if threading.current_thread() is self._thread or _on_a_loop_thread():
+            raise RuntimeError(_on_loop_message(what, own=self._thread))
 
     def check_can_wait(self, what: str) -> None:
         """:meth:`check_off_loop`, and PoolClosedError in a forked child (whose wait nothing would end)."""
@@ -220,6 +222,7 @@ class LoopThread:
     # -- the loop thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _LOOP_THREADS.here = True
         try:
             anyio.run(self._main, backend="asyncio")
         except BaseException:  # pragma: no cover - a crash of the loop itself
@@ -320,11 +323,22 @@ _STARTED: weakref.WeakSet[LoopThread] = weakref.WeakSet()
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _on_loop_message(what: str) -> str:
+_LOOP_THREADS = threading.local()  # ``here`` is set on every kvflow loop thread
+
+
+def _on_a_loop_thread() -> bool:
+    return getattr(_LOOP_THREADS, "here", False) is True
+
+
+def _on_loop_message(what: str, *, own: threading.Thread | None) -> str:
+    if threading.current_thread() is own:
+        why = "it would wait on the loop it blocks"
+    else:
+        why = "it would hold that loop's calls until this one answers (two waiting on each other never would)"
     return (
-        f"{what} was called on kvflow's loop thread (from an on_released or a future's done-callback, "
-        "which run there): it would wait on the loop it blocks. Call it from another thread, or use "
-        "a submit_* method (or the async KVPool) there"
+        f"{what} was called on a kvflow loop thread (from an on_released or a future's done-callback, "
+        f"which run there): {why}. Call it from another thread, or use a submit_* method (or the async "
+        "KVPool) there"
     )
 
 

@@ -361,6 +361,50 @@ def test_a_blocking_call_on_the_loop_thread_is_refused_at_once(face: str, call: 
         assert pool.close(timeout_s=2) is True
 
 
+def test_two_pools_whose_callbacks_wait_on_each_other_are_refused_at_once_not_deadlocked() -> None:
+    """Pool A's ``on_released`` runs on A's loop thread; a blocking call there on pool B would hold
+    A's loop until B answers, and B's callback waiting on A then waits on a loop that waits on it
+    (before: both loops froze until the timeouts ran out). Every blocking call on any kvflow loop
+    thread is refused at once; the submit_* forms still work there."""
+    a, b = open_pool(timeout_s=3.0), open_pool(timeout_s=3.0)
+    seen: list[tuple[str, BaseException | int]] = []
+
+    def on_released(other: SyncPool, name: str) -> None:
+        for what, call in (
+            ("lookup", lambda: other.lookup(KVRequest(tokens=TOKENS))),
+            ("store", lambda: other.store(KVRequest(block_ids=[5], tokens=TOKENS[: 2 * BLOCK]))),
+            ("close", lambda: other.close(timeout_s=1.0)),
+            ("wait", lambda: wait_answer(other.submit_lookup(KVRequest(tokens=TOKENS)))),
+        ):
+            try:
+                seen.append((f"{name}:{what}", call()))
+            except BaseException as exc:
+                seen.append((f"{name}:{what}", exc))
+        other.submit_lookup(KVRequest(tokens=TOKENS))  # submitting never waits: allowed
+
+    try:
+        started = time.monotonic()
+        futures = [
+            a.submit_store(
+                KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=lambda: on_released(b, "a")
+            ),
+            b.submit_store(
+                KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK]), on_released=lambda: on_released(a, "b")
+            ),
+        ]
+        assert [future.result(10).stored for future in futures] == [1, 1]
+        assert time.monotonic() - started < 2.0  # refused at once, not after a timeout
+        assert sorted(name for name, _ in seen) == sorted(
+            f"{pool}:{what}" for pool in "ab" for what in ("lookup", "store", "close", "wait")
+        )
+        assert all(isinstance(answer, RuntimeError) for _, answer in seen), seen
+        assert all("hold that loop" in str(answer) for _, answer in seen)
+        assert a.lookup(KVRequest(tokens=TOKENS)) == BLOCK and b.lookup(KVRequest(tokens=TOKENS)) == BLOCK
+    finally:
+        assert a.close(timeout_s=2) is True
+        assert b.close(timeout_s=2) is True
+
+
 def test_a_loop_thread_refuses_to_wait_on_itself() -> None:
     loop = LoopThread().start()
 
