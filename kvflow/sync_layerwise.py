@@ -126,10 +126,23 @@ class _Step:
         with self._cond:
             self._running += 1
         try:
-            self.futures.append(submit(*args))
+            future = submit(*args)
         except BaseException:
             self.finish(load_ended=loads)
             raise
+        with self._cond:  # one step with close()'s: a driver started as the pool closes is cancelled too
+            self.futures.append(future)
+            closed = self.closed
+        if closed:
+            future.cancel()
+
+    def close(self) -> None:
+        """The pool is closing under the step (any thread): cancel its drivers, and any started later."""
+        with self._cond:
+            self.closed = True
+            futures = list(self.futures)
+        for future in futures:
+            future.cancel()
 
     def wait_layer(self, layer: int, timeout_s: float) -> LayerOutcome | bool | None:
         """``layer``'s outcome once handed out; False if the load ended without it; None if the
@@ -422,9 +435,7 @@ class SyncLayerwisePool(SyncPool):
         deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
         step = self._step  # left current, for the engine thread to end (in wait_for_save)
         if step is not None and not self._loop.forked:  # (a forked child's transfers run in the parent)
-            step.closed = True  # (its events are not sealed here: the engine thread may record them)
-            for future in step.futures:
-                future.cancel()
+            step.close()  # (its events are not sealed here: the engine thread may record them)
             step.wait_finished(max(0.0, deadline - time.monotonic()))
         return super().close(max(_LEAST_S, deadline - time.monotonic()))  # one bound for both
 

@@ -322,6 +322,46 @@ def test_a_layerwise_close_from_another_thread_mid_step_says_no_layer_is_in_plac
         kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
 
 
+def test_a_close_racing_start_load_cancels_the_load_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() from another thread lands after start_load passed its "closed?" check and before
+    its load reached the step's list: the load started after close cancelled the list (before: it
+    was never cancelled, and close waited its whole bound for a get that hangs)."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(hang_on={"get"}, put_checks_present=True)
+    with layerwise_pool(backend) as writer:
+        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
+    kv = SyncLayerwisePool.open(
+        PoolConfig(layerwise=True, timeout_s=4.0),
+        layout=KVLayout.from_kv_caches(zeros_like_caches(src)),
+        backend=backend,  # type: ignore[arg-type]
+    )
+    submit, took = LoopThread.submit, []
+
+    def close() -> None:
+        started = time.monotonic()
+        kv.close()
+        took.append(time.monotonic() - started)
+
+    closer = threading.Thread(target=close)
+
+    def submit_as_close_runs(loop: LoopThread, *args: object, **kwargs: object) -> CallFuture[object]:
+        if loop is not kv._loop or closer.ident is not None:
+            return submit(loop, *args, **kwargs)  # type: ignore[arg-type]
+        closer.start()
+        until = time.monotonic() + 5
+        while not kv._step.closed and time.monotonic() < until:  # type: ignore[union-attr]
+            time.sleep(0.001)
+        time.sleep(0.05)  # close has cancelled the step's (empty) list and waits for its drivers
+        return submit(loop, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LoopThread, "submit", submit_as_close_runs)
+    kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
+    closer.join(10)
+    assert not closer.is_alive() and took[0] < 2.0, took  # not the 4 s bound
+    assert kv.wait_for_layer_load(0) is False
+    assert kv.wait_for_save().failed_block_ids == {2, 3}
+
+
 @pytest.mark.parametrize(
     ("face", "call"),
     [
