@@ -23,9 +23,9 @@ thread:
 So a slow or dead store delays admissions by at most the lookup timeout (and the grace) and each
 step by at most ``wait_s``. A kept answer may age while vLLM keeps asking: the store may lose
 objects it counted (the load then fails and vLLM recomputes them) or gain some (a missed hit, never
-wrong data). A request's first answer leaves its seconds (start to answer) for the stats
-(:meth:`Lookups.take_seconds`), once until the request is forgotten: the scheduler counts a
-lookup once per allocation. Used from the scheduler thread only.
+wrong data). A request's first answer is timed (start to answer) for the stats, and
+:meth:`Lookups.forget` hands the seconds over once: the scheduler counts a lookup, with its
+seconds, once per allocation. Used from the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -83,10 +83,9 @@ class Lookups:
     block_size: int
     wait_s: float
     _lookups: dict[str, _Lookup] = attrs.field(factory=dict, init=False)
-    _sampled: set[str] = attrs.field(factory=set, init=False)  # requests whose seconds were taken
+    _first_s: dict[str, float] = attrs.field(factory=dict, init=False)  # seconds of a first answer
     _step: int = attrs.field(default=0, init=False)
     _budget_s: float = attrs.field(default=0.0, init=False)
-    _seconds: list[float] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._budget_s = self.wait_s
@@ -118,26 +117,20 @@ class Lookups:
             if hit is None:
                 return None
             lookup.hit = hit
-            if req_id not in self._sampled:
-                self._sampled.add(req_id)
-                self._seconds.append(lookup.watch.seconds)
+            self._first_s.setdefault(req_id, lookup.watch.seconds)
         return max(lookup.hit, block_offset * self.block_size)
 
-    def take_seconds(self) -> list[float]:
-        """The seconds of each request's first answer since the previous call."""
-        seconds, self._seconds = self._seconds, []
-        return seconds
-
-    def forget(self, req_id: str) -> None:
-        """Drop a request's lookup and its kept answer. Call it when the request finished and when
-        vLLM allocated its blocks (its answer is used: readmitted after a preemption, it is looked
-        up afresh and its seconds are taken again, as the scheduler counts it again)."""
+    def forget(self, req_id: str) -> float | None:
+        """Drop a request's lookup and its kept answer; the seconds of its first answer since it
+        was last forgotten, if it had one. Call it when the request finished and when vLLM
+        allocated its blocks (its answer is used: readmitted after a preemption, it is looked up
+        afresh, and timed again, as the scheduler counts it again)."""
         self._lookups.pop(req_id, None)
-        self._sampled.discard(req_id)
+        return self._first_s.pop(req_id, None)
 
     def clear(self) -> None:
         """Drop every lookup and kept answer (vLLM reset its prefix cache): the next asks look up
-        afresh. A request's seconds are still taken once until it is forgotten."""
+        afresh. A request's first answer stays the one timed until it is forgotten."""
         self._lookups.clear()
 
     def __len__(self) -> int:

@@ -90,6 +90,7 @@ class SchedulerSide:
     _requests: dict[str, _Tracked] = attrs.field(factory=dict, init=False)
     _local_hits: dict[str, int] = attrs.field(factory=dict, init=False)
     _answered: dict[str, tuple[int, int]] = attrs.field(factory=dict, init=False)  # hit, asked tokens
+    _lookup_s: list[float] = attrs.field(factory=list, init=False)  # of lookups counted since reported
     _pending_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _pending_async: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _async_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)  # until finished_recving
@@ -168,10 +169,16 @@ class SchedulerSide:
         block = self.shape.block_size
         local_blocks = num_computed_tokens // block
         read = hashes[: local_blocks + 1]  # the block past the aligned hit too: vLLM's may end in it
+        self._answered.pop(req_id, None)  # an earlier ask's answer (vLLM could not allocate) is stale
         if self.recomputes_failures and self._reads_repair(read):
             return None, False
         self._local_hits[req_id] = num_computed_tokens
-        if self._lookups is None or len(hashes) <= local_blocks or req_id in self._load_failed:
+        if (
+            self._lookups is None
+            or len(hashes) <= local_blocks
+            or req_id in self._load_failed
+            or request.skip_reading_prefix_cache  # (prompt logprobs: vLLM would take 0 tokens anyway)
+        ):
             # (a failed asynchronous load that vLLM rewound to block 0 is not tried again: loaded
             # again, the same failure would free its blocks again, for ever)
             return 0, False
@@ -216,11 +223,13 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         num_local = self._local_hits.pop(req_id, 0)
         answered = self._answered.pop(req_id, None)
+        # its answer is used: readmitted, it is looked up afresh
+        seconds = self._lookups.forget(req_id) if self._lookups is not None else None
         if answered is not None:
             self._counters = self._counters.with_lookup(*answered)
+            if seconds is not None:
+                self._lookup_s.append(seconds)
         self._load_failed.discard(req_id)
-        if self._lookups is not None:
-            self._lookups.forget(req_id)  # its answer is used: readmitted, it is looked up afresh
         first, end = load_range(num_local, num_external_tokens, self.shape.block_size)
         tracked = self._requests.get(req_id)
         if tracked is None:
@@ -473,7 +482,7 @@ class SchedulerSide:
     def take_interval(self) -> Observations | None:
         """Lookups answered since the previous call (counts and seconds) and, the first time and
         after a change, whether the lookup store is reachable; None when there is nothing to say."""
-        seconds = self._lookups.take_seconds() if self._lookups is not None else []
+        seconds, self._lookup_s = self._lookup_s, []
         reachability: tuple[tuple[str, bool], ...] = ()
         if self._watch is not None:
             self._watch.poll()

@@ -278,6 +278,35 @@ def test_stats_carry_bytes_seconds_lookups_and_reachability_into_prometheus(open
     assert value("store_reachable", client="scheduler") == 1
 
 
+def test_a_lookup_is_counted_and_timed_only_when_its_answer_is_used(open_sides: Any) -> None:
+    """A lookup counts (with its seconds) when vLLM allocates the request on its answer. Not when
+    vLLM, asked again after it could not allocate, holds every block itself by then (before: the
+    stale answer was counted as 12 hit tokens, nothing loaded); not for a request aborted while
+    waiting (before: its seconds were sampled, so lookup_seconds_count drifted from lookups_total);
+    and no lookup for a request that must not read cached KV (prompt logprobs)."""
+    sides: Sides = open_sides()
+    first = FakeRequest("r1", TOKENS)
+    sides.admit(first, [1, 2, 3, 4])
+    _prefill(sides, first, [1, 2, 3, 4])
+    sides.scheduler.take_interval()
+    scheduler = sides.scheduler
+    again = FakeRequest("r2", TOKENS)
+    assert scheduler.get_num_new_matched_tokens(again, 0) == (12, False)  # type: ignore[arg-type]
+    # no room this step; by the next, another request computed the prompt: vLLM holds it all
+    assert sides.admit(again, [5, 6, 7, 8], local_tokens=12) == (0, False)
+    aborted = FakeRequest("r3", TOKENS)
+    assert scheduler.get_num_new_matched_tokens(aborted, 0) == (12, False)  # type: ignore[arg-type]
+    scheduler.request_finished(aborted)  # type: ignore[arg-type]
+    logprobs = FakeRequest("r4", TOKENS, skip_reading_prefix_cache=True)
+    assert sides.admit(logprobs, [9, 10, 11, 12]) == (0, False)
+    assert scheduler.take_interval() is None  # no lookup was used, none counted or timed
+    used = FakeRequest("r5", TOKENS)
+    assert sides.admit(used, [13, 14, 15, 16]) == (12, False)
+    looked = scheduler.take_interval()
+    assert looked is not None and len(looked.lookup_s) == 1
+    assert (looked.counters.lookups, looked.counters.lookup_hit_tokens) == (1, 12)
+
+
 # -- health ---------------------------------------------------------------------------------------------
 
 _STATE = {"health": StoreHealth()}

@@ -53,6 +53,7 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 class FakeRequest:
     request_id: str
     prompt_token_ids: list[int]
+    skip_reading_prefix_cache: bool = False  # vLLM sets it for prompt logprobs
 
     @property
     def block_hashes(self) -> list[bytes]:

@@ -2,7 +2,7 @@
 
 vLLM asks ``get_num_new_matched_tokens`` again, step after step, for a request whose blocks it could
 not allocate. The answer is kept: asking again in the next step neither queries the store again nor
-waits, and the request's seconds are taken once until it is forgotten (allocated or finished), as
+waits, and the request's first answer is the one timed until it is forgotten (allocated or finished), as
 the scheduler counts the lookup once (docs/operations.md). After a step without an ask it looks up
 afresh. Pure: fake lookup futures, no vLLM objects.
 """
@@ -49,12 +49,14 @@ def test_an_answer_is_kept_for_a_request_vllm_asks_again_until_it_is_forgotten()
     # vLLM's prefix cache now holds block 0: the kept answer reaches past it, so it still serves
     assert lookups.poll("r", HASHES, 1) == 2 * BLOCK
     assert len(store.started) == 1
-    assert len(lookups.take_seconds()) == 1
-    lookups.forget("r")
+    assert isinstance(lookups.forget("r"), float)  # one first answer, timed
+    assert lookups.forget("r") is None  # taken once
     assert lookups.poll("r", HASHES, 0) is None and len(store.started) == 2
-    store.futures[1].set_result(3 * BLOCK)
+    assert lookups.forget("r") is None  # not answered yet: nothing timed
+    assert lookups.poll("r", HASHES, 0) is None
+    store.futures[2].set_result(3 * BLOCK)
     assert lookups.poll("r", HASHES, 0) == 3 * BLOCK
-    assert len(lookups.take_seconds()) == 1
+    assert isinstance(lookups.forget("r"), float)
 
 
 def test_an_ask_after_a_step_without_one_looks_up_afresh() -> None:
@@ -73,7 +75,7 @@ def test_an_ask_after_a_step_without_one_looks_up_afresh() -> None:
     store.futures[1].set_result(3 * BLOCK)
     lookups.new_step()  # asked again in the next step: the running lookup answers
     assert lookups.poll("r", HASHES, 0) == 3 * BLOCK and len(store.started) == 2
-    assert len(lookups.take_seconds()) == 1
+    assert isinstance(lookups.forget("r"), float) and lookups.forget("r") is None
 
 
 def test_a_kept_answer_gives_way_when_the_request_changed_and_is_still_sampled_once() -> None:
@@ -94,7 +96,7 @@ def test_a_kept_answer_gives_way_when_the_request_changed_and_is_still_sampled_o
     store.futures[-1].set_result(4 * BLOCK)
     assert lookups.poll("r", longer, 0) == 4 * BLOCK
     assert len(store.started) == 3
-    assert len(lookups.take_seconds()) == 1
+    assert isinstance(lookups.forget("r"), float) and lookups.forget("r") is None
 
 
 def test_a_failed_or_overdue_lookup_is_kept_as_no_hit_and_not_waited_for_again() -> None:
@@ -112,7 +114,7 @@ def test_a_failed_or_overdue_lookup_is_kept_as_no_hit_and_not_waited_for_again()
         lookups.new_step()
     assert len(store.started) == 3  # down, slow, slow again from block 1 (nothing reached past it)
     assert store.futures[-1].cancelled()
-    assert len(lookups.take_seconds()) == 2
+    assert isinstance(lookups.forget("down"), float) and isinstance(lookups.forget("slow"), float)
 
 
 def test_clear_drops_kept_answers_but_not_the_requests_sample() -> None:
@@ -126,6 +128,9 @@ def test_clear_drops_kept_answers_but_not_the_requests_sample() -> None:
     lookups.clear()
     assert len(lookups) == 0
     assert lookups.poll("r", HASHES, 0) is None and len(store.started) == 2
-    store.futures[1].set_result(2 * BLOCK)
+    time.sleep(0.1)
+    store.futures[1].set_result(2 * BLOCK)  # answered 0.1 s after it started
     assert lookups.poll("r", HASHES, 0) == 2 * BLOCK
-    assert len(lookups.take_seconds()) == 1
+    first = lookups.forget("r")  # the first answer's seconds, not the one after the reset
+    assert first is not None and first < 0.1
+    assert lookups.forget("r") is None
