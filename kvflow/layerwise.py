@@ -16,7 +16,7 @@ step's), own a task group, and are used alike::
 
     async with pool.layerwise_retrieve(requests) as loader:
         async for outcome in loader:  # one LayerOutcome per layer, in layer order
-            ...                       # layer outcome.layer is in place
+            ...                       # layer outcome.layer arrived (staged: once outcome.ready completed)
     results = loader.results()        # one RetrieveResult per request
 
 Leaving the ``async with`` block cancels whatever has not finished; the results then report the
@@ -170,6 +170,10 @@ class LayerwiseStorer(_LayerTasks):
     """
 
     events: LayerEvents
+    #: the same step's loader, when the forward computes on what it loads: layer ``l`` is put only
+    #: once the loader's layers ``0..l`` arrived whole in the cache (a copy the device reports
+    #: failed only after the engine computed on it must not leave its results in the store)
+    loaded_by: LayerwiseRetriever | None = None
     _job: StoreJob = attrs.field(init=False)
     _announced: anyio.Event | None = attrs.field(default=None, init=False)
 
@@ -203,11 +207,25 @@ class LayerwiseStorer(_LayerTasks):
             except TimeoutError as exc:
                 log.warning("layerwise store gives up at layer %d of %d: %s", layer, self.num_layers, exc)
                 fired = False
+            if fired and not await self._rests_on_whole_loads(layer):
+                log.warning(
+                    "layerwise store gives up at layer %d: KV it was computed from did not load", layer
+                )
+                fired = False
             if not fired:  # this layer, and so every later one, will not be written: skip them
                 for rest in range(layer, self.num_layers):
                     self._finish(rest, job.abandon(rest))
                 return
             tg.start_soon(self._put_layer, layer)
+
+    async def _rests_on_whole_loads(self, layer: int) -> bool:
+        """Whether layer ``layer``'s KV rests only on loads that arrived whole (``loaded_by``)."""
+        loader = self.loaded_by
+        if loader is None:
+            return True
+        with anyio.move_on_after(self.timeout_s):
+            return await loader.arrived_whole(layer)
+        return False
 
     async def _announce(self, done: anyio.Event) -> None:
         try:
@@ -242,13 +260,30 @@ class LayerwiseRetriever(_LayerTasks):
     after: DeviceEvent | None = None  # nothing is written into the cache before it (KVPool.retrieve)
     _job: LoadJob = attrs.field(init=False)
     _started: int = attrs.field(default=0, init=False)  # layers whose fetch has started
+    _settled: list[anyio.Event] = attrs.field(factory=list, init=False)  # per layer, once its copies ended
+    _whole: list[bool] = attrs.field(factory=list, init=False)  # per layer: every block arrived intact
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._job = LoadJob(self.transfer, self.plan, self.after)
 
     def _start(self, tg: TaskGroup) -> None:
+        self._settled = [anyio.Event() for _ in range(self.num_layers)]
+        self._whole = [False] * self.num_layers
         self._fetch_through(self.depth - 1)
+
+    async def arrived_whole(self, layer: int) -> bool:
+        """Whether layers ``0..layer`` arrived whole in the cache: every block got, and every copy
+        into the cache completed without a device error (known only once it completed). Waits
+        until those layers settled; False for a layer never fetched once the retriever ended, and
+        when the retriever never ran."""
+        if not self._settled:
+            return False
+        for below in range(layer + 1):
+            await self._settled[below].wait()
+            if not self._whole[below]:
+                return False
+        return True
 
     def _advance(self, layer: int) -> None:
         self._fetch_through(layer + self.depth)
@@ -262,12 +297,18 @@ class LayerwiseRetriever(_LayerTasks):
 
     async def _fetch(self, layer: int) -> None:
         deadline = self._deadline()
-        failed = await self._job.get(layer, deadline)
-        self._finish(layer, failed, self._job.ready(layer))  # handed out: the engine may wait on the device
-        await self._job.settle(layer, deadline)  # then the staging chunks go back
+        try:
+            failed = await self._job.get(layer, deadline)
+            self._finish(layer, failed, self._job.ready(layer))  # handed out: the engine may wait on it
+            copied = await self._job.settle(layer, deadline)  # then the staging chunks go back
+            self._whole[layer] = failed == 0 and copied
+        finally:
+            self._settled[layer].set()
 
     async def _cleanup(self) -> None:
         await self._job.settle_all(self._deadline())
+        for settled in self._settled:  # layers never fetched: not whole
+            settled.set()
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every layer of it was

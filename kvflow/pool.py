@@ -323,12 +323,20 @@ class KVPool:
     # -- layer by layer -------------------------------------------------------------------------
 
     def layerwise_store(
-        self, requests: Sequence[KVRequest], events: LayerEvents, *, timeout_s: float | None = None
+        self,
+        requests: Sequence[KVRequest],
+        events: LayerEvents,
+        *,
+        loaded_by: LayerwiseRetriever | None = None,
+        timeout_s: float | None = None,
     ) -> LayerwiseStorer:
         """A storer that puts layer ``l`` of the requests' owned blocks once ``events`` says layer
         ``l`` is written (see :mod:`kvflow.layerwise`). Nothing moves before ``async with``.
 
-        ``timeout_s`` (default: the pool's) bounds each layer's event wait and each layer's puts.
+        ``loaded_by``: the same forward's retriever: layer ``l`` is put only once its layers
+        ``0..l`` arrived whole (a copy into the cache the device reports failed after the forward
+        computed on it stops the store there). ``timeout_s`` (default: the pool's) bounds each
+        layer's event wait and each layer's puts.
         """
         self._require_layerwise()
         check_timeout(timeout_s)
@@ -338,7 +346,9 @@ class KVPool:
                 f"recorded as the layers are written), got {type(events).__qualname__}"
             )
         transfer = self._transfer
-        return LayerwiseStorer(transfer, transfer.plan(requests), _timeout(self, timeout_s), events)
+        return LayerwiseStorer(
+            transfer, transfer.plan(requests), _timeout(self, timeout_s), events, loaded_by=loaded_by
+        )
 
     def layerwise_retrieve(
         self,

@@ -208,6 +208,8 @@ async def _drive_load(step: _Step, loader: LayerwiseRetriever) -> None:
         async with loader:
             async for outcome in loader:
                 step.layer_loaded(outcome)
+    except PoolClosedError:  # closed (from another thread) before the step's transfers began
+        step.close()
     except Exception as exc:  # a programming error: wait_for_save raises it
         error = exc
     finally:
@@ -220,6 +222,8 @@ async def _drive_store(step: _Step, storer: LayerwiseStorer) -> None:
         async with storer:
             async for _ in storer:
                 pass
+    except PoolClosedError:  # as in _drive_load: the step ends as a cancelled one
+        step.close()
     except Exception as exc:  # a programming error: wait_for_save raises it
         error = exc
     finally:
@@ -311,6 +315,8 @@ class SyncLayerwisePool(SyncPool):
         engine_done.record()
         loader = self._pool.layerwise_retrieve(requests, depth=self.depth, after=engine_done)  # plans only
         step.loader = loader  # (refused below, the step's load has failed: its layers wait no more)
+        if step.storer is not None:  # (started first) its layers rest on this load too
+            step.storer.loaded_by = loader
         step.spawn(self._loop.submit, _drive_load, step, loader, loads=True)
 
     def start_store(self, requests: Sequence[KVRequest]) -> None:
@@ -329,7 +335,7 @@ class SyncLayerwisePool(SyncPool):
             )
         assert self.event_factory is not None
         events = LayerEvents.create(self.num_layers, self.event_factory)
-        storer = self._pool.layerwise_store(requests, events)  # plans only: any thread
+        storer = self._pool.layerwise_store(requests, events, loaded_by=step.loader)  # plans only
         step.events, step.storer = events, storer
         step.spawn(self._loop.submit, _drive_store, step, storer)
 
@@ -366,19 +372,22 @@ class SyncLayerwisePool(SyncPool):
             return False
         deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
         arrived = step.wait_layer(layer, deadline - time.monotonic())
+        why = "was not loaded in time"
         if isinstance(arrived, LayerOutcome):
             try:
                 for event in arrived.ready:  # staged copies into the cache: the engine's stream waits
                     self._device.wait_current(event, max(0.0, deadline - time.monotonic()))
             except TimeoutError:  # a host wait (no device stream) ran out: the layer may not be there
                 arrived = None
+            except Exception as exc:  # a host wait heard the device say a copy failed
+                arrived, why = None, f"failed on the device ({exc!r})"
             else:
                 if not arrived.ok:
                     step.load_failed = True
                 return arrived.ok
         if arrived is None:
             step.load_timed_out = True
-            log.warning("layer %d was not loaded in time; the step's loaded blocks count as failed", layer)
+            log.warning("layer %d %s; the step's loaded blocks count as failed", layer, why)
         step.load_failed = True
         return False
 

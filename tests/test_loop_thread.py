@@ -322,6 +322,36 @@ def test_a_layerwise_close_from_another_thread_mid_step_says_no_layer_is_in_plac
         kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
 
 
+def test_a_step_begun_while_close_runs_ends_as_a_cancelled_one() -> None:
+    """close() from another thread while no step is current, its pool's close still waiting for a
+    call in flight; the engine thread then begins a step. Its transfers find the pool closed: the
+    step ends as a cancelled one (layer waits False, loads reported failed), and wait_for_save
+    does not raise (before: it raised PoolClosedError, and the engine got no StepResult)."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = FaultyBackend(put_checks_present=True)
+    with layerwise_pool(backend) as writer:
+        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
+    kv = SyncLayerwisePool.open(
+        PoolConfig(layerwise=True, timeout_s=2.0),
+        layout=KVLayout.from_kv_caches(zeros_like_caches(src)),
+        backend=backend,  # type: ignore[arg-type]
+    )
+    backend.hang_on = {"put"}
+    kv.submit_store(KVRequest(block_ids=[5], tokens=TOKENS[2 * BLOCK : 3 * BLOCK]))  # hangs to its deadline
+    time.sleep(0.1)
+    closer = threading.Thread(target=kv.close, kwargs={"timeout_s": 4.0})
+    closer.start()
+    time.sleep(0.2)  # the pool's close waits for the store in flight
+    kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
+    kv.start_store([KVRequest(request_id="r", block_ids=[4], tokens=TOKENS[: 3 * BLOCK], block_offset=2)])
+    assert kv.wait_for_layer_load(0) is False
+    result = kv.wait_for_save()
+    assert result.failed_block_ids == {2, 3}
+    assert result.stored["r"].stored == 0
+    closer.join(10)
+    assert not closer.is_alive()
+
+
 def test_a_close_racing_start_load_cancels_the_load_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
     """close() from another thread lands after start_load passed its "closed?" check and before
     its load reached the step's list: the load started after close cancelled the list (before: it

@@ -19,6 +19,8 @@ import anyio
 import attrs
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvflow import (
     ConfigError,
@@ -1175,3 +1177,101 @@ async def test_a_reshaped_load_copies_into_the_cache_on_the_staging_device() -> 
     for name in dst:
         for i, block in enumerate(DST_IDS):
             assert torch.equal(dst[name][block, 0], head_of(src, ids, name, i, 1)), (name, i)
+
+
+@given(total=st.integers(1, 10_000), unit=st.integers(1, 10_000), largest=st.integers(1, 4_000))
+def test_staging_bytes_are_split_into_chunks_that_use_them(total: int, unit: int, largest: int) -> None:
+    """``staging_bytes`` is split into chunks of at most MAX_CHUNK_BYTES (larger only to hold one
+    object), each holding an object, with less left over than a chunk's rounding or an object
+    (before: 48 MiB made one chunk of 32 MiB, and 16 MiB of the setting was never used)."""
+    if total < unit:
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(staging_module, "MAX_CHUNK_BYTES", largest)
+        pool = StagingPool.create(Device.of("cpu"), total, unit)
+    chunks = pool.buffers()
+    assert len(chunks) == pool.allocations >= 1
+    sizes = {chunk.numel() * chunk.element_size() for chunk in chunks}
+    assert len(sizes) == 1
+    (size,) = sizes
+    assert unit <= size <= max(unit, largest)
+    left = total - size * len(chunks)
+    assert 0 <= left < max(len(chunks), unit)
+
+
+def test_a_layer_whose_copy_the_device_reports_failed_to_a_host_wait_says_false_not_raises() -> None:
+    """A host wait on a layer's copies (a device whose events the host polls) that hears the
+    device report a copy failed: ``wait_for_layer_load`` says False, as for any layer that did not
+    arrive, and the step reports its loaded blocks failed (before: the device's error reached the
+    engine, and the step went on saving layers)."""
+    from kvflow import SyncLayerwisePool
+
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    anyio.run(
+        lambda: pool(src, backend, staged(layerwise=True)).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
+    )
+    dst = zeros_like_caches(src)
+    device = FailsFirstCopy(torch.device("cpu"), max_delay_s=0.0)
+    with SyncLayerwisePool.open(
+        staged(layerwise=True), layout=KVLayout.from_kv_caches(dst), backend=backend, device=device
+    ) as kv:
+        kv.start_load([KVRequest(request_id="r", block_ids=DST_IDS, tokens=TOKENS)])
+        assert [kv.wait_for_layer_load(layer) for layer in range(kv.num_layers)] == [False] * kv.num_layers
+        result = kv.wait_for_save()
+    assert result.failed_block_ids == frozenset(DST_IDS)
+
+
+@attrs.define(eq=False)
+class FailsLateOnTheDevice(FailsFirstCopy):
+    """The first copy into the cache fails at its event ``delay_s`` after it is recorded, and the
+    engine's waits are the device's own (CUDA's ``wait_event``): the host learns nothing of it."""
+
+    delay_s: float = 0.2
+
+    def record(self) -> LateEvent:  # type: ignore[override]
+        if not self.failed and self.scatters:
+            self.failed = True
+            event = FailingEvent(self.delay_s, on_complete=self._queued)
+            self._queued = []
+            event.record()
+            return event
+        return LateDevice.record(self)
+
+    def wait_current(self, event: object, timeout_s: float) -> None:
+        return None
+
+
+def test_a_step_stores_nothing_computed_on_a_layer_the_device_reports_failed_after_the_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device reports layer 0's copy into the cache failed only after the engine's stream
+    waited on it and the forward computed every layer on it: every layer wait said True, and the
+    engine saved every layer. The step's stores rest on that junk, so none is put (before: the
+    new blocks were STORED, and a lookup of the prompt found all of them); the block the copy
+    was to fill is reported failed."""
+    from kvflow import SyncLayerwisePool
+
+    src = LAYOUTS["vllm_cpu"]()
+    backend = MemoryBackend()
+    anyio.run(
+        lambda: pool(src, backend, staged(layerwise=True)).store(
+            KVRequest(block_ids=SRC_IDS[:6], tokens=TOKENS[: 6 * BLOCK])
+        )
+    )
+    engine = zeros_like_caches(src)
+    device = FailsLateOnTheDevice(torch.device("cpu"), max_delay_s=0.0)
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 1)  # chunks of one object: none waits for another
+    config = staged(layerwise=True, staging_bytes=1 << 20)
+    with SyncLayerwisePool.open(
+        config, layout=KVLayout.from_kv_caches(engine), backend=backend, device=device
+    ) as kv:
+        kv.start_load([KVRequest(request_id="r", block_ids=DST_IDS[:6], tokens=TOKENS)])
+        kv.start_store([KVRequest(request_id="r", block_ids=DST_IDS[6:], tokens=TOKENS, block_offset=6)])
+        for layer in range(kv.num_layers):
+            assert kv.wait_for_layer_load(layer) is True  # the host cannot know yet
+            kv.save_layer(layer)
+        result = kv.wait_for_save()
+        assert result.failed_block_ids == {DST_IDS[0]}  # the one block of the failed copy
+        assert result.stored["r"].stored == 0
+        assert kv.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK  # only the blocks stored before

@@ -626,12 +626,15 @@ class LoadJob:
         """Events after which ``unit``'s copies into the cache are done (none when unstaged)."""
         return tuple(self._events.get(unit, ()))
 
-    async def settle(self, unit: Unit, deadline: float) -> None:
-        """Wait until ``unit``'s copies into the cache completed, and give their chunks back."""
+    async def settle(self, unit: Unit, deadline: float) -> bool:
+        """Wait until ``unit``'s copies into the cache completed, and give their chunks back; False
+        when the device reported one failed (its blocks are failed)."""
         mine = [entry for entry in self._copying if entry[0] == unit]
         self._copying = [entry for entry in self._copying if entry[0] != unit]
+        whole = True
         for entry in mine:
-            await self._finish_copy(*entry, deadline)
+            whole = await self._finish_copy(*entry, deadline) and whole
+        return whole
 
     async def settle_all(self, deadline: float) -> None:
         """:meth:`settle` every unit with copies left: a face's cleanup, safe in a cancelled scope
@@ -641,13 +644,15 @@ class LoadJob:
 
     async def _finish_copy(
         self, unit: Unit, chunk: Chunk, home: StagingPool, blocks: list[int], deadline: float
-    ) -> None:
+    ) -> bool:
         """Wait for a chunk's copies into the cache, then give it back; the blocks it filled fail
-        if the device says the copy did."""
+        (and False) if the device says the copy did."""
         try:
-            if not await _copied(chunk, deadline):
+            whole = await _copied(chunk, deadline)
+            if not whole:
                 for j in blocks:
                     self._status[j] = GetStatus.FAILED
+            return whole
         finally:
             home.give_back(chunk)
 

@@ -100,15 +100,21 @@ class StagingPool:
 
     @classmethod
     def create(cls, device: Device, total_bytes: int, unit_nbytes: int) -> StagingPool:
-        """At least one chunk of at least one object; ``total_bytes`` split in chunks."""
+        """``total_bytes`` split in as few chunks of at most :data:`MAX_CHUNK_BYTES` as it takes
+        (larger only to hold one object), each of at least one object."""
         if total_bytes < unit_nbytes:
             raise ConfigError(
                 f"staging_bytes={total_bytes} cannot hold one object of {unit_nbytes} bytes; raise it to at "
                 f"least {unit_nbytes}"
             )
-        chunk_bytes = min(total_bytes, max(unit_nbytes, MAX_CHUNK_BYTES))
+        largest = max(unit_nbytes, MAX_CHUNK_BYTES)
+        count = -(-total_bytes // largest)
+        chunk_bytes = total_bytes // count
+        if chunk_bytes < unit_nbytes:  # the largest chunks, as many as fit
+            chunk_bytes = min(total_bytes, largest)
+            count = total_bytes // chunk_bytes
         pool = cls(device, chunk_bytes)
-        for _ in range(max(1, total_bytes // chunk_bytes)):
+        for _ in range(count):
             pool._free.append(device.host_buffer(chunk_bytes))
             pool.allocations += 1
         return pool
