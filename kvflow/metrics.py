@@ -18,7 +18,7 @@ One source for each fact:
 A custom engine on a :class:`kvflow.KVPool`::
 
     metrics = PoolMetrics(labels={"model_name": "llama-3-8b"})  # prometheus_client's default registry
-    pool = MeteredPool(await_created_pool, metrics)  # same calls as KVPool: store, retrieve, lookup
+    pool = MeteredPool(await_created_pool, metrics)  # KVPool's store(_many), retrieve(_many), lookup
     result = await pool.store(KVRequest(tokens=prompt, block_ids=ids))
     # expose with prometheus_client.start_http_server(port) or your web framework
 
@@ -37,10 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from kvflow.backends.base import GetStatus, PutStatus
-from kvflow.errors import ConfigError, RequestError
+from kvflow.errors import ConfigError, PoolClosedError, RequestError
+from kvflow.ownership import owned
 from kvflow.results import RetrieveResult, StoreResult
 
 if TYPE_CHECKING:
+    from kvflow.events import DeviceEvent
     from kvflow.pool import KVPool
     from kvflow.request import KVRequest
 
@@ -585,10 +587,23 @@ class PoolMetrics:
         self.record(Observations(reachability=[(client, reachable)]))
 
 
+#: What the pool raises for a call it refused before anything moved (a bad request or timeout, a
+#: closed pool): :class:`MeteredPool` counts nothing for it.
+_REFUSED = (RequestError, ConfigError, PoolClosedError)
+
+
 @attrs.define(eq=False)
 class MeteredPool:
-    """A :class:`kvflow.KVPool` whose ``lookup``, ``store`` and ``retrieve`` are recorded in
-    ``metrics``. Call it from the pool's event loop; it owns nothing (close the pool yourself)."""
+    """A :class:`kvflow.KVPool` whose ``lookup``, ``store``, ``store_many``, ``retrieve`` and
+    ``retrieve_many`` are recorded in ``metrics``; they take the pool's arguments and return its
+    results. Call it from the pool's event loop; it owns nothing (close the pool yourself).
+
+    A call the pool refuses before anything moved (RequestError, ConfigError, PoolClosedError)
+    counts nothing. A store or load that raises anything else, or is cancelled, counts as failed
+    as a whole (a store: the blocks this rank owns; a load: all its blocks), with its seconds, and
+    the exception or cancellation goes on. ``store_many`` and ``retrieve_many`` record each request
+    as ``store`` and ``retrieve`` do, each with the call's seconds.
+    """
 
     pool: KVPool
     metrics: PoolMetrics
@@ -605,29 +620,77 @@ class MeteredPool:
         self.metrics.looked_up(hit - held, full * block - held, time.monotonic() - started)
         return hit
 
-    async def store(self, request: KVRequest, *, timeout_s: float | None = None) -> StoreResult:
-        started = time.monotonic()
-        try:
-            result = await self.pool.store(request, timeout_s=timeout_s)
-        except (RequestError, ConfigError):  # refused before anything moved: no store failed
-            raise
-        except Exception:
-            self.metrics.stored(None, len(request.block_ids), time.monotonic() - started, 0)
-            raise
-        self.metrics.stored(result, len(request.block_ids), time.monotonic() - started, self._block_nbytes())
-        return result
+    async def store(
+        self,
+        request: KVRequest,
+        *,
+        after: DeviceEvent | None = None,
+        on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> StoreResult:
+        """:meth:`kvflow.KVPool.store`, recorded."""
+        results = await self.store_many([request], after=after, on_released=on_released, timeout_s=timeout_s)
+        return results[0]
 
-    async def retrieve(self, request: KVRequest, *, timeout_s: float | None = None) -> RetrieveResult:
+    async def store_many(
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        after: DeviceEvent | None = None,
+        on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[StoreResult]:
+        """:meth:`kvflow.KVPool.store_many`, each request recorded."""
         started = time.monotonic()
         try:
-            result = await self.pool.retrieve(request, timeout_s=timeout_s)
-        except (RequestError, ConfigError):  # refused before anything moved: no load failed
+            results = await self.pool.store_many(
+                requests, after=after, on_released=on_released, timeout_s=timeout_s
+            )
+        except _REFUSED:  # refused before anything moved: no store failed
             raise
-        except Exception:
-            self.metrics.loaded(None, len(request.block_ids), time.monotonic() - started, 0)
+        except BaseException:  # an error or a cancellation: blocks may have moved, none is known stored
+            seconds = time.monotonic() - started
+            for request in requests:
+                self.metrics.stored(None, self._owned_blocks(request), seconds, 0)
             raise
-        self.metrics.loaded(result, len(request.block_ids), time.monotonic() - started, self._block_nbytes())
-        return result
+        seconds, nbytes = time.monotonic() - started, self._block_nbytes()
+        for request, result in zip(requests, results):
+            self.metrics.stored(result, self._owned_blocks(request), seconds, nbytes)
+        return results
+
+    async def retrieve(
+        self, request: KVRequest, *, after: DeviceEvent | None = None, timeout_s: float | None = None
+    ) -> RetrieveResult:
+        """:meth:`kvflow.KVPool.retrieve`, recorded."""
+        return (await self.retrieve_many([request], after=after, timeout_s=timeout_s))[0]
+
+    async def retrieve_many(
+        self,
+        requests: Sequence[KVRequest],
+        *,
+        after: DeviceEvent | None = None,
+        timeout_s: float | None = None,
+    ) -> list[RetrieveResult]:
+        """:meth:`kvflow.KVPool.retrieve_many`, each request recorded."""
+        started = time.monotonic()
+        try:
+            results = await self.pool.retrieve_many(requests, after=after, timeout_s=timeout_s)
+        except _REFUSED:  # refused before anything moved: no load failed
+            raise
+        except BaseException:  # an error or a cancellation: blocks may have been written, none is known
+            seconds = time.monotonic() - started
+            for request in requests:
+                self.metrics.loaded(None, len(request.block_ids), seconds, 0)
+            raise
+        seconds, nbytes = time.monotonic() - started, self._block_nbytes()
+        for request, result in zip(requests, results):
+            self.metrics.loaded(result, len(request.block_ids), seconds, nbytes)
+        return results
+
+    def _owned_blocks(self, request: KVRequest) -> int:
+        """How many of the request's blocks this rank stores (another rank of its replica group
+        stores the rest), as a store that works counts them."""
+        return len(owned(range(request.block_offset, request.end_block), self.pool.parallel))
 
     def _block_nbytes(self) -> int:
         layout = self.pool.layout

@@ -3,8 +3,10 @@ real stores, loads and lookups through a local store; and nothing at all without
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from hypothesis import given
@@ -12,7 +14,20 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvflow.metrics as metrics_module
-from kvflow import ConfigError, KVLayout, KVPool, KVRequest, PoolConfig, RequestError
+from kvflow import (
+    BackendError,
+    ConfigError,
+    KVLayout,
+    KVPool,
+    KVRequest,
+    ParallelConfig,
+    PoolClosedError,
+    PoolConfig,
+    RequestError,
+    RetrieveResult,
+)
+from kvflow.backends import ObjectRef
+from kvflow.events import CpuEvent
 from kvflow.keys import hash_blocks
 from kvflow.metrics import (
     CATALOGUE,
@@ -21,6 +36,7 @@ from kvflow.metrics import (
     PoolMetrics,
     TransferCounters,
 )
+from tests.helpers import FaultyBackend
 
 BLOCK = 4
 PROMPT = list(range(100, 100 + 5 * BLOCK + 2))  # 5 full blocks
@@ -235,3 +251,211 @@ async def test_a_refused_request_is_not_counted_as_a_failed_transfer(call: str) 
             await getattr(pool, call)(KVRequest(tokens=PROMPT, block_ids=[1, 99]))
     assert _value(registry, "kvflow_store_failed_blocks_total", cause="error") == 0
     assert _value(registry, "kvflow_load_failed_blocks_total", cause="aborted") == 0
+
+
+async def test_after_and_on_released_reach_the_pool() -> None:
+    """MeteredPool takes the pool's ``after=`` and ``on_released=``: a store reads no block before
+    its event completed (the bytes stored are those written just before it), calls
+    ``on_released`` once, and a load writes nothing into the cache before its event completed."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    caches = _caches()
+    async with KVPool.create(
+        PoolConfig(backend="memory://", model="m"), layout=KVLayout.from_kv_caches(caches)
+    ) as raw:
+        pool = MeteredPool(raw, metrics)
+        written = CpuEvent()
+        released: list[bool] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: pool.store(
+                    KVRequest(tokens=PROMPT, block_ids=[0, 1, 2, 3, 4]),
+                    after=written,
+                    on_released=lambda: released.append(True),
+                )
+            )
+            await anyio.sleep(0.05)
+            assert released == []  # waiting for the "forward"
+            for cache in caches.values():
+                cache[:5] = 7.0  # the forward writes the blocks, then records its event
+            written.record()
+        assert released == [True]
+
+        for cache in caches.values():
+            cache[5:] = 0.0
+        free = CpuEvent()
+        loaded: list[RetrieveResult] = []
+
+        async def load() -> None:
+            loaded.append(await pool.retrieve(KVRequest(tokens=PROMPT, block_ids=[5, 6, 7]), after=free))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            await anyio.sleep(0.05)
+            assert not loaded and all(bool((cache[5:] == 0).all()) for cache in caches.values())
+            free.record()
+        assert loaded[0].hit_blocks == 3
+        assert all(bool((cache[5:8] == 7).all()) for cache in caches.values())
+    assert _value(registry, "kvflow_stored_blocks_total") == 5
+    assert _value(registry, "kvflow_loaded_blocks_total") == 3
+
+
+async def test_store_many_and_retrieve_many_record_each_request() -> None:
+    """``store_many`` and ``retrieve_many`` (an engine step's requests in one call) return the
+    pool's results, one per request, and record each request as ``store`` and ``retrieve`` do:
+    its blocks, and one seconds sample each."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    layout = KVLayout.from_kv_caches(_caches())
+    other = list(range(500, 500 + 3 * BLOCK))
+    async with KVPool.create(PoolConfig(backend="memory://", model="m"), layout=layout) as raw:
+        pool = MeteredPool(raw, metrics)
+        released: list[bool] = []
+        stored = await pool.store_many(
+            [KVRequest(tokens=PROMPT, block_ids=[0, 1]), KVRequest(tokens=other, block_ids=[2, 3, 4])],
+            on_released=lambda: released.append(True),
+        )
+        assert [r.stored for r in stored] == [2, 3] and released == [True]
+        loaded = await pool.retrieve_many(
+            [KVRequest(tokens=PROMPT, block_ids=[5, 6, 7]), KVRequest(tokens=other, block_ids=[0, 1])]
+        )
+        assert [r.hit_blocks for r in loaded] == [2, 2]
+    assert _value(registry, "kvflow_stored_blocks_total") == 5
+    assert _value(registry, "kvflow_stored_bytes_total") == 5 * layout.block_nbytes
+    assert _value(registry, "kvflow_store_seconds_count") == 2
+    assert _value(registry, "kvflow_loaded_blocks_total") == 4
+    assert _value(registry, "kvflow_load_failed_blocks_total", cause="miss") == 1
+    assert _value(registry, "kvflow_load_seconds_count") == 2
+
+
+async def test_a_cancelled_store_counts_as_failed_with_its_seconds() -> None:
+    """A store cancelled part-way (an engine's timeout, a shutdown) moved some blocks and has no
+    result: it counts as failed as a whole, like a store that raised, with its seconds, and the
+    cancellation goes on (the task group ends quietly)."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    layout = KVLayout.from_kv_caches(_caches())
+    stalled = anyio.Event()
+
+    async def stall_after_the_first_put(objects: Sequence[ObjectRef]) -> None:
+        if backend.calls.count("put") > 1:
+            stalled.set()
+            await anyio.sleep_forever()
+
+    backend = FaultyBackend(put_hook=stall_after_the_first_put)
+    config = PoolConfig(backend="memory://", model="m", max_inflight_bytes=4 * layout.block_nbytes)
+    async with KVPool.create(config, layout=layout, backend=backend) as raw:
+        pool = MeteredPool(raw, metrics)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: pool.store(KVRequest(tokens=PROMPT, block_ids=range(5))))
+            await stalled.wait()  # the second put began once the first ended (max_inflight_bytes)
+            tg.cancel_scope.cancel()
+        assert 0 < await raw.lookup(KVRequest(tokens=PROMPT)) < 5 * BLOCK  # some blocks moved
+    assert _value(registry, "kvflow_store_failed_blocks_total", cause="error") == 5
+    assert _value(registry, "kvflow_store_seconds_count") == 1
+    assert _value(registry, "kvflow_stored_blocks_total") == 0
+
+
+async def test_a_cancelled_load_counts_as_aborted_with_its_seconds() -> None:
+    """A load cancelled while its gets hang counts its blocks aborted, with its seconds, and the
+    cancellation goes on (``move_on_after`` catches it)."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    backend = FaultyBackend()
+    layout = KVLayout.from_kv_caches(_caches())
+    async with KVPool.create(
+        PoolConfig(backend="memory://", model="m"), layout=layout, backend=backend
+    ) as raw:
+        pool = MeteredPool(raw, metrics)
+        await pool.store(KVRequest(tokens=PROMPT, block_ids=range(5)))
+        backend.hang_on.add("get")
+        with anyio.move_on_after(0.2) as scope:
+            await pool.retrieve(KVRequest(tokens=PROMPT, block_ids=range(5)))
+        assert scope.cancelled_caught
+    assert _value(registry, "kvflow_load_failed_blocks_total", cause="aborted") == 5
+    assert _value(registry, "kvflow_load_seconds_count") == 1
+    assert _value(registry, "kvflow_load_seconds_sum") >= 0.2
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+async def test_a_store_failing_as_a_whole_counts_the_blocks_this_rank_owns(offset: int) -> None:
+    """TP=4 with 2 KV heads: ranks 0 and 1 hold the same KV and rank 0 stores the even blocks of a
+    prompt. A store that works counts those (``stored``; the others are ``not_owned``); one that
+    fails as a whole counts the same owned blocks failed, not every block of the request (its
+    replica would count the others a second time)."""
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(2, 8, BLOCK, 1, 16) for i in range(2)}
+    parallel = ParallelConfig(tp_rank=0, tp_size=4, num_kv_heads=2)
+    request = KVRequest(tokens=PROMPT, block_ids=range(5 - offset), block_offset=offset)
+    owned = len(range(offset, 5, 2))  # blocks 0, 2, 4 of 0..4; 2, 4 of 1..4
+
+    async def refuse(objects: Sequence[ObjectRef]) -> None:
+        raise BackendError("injected: the backend refuses every put")
+
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    config = PoolConfig(backend="memory://", model="m")
+    layout = KVLayout.from_kv_caches(caches)
+    async with KVPool.create(config, layout=layout, parallel=parallel) as raw:
+        assert (await MeteredPool(raw, metrics).store(request)).stored == owned
+    assert _value(registry, "kvflow_stored_blocks_total") == owned
+
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    backend = FaultyBackend(put_hook=refuse)
+    async with KVPool.create(config, layout=layout, parallel=parallel, backend=backend) as raw:
+        with pytest.raises(BackendError, match="injected"):
+            await MeteredPool(raw, metrics).store(request)
+    assert _value(registry, "kvflow_store_failed_blocks_total", cause="error") == owned
+
+
+async def test_a_closed_pool_counts_nothing() -> None:
+    """A closed pool refuses every call with PoolClosedError before anything moved, as it refuses
+    a bad request: no lookup, no failed store or load, no seconds sample (a lookup never counted
+    one; a store or load on a shut-down pool must not page as a store failure either)."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    raw = KVPool.create(PoolConfig(backend="memory://", model="m"), layout=KVLayout.from_kv_caches(_caches()))
+    await raw.aclose()
+    pool = MeteredPool(raw, metrics)
+    request = KVRequest(tokens=PROMPT, block_ids=range(5))
+    released: list[bool] = []
+    with pytest.raises(PoolClosedError):
+        await pool.store(request, on_released=lambda: released.append(True))
+    assert released == [True]  # the pool's promise: a refused store releases its blocks at once
+    with pytest.raises(PoolClosedError):
+        await pool.store_many([request])
+    with pytest.raises(PoolClosedError):
+        await pool.retrieve(request)
+    with pytest.raises(PoolClosedError):
+        await pool.retrieve_many([request])
+    with pytest.raises(PoolClosedError):
+        await pool.lookup(request)
+    assert _value(registry, "kvflow_store_failed_blocks_total", cause="error") == 0
+    assert _value(registry, "kvflow_load_failed_blocks_total", cause="aborted") == 0
+    for name in ("store", "load", "lookup"):
+        assert _value(registry, f"kvflow_{name}_seconds_count") == 0
+
+
+async def test_head_split_ranks_each_count_every_block_they_store_as_the_doc_says() -> None:
+    """TP=2 with 2 KV heads: each rank holds its own head of every block, so each rank stores (and
+    counts) every block; summed over ranks, as vLLM sums them, stored_blocks counts each block twice
+    while stored_bytes counts each byte once. docs/operations.md says so (as for loaded_blocks),
+    not that a block counts once, at its owner."""
+    registry = CollectorRegistry()
+    layout = None
+    for rank in (0, 1):
+        caches = {f"model.layers.{i}.self_attn.attn": torch.randn(2, 8, BLOCK, 1, 16) for i in range(2)}
+        layout = KVLayout.from_kv_caches(caches)
+        parallel = ParallelConfig(tp_rank=rank, tp_size=2, num_kv_heads=2)
+        config = PoolConfig(backend="memory://", model="m")
+        async with KVPool.create(config, layout=layout, parallel=parallel) as raw:
+            metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)  # summed, as vLLM sums ranks
+            result = await MeteredPool(raw, metrics).store(KVRequest(tokens=PROMPT, block_ids=range(5)))
+            assert (result.stored, result.not_owned) == (5, 0)
+    assert layout is not None
+    assert _value(registry, "kvflow_stored_blocks_total") == 2 * 5
+    assert _value(registry, "kvflow_stored_bytes_total") == 2 * 5 * layout.block_nbytes  # each rank its heads
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| `vllm:kvflow_stored_blocks_total`")]
+    assert "KV heads split over TP ranks" in row and "a TP=2 engine counts each block twice" in row

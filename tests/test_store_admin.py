@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,16 @@ from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.base import GetStatus, ObjectRef
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.backend import key_of_file_name
-from kvflow.backends.local.format import HEADER_SIZE, Header, key_digest, object_file_name, payload_checksum
+from kvflow.backends.local.format import (
+    HEADER_SIZE,
+    Header,
+    TempName,
+    WriterId,
+    key_digest,
+    object_file_name,
+    payload_checksum,
+)
+from kvflow.backends.local.presence import JOURNAL_END
 from kvflow.cli import main
 from kvflow.regions import buffer_address
 from kvflow.tools.store_admin import read_inventory
@@ -281,3 +291,41 @@ def test_ls_prints_a_key_holding_a_lone_surrogate_as_an_escape(tmp_path: Path) -
     )
     assert done.returncode == 0, done.stderr
     assert "odd\\ud800key" in done.stdout
+
+
+def _objects(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {
+        p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in (root / "objects").iterdir()
+    }
+
+
+def test_stats_opens_a_local_store_as_an_engine_does_and_tidies_it_as_documented(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvflow store stats`` creates no store, but opening one (as an engine does) tidies it:
+    a missing ``tmp/`` is made, the directory's mode becomes the store's (0700, private), the
+    lock file grows to its journal's size, dead writers' temp files go; no object changes
+    (docs/operations.md)."""
+    url = f"local://{tmp_path}/store?capacity=64MiB"
+    anyio.run(_fill, url)
+    root = tmp_path / "store"
+    objects = _objects(root)
+    assert objects
+    os.rmdir(root / "tmp")
+    os.chmod(root, 0o750)
+    os.truncate(root / "kvflow.lock", 16)
+    assert main(["store", "stats", url]) == 0
+    assert (root / "tmp").is_dir()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert (root / "kvflow.lock").stat().st_size == JOURNAL_END
+
+    me = WriterId.current()
+    dead = TempName(
+        WriterId(me.namespace, me.pid, me.start + 1), 4096, "ab12cd"
+    ).format()  # this pid, an older process
+    (root / "tmp" / dead).write_bytes(b"\0" * 4096)
+    os.chmod(root / "tmp" / dead, 0o600)
+    assert main(["store", "stats", url]) == 0
+    assert not (root / "tmp" / dead).exists()
+    assert _objects(root) == objects
+    capsys.readouterr()
