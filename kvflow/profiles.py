@@ -384,9 +384,17 @@ class ProfileBook:
                 log.debug("announcing the profile failed: %r", exc)
                 return
             if status is PutStatus.STORED:
-                self._known[slot] = self.own
-                self._announced_at = time.monotonic()
-            # PRESENT: another pool took the slot first; the next store looks again
+                # Read back: a store whose put of a key another pool just wrote keeps that value
+                # and says STORED (Mooncake), so two pools racing for a slot would both count it
+                # theirs. Not found there, the next store looks again (as after PRESENT: another
+                # pool took the slot first).
+                slots = await self._read(deadline)
+                if slots is not None:
+                    self._remember(slots)
+                if slots is None or slots[slot] is None:  # not readable now: taken as written
+                    self._known[slot] = self.own
+                if slots is None or slots[slot] in (None, self.own):
+                    self._announced_at = time.monotonic()
         finally:
             self._lock.release()
 

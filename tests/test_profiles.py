@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import attrs
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvflow import ConfigError, KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig
-from kvflow.backends.base import Backend, GetStatus, ObjectRef
+from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import KeyScope
 from kvflow.profiles import SLOT_BYTES, SLOTS, Profile, ProfileBook, _slot_key, is_book_key
@@ -703,3 +703,37 @@ async def test_context_sharded_profiles_of_another_block_size_are_not_read() -> 
     unsharded = attrs.evolve(PROFILE, block_size=32)  # without shards, another block size is read
     await ProfileBook(backend, unsharded).announce(float("inf"))
     assert unsharded in await ProfileBook(backend, PROFILE).others(float("inf"))
+
+
+@attrs.define
+class PutKeepsTheFirstValue(FaultyBackend):
+    """A store whose put of a key that exists keeps the value there and says STORED (Mooncake's
+    put); ``before_put`` runs once, before the next put (another pool's announcement landing
+    between this pool's read of the book and its put)."""
+
+    before_put: Callable[[], Awaitable[None]] | None = None
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        if self.before_put is not None:
+            run, self.before_put = self.before_put, None
+            await run()
+        present = await self.inner.exists([o.key for o in objects])
+        fresh = [o for o, there in zip(objects, present) if not there]
+        await self.inner.put(fresh)
+        return [PutStatus.STORED] * len(objects)
+
+
+async def test_two_pools_racing_for_a_slot_on_a_store_that_keeps_the_first_put_both_get_announced() -> None:
+    """Pools A and B read the book empty; A's announcement lands in slot 0 before B's put of
+    slot 0, which the store keeps as A's and answers STORED. B reads the slot back, finds A, and
+    its next store takes slot 1 (before: B counted slot 0 as its own for a minute, and engines
+    split otherwise could not find its KV meanwhile)."""
+    backend = PutKeepsTheFirstValue()
+    a = ProfileBook(backend, PROFILE)  # type: ignore[arg-type]
+    b = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=4))  # type: ignore[arg-type]
+    backend.before_put = lambda: a.announce(float("inf"))
+    await b.announce(float("inf"))  # read the book empty; A took slot 0 before B's put
+    assert sum(is_book_key(k) for k in backend.inner.stored_keys()) == 1
+    await b.announce(float("inf"))  # not announced: it looks again
+    reader = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=1))  # type: ignore[arg-type]
+    assert set(await reader.others(float("inf"))) == {PROFILE, b.own}
