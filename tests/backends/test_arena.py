@@ -6,8 +6,10 @@ each test. Several OS processes share a store through :mod:`tests.backends.store
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -27,7 +29,7 @@ import torch
 import kvflow.backends.arena.backend as arena
 import kvflow.backends.local.format as local_format
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
-from kvflow.backends import open_backend, pacing
+from kvflow.backends import lockfiles, open_backend, pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.arena.store import WAYS, KeyHashes, key_hashes
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
@@ -201,6 +203,39 @@ async def test_wide_sets_keep_the_newest_objects_like_one_lru_list(store_dir: Pa
         keys = [f"r{request}-{i}" for i in range(2 * WAYS)]
         assert await put_all(backend, keys, 4 * KiB) == [PutStatus.STORED] * len(keys)
         assert all(await backend.exists(keys))
+    await backend.aclose()
+
+
+def leading_run(found: list[bool]) -> int:
+    """How many blocks a prefix lookup finds: it stops at the first miss."""
+    return found.index(False) if False in found else len(found)
+
+
+async def test_a_full_set_evicts_a_requests_last_blocks_first(store_dir: Path) -> None:
+    """Every block of a put was used at the same time, and ties went to the higher way: a full set
+    evicted a request's first blocks, and the blocks it kept never hit (a prefix lookup stops at
+    the first miss). The i-th block is used at ``now - i``, as in the local backend."""
+    backend = open_arena(store_dir, slots=12, slot=4 * KiB)  # one set of 12
+    first = [f"r1-{i}" for i in range(10)]
+    assert await put_all(backend, first, 4 * KiB) == [PutStatus.STORED] * 10
+    assert await put_all(backend, [f"r2-{i}" for i in range(5)], 4 * KiB) == [PutStatus.STORED] * 5
+    assert await backend.exists(first) == [True] * 7 + [False] * 3
+    assert leading_run(await backend.exists(first)) == 7
+    await backend.aclose()
+
+
+async def test_a_get_uses_a_requests_first_blocks_last(store_dir: Path) -> None:
+    """The same for the uses a get records: the blocks of a request just read are newer than any
+    block of an earlier put, its first blocks newest."""
+    backend = open_arena(store_dir, slots=12, slot=4 * KiB)  # one set of 12
+    first = [f"r1-{i}" for i in range(10)]
+    assert await put_all(backend, first, 4 * KiB) == [PutStatus.STORED] * 10
+    assert await put_all(backend, ["x0", "x1"], 4 * KiB) == [PutStatus.STORED] * 2  # the set is full
+    outs = [bytearray(4 * KiB) for _ in first]
+    assert await backend.get([obj(k, out) for k, out in zip(first, outs)]) == [GetStatus.HIT] * 10
+    assert await put_all(backend, ["r2-0", "r2-1", "r2-2"], 4 * KiB) == [PutStatus.STORED] * 3
+    assert await backend.exists(["x0", "x1"]) == [False, False]
+    assert leading_run(await backend.exists(first)) == 9
     await backend.aclose()
 
 
@@ -395,6 +430,60 @@ def test_opening_and_closing_leaves_no_descriptor_open(store_dir: Path) -> None:
     for _ in range(3):
         anyio.run(open_arena(store_dir).aclose)
     assert open_fds() == before
+
+
+def arena_maps(store_dir: Path) -> int:
+    """How many mappings of the store's files this process has."""
+    with open("/proc/self/maps") as maps:
+        return sum(str(store_dir) in line for line in maps)
+
+
+def test_a_backend_that_fails_to_open_leaves_nothing_open(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the compiled functions failed after the arena was opened: its lock file and
+    directory stayed open, the lock file registered for forked children."""
+    anyio.run(open_arena(store_dir).aclose)  # made once
+    before, registered = open_fds(), dict(lockfiles._OPEN)
+
+    def broken() -> None:
+        raise RuntimeError("compiling failed")
+
+    monkeypatch.setattr(arena, "passes", broken)
+    with pytest.raises(RuntimeError, match="compiling failed"):
+        open_arena(store_dir)
+    assert (open_fds(), lockfiles._OPEN, arena_maps(store_dir)) == (before, registered, 0)
+
+
+def test_an_arena_that_cannot_be_mapped_names_the_address_space_limit(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mmap's ENOMEM (the address space limit, ``ulimit -v``) said "the local backend cannot use
+    ...; give a directory this process can create and write, e.g. local://"."""
+    anyio.run(open_arena(store_dir).aclose)  # made once
+    before, registered = open_fds(), dict(lockfiles._OPEN)
+
+    def no_address_space(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap, "mmap", no_address_space)
+    with pytest.raises(ConfigError) as raised:
+        open_arena(store_dir)
+    said = str(raised.value)
+    assert said.startswith(f"the arena backend cannot use {store_dir}"), said
+    assert "ulimit -v" in said and "smaller capacity" in said and "local" not in said, said
+    assert (open_fds(), lockfiles._OPEN) == (before, registered)
+
+
+def test_a_store_path_that_cannot_be_made_is_reported_for_the_arena_backend(store_dir: Path) -> None:
+    """An arena:// URL was told of "the local backend" and given local:// as an example."""
+    store_dir.parent.joinpath("file").write_bytes(b"")
+    path = store_dir.parent / "file" / "store"  # its parent is a file: ENOTDIR, even for root
+    with pytest.raises(ConfigError) as raised:
+        ArenaBackend.from_url(f"arena://{path}?capacity=64KiB&slot=16KiB")
+    said = str(raised.value)
+    assert said.startswith(f"the arena backend cannot use {path}: {os.strerror(errno.ENOTDIR)}"), said
+    assert "e.g. arena://" in said and "local" not in said, said
 
 
 def test_urls() -> None:
@@ -986,6 +1075,48 @@ def test_a_store_locked_for_good_is_unavailable_not_misconfigured(store_dir: Pat
             open_arena(store_dir, slots=16, lock_timeout_s=0.2)
     finally:
         os.close(fd)
+
+
+# Open the store of argv[1] once kvflow's compiled functions are loaded: how long the open took.
+_OPEN = """
+import sys, time
+import anyio
+from kvflow import regions
+from kvflow.backends.arena import ArenaBackend
+from kvflow.backends.arena.table import passes
+from kvflow.errors import ConfigError
+regions.warm(), passes()
+started = time.monotonic()
+try:
+    anyio.run(ArenaBackend.from_url(sys.argv[1]).aclose)
+    print(f"{time.monotonic() - started:.3f} opened")
+except ConfigError as exc:
+    print(f"{time.monotonic() - started:.3f} ConfigError: {exc}")
+"""
+
+
+def test_a_capacity_larger_than_the_filesystem_is_refused_without_waiting_for_the_lock(
+    store_dir: Path,
+) -> None:
+    """A process opening a store whose arena is missing waits for the lock as long as making the
+    arena takes (1 s per GiB): a typo (capacity=64TiB) while a stopped process held the lock waited
+    about 18 hours before the capacity was found larger than the filesystem."""
+    store_dir.mkdir(mode=0o700)
+    fd = os.open(store_dir / "kvflow.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    url = f"arena://{store_dir}?capacity=64TiB&slot=64MiB&lock_timeout=10"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a stopped process
+        done = subprocess.run([sys.executable, "-c", _OPEN, url], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("opening a store larger than its filesystem waited for the lock")
+    finally:
+        os.close(fd)
+    assert done.returncode == 0, done.stderr
+    seconds, said = done.stdout.split(" ", 1)
+    assert float(seconds) < 5, done.stdout  # not the lock timeout: no wait at all
+    assert said.startswith("ConfigError: the arena backend cannot take") and "no room" in said, said
+    assert "smaller capacity" in said, said
+    assert sorted(p.name for p in store_dir.iterdir()) == ["kvflow.lock"]
 
 
 def test_an_arena_an_earlier_kvflow_cut_opens_with_the_same_url(

@@ -4,9 +4,10 @@ Tables are drawn at random (slots free, being written by this process, by a live
 writer, or published; keys that collide in their tag byte) with puts of keys drawn from the same
 few, repeats included. The model is the rule as :meth:`ArenaFile.claim` states it, one key at a
 time; the compiled claim must give the same slot, PRESENT or NO_SPACE for every key, the same
-evictions and the same touched last uses. A get's look-up is checked the same way, with rows
-found under an earlier hold of the lock that may have gone stale, and a lookup's find (each key's
-published slot, nothing touched) too. The arena's own tests
+evictions and the same touched last uses (``now - i`` for the ``i``-th key: a request's first
+blocks are its newest). A get's look-up is checked the same way, with rows found under an earlier
+hold of the lock that may have gone stale, and a lookup's find (each key's published slot, nothing
+touched) too. The arena's own tests
 (tests/backends/test_arena.py) check both through real puts and gets.
 """
 
@@ -79,7 +80,7 @@ def model(table: Table, put: list[tuple[int, int]]) -> tuple[list[int], int, lis
 
     taken = {row for row, key in enumerate(table.key) if key in put}  # hold a key of the put
     seen: set[tuple[int, int]] = set()
-    for key in put:
+    for i, key in enumerate(put):
         if key in seen:
             results.append(REPEAT)
             continue
@@ -89,7 +90,7 @@ def model(table: Table, put: list[tuple[int, int]]) -> tuple[list[int], int, lis
         if holding:
             row = holding[-1]
             if table.state[row] == READY:
-                used[row] = NOW
+                used[row] = NOW - i  # a request's first blocks are its newest uses
                 results.append(PRESENT)
             elif live_writer(row):
                 results.append(PRESENT)
@@ -190,7 +191,7 @@ def test_the_compiled_lookup_finds_published_slots_and_checks_stale_ones(case: L
         want_rows[i] = row
         want_found[i] = row >= 0 and nbytes[row] == sizes[i]
         if want_found[i]:
-            want_used[row] = NOW
+            want_used[row] = NOW - i  # a request's first blocks are its newest uses
     c = table.columns()
     k0 = np.array([k[0] for k in keys], dtype=np.uint64)
     k1 = np.array([k[1] for k in keys], dtype=np.uint64)

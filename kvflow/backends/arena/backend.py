@@ -78,12 +78,14 @@ class ArenaBackend:
     _stranded: set[int] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
+        # The copy loops and the claim, loaded now rather than at the first put on the loop; before
+        # the arena is opened, so that nothing is left open (or locked) when loading them fails.
+        regions.warm()
+        passes()
         self._arena = ArenaFile.open(self.config)
         self._life = Lifetime("the arena backend is closed", release=self._arena.close)
         geometry = self._arena.geometry
         self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
-        regions.warm()  # the copy loops and the claim, loaded now rather than at the first put on the loop
-        passes()
 
     @classmethod
     def from_url(cls, url: str) -> ArenaBackend:

@@ -29,6 +29,7 @@ __all__ = [
     "PAGE",
     "WAYS",
     "Geometry",
+    "check_room",
     "exists",
     "open_or_create",
     "stored_geometry",
@@ -115,7 +116,7 @@ def stored_geometry(config: ArenaConfig) -> Geometry | None:
     root = os.path.normpath(config.path)
     access = Access.of(config.group)
     path = f"{root}/{ARENA_NAME}"
-    with opening(root) as fds:
+    with opening(root, backend="arena") as fds:
         try:
             fds.append(open_root(root, access, create=False))
             fds.append(open_store_file(fds[0], ARENA_NAME, path, access, create=False))
@@ -133,6 +134,19 @@ def exists(root_fd: int, name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def check_room(root_fd: int, root: str, geometry: Geometry) -> None:
+    """ConfigError when an arena of ``geometry`` is larger than the whole filesystem holding the
+    store ``root_fd`` (free space is not checked: another process may be allocating the arena)."""
+    fs = os.fstatvfs(root_fd)
+    total = fs.f_blocks * fs.f_frsize  # 0 where a filesystem does not say: not checked
+    if 0 < total < geometry.file_bytes:
+        raise ConfigError(
+            f"the arena backend cannot take {geometry.file_bytes} bytes in {root}: the filesystem has "
+            f"no room, it holds {total} bytes in all. Give a smaller capacity, or a directory on a "
+            f"larger filesystem (df -h {root})"
+        )
 
 
 def open_or_create(

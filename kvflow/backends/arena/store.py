@@ -50,6 +50,7 @@ from kvflow.backends.arena.header import (
     PAGE,
     WAYS,
     Geometry,
+    check_room,
     exists,
     open_or_create,
     stored_geometry,
@@ -176,27 +177,34 @@ class ArenaFile:
         root = os.path.normpath(config.path)
         access = Access.of(config.group)
         geometry = Geometry.of(config)
-        with opening(root) as fds:
+        with opening(root, backend="arena") as fds:
             fds.append(open_root(root, access))
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
             # a forked child gets its own (kvflow.backends.lockfiles), even while the store is made
             lockfiles.opened(fds[1])
-            lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
-            wait = config.lock_timeout_s
-            if not exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
-                wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
             try:
-                with lock.held_blocking(EXCLUSIVE, wait):
-                    fd, geometry = open_or_create(fds[0], root, access, geometry, Geometry.earlier_of(config))
-                    fds.append(fd)
-            except TimeoutError as exc:
-                raise BackendUnavailableError(f"cannot open the arena at {root}: {exc}") from None
-            mapped = mmap.mmap(
-                fds[2],
-                geometry.file_bytes,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            )
+                lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
+                wait = config.lock_timeout_s
+                if not exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
+                    check_room(fds[0], root, geometry)  # (not for one its filesystem cannot hold)
+                    wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
+                try:
+                    with lock.held_blocking(EXCLUSIVE, wait):
+                        fd, geometry = open_or_create(
+                            fds[0], root, access, geometry, Geometry.earlier_of(config)
+                        )
+                        fds.append(fd)
+                except TimeoutError as exc:
+                    raise BackendUnavailableError(f"cannot open the arena at {root}: {exc}") from None
+                mapped = mmap.mmap(
+                    fds[2],
+                    geometry.file_bytes,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                )
+            except BaseException:
+                lockfiles.closing(fds[1])  # (``opening`` closes the descriptors)
+                raise
         os.close(fds.pop())  # the map keeps the file
         return cls(root, geometry, lock, fds[0], mapped)
 
@@ -249,7 +257,8 @@ class ArenaFile:
         """Fill ``query.rows`` and ``query.found`` for its objects in ``[start, end)``: each one's
         published slot (-1: none), looked for again where a slot found under an earlier hold of the
         lock no longer holds its key; found where the slot holds an object of the size asked for
-        (a use, for LRU: a benign race under the shared lock, every writer writes a recent time)."""
+        (a use, for LRU, at ``now - i`` for the get's ``i``-th object, as :meth:`claim` stamps them:
+        a benign race under the shared lock, every writer writes a recent time)."""
         c = self._columns
         passes().locate(
             c[_STATE], c[_K0], c[_K1], c[_NBYTES], c[_USED], self._tags,
@@ -270,10 +279,12 @@ class ArenaFile:
         ``hashes``, which shares the outcome of that one's put.
 
         A key already published, or being written by a live process, is PRESENT; a published one
-        counts as used. A slot that held the key before (freed, or its
-        writer died) takes it again. Otherwise a claim takes, in order: a free slot of the set, one
-        whose writer died, the least recently used published one (counted in :attr:`evictions`);
-        never a slot this call claimed, nor one that holds (or held) another key of the call.
+        counts as used. The ``i``-th hash's slot is used at ``now - i``: a request's first blocks
+        are its newest, so its last go first when its set is full. A slot that held the key before
+        (freed, or its writer died) takes it again. Otherwise a claim takes, in order: a free slot
+        of the set, one whose writer died, the least recently used published one (counted in
+        :attr:`evictions`); never a slot this call claimed, nor one that holds (or held) another key
+        of the call.
         Decided in one pass of compiled code (:mod:`kvflow.backends.arena.table`).
         """
         if not len(hashes):
@@ -293,7 +304,7 @@ class ArenaFile:
         given = rows >= 0
         # No decision read a row it gave out (a row given once is never given again, nor one that
         # holds a key of the call), so the claims are written together, column by column.
-        self._write_claims(rows[given], hashes[given], now)
+        self._write_claims(rows[given], hashes[given], _uses(now, np.flatnonzero(given)))
         return [_STATUS.get(row, row) for row in rows.tolist()]
 
     def _hash_words(self, hashes: Hashes) -> tuple[Words, Words, npt.NDArray[np.int64]]:
@@ -310,17 +321,18 @@ class ArenaFile:
             verdicts[writer] = writer.is_alive(self.me)
         return verdicts[writer]
 
-    def _write_claims(self, at: npt.NDArray[np.int64], hashes: Hashes, now: int) -> None:
-        """Make rows ``at`` this process's, WRITING, for the keys of ``hashes`` (one row each): the
-        owner of every row first, then their state, then their keys, so a process killed between
-        two of those writes leaves each row holding its old object whole, or a dead writer's slot."""
+    def _write_claims(self, at: npt.NDArray[np.int64], hashes: Hashes, used: Words) -> None:
+        """Make rows ``at`` this process's, WRITING, for the keys of ``hashes`` (one row each), last
+        used at ``used``: the owner of every row first, then their state, then their keys, so a
+        process killed between two of those writes leaves each row holding its old object whole, or
+        a dead writer's slot."""
         if not len(at):
             return
         table = self._table
         table[_NS : _START + 1, at] = self._me_words[:, None]  # the owner's three words
         table[_STATE, at] = WRITING
         table[_K0 : _K1 + 1, at] = hashes.T
-        table[_USED, at] = now
+        table[_USED, at] = used
         self._tags[at] = (hashes[:, 1] & np.uint64(0xFF)).astype(np.uint8)
 
     def publish(self, rows: list[int], sizes: list[int], keys: list[str]) -> None:
@@ -379,6 +391,13 @@ class ArenaFile:
             if removed[-1]:
                 self._words[row] = FREE
         return removed
+
+
+def _uses(now: int, order: npt.NDArray[np.int64]) -> Words:
+    """The last uses of the objects at ``order`` in a call made at ``now``: ``now - i`` for the
+    ``i``-th, so that a request's first blocks are its newest and a full set evicts its last ones
+    first (a prefix lookup stops at its first miss: blocks kept after a lost one never hit)."""
+    return np.uint64(now) - order.astype(np.uint64)
 
 
 @attrs.define

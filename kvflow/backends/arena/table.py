@@ -83,7 +83,9 @@ def _claim(
 ) -> int:  # pragma: no cover (compiled)
     """For each key ``(k0[i], k1[i])`` of set ``sets[i]``: ``out[i]`` = the slot it takes, or
     PRESENT, or NO_SPACE, as :meth:`ArenaFile.claim` says; returns how many of the slots given
-    held a published object (evictions). ``dead``: slots being written by writers known dead."""
+    held a published object (evictions). ``dead``: slots being written by writers known dead. A
+    published key found is used at ``now - i``: a request's first blocks are its newest, so a
+    full set evicts its last blocks first (a prefix lookup stops at the first miss)."""
 
     def dead_writer(row: int) -> bool:  # of a slot being written: whether its writer died
         if ns[row] == me[0] and pid[row] == me[1] and start[row] == me[2]:
@@ -133,7 +135,7 @@ def _claim(
         row = same[i]
         if row >= 0:
             if state[row] == _READY:
-                used[row] = now
+                used[row] = now - np.uint64(i)
                 out[i] = PRESENT
                 continue
             if state[row] == _WRITING and not dead_writer(row):
@@ -176,7 +178,8 @@ def _locate(
     """For each key ``i`` in ``[start, end)``: ``rows[i]`` = the published slot of the key, or -1
     (looked for where ``rows[i]`` is ``UNKNOWN``, or where the slot it names no longer holds the
     key, published: a put took it meanwhile); ``found[i]`` = whether that slot holds an object of
-    ``sizes[i]`` bytes, whose last use becomes ``now`` (a size of -1 is never found)."""
+    ``sizes[i]`` bytes, whose last use becomes ``now - i`` (the get's first objects, a request's
+    head, are its newest uses; a size of -1 is never found)."""
     for i in range(start, end):
         row = rows[i]
         if row >= 0 and not (state[row] == _READY and key0[row] == k0[i] and key1[row] == k1[i]):
@@ -190,7 +193,7 @@ def _locate(
         rows[i] = row
         found[i] = row >= 0 and sizes[i] >= 0 and np.int64(nbytes[row]) == sizes[i]  # (-1: never)
         if found[i]:
-            used[row] = now
+            used[row] = now - np.uint64(i)
 
 
 def _find(

@@ -232,9 +232,10 @@ class StoreDirs:
 
 
 @contextlib.contextmanager
-def opening(root: str) -> Iterator[list[int]]:
+def opening(root: str, *, backend: str = "local") -> Iterator[list[int]]:
     """A list for the descriptors a store at ``root`` opens: if opening fails they are all closed,
-    and an OSError becomes a ConfigError saying what to do."""
+    and an OSError becomes a ConfigError saying what to do (``backend``: whose store it is, as its
+    URL scheme: ``local`` or ``arena``)."""
     fds: list[int] = []
     try:
         yield fds
@@ -242,21 +243,28 @@ def opening(root: str) -> Iterator[list[int]]:
         for fd in fds:
             os.close(fd)
         if isinstance(exc, OSError):
-            raise ConfigError(unusable_message(root, exc)) from exc
+            raise ConfigError(unusable_message(root, exc, backend=backend)) from exc
         raise
 
 
-def unusable_message(root: str, exc: OSError) -> str:
-    """What to tell the user when ``exc`` stops kvflow from using the store at ``root``."""
+def unusable_message(root: str, exc: OSError, *, backend: str = "local") -> str:
+    """What to tell the user when ``exc`` stops kvflow from using the store at ``root`` (the
+    ``backend`` one: its URL scheme, ``local`` or ``arena``)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (
-            f"the local backend cannot use {root}: the filesystem holding it is full "
+            f"the {backend} backend cannot use {root}: the filesystem holding it is full "
             f"({exc.strerror}); free space (or inodes) there, or give a directory on another "
             "filesystem"
         )
+    if exc.errno == errno.ENOMEM:  # mapping an arena: more than this process's address space
+        return (
+            f"the {backend} backend cannot use {root}: there is no memory or address space left for "
+            f"it ({exc.strerror}); raise this process's address-space limit (ulimit -v), give a "
+            "smaller capacity, or free memory"
+        )
     return (
-        f"the local backend cannot use {root}: {exc.strerror or exc}; give a directory this process "
-        "can create and write, e.g. local:// (a private directory in /dev/shm)"
+        f"the {backend} backend cannot use {root}: {exc.strerror or exc}; give a directory this process "
+        f"can create and write, e.g. {backend}:// (a private directory in /dev/shm)"
     )
 
 
