@@ -4,12 +4,16 @@ stores' listings: every object's key read back (from its file name, or the arena
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import attrs
@@ -18,9 +22,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvflow.backends.local.backend as local
+import kvflow.tools.store_admin as admin
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends.arena import ArenaBackend
-from kvflow.backends.base import GetStatus, ObjectRef
+from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.backend import key_of_file_name
 from kvflow.backends.local.format import (
@@ -33,7 +39,9 @@ from kvflow.backends.local.format import (
     payload_checksum,
 )
 from kvflow.backends.local.presence import JOURNAL_END
+from kvflow.backends.local.space import SpaceLedger
 from kvflow.cli import main
+from kvflow.keys import KeyScope, block_keys
 from kvflow.regions import buffer_address
 from kvflow.tools.store_admin import read_inventory
 
@@ -329,3 +337,187 @@ def test_stats_opens_a_local_store_as_an_engine_does_and_tidies_it_as_documented
     assert not (root / "tmp" / dead).exists()
     assert _objects(root) == objects
     capsys.readouterr()
+
+
+async def _put_blocks(url: str, model: str, count: int) -> None:
+    """``count`` small KV objects of ``model`` (64 bytes each), put straight into a local store."""
+    scope = KeyScope(model, "float32.kv2x8", "vllm_cpu.123", BLOCK, (0, 2), (0, 2))
+    keys = block_keys(scope, [i.to_bytes(32, "big") for i in range(count)])
+    buf = bytearray(64)
+    backend = LocalBackend.from_url(url)
+    try:
+        for start in range(0, count, 64):
+            batch = [ObjectRef.of(key, [buffer_address(buf)], [64]) for key in keys[start : start + 64]]
+            assert await backend.put(batch) == [PutStatus.STORED] * len(batch)
+    finally:
+        await backend.aclose()
+
+
+@attrs.define
+class Sections:
+    """What each lock section of a local store did: ``remove`` per object removed, ``scan`` per
+    recount of the whole directory. ``before``, when set, runs as a section is asked for (before
+    the lock is tried)."""
+
+    done: list[list[str]] = attrs.field(factory=list)
+    before: Callable[[], None] | None = None
+
+    @property
+    def removed(self) -> int:
+        return sum(section.count("remove") for section in self.done)
+
+
+@pytest.fixture
+def sections(monkeypatch: pytest.MonkeyPatch) -> Sections:
+    """Record the lock sections of every local store this test opens (from now on)."""
+    record = Sections()
+    locked, locked_blocking = SpaceLedger.locked, SpaceLedger.locked_blocking
+    remove_if, scan = SpaceLedger.remove_if, SpaceLedger.scan
+
+    def counting_locked(self: SpaceLedger, timeout_s: float) -> Any:
+        if record.before is not None:
+            record.before()
+        record.done.append([])
+        return locked(self, timeout_s)
+
+    def counting_locked_blocking(self: SpaceLedger, timeout_s: float) -> Any:
+        record.done.append([])
+        return locked_blocking(self, timeout_s)
+
+    def counting_remove_if(self: SpaceLedger, name: str, is_bad: Any) -> bool:
+        record.done[-1].append("remove")
+        return remove_if(self, name, is_bad)
+
+    def counting_scan(self: SpaceLedger) -> None:
+        record.done[-1].append("scan")
+        scan(self)
+
+    monkeypatch.setattr(SpaceLedger, "locked", counting_locked)
+    monkeypatch.setattr(SpaceLedger, "locked_blocking", counting_locked_blocking)
+    monkeypatch.setattr(SpaceLedger, "remove_if", counting_remove_if)
+    monkeypatch.setattr(SpaceLedger, "scan", counting_scan)
+    return record
+
+
+@contextlib.contextmanager
+def lock_holder(root: Path) -> Iterator[Callable[[], None]]:
+    """A function that takes the store's lock as another process would (its own open file of
+    ``kvflow.lock``) and keeps it: a stopped engine. Released on leaving."""
+    fd = os.open(root / "kvflow.lock", os.O_RDWR)
+
+    def take() -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    try:
+        yield take
+    finally:
+        os.close(fd)
+
+
+def _file_names(root: Path) -> set[str]:
+    return {p.name for p in (root / "objects").iterdir()}
+
+
+def test_clear_of_one_model_removes_in_lock_sections_of_a_bounded_size(
+    tmp_path: Path, sections: Sections, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`clear --model` removed all of the model's objects in one lock section, which every engine's
+    puts wait for (0.8 s for 40,000 objects, past their lock timeout for some 500,000); it removes
+    at most 256 per section, as `clear` does."""
+    url = f"local://{tmp_path}/store"
+    anyio.run(_put_blocks, url, "big", 600)
+    anyio.run(_put_blocks, url, "small", 5)
+    kept = {n for n in _file_names(tmp_path / "store") if "@small@" in n}
+    sections.done.clear()
+    outcome = _json(capsys, "store", "clear", url, "--model", "big", "--json")
+    assert outcome == {"url": url, "model": "big", "removed": 600, "failed": 0}
+    removes = [section.count("remove") for section in sections.done]
+    assert sum(removes) == 600 and max(removes) <= 256
+    assert _file_names(tmp_path / "store") == kept and len(kept) == 5
+
+
+def test_stats_of_a_local_store_read_its_usage_counter_without_a_scan_under_the_lock(
+    tmp_path: Path, sections: Sections, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stats` recounted the whole directory in one lock section (0.55 s for 40,000 objects, which
+    every engine's puts waited for); it reads the usage counter the engines keep instead, which
+    is the files' total."""
+    url = f"local://{tmp_path}/store"
+    anyio.run(_put_blocks, url, "m", 300)
+    sections.done.clear()
+    stats = _json(capsys, "store", "stats", url, "--json")
+    assert isinstance(stats, dict) and stats["objects"] == 300
+    assert stats["used_bytes"] == sum(p.stat().st_size for p in (tmp_path / "store" / "objects").iterdir())
+    assert sections.done and not any("scan" in section for section in sections.done)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["stats"], ["ls"], ["clear", "--yes"], ["clear", "--model", "m", "--yes"]],
+    ids=["stats", "ls", "clear", "clear --model"],
+)
+def test_a_lock_taken_after_the_tool_opened_the_store_is_a_message_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """An engine stopped inside a lock section just after `kvflow store` opened the store: the
+    wait for the lock ended in a TimeoutError traceback; now the command says which lock to look
+    at and what to do, removes nothing, and exits 1."""
+    url = f"local://{tmp_path}/store?lock_timeout=0.1"
+    anyio.run(_put_blocks, url, "m", 5)
+    before = _file_names(tmp_path / "store")
+    opened = admin._open_local
+    with lock_holder(tmp_path / "store") as take:
+
+        def open_then_lock(url: str) -> Any:
+            backend = opened(url)
+            take()
+            return backend
+
+        monkeypatch.setattr(admin, "_open_local", open_then_lock)
+        assert main(["store", argv[0], url, *argv[1:]]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvflow store: ") and "Traceback" not in err
+    assert f"waited 0.1s for the lock {tmp_path}/store/kvflow.lock" in err
+    assert "`lslocks` shows its PID" in err and "try again" in err
+    if argv == ["clear", "--yes"]:
+        assert "removed 0 of 5 objects" in err
+    assert _file_names(tmp_path / "store") == before
+
+
+@pytest.mark.parametrize("model", [None, "m"])
+def test_a_clear_stopped_part_way_by_a_held_lock_says_how_many_it_removed(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sections: Sections,
+    capsys: pytest.CaptureFixture[str],
+    model: str | None,
+) -> None:
+    """Another process takes the store's lock and keeps it once `clear` (or `clear --model`) has
+    removed 4 of 10 objects (4 per section here): the command died with a traceback and did not
+    say how many went; now it says, truly, exits 1, and gives the count in its JSON too."""
+    monkeypatch.setattr(local, "_LIST_GROUP", 4)
+    monkeypatch.setattr(admin, "_REMOVE_GROUP", 4)
+    url = f"local://{tmp_path}/store?lock_timeout=0.1"
+    root = tmp_path / "store"
+    anyio.run(_put_blocks, url, "m", 10)
+    by_model = ["--model", model] if model else []
+    with lock_holder(root) as take:
+
+        def take_after_four() -> None:
+            if sections.removed == 4:
+                take()
+
+        sections.before = take_after_four
+        assert main(["store", "clear", url, *by_model, "--yes", "--json"]) == 1
+    out, err = capsys.readouterr()
+    objects = f"objects of model {model!r}" if model else "objects"
+    assert err.startswith(f"kvflow store: removed 4 of 10 {objects} from {url}, then: the local store ")
+    assert "lslocks" in err and "Traceback" not in err
+    assert json.loads(out) == {
+        "url": url,
+        "model": model,
+        "removed": 4,
+        "failed": 6,
+        "error": err[14:].strip(),
+    }
+    assert len(_file_names(root)) == 6

@@ -29,10 +29,24 @@ import anyio
 import attrs
 
 from kvflow.config import split_url
-from kvflow.errors import ConfigError, KVFlowError, RequestError
+from kvflow.errors import BackendError, ConfigError, KVFlowError, RequestError
 from kvflow.keys import BlockKey, decode_key
 
-__all__ = ["Inventory", "StoredObject", "clear_store", "read_inventory", "store_main"]
+__all__ = ["ClearStoppedError", "Inventory", "StoredObject", "clear_store", "read_inventory", "store_main"]
+
+# Keys removed per call: a local store removes a call's keys in one lock section, which every
+# engine's puts wait for (as many as its clear removes per section).
+_REMOVE_GROUP = 256
+
+
+class ClearStoppedError(BackendError):
+    """:func:`clear_store` stopped part-way (the store stopped answering): ``removed`` of the
+    ``listed`` objects it meant to remove were removed; the message says what stopped it."""
+
+    def __init__(self, message: str, removed: int, listed: int) -> None:
+        super().__init__(message)
+        self.removed = removed
+        self.listed = listed
 
 
 @attrs.frozen
@@ -184,7 +198,9 @@ def _open_mooncake(url: str) -> Any:
 
 
 async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
-    """Every object of the store at ``url``, decoded, with its capacity and usage.
+    """Every object of the store at ``url``, decoded, with its capacity and usage (a local
+    store's: its usage counter, read without recounting the files, which would hold the store's
+    lock for the whole directory).
 
     ``sizes=False`` leaves a Mooncake object's size unknown (-1): asking for it leases the object
     to this client for a few seconds (the master's ``--default_kv_lease_ttl``), during which no one
@@ -195,7 +211,7 @@ async def read_inventory(url: str, *, sizes: bool = True) -> Inventory:
         backend = _open_local(url)
         try:
             listed = await backend.list_objects()
-            used = await backend.usage()
+            used = await backend.usage(recount=False) if scheme == "local" else await backend.usage()
             capacity = backend.config.capacity_bytes if _has_capacity(url, scheme) else None
         finally:
             await backend.aclose()
@@ -230,23 +246,41 @@ async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
     A local or arena store without ``model`` loses every object, unnamed ones included. A Mooncake cluster
     keeps keys that are not kvflow's. Returns ``{"removed": n, "failed": n}`` (Mooncake refuses
     to remove an object a reader holds a lease on, for a few seconds after each read, including
-    ``kvflow store ls`` and ``stats``: run it again).
+    ``kvflow store ls`` and ``stats``: run it again). Removes 256 objects per call to the store;
+    raises :class:`ClearStoppedError`, which says how many went, when the store stops answering
+    (a local store's lock held by a stopped engine, say) part-way.
     """
     if _scheme(url) != "mooncake" and model is None:
+        from kvflow.backends.local.backend import ClearStoppedError as LocalClearStopped
+
         backend = _open_local(url)
         try:
             return {"removed": await backend.clear(), "failed": 0}
+        except LocalClearStopped as exc:
+            raise _stopped(url, None, exc.removed, exc.listed, exc) from exc
         finally:
             await backend.aclose()
     inventory = await read_inventory(url, sizes=False)
     keys = [o.key for o in inventory.of_model(model) if o.key is not None and o.kind != "other"]
     backend = _open_mooncake(url) if inventory.backend == "mooncake" else _open_local(url)
+    removed = 0
     try:
-        done = await backend.remove(keys) if keys else []
+        for start in range(0, len(keys), _REMOVE_GROUP):
+            try:
+                done = await backend.remove(keys[start : start + _REMOVE_GROUP])
+            except BackendError as exc:
+                raise _stopped(url, model, removed, len(keys), exc) from exc
+            removed += sum(1 for ok in done if ok)
     finally:
         await backend.aclose()
-    removed = sum(1 for ok in done if ok)
     return {"removed": removed, "failed": len(keys) - removed}
+
+
+def _stopped(url: str, model: str | None, removed: int, listed: int, exc: Exception) -> ClearStoppedError:
+    objects = f"objects of model {model!r}" if model else "objects"
+    return ClearStoppedError(
+        f"removed {removed} of {listed} {objects} from {url}, then: {exc}", removed, listed
+    )
 
 
 def _size(n: int | None) -> str:
@@ -356,7 +390,14 @@ def _clear_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    outcome = anyio.run(clear_store, args.url, args.model)
+    try:
+        outcome = anyio.run(clear_store, args.url, args.model)
+    except ClearStoppedError as exc:
+        if args.json:
+            stopped = {"removed": exc.removed, "failed": exc.listed - exc.removed, "error": str(exc)}
+            print(json.dumps({"url": args.url, "model": args.model, **stopped}))
+        print(f"kvflow store: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"url": args.url, "model": args.model, **outcome}))
     else:

@@ -46,7 +46,7 @@ from kvflow.backends.local.format import (
     pieces,
 )
 from kvflow.backends.local.space import Reservation, SpaceLedger
-from kvflow.errors import BackendError, ConfigError, PoolClosedError
+from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.store_worker import Workers, content, read_all
 from tests.helpers import open_fds
@@ -992,6 +992,41 @@ async def test_a_put_waits_for_the_directory_lock_and_gives_up_at_its_timeout(tm
     finally:
         os.close(holder)
     await backend.aclose()
+
+
+async def test_removes_counts_and_clears_report_a_lock_held_past_its_timeout_as_unavailable(
+    tmp_path: Path,
+) -> None:
+    """Another process holds the store's lock (a stopped engine): ``remove``, ``usage`` and
+    ``clear`` raised a bare TimeoutError, which callers (`kvflow store`, a pool's remove) do not
+    expect of a backend; now BackendUnavailableError saying which lock and what to do, and nothing
+    is removed. A clear says how many objects it had removed (none here)."""
+    backend = LocalBackend(LocalConfig(str(tmp_path), capacity_bytes=1 << 20, lock_timeout_s=0.05))
+    assert await backend.put([ref(k, payload(k, 100)) for k in "abc"]) == [PutStatus.STORED] * 3
+    stored = object_files(tmp_path)
+    holder = os.open(tmp_path / "kvflow.lock", os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        advice = f"waited 0.05s for the lock {tmp_path}/kvflow.lock; another process holds it: .*lslocks"
+        with pytest.raises(BackendUnavailableError, match=f"cannot remove objects now: {advice}"):
+            await backend.remove(["a"])
+        for recount in (True, False):
+            with pytest.raises(BackendUnavailableError, match=f"cannot count its usage now: {advice}"):
+                await backend.usage(recount=recount)
+        with pytest.raises(local.ClearStoppedError, match=f"cannot clear now: {advice}") as stopped:
+            await backend.clear()
+        assert (stopped.value.removed, stopped.value.listed) == (0, 3)
+        assert object_files(tmp_path) == stored
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        assert await backend.remove(["a"]) == [True]
+        assert (
+            await backend.usage(recount=False)
+            == await backend.usage()
+            == sum(object_files(tmp_path).values())
+        )
+    finally:
+        os.close(holder)
+        await backend.aclose()
 
 
 @pytest.mark.parametrize("head", ["newest", "oldest"])

@@ -235,7 +235,8 @@ class SpaceLedger:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"waited {timeout_s}s for the lock {self.root}/{LOCK_NAME}; "
-                    "another process holds it: look for a stopped or stuck kvflow process"
+                    "another process holds it: look for a stopped or stuck kvflow process "
+                    "(`lslocks` shows its PID)"
                 )
             await anyio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_MAX_S)
