@@ -47,6 +47,7 @@ __all__ = [
     "find_master_binary",
     "find_mooncake_binary",
     "free_port",
+    "listening_ports",
     "loopback_up",
     "main",
     "network_interfaces",
@@ -138,6 +139,30 @@ def free_port() -> int:
         return port
 
 
+def listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports process ``pid`` listens on in this network namespace (from /proc: its socket
+    inodes, matched in /proc/net/tcp and tcp6); None where /proc/net has no TCP table."""
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):  # (the process has exited: no sockets)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # (closed meanwhile)
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    ports: set[int] | None = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        ports = ports or set()
+        for row in rows:  # sl local_address rem_address st ... inode: st 0A is LISTEN
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the thread that started us exits."""
     with contextlib.suppress(OSError, AttributeError):
@@ -202,20 +227,30 @@ class MasterProcess(OwnedProcess):
             return False
 
     def wait_healthy(self, timeout_s: float) -> None:
-        """Block until healthy; raise BackendUnavailableError if it exits or takes too long."""
+        """Block until ready: ``/health`` answers 200 and this process itself listens on both its
+        ports (another master holding one of them answers ``/health`` too, while this one exits).
+        Raise BackendUnavailableError, with its exit code and log tail, if it exits or takes too long."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise BackendUnavailableError(
-                    f"mooncake_master exited with code {self.process.returncode} while starting"
+                    f"mooncake_master exited with code {self.process.returncode} while starting "
+                    f"(is port {self.rpc_port} or {self.metrics_port} in use by another process?)"
                     + self._log_hint()
                 )
-            if self.healthy(timeout_s=0.5):
+            if self.owns_ports() and self.healthy(timeout_s=0.5):
                 return
             time.sleep(0.05)
         raise BackendUnavailableError(
-            f"mooncake_master on {self.address} not healthy after {timeout_s:g} s" + self._log_hint()
+            f"mooncake_master on {self.address} not ready after {timeout_s:g} s (ready: /health "
+            f"answers on port {self.metrics_port} and the master itself listens on ports "
+            f"{self.rpc_port} and {self.metrics_port})" + self._log_hint()
         )
+
+    def owns_ports(self) -> bool:
+        """Whether this process listens on its RPC and metrics ports (True where /proc cannot tell)."""
+        ports = listening_ports(self.process.pid)
+        return ports is None or {self.rpc_port, self.metrics_port} <= ports
 
     def kill(self) -> None:
         """SIGKILL now, as a crash would (for failure tests)."""
@@ -224,7 +259,9 @@ class MasterProcess(OwnedProcess):
         self.process.wait()
 
     def _log_hint(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
+        if self.log_path is None:
+            return "; start it with log_path= to keep its output"
+        if not self.log_path.exists():
             return ""
         tail = self.log_path.read_text(errors="replace").splitlines()[-10:]
         return f"; last lines of {self.log_path}:\n" + "\n".join(tail)
@@ -289,10 +326,13 @@ def start_master(
     binary: Path | None = None,
     die_with_parent: bool = True,
 ) -> MasterProcess:
-    """Start ``mooncake_master`` on 127.0.0.1 and wait until it is healthy.
+    """Start ``mooncake_master`` on 127.0.0.1 and wait until it is ready
+    (:meth:`MasterProcess.wait_healthy`).
 
-    Refuses (NotIsolatedError) outside a private network namespace. ``die_with_parent`` asks Linux
-    to SIGTERM the master when the starting thread exits (start it from a long-lived thread).
+    Refuses (NotIsolatedError) outside a private network namespace; BackendUnavailableError, with
+    the exit code and the tail of ``log_path``, when the master exits first (a port in use).
+    ``die_with_parent`` asks Linux to SIGTERM the master when the starting thread exits (start it
+    from a long-lived thread).
     """
     check_private_netns()
     exe = binary or find_master_binary()

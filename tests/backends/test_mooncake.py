@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar, cast
 
@@ -31,7 +35,7 @@ from kvflow.backends.mooncake import backend as backend_module
 from kvflow.backends.mooncake.calls import distinct_rounds, put_chunk, put_results
 from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
 from kvflow.backends.mooncake.health import HealthGate
-from kvflow.backends.mooncake.native import NativeStore
+from kvflow.backends.mooncake.native import SETUP_RETRIES_ENV, NativeStore, setup_retries_env
 from kvflow.backends.mooncake.staging import RegisteredMemory, StagingBuffer, plan_chunks
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, MissingDependencyError
 from kvflow.layout import KVCacheEntry, KVFormat, KVLayout
@@ -873,11 +877,17 @@ if __name__ == "__main__":
 
 
 class FakeStore:
-    """A Mooncake client that records whether it was set up and closed."""
+    """A Mooncake client that records whether it was set up and closed, and how gets went."""
 
     instances: ClassVar[list[FakeStore]] = []
+    master: ClassVar[str] = ""  # a loopback port that accepts connections, as a master's does
     setup_s: ClassVar[float] = 0.4
+    setup_rc: ClassVar[int] = 0
+    close_gate: ClassVar[threading.Event | None] = None  # close waits for it (up to 5 s)
     register_rc: ClassVar[list[int]] = [0]
+    get_rc: ClassVar[int] = 0  # what every get answers for each key
+    size_rc: ClassVar[int] = 0  # what get_size answers
+    size_calls: ClassVar[int] = 0
 
     def __init__(self) -> None:
         self.set_up = False
@@ -886,10 +896,12 @@ class FakeStore:
 
     def setup(self, *args: object) -> int:
         time.sleep(FakeStore.setup_s)
-        self.set_up = True
-        return 0
+        self.set_up = FakeStore.setup_rc == 0
+        return FakeStore.setup_rc
 
     def close(self) -> int:
+        if FakeStore.close_gate is not None:
+            FakeStore.close_gate.wait(5)
         self.closed = True
         return 0
 
@@ -901,6 +913,13 @@ class FakeStore:
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         return [0] * len(keys)
+
+    def batch_get_into_multi_buffers(self, keys: list[str], *_: object) -> list[int]:
+        return [FakeStore.get_rc] * len(keys)
+
+    def get_size(self, key: str) -> int:
+        FakeStore.size_calls += 1
+        return FakeStore.size_rc
 
 
 class FakeModule:
@@ -916,12 +935,15 @@ def assert_none_left_open(fake: type[FakeStore]) -> None:
 
 
 @pytest.fixture
-def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeStore]:
+def fake_client(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeStore]]:
     FakeStore.instances = []
-    FakeStore.setup_s = 0.4
+    FakeStore.setup_s, FakeStore.setup_rc, FakeStore.close_gate = 0.4, 0, None
     FakeStore.register_rc = [0]
+    FakeStore.get_rc, FakeStore.size_rc, FakeStore.size_calls = 0, 0, 0
     monkeypatch.setattr(backend_module, "load_store_module", lambda: FakeModule)
-    return FakeStore
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # setup checks the master's port first
+        FakeStore.master = f"127.0.0.1:{listener.getsockname()[1]}"
+        yield FakeStore
 
 
 async def test_a_setup_whose_caller_gave_up_does_not_leave_a_client_open(
@@ -929,7 +951,7 @@ async def test_a_setup_whose_caller_gave_up_does_not_leave_a_client_open(
 ) -> None:
     """A pool call's deadline cancels the first (lazy) setup while its thread sets the client up:
     that client is closed when its setup ends (no segment stays mounted for nobody)."""
-    backend = MooncakeBackend(MooncakeConfig(health_interval_s=0.05))
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, health_interval_s=0.05))
     with anyio.move_on_after(0.1):
         await backend.exists(["k"])
     await anyio.sleep(fake_client.setup_s + 0.3)  # the abandoned setup has finished by now
@@ -947,7 +969,7 @@ async def test_a_setup_that_fails_after_connecting_closes_its_client(fake_client
     gate retries once per health interval: one orphan client each time else)."""
     fake_client.setup_s = 0.0
     fake_client.register_rc = [-1, 0]  # the first registration is refused, later ones succeed
-    backend = MooncakeBackend(MooncakeConfig(health_interval_s=0.05))
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, health_interval_s=0.05))
     buf = bytearray(4096)
     backend.register_memory(buffer_address(buf), len(buf))
     with pytest.raises(BackendError, match="register"):
@@ -959,3 +981,138 @@ async def test_a_setup_that_fails_after_connecting_closes_its_client(fake_client
     assert not leaked, (
         f"{len(leaked)} of {len(fake_client.instances)} Mooncake clients set up and never closed"
     )
+
+
+# -- failures Mooncake makes costly: setups, sizes, logs, close --------------------------------------
+
+
+async def test_a_setup_its_caller_gave_up_on_is_retried_only_after_the_health_interval(
+    fake_client: type[FakeStore],
+) -> None:
+    """A cancelled setup counts as a failed one: the next call does not start another Mooncake
+    setup at once (each one against a master that does not answer freezes the process ~4.4 s)."""
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, health_interval_s=0.5))
+    with anyio.move_on_after(0.1) as scope:
+        await backend.connect()
+    assert scope.cancelled_caught
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="unreachable"):
+        await backend.connect()
+    assert time.monotonic() - started < 0.2 and len(fake_client.instances) == 1
+    await anyio.sleep(0.6)
+    await backend.connect()  # the health interval has passed: set up again
+    assert len(fake_client.instances) == 2
+    await backend.aclose()
+
+
+async def test_failed_setups_are_retried_ever_less_often(fake_client: type[FakeStore]) -> None:
+    """Each failed Mooncake setup leaks a file descriptor (Mooncake's own leak: one retry per
+    health interval leaked 126 in two minutes): retries wait 1, 2, 4... up to 16 intervals."""
+    fake_client.setup_s, fake_client.setup_rc = 0.0, -1
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, health_interval_s=0.02))
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        with pytest.raises(BackendUnavailableError):
+            await backend.connect()
+        await anyio.sleep(0.01)
+    # one per interval: about 35; after 0, 0.02, 0.06, 0.14, 0.3, 0.62, 0.94 s: 7
+    assert len(fake_client.instances) <= 9
+    await backend.aclose()
+
+
+async def test_a_master_port_that_never_answers_ends_the_setup_within_setup_timeout(
+    fake_client: type[FakeStore],
+) -> None:
+    """A port whose connections hang (here: a full accept queue drops them) fails the connect
+    after ``setup_timeout``, and Mooncake's setup, which would hold the GIL, is never called."""
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as stalled:
+        port = stalled.getsockname()[1]
+        queued = [socket.socket() for _ in range(3)]
+        try:
+            for sock in queued:
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))  # fills the accept queue
+            backend = MooncakeBackend(MooncakeConfig(master=f"127.0.0.1:{port}", setup_timeout_s=0.5))
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailableError, match=r"no answer within 0\.5 s"):
+                await backend.connect()
+            assert 0.4 < time.monotonic() - started < 1.5
+            assert not fake_client.instances
+            await backend.aclose()
+        finally:
+            for sock in queued:
+                sock.close()
+
+
+async def test_sizes_after_a_failed_get_stop_at_the_first_the_master_cannot_tell(
+    fake_client: type[FakeStore],
+) -> None:
+    """A get that fails with TRANSFER_FAIL asks each key's size (to tell a layout mismatch); with
+    the master gone each answer takes ~4.3 s inside a call that cannot be abandoned. The first
+    RPC_FAIL ends the questions, fails the chunk and marks the master down."""
+    fake_client.setup_s, fake_client.get_rc, fake_client.size_rc = 0.0, -800, -900
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master))
+    slab = Slab(8 * 1000).register(backend)
+    objects = [contiguous(f"k{i}", slab, i * 1000, 1000) for i in range(8)]
+    assert await backend.get(objects) == [GetStatus.FAILED] * 8
+    assert fake_client.size_calls == 1
+    assert not backend.health().reachable and "RPC_FAIL" in (backend.health().reason or "")
+    await backend.aclose()
+
+
+async def test_objects_not_ready_log_no_warning_and_other_failures_log_at_most_one_per_interval(
+    fake_client: type[FakeStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gets of keys still being written (-703) or past their lease (-707) are routine under load:
+    no warning for each (stats count them). Other failures warn once per interval, not per call."""
+    fake_client.setup_s = 0.0
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master))
+    slab = Slab(1000).register(backend)
+    obj = contiguous("k", slab, 0, 1000)
+    with caplog.at_level(logging.WARNING, logger="kvflow.backends.mooncake"):
+        for code in (-703, -707, -703):
+            fake_client.get_rc = code
+            assert await backend.get([obj]) == [GetStatus.FAILED]
+        assert not caplog.records
+        fake_client.get_rc, fake_client.size_rc = -800, 1000
+        for _ in range(5):
+            assert await backend.get([obj]) == [GetStatus.FAILED]
+    assert [r.getMessage() for r in caplog.records] == [
+        "Mooncake get: 1 object(s) failed (TRANSFER_FAIL (-800))"
+    ]
+    assert backend.stats().get_failures == 8
+    await backend.aclose()
+
+
+async def test_a_close_that_overruns_is_logged_as_such_not_as_calls_still_running(
+    fake_client: type[FakeStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mooncake's close takes ~11 s once the master is gone; no other call ran, so the log must not
+    blame calls still running."""
+    fake_client.setup_s, fake_client.close_gate = 0.0, threading.Event()
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, close_timeout_s=0.1))
+    await backend.connect()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvflow.backends.mooncake"):
+            await backend.aclose()
+    finally:
+        fake_client.close_gate.set()  # the close ends in its thread
+    (record,) = caplog.records
+    assert "close had not returned" in record.getMessage() and "calls" not in record.getMessage()
+
+
+def test_setups_that_overlap_leave_the_retries_variable_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two backends connecting at once: the variable is restored once the last setup ends (the
+    first one's end used to restore it, and the second's end then set the first one's value)."""
+    monkeypatch.delenv(SETUP_RETRIES_ENV, raising=False)
+    first, second = setup_retries_env(3), setup_retries_env(1)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert os.environ[SETUP_RETRIES_ENV] == "1"  # the second setup still runs
+    second.__exit__(None, None, None)
+    assert SETUP_RETRIES_ENV not in os.environ
+    monkeypatch.setenv(SETUP_RETRIES_ENV, "7")
+    with setup_retries_env(2):
+        assert os.environ[SETUP_RETRIES_ENV] == "2"
+    assert os.environ[SETUP_RETRIES_ENV] == "7"

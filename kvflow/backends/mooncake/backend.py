@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -53,6 +54,8 @@ from kvflow.backends.mooncake.config import MooncakeConfig
 from kvflow.backends.mooncake.health import HealthGate, StoreHealth
 from kvflow.backends.mooncake.native import (
     MASTER_DOWN,
+    NOT_READY,
+    MasterNotListening,
     NativeStore,
     StoreModule,
     code_name,
@@ -61,7 +64,7 @@ from kvflow.backends.mooncake.native import (
     setup_store,
 )
 from kvflow.backends.mooncake.staging import Chunk, RegisteredMemory, StagingBuffer, plan_chunks
-from kvflow.backends.mooncake.threads import NativeCalls, SlotsBusy
+from kvflow.backends.mooncake.threads import Alone, NativeCalls, SlotsBusy
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
 
 __all__ = ["MooncakeBackend", "MooncakeConfig"]
@@ -71,6 +74,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PROBE_KEY = "kvflow/health-probe"
+_MAX_BACKOFF = 16  # failed setups are retried after 1, 2, 4, ... at most this many health intervals
+_WARN_EVERY_S = 10.0  # failed puts and gets are logged at most this often (per operation)
 
 
 @attrs.define(eq=False)
@@ -86,6 +91,7 @@ class MooncakeBackend:
     _replicate: object = attrs.field(init=False)
     _store: NativeStore | None = attrs.field(default=None, init=False)
     _attempted: bool = attrs.field(default=False, init=False)
+    _failed_setups: int = attrs.field(default=0, init=False)  # in a row, for the retry backoff
     _calls: NativeCalls = attrs.field(init=False)
     _connect_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
     _staging_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
@@ -97,6 +103,8 @@ class MooncakeBackend:
     _closed: bool = attrs.field(default=False, init=False)
     _closed_event: anyio.Event = attrs.field(factory=anyio.Event, init=False)  # aclose has returned
     _copies: InFlight = attrs.field(factory=InFlight, init=False)  # put and get chunks running on the client
+    _unlogged: dict[str, int] = attrs.field(factory=dict, init=False)  # failed objects not yet logged, per op
+    _logged_at: dict[str, float] = attrs.field(factory=dict, init=False)  # when each op last logged
 
     def __attrs_post_init__(self) -> None:
         self._module = load_store_module()
@@ -132,8 +140,10 @@ class MooncakeBackend:
 
     async def connect(self) -> None:
         """Set up the Mooncake client now, if it is not. Raises BackendUnavailableError when the
-        master cannot be reached (at most ``setup_timeout_s``; again at most once per
-        ``health_interval_s``)."""
+        master cannot be reached (at most ``setup_timeout_s``; at once when nothing listens at its
+        address). After a failure the next setup runs at most once per ``health_interval_s``, and
+        after failed Mooncake setups (not mere refused connections) ever less often, up to
+        every 16 intervals."""
         self._check_open()
         if self._store is None:
             await self._connected_store()
@@ -165,15 +175,27 @@ class MooncakeBackend:
 
     async def _close_native(self, store: NativeStore) -> bool:
         """Close a client once no call runs on it (shielded, bounded by ``close_timeout_s``: only
-        abandoned calls that touch no caller memory can still be running)."""
+        abandoned calls that touch no caller memory can still be running).
+
+        Mooncake's ``close`` holds the GIL while it runs (about 2 s; about 11 s once the master is
+        gone): no thread of this process runs meanwhile, and no timeout can end it early."""
+        timeout_s = self.config.close_timeout_s
         with anyio.CancelScope(shield=True):
-            closed, _ = await self._calls.run_alone(store.close, timeout_s=self.config.close_timeout_s)
-        if not closed:
+            outcome, _ = await self._calls.run_alone(store.close, timeout_s=timeout_s)
+        if outcome is Alone.BUSY:
             log.warning(
-                "Mooncake client not closed within %.1f s (calls still running); it closes with the process",
-                self.config.close_timeout_s,
+                "Mooncake client not closed: calls abandoned earlier had not returned after %.1f s "
+                "(close_timeout); it closes with the process",
+                timeout_s,
             )
-        return closed
+        elif outcome is Alone.OVERRAN:
+            log.warning(
+                "Mooncake's close had not returned after %.1f s (it takes longer while the master at %s "
+                "is unreachable); it goes on in the background",
+                timeout_s + 1.0,
+                self.config.master,
+            )
+        return outcome is Alone.DONE
 
     # -- the Backend protocol -------------------------------------------------------------------
 
@@ -363,17 +385,17 @@ class MooncakeBackend:
         return None
 
     async def _connected_store(self) -> NativeStore:
-        """Set the client up: the first time, or once per health interval after a failed setup.
+        """Set the client up: the first time, or once a failed setup may be retried.
 
-        A setup its caller gave up on (cancelled) counts as not attempted: the next call tries
-        again at once. A setup that failed marks the master down, so that one call per health
-        interval tries again."""
+        A setup that failed, or that its caller gave up on (cancelled: its thread may still run),
+        marks the master down, so that one call per health interval tries again; after failed
+        Mooncake setups the interval doubles each time (:meth:`_back_off`)."""
         claimed = False
         if self._attempted:
             if not self._health.claim_probe():
                 raise BackendUnavailableError(self._health.describe())
             claimed = True
-        ok, reason = False, "the setup was cancelled"
+        ok, reason = False, "a setup was given up by its caller before it ended"
         try:
             async with self._connect_lock:
                 if self._store is None:
@@ -381,12 +403,15 @@ class MooncakeBackend:
                         raise BackendUnavailableError(self._health.describe())
                     try:
                         store = await self._setup()
-                    except Exception as exc:
-                        reason = str(exc)
+                    except BaseException as exc:
+                        if isinstance(exc, Exception):
+                            reason = str(exc)
                         self._attempted = True
                         self._mark_down(reason)
+                        if not isinstance(exc, MasterNotListening):  # no Mooncake setup ran for that
+                            self._back_off()
                         raise
-                    self._attempted = True
+                    self._attempted, self._failed_setups = True, 0
                     if self._closed:  # aclose() ran while this setup was in flight
                         await self._close_native(store)
                         self._release_staging()
@@ -397,6 +422,14 @@ class MooncakeBackend:
         finally:
             if claimed:
                 self._health.end_probe(ok, reason)
+
+    def _back_off(self) -> None:
+        """After a failed Mooncake setup, wait 1, 2, 4... up to 16 health intervals before the next:
+        each one against a master that does not answer freezes the process (Mooncake holds the
+        GIL) and leaks a file descriptor (Mooncake's own leak)."""
+        self._failed_setups += 1
+        factor = min(2 ** (self._failed_setups - 1), _MAX_BACKOFF)
+        self._health.defer_probe(factor * self.config.health_interval_s)
 
     async def _probe(self, store: NativeStore) -> tuple[bool, str]:
         def check() -> tuple[bool, str]:
@@ -502,17 +535,25 @@ class MooncakeBackend:
         return outcome
 
     def _note_failures(self, op: str, codes: list[int]) -> None:
+        """Mark the master down on its codes; log failures: objects not ready yet (being written,
+        lease run out) at debug level, others as a warning at most once per ``_WARN_EVERY_S`` per
+        operation, with how many failed since (``stats()`` counts every one)."""
         if not codes:
             return
         down = MASTER_DOWN.intersection(codes)
         if down:
             self._mark_down(f"{op} got {code_name(min(down))}")
-        log.warning(
-            "Mooncake %s: %d object(s) failed (%s)",
-            op,
-            len(codes),
-            ", ".join(sorted({code_name(c) for c in codes})),
-        )
+        names = ", ".join(sorted({code_name(c) for c in codes}))
+        if NOT_READY.issuperset(codes):
+            log.debug("Mooncake %s: %d object(s) not ready (%s)", op, len(codes), names)
+            return
+        now = time.monotonic()
+        if now < self._logged_at.get(op, -math.inf) + _WARN_EVERY_S:
+            self._unlogged[op] = self._unlogged.get(op, 0) + len(codes)
+            return
+        self._logged_at[op], earlier = now, self._unlogged.pop(op, 0)
+        more = f"; {earlier} more since the last such message" if earlier else ""
+        log.warning("Mooncake %s: %d object(s) failed (%s)%s", op, len(codes), names, more)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -12,7 +12,9 @@ key already there          ``PRESENT`` (checked first)        --
 -200 NO_SPACE              ``NO_SPACE``                       --
 -600 INVALID_PARAMS        raise ``BackendError``             raise ``BackendError`` (size mismatch)
 -800 TRANSFER_FAIL         ``FAILED``                         ``FAILED``, or raise if the stored
-                                                              object has another size
+                                                              object has another size (sizes are
+                                                              asked until one cannot be told; a
+                                                              -900/-901 then counts for the key)
 -900 RPC_FAIL, -901        ``FAILED``, master marked down     ``FAILED``, master marked down
 other negative             ``FAILED``                         ``FAILED``
 =========================  =================================  =====================================
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
 from kvflow.backends.mooncake.native import (
     INVALID_PARAMS,
+    MASTER_DOWN,
     NO_SPACE,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
@@ -112,7 +115,12 @@ def get_chunk(
     store: NativeStore, objects: Sequence[ObjectRef], chunk: Chunk
 ) -> tuple[list[int], dict[int, int]]:
     """Get into the regions (or staging) and copy staged hits out. Also returns the stored size of
-    objects whose size differs from their regions (position in chunk -> size)."""
+    objects whose size differs from their regions (position in chunk -> size).
+
+    Sizes are asked one key at a time, so they stop at the first the master cannot tell: each such
+    answer may take about 4.3 s (the master gone), inside a call that cannot be abandoned. A key
+    whose size could not be told because the master is down gets that code (-900/-901), which
+    marks the master down; the keys after it stay ``TRANSFER_FAIL``."""
     codes = store.batch_get_into_multi_buffers(chunk.keys, chunk.addrs, chunk.sizes)
     expected = [objects[i].nbytes for i in chunk.indices]
     if chunk.staged:
@@ -121,7 +129,11 @@ def get_chunk(
     for p, code in enumerate(codes):
         if code == TRANSFER_FAIL:  # also Mooncake's answer when the regions are larger than the object
             size = store.get_size(chunk.keys[p])
-            if size >= 0 and size != expected[p]:
+            if size < 0:
+                if size in MASTER_DOWN:
+                    codes[p] = size
+                break
+            if size != expected[p]:
                 mismatched[p] = size
     return codes, mismatched
 

@@ -13,8 +13,11 @@ import json
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -24,7 +27,6 @@ from kvflow.config import (
     parse_size,
     parse_url_query,
     positive_int,
-    positive_seconds,
     split_url,
 )
 from kvflow.errors import ConfigError
@@ -37,6 +39,28 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9003  # mooncake_master's --metrics_port default
 MIN_SEGMENT = 16 << 20  # Mooncake refuses smaller segments (INVALID_PARAMS at setup)
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+MIN_TIMEOUT_S = 0.01  # a shorter bound fails every call (a thread hand-off alone takes ~0.5 ms)
+MAX_SECONDS = 86_400.0  # one day: any longer is a mistake (and overflows thread and socket timeouts)
+#: Transports Mooncake's client accepts (mooncake/mooncake_config.py lists them; it matches lowercase).
+PROTOCOLS = frozenset(
+    {
+        "tcp",
+        "rdma",
+        "efa",
+        "nvmeof",
+        "nvlink",
+        "nvlink_intra",
+        "musa",
+        "hip",
+        "barex",
+        "cxl",
+        "ascend",
+        "ub",
+        "ubshmem",
+        "maca",
+        "sunrise_link",
+    }
+)
 
 # URL parameter -> attribute; each value is read by the converter named in _URL_READERS.
 _URL_PARAMS = {
@@ -85,7 +109,9 @@ _JSON_IGNORED = {
     "client_http_port",
 }
 
-_MOONCAKE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|k|m|g|t|kib|mib|gib|tib)?\s*$", re.I)
+_MOONCAKE_SIZE = re.compile(
+    r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|k|m|g|t|kib|mib|gib|tib)?\s*$", re.IGNORECASE | re.ASCII
+)
 _BINARY = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -105,7 +131,10 @@ def parse_mooncake_size(value: object, *, name: str) -> int:
         match = _MOONCAKE_SIZE.match(value)
         if match is not None:
             unit = (match.group(2) or "").lower()
-            return int(float(match.group(1)) * _BINARY[unit[:1]])
+            exact = Fraction(match.group(1)) * _BINARY[unit[:1]]
+            if exact.denominator != 1:
+                raise ConfigError(f"{name}={value!r} is not a whole number of bytes; write e.g. {int(exact)}")
+            return int(exact)
     raise ConfigError(f'cannot read {name}={value!r} as a size; write e.g. 1073741824, "1GB" or "512MB"')
 
 
@@ -119,17 +148,30 @@ def _flag(text: str, *, name: str) -> bool:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
+    """``localhost`` (any case), 127.0.0.0/8 in any form ``inet_aton`` reads (``127.1``), ``::1``,
+    and IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        if not (host.isascii() and host.replace(".", "").isalnum()):
+            return False
+        try:  # the short IPv4 forms C resolvers accept (127.1), as Mooncake's does
+            return socket.inet_aton(host)[0] == 127
+        except OSError:
+            return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
+
+
+def _ascii_digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def _check_master(_: object, __: attrs.Attribute[str], value: str) -> None:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not _ascii_digits(port) or not 0 < int(port) < 65536:
         raise ConfigError(f"master address {value!r} must be HOST:PORT, e.g. 127.0.0.1:{DEFAULT_PORT}")
     bracketed = host.startswith("[") and host.endswith("]")
     if not _is_ipv6(host[1:-1]) if bracketed else any(c in host for c in ":[]"):
@@ -156,6 +198,29 @@ def _device_memory(_: object, __: attrs.Attribute[str], value: str) -> None:
         raise ConfigError(f"device_memory must be auto, true or false, got {value!r}")
 
 
+def _protocol(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if value not in PROTOCOLS:
+        raise ConfigError(
+            f"protocol {value!r} is not one Mooncake knows; use tcp (any host) or rdma, or one of "
+            f"{', '.join(sorted(PROTOCOLS - {'tcp', 'rdma'}))} (lowercase, no spaces)"
+        )
+
+
+def _seconds(low: float) -> Any:
+    """attrs validator: a number of seconds, at least ``low`` (more than 0 when ``low`` is 0) and
+    at most a day."""
+    accepted = f"from {low:g} to {MAX_SECONDS:g}" if low else f"more than 0 and at most {MAX_SECONDS:g}"
+
+    def check(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not (value > 0 and low <= value <= MAX_SECONDS):  # type: ignore[operator]
+            raise ConfigError(
+                f"{attribute.name} must be a number of seconds {accepted} (a day), got {value!r}"
+            )
+
+    return check
+
+
 @attrs.frozen
 class MooncakeConfig:
     """How to reach a Mooncake master and what this client brings to the cluster.
@@ -165,8 +230,10 @@ class MooncakeConfig:
     - ``buffer_bytes``: Mooncake's client-side transfer buffer (not used by zero-copy calls).
     - ``replicas``, ``preferred_segment``, ``prefer_same_node``, ``hard_pin``: Mooncake's
       ``ReplicateConfig`` for every put.
+    - ``protocol``: one of :data:`PROTOCOLS` (``tcp`` anywhere, ``rdma`` with a ``device_name``).
     - ``setup_retries``: Mooncake's ``MC_STORE_CLIENT_SETUP_RETRIES`` (about 4.4 s per retry when
-      the master is down); ``setup_timeout_s`` bounds the whole setup.
+      the master is down); ``setup_timeout_s`` bounds the whole setup. Timeouts lie between
+      ``MIN_TIMEOUT_S`` and a day.
     - ``timeout_s``: bound of ``exists`` and the overrun alarm of ``put``/``get`` (see the backend).
     - ``health_interval_s``: after a failure, how often one call may check whether the master is
       back; other calls fail fast meanwhile. ``probe_timeout_s`` bounds that check.
@@ -189,18 +256,18 @@ class MooncakeConfig:
     local_hostname: str = ""
     segment_bytes: int = attrs.field(default=1 << 30, validator=nonnegative_int)
     buffer_bytes: int = attrs.field(default=64 << 20, validator=nonnegative_int)
-    protocol: str = "tcp"
+    protocol: str = attrs.field(default="tcp", validator=_protocol)
     device_name: str = ""
     replicas: int = attrs.field(default=1, validator=positive_int)
     preferred_segment: str = ""
     prefer_same_node: bool = False
     hard_pin: bool = False
     setup_retries: int = attrs.field(default=3, validator=positive_int)
-    setup_timeout_s: float = attrs.field(default=30.0, validator=positive_seconds)
-    timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
-    health_interval_s: float = attrs.field(default=1.0, validator=positive_seconds)
-    probe_timeout_s: float = attrs.field(default=2.0, validator=positive_seconds)
-    close_timeout_s: float = attrs.field(default=10.0, validator=positive_seconds)
+    setup_timeout_s: float = attrs.field(default=30.0, validator=_seconds(MIN_TIMEOUT_S))
+    timeout_s: float = attrs.field(default=10.0, validator=_seconds(MIN_TIMEOUT_S))
+    health_interval_s: float = attrs.field(default=1.0, validator=_seconds(0))
+    probe_timeout_s: float = attrs.field(default=2.0, validator=_seconds(MIN_TIMEOUT_S))
+    close_timeout_s: float = attrs.field(default=10.0, validator=_seconds(MIN_TIMEOUT_S))
     max_batch: int = attrs.field(default=256, validator=positive_int)
     max_concurrency: int = attrs.field(default=4, validator=positive_int)
     staging_bytes: int = attrs.field(default=64 << 20, validator=nonnegative_int)
@@ -220,8 +287,6 @@ class MooncakeConfig:
             raise ConfigError(
                 f"Mooncake needs segment=0 (a pure client) or at least 16MiB, got {self.segment_bytes} bytes"
             )
-        if not self.protocol.strip():
-            raise ConfigError("protocol must not be empty; use tcp (any host) or rdma")
         if not self.local_hostname and not _is_loopback(self.master_host):
             raise ConfigError(
                 f"the master {self.master} is not on this host, so peers must reach this client: "
@@ -231,6 +296,10 @@ class MooncakeConfig:
     @property
     def master_host(self) -> str:
         return self.master.rpartition(":")[0].strip("[]")
+
+    @property
+    def master_port(self) -> int:
+        return int(self.master.rpartition(":")[2])
 
     @property
     def client_hostname(self) -> str:
@@ -329,13 +398,19 @@ def _read_url_value(param: str, text: str) -> object:
     attribute = _URL_PARAMS[param]
     if attribute.endswith("_s"):
         return parse_seconds(text, f"{param} in a mooncake:// URL")
-    try:
-        if attribute.endswith("_bytes"):
-            return parse_size(text)
-        if attribute in {"replicas", "setup_retries", "max_batch", "max_concurrency", "metrics_port"}:
-            return int(text)
-    except ValueError as exc:
-        raise ConfigError(f"{param}={text!r} in a mooncake:// URL is not a number") from exc
+    if attribute.endswith("_bytes"):
+        if not text.isascii():
+            raise ConfigError(
+                f"{param}={text!r} in a mooncake:// URL is not a size; write e.g. {param}=64MiB"
+            )
+        return parse_size(text)
+    if attribute in {"replicas", "setup_retries", "max_batch", "max_concurrency", "metrics_port"}:
+        if not _ascii_digits(text):
+            raise ConfigError(
+                f"{param}={text!r} in a mooncake:// URL is not a whole number: write only the digits 0-9, "
+                f"e.g. {param}=8"
+            )
+        return int(text)
     if attribute in {"prefer_same_node", "hard_pin", "check_present"}:
         return _flag(text, name=param)
     return text

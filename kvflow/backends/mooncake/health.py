@@ -74,6 +74,10 @@ class HealthGate:
         self._next_probe = now + self.interval_s
         return True
 
+    def defer_probe(self, delay_s: float) -> None:
+        """Let no probe start within ``delay_s`` from now (a backoff; never earlier than planned)."""
+        self._next_probe = max(self._next_probe, self.clock() + delay_s)
+
     def end_probe(self, ok: bool, reason: str = "") -> None:
         self._probing = False
         if ok:

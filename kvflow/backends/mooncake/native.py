@@ -1,7 +1,11 @@
 """The slice of Mooncake's Python client kvflow uses: lazy import, typed surface, return codes.
 
 ``mooncake.store.MooncakeDistributedStore`` is a pybind11 class whose calls block and release the
-GIL. Its batch calls return one int per key: ``>= 0`` success (a get returns the bytes read), or a
+GIL, except ``setup`` and ``close``: they hold it (``setup`` about 4.4 s per attempt against a master
+that does not answer, ``close`` about 2 s, 11 s with the master gone), so no thread of the process
+runs meanwhile. :func:`setup_store` therefore checks the master's port before it calls ``setup``.
+
+Its batch calls return one int per key: ``>= 0`` success (a get returns the bytes read), or a
 negative Mooncake ``ErrorCode``. The codes kvflow tells apart are below; the rest are failures.
 """
 
@@ -13,8 +17,11 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, cast
+
+import anyio
+import attrs
 
 from kvflow.backends.mooncake.config import MooncakeConfig
 from kvflow.backends.mooncake.threads import NativeCalls, SlotsBusy
@@ -22,13 +29,19 @@ from kvflow.errors import BackendUnavailableError, MissingDependencyError
 
 __all__ = [
     "INVALID_PARAMS",
+    "LEASE_EXPIRED",
     "MASTER_DOWN",
+    "NOT_READY",
     "NO_SPACE",
     "OBJECT_NOT_FOUND",
+    "REPLICA_NOT_READY",
     "RPC_FAIL",
     "RPC_TIMEOUT",
+    "SETUP_RETRIES_ENV",
     "TRANSFER_FAIL",
+    "MasterNotListening",
     "NativeStore",
+    "check_master_listens",
     "code_name",
     "load_store_module",
     "new_replicate_config",
@@ -40,19 +53,25 @@ log = logging.getLogger(__name__)
 
 NO_SPACE = -200  # no segment has room; the master evicts about 5% later (on its own schedule)
 INVALID_PARAMS = -600  # bad arguments; also "destination regions smaller than the object"
+REPLICA_NOT_READY = -703  # the object is still being written
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707  # the object's lease ran out during the transfer
 TRANSFER_FAIL = -800  # the data transfer failed: peer gone, or regions larger than the object
 RPC_FAIL = -900  # the master cannot be reached
 RPC_TIMEOUT = -901  # the master did not answer in time (stalled, or overloaded)
 #: Codes that mean the master is not answering: the backend marks it down.
 MASTER_DOWN = frozenset({RPC_FAIL, RPC_TIMEOUT})
+#: Codes of an object that is there but not readable this moment: expected under load, not alarming.
+NOT_READY = frozenset({REPLICA_NOT_READY, LEASE_EXPIRED})
 
 _NAMES = {
     NO_SPACE: "NO_SPACE",
     INVALID_PARAMS: "INVALID_PARAMS",
+    REPLICA_NOT_READY: "REPLICA_IS_NOT_READY",
     OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
     OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
+    LEASE_EXPIRED: "LEASE_EXPIRED",
     TRANSFER_FAIL: "TRANSFER_FAIL",
     RPC_FAIL: "RPC_FAIL",
     RPC_TIMEOUT: "RPC_TIMEOUT",
@@ -137,22 +156,75 @@ def new_replicate_config(module: StoreModule, config: MooncakeConfig) -> object:
     return replicate
 
 
-@contextmanager
-def setup_retries_env(retries: int) -> Iterator[None]:
+@attrs.define
+class _SharedEnv:
+    """A process-wide environment variable that setups set while they run: the first to begin
+    saves its old value, the last to end restores it (overlapping setups, one process)."""
+
+    name: str
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _users: int = attrs.field(default=0, init=False)
+    _saved: str | None = attrs.field(default=None, init=False)
+
+    @contextmanager
+    def set(self, value: str) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._saved = os.environ.get(self.name)
+            self._users += 1
+            os.environ[self.name] = value
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    if self._saved is None:
+                        os.environ.pop(self.name, None)
+                    else:
+                        os.environ[self.name] = self._saved
+
+
+_SETUP_RETRIES = _SharedEnv(SETUP_RETRIES_ENV)
+
+
+def setup_retries_env(retries: int) -> AbstractContextManager[None]:
     """Set ``MC_STORE_CLIENT_SETUP_RETRIES`` around ``setup`` (Mooncake reads it only there).
 
-    The variable is process-wide; it is restored afterwards. Call from the event loop thread, with
-    setups of this process serialized (the backend holds its connect lock).
+    The variable is process-wide: it keeps its old value (or absence) again once the last of the
+    setups that overlap in this process has ended. Overlapping setups that ask for different
+    retries each get the value set last.
     """
-    previous = os.environ.get(SETUP_RETRIES_ENV)
-    os.environ[SETUP_RETRIES_ENV] = str(retries)
+    return _SETUP_RETRIES.set(str(retries))
+
+
+class MasterNotListening(BackendUnavailableError):
+    """Nothing accepted a TCP connection at the master's address; no Mooncake setup was tried."""
+
+
+async def check_master_listens(config: MooncakeConfig, timeout_s: float) -> None:
+    """Raise MasterNotListening unless the master's RPC port accepts a TCP connection within
+    ``timeout_s``.
+
+    Mooncake's ``setup`` against a master that is not there holds the GIL for about 4.4 s per
+    attempt (no Python thread of the process runs meanwhile, so no timeout can fire) and leaks a
+    file descriptor each time. This check costs one TCP handshake and blocks no thread.
+    """
     try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(SETUP_RETRIES_ENV, None)
-        else:
-            os.environ[SETUP_RETRIES_ENV] = previous
+        with anyio.fail_after(timeout_s):
+            stream = await anyio.connect_tcp(config.master_host, config.master_port)
+    except TimeoutError:
+        why = f"no answer within {timeout_s:.1f} s"
+    except OSError as exc:  # anyio puts the errors of each address it tried in __cause__
+        causes = getattr(exc.__cause__, "exceptions", None) or [exc.__cause__ or exc]
+        why = "; ".join(str(cause) for cause in causes)
+    else:
+        await stream.aclose()
+        return
+    raise MasterNotListening(
+        f"nothing accepts connections at the Mooncake master address {config.master} ({why}): "
+        "start mooncake_master there, or correct the address"
+    )
 
 
 def _abandon(store: NativeStore, lock: threading.Lock, state: dict[str, object]) -> None:
@@ -165,12 +237,16 @@ def _abandon(store: NativeStore, lock: threading.Lock, state: dict[str, object])
 
 
 async def setup_store(module: StoreModule, config: MooncakeConfig, calls: NativeCalls) -> NativeStore:
-    """A new client set up against the master; BackendUnavailableError if that fails or overruns.
+    """A new client set up against the master; BackendUnavailableError if that fails or overruns
+    (MasterNotListening, and no Mooncake call, when nothing accepts connections at its address).
 
     Mooncake retries ``setup_retries`` times (about 4.4 s each when the master is down) before it
-    gives up; ``setup_timeout_s`` bounds the wait for it. A setup abandoned by that timeout that
-    succeeds later closes its client at once, so no orphan segment stays mounted.
+    gives up; ``setup_timeout_s`` bounds the check of the master's port and the wait for the
+    setup together. A setup abandoned by that timeout that succeeds later closes its client at
+    once, so no orphan segment stays mounted.
     """
+    started = time.monotonic()
+    await check_master_listens(config, config.setup_timeout_s)
     store = module.MooncakeDistributedStore()
     lock = threading.Lock()
     state: dict[str, object] = {"abandoned": False}
@@ -191,10 +267,10 @@ async def setup_store(module: StoreModule, config: MooncakeConfig, calls: Native
                 store.close()
         return rc
 
-    started = time.monotonic()
+    left_s = max(config.setup_timeout_s - (time.monotonic() - started), 0.01)
     try:
         with setup_retries_env(config.setup_retries):
-            rc = await calls.run(setup, timeout_s=config.setup_timeout_s)
+            rc = await calls.run(setup, timeout_s=left_s)
     except (TimeoutError, SlotsBusy) as exc:
         _abandon(store, lock, state)
         why = "a worker slot is free" if isinstance(exc, SlotsBusy) else "it finished"

@@ -10,22 +10,31 @@ behind calls that may never return.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 import anyio.to_thread
 import attrs
 
-__all__ = ["NativeCalls", "SlotsBusy"]
+__all__ = ["Alone", "NativeCalls", "SlotsBusy"]
 
 T = TypeVar("T")
 
 
 class SlotsBusy(Exception):
     """Every slot is held by a Mooncake call that has not returned (some overran their timeout)."""
+
+
+class Alone(enum.Enum):
+    """How :meth:`NativeCalls.run_alone` ended."""
+
+    DONE = "done"  # the call ran and returned
+    BUSY = "busy"  # other calls still ran at the deadline: the call did not run
+    OVERRAN = "overran"  # the call ran and had not returned by the deadline
 
 
 @attrs.define
@@ -69,27 +78,34 @@ class NativeCalls:
                 raise SlotsBusy from None
             raise
 
-    async def run_alone(self, fn: Callable[[], T], *, timeout_s: float) -> tuple[bool, T | None]:
+    async def run_alone(self, fn: Callable[[], T], *, timeout_s: float) -> tuple[Alone, T | None]:
         """Wait (in a thread) until no other call runs, then run ``fn`` holding every slot.
 
-        Returns ``(False, None)`` if the other calls did not all return within ``timeout_s``; ``fn``
-        did not run then. For ``close``: closing a client under a running call is unsafe.
+        Returns ``(Alone.DONE, result)``; ``(Alone.BUSY, None)`` if the other calls did not all
+        return within ``timeout_s`` (``fn`` did not run); ``(Alone.OVERRAN, None)`` if ``fn`` ran but
+        had not returned about a second after that (it goes on in its thread). For ``close``:
+        closing a client under a running call is unsafe.
         """
         slots, n = self._slots, self.n
         deadline = time.monotonic() + timeout_s
+        state: dict[str, object] = {}  # "started", then "result": what the thread got to
 
-        def work() -> tuple[bool, T | None]:
+        def work() -> None:
             held = 0
             try:
                 for _ in range(n):
                     if not slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                        return False, None
+                        return
                     held += 1
-                return True, fn()
+                state["started"] = True
+                state["result"] = fn()
             finally:
                 for _ in range(held):
                     slots.release()
 
         with anyio.move_on_after(timeout_s + 1.0):
-            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
-        return False, None
+            await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        # (read after the wait: a call that holds the GIL past the deadline has returned by now)
+        if "result" in state:
+            return Alone.DONE, cast(T, state["result"])
+        return (Alone.OVERRAN if "started" in state else Alone.BUSY), None
