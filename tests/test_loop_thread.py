@@ -276,6 +276,17 @@ def layerwise_pool(backend: object, timeout_s: float = 5.0, **kwargs: object) ->
     )
 
 
+def reader_of_two_stored_blocks(backend: FaultyBackend, timeout_s: float) -> SyncLayerwisePool:
+    """A layerwise pool over empty caches, after a writer stored blocks 0-1 of TOKENS in ``backend``."""
+    with layerwise_pool(backend) as writer:
+        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
+    return SyncLayerwisePool.open(
+        PoolConfig(layerwise=True, timeout_s=timeout_s),
+        layout=KVLayout.from_kv_caches(zeros_like_caches(LAYOUTS["vllm_cpu"]())),
+        backend=backend,  # type: ignore[arg-type]
+    )
+
+
 @pytest.mark.parametrize("face", ["SyncPool", "SyncLayerwisePool"])
 def test_a_backend_close_that_raises_still_stops_the_loop_thread(face: str) -> None:
     pool = open_pool(CloseRaises()) if face == "SyncPool" else layerwise_pool(CloseRaises())
@@ -298,15 +309,8 @@ def test_a_layerwise_close_from_another_thread_mid_step_says_no_layer_is_in_plac
     the layer waits that follow say False and the step reports every block it loads failed, for
     the engine to recompute (before: they said True for layers never loaded, and the step
     reported nothing failed)."""
-    src = LAYOUTS["vllm_cpu"]()
     backend = FaultyBackend(hang_on={"get"}, put_checks_present=True)
-    with layerwise_pool(backend) as writer:
-        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
-    kv = SyncLayerwisePool.open(
-        PoolConfig(layerwise=True, timeout_s=5.0),
-        layout=KVLayout.from_kv_caches(zeros_like_caches(src)),
-        backend=backend,  # type: ignore[arg-type]
-    )
+    kv = reader_of_two_stored_blocks(backend, timeout_s=5.0)
     kv.start_load([KVRequest(request_id="r", block_ids=[2, 3], tokens=TOKENS[: 2 * BLOCK])])
     closer = threading.Thread(target=kv.close)
     closer.start()
@@ -327,15 +331,8 @@ def test_a_step_begun_while_close_runs_ends_as_a_cancelled_one() -> None:
     call in flight; the engine thread then begins a step. Its transfers find the pool closed: the
     step ends as a cancelled one (layer waits False, loads reported failed), and wait_for_save
     does not raise (before: it raised PoolClosedError, and the engine got no StepResult)."""
-    src = LAYOUTS["vllm_cpu"]()
     backend = FaultyBackend(put_checks_present=True)
-    with layerwise_pool(backend) as writer:
-        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
-    kv = SyncLayerwisePool.open(
-        PoolConfig(layerwise=True, timeout_s=2.0),
-        layout=KVLayout.from_kv_caches(zeros_like_caches(src)),
-        backend=backend,  # type: ignore[arg-type]
-    )
+    kv = reader_of_two_stored_blocks(backend, timeout_s=2.0)
     backend.hang_on = {"put"}
     kv.submit_store(KVRequest(block_ids=[5], tokens=TOKENS[2 * BLOCK : 3 * BLOCK]))  # hangs to its deadline
     time.sleep(0.1)
@@ -356,15 +353,8 @@ def test_a_close_racing_start_load_cancels_the_load_it_started(monkeypatch: pyte
     """close() from another thread lands after start_load passed its "closed?" check and before
     its load reached the step's list: the load started after close cancelled the list (before: it
     was never cancelled, and close waited its whole bound for a get that hangs)."""
-    src = LAYOUTS["vllm_cpu"]()
     backend = FaultyBackend(hang_on={"get"}, put_checks_present=True)
-    with layerwise_pool(backend) as writer:
-        assert writer.store(KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])).stored == 2
-    kv = SyncLayerwisePool.open(
-        PoolConfig(layerwise=True, timeout_s=4.0),
-        layout=KVLayout.from_kv_caches(zeros_like_caches(src)),
-        backend=backend,  # type: ignore[arg-type]
-    )
+    kv = reader_of_two_stored_blocks(backend, timeout_s=4.0)
     submit, took = LoopThread.submit, []
 
     def close() -> None:
