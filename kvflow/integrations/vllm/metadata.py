@@ -39,9 +39,6 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     ``bad_reads``: blocks this step's requests read that hold wrong KV (a failed load's, or
     computed from one, kept in vLLM's prefix cache since): workers report them with the step's
     load errors, so that vLLM recomputes every request reading them from there on.
-    ``finished_saves``: finished requests whose blocks vLLM kept for a held save (``saves`` has
-    it, unless its blocks turned out bad): workers report them finished sending once the step's
-    saves have read their blocks, and vLLM frees the blocks.
     """
 
     step: int = 0
@@ -51,7 +48,6 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     save_tokens: tuple[tuple[int, ...], ...] = attrs.field(default=())
     idle: bool = False
     bad_reads: tuple[int, ...] = ()
-    finished_saves: tuple[str, ...] = ()
 
     @save_tokens.validator
     def _one_per_save(self, _: object, value: tuple[tuple[int, ...], ...]) -> None:

@@ -23,10 +23,8 @@ What is never stored: KV computed from a block whose load is not known good on e
 scheduling) every save that reads one of their blocks, through the request's own loads or through
 vLLM's prefix cache, is held back: ``saved_upto`` stays, and a later step stores the blocks. A
 failed block stays untrusted until a step recomputes it; every request reading it has ``saved_upto``
-lowered to it, so the step that recomputes stores again. A request that finishes with blocks held
-back (a prompt-only request right after its load) keeps them: vLLM frees them only once the
-workers report it finished sending, after the step that stores them once its loads settled (or
-that gives them up: those turned out bad, or no verdict came within the connector's timeout).
+lowered to it, so the step that recomputes stores again. A request that finishes first leaves held
+blocks unstored: a lost caching chance, never wrong data.
 
 Roles (vLLM's ``kv_role``): a ``kv_producer`` opens no lookup pool and plans no load; a
 ``kv_consumer`` plans no save. The scheduler side also counts its lookups (hit and missed tokens,
@@ -38,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -78,16 +75,6 @@ class _Tracked:
     request: Request  # vLLM's live object: block_hashes and all_token_ids grow as it decodes
     block_ids: list[int]
     saved_upto: int  # blocks [0, saved_upto) are stored, loaded, or already being stored
-    computed_tokens: int = 0  # its KV is in the cache by the end of the last step scheduled
-
-
-@attrs.define(eq=False)
-class _Finishing:
-    """A finished request whose blocks vLLM keeps until a held save of them was planned or given up."""
-
-    tracked: _Tracked
-    computed_tokens: int
-    give_up_at: float  # time.monotonic(): no verdict on its blocks by then, they are not stored
 
 
 @attrs.define(eq=False)
@@ -107,7 +94,6 @@ class SchedulerSide:
     _pending_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _pending_async: dict[str, KVRequest] = attrs.field(factory=dict, init=False)
     _async_loads: dict[str, KVRequest] = attrs.field(factory=dict, init=False)  # until finished_recving
-    _finishing: dict[str, _Finishing] = attrs.field(factory=dict, init=False)  # until finished_sending
     # Blocks of asynchronous loads in flight that some worker already reported failed (every block
     # of a request reported failed whole): a worker reports its failures as its own load ends,
     # maybe steps before the last one.
@@ -314,12 +300,9 @@ class SchedulerSide:
         ]
         bad_reads = self._bad_reads(work, self._trust.computed(done))
         saves: list[KVRequest] = []
-        for tracked, _, after in work:
-            tracked.computed_tokens = after
         if self.config.role.stores:
             for tracked, _, after in work:  # only now: a save may read blocks another request loads
                 self._plan_save(tracked, after, saves)
-        finished_saves = self._plan_finished_saves(saves)
         if self._pending_loads:
             log.warning("dropping kvflow loads of unscheduled requests %s", sorted(self._pending_loads))
             self._pending_loads.clear()
@@ -337,7 +320,6 @@ class SchedulerSide:
             save_tokens=tokens,
             idle=not any(scheduled.values()),
             bad_reads=bad_reads,
-            finished_saves=finished_saves,
         )
 
     def _bad_reads(self, work: list[tuple[_Tracked, int, int]], found: dict[int, BadRead]) -> tuple[int, ...]:
@@ -382,8 +364,7 @@ class SchedulerSide:
 
     def _save_tokens(self, span: KVRequest) -> tuple[int, ...]:
         block = self.shape.block_size
-        tracked = self._requests.get(span.request_id)
-        request = (tracked or self._finishing[span.request_id].tracked).request
+        request = self._requests[span.request_id].request
         return tuple(request.all_token_ids[span.block_offset * block : span.end_block * block])
 
     def _held_blocks(self, computed_tokens: int) -> int:
@@ -396,55 +377,24 @@ class SchedulerSide:
             loads.append(span)
             self._trust.loading(step, span)
 
-    def _save_span(self, tracked: _Tracked, computed_tokens: int) -> tuple[int, int]:
-        """Block indices ``[start, end)`` of the request's full blocks computed and not yet stored."""
+    def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest]) -> None:
         request = tracked.request
         if not self.config.save_decode_blocks:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
-        start, end = save_range(
-            tracked.saved_upto, computed_tokens, len(request.block_hashes), self.shape.block_size
-        )
-        return start, min(end, len(tracked.block_ids))
-
-    def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest]) -> None:
-        start, end = self._save_span(tracked, computed_tokens)
+        hashes = request.block_hashes
+        start, end = save_range(tracked.saved_upto, computed_tokens, len(hashes), self.shape.block_size)
+        end = min(end, len(tracked.block_ids))
         if end <= start or not self._trust.trusted(tracked.block_ids[start:end]):
             return  # nothing new, or held back: saved_upto stays, a later step stores these blocks
-        self._add_save(tracked, start, end, saves)
-
-    def _add_save(self, tracked: _Tracked, start: int, end: int, saves: list[KVRequest]) -> None:
         saves.append(
             KVRequest(
-                request_id=tracked.request.request_id,
+                request_id=request.request_id,
                 block_ids=tracked.block_ids[start:end],
-                block_hashes=tracked.request.block_hashes[:end],
+                block_hashes=hashes[:end],
                 block_offset=start,
             )
         )
         tracked.saved_upto = end
-
-    def _plan_finished_saves(self, saves: list[KVRequest]) -> tuple[str, ...]:
-        """Finished requests whose held blocks are judged now: the leading trusted ones are saved in
-        this step; those after the first bad one (or after one still waiting for its verdict past
-        the request's ``give_up_at``) are not. Their ids, for the workers to report finished
-        sending after the step's saves; the others wait for their verdict."""
-        done: list[str] = []
-        now = time.monotonic()
-        for req_id, held in list(self._finishing.items()):
-            tracked = held.tracked
-            start, end = self._save_span(tracked, held.computed_tokens)
-            good = start
-            while good < end and self._trust.trusted(tracked.block_ids[good : good + 1]):
-                good += 1
-            if good < end and not self._trust.bad(tracked.block_ids[good]) and now < held.give_up_at:
-                continue  # its verdict is still to come
-            if good < end:
-                log.info("request %s finished: %d of its blocks are not stored", req_id, end - good)
-            if good > start:
-                self._add_save(tracked, start, good, saves)
-            del self._finishing[req_id]
-            done.append(req_id)
-        return tuple(done)
 
     def update_connector_output(
         self,
@@ -493,12 +443,11 @@ class SchedulerSide:
     # -- the end of a request ---------------------------------------------------------------------
 
     def request_finished(self, request: Request) -> bool:
-        """Forget the request. True (vLLM keeps its blocks until every worker reports it finished)
-        while an asynchronous load may still write its blocks (finished receiving), or while
-        blocks it computed wait for their loads' verdict to be stored (finished sending, after
-        the step that stores them): stores end inside their step, so nothing else holds a block."""
+        """Forget the request. True (vLLM keeps its blocks until every worker reports it finished
+        receiving) only while an asynchronous load may still write its blocks: stores end inside
+        their step, so nothing else holds a block."""
         req_id = request.request_id
-        tracked = self._requests.pop(req_id, None)
+        self._requests.pop(req_id, None)
         self._load_failed.discard(req_id)
         self._local_hits.pop(req_id, None)
         self._answered.pop(req_id, None)
@@ -508,22 +457,7 @@ class SchedulerSide:
         if req_id in self._pending_async:  # allocated, but its load was never sent to the workers
             del self._pending_async[req_id]
             return False
-        if req_id in self._async_loads:
-            return True
-        return tracked is not None and self._keep_for_held_save(tracked)
-
-    def _keep_for_held_save(self, tracked: _Tracked) -> bool:
-        """Whether the finished request computed blocks that a save holds back for its loads'
-        verdict; then they are kept, for the step that knows it (:meth:`_plan_finished_saves`)."""
-        if not self.config.role.stores:
-            return False
-        computed = tracked.computed_tokens
-        start, end = self._save_span(tracked, computed)
-        if end <= start or self._trust.bad(tracked.block_ids[start]):
-            return False  # nothing held back (saves are planned as the steps compute), or bad
-        give_up_at = time.monotonic() + 2 * self.config.timeout_s + ANSWER_GRACE_S
-        self._finishing[tracked.request.request_id] = _Finishing(tracked, computed, give_up_at)
-        return True
+        return req_id in self._async_loads
 
     def reset_cache(self) -> bool:
         """vLLM resets its prefix cache (also on sleep, pause and KV-memory release): drop what this

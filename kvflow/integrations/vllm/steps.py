@@ -172,25 +172,6 @@ def engine_event(pool: SyncPool) -> DeviceEvent | None:
     return event
 
 
-def store_whole(pool: SyncPool, saves: Sequence[KVRequest], *, wait_stored: bool) -> StepOutcome:
-    """Store ``saves`` now, every layer at once, and wait until the stores have read their blocks
-    (``wait_stored``: until they are stored, staged puts too)."""
-    if not saves:
-        return StepOutcome()
-    # The host returns from the forward before the device finishes it: order the reads.
-    written = engine_event(pool)
-    # The step's stores in one call: one plan and batched backend calls for every request.
-    released, watch = threading.Event(), Stopwatch()
-    future = pool.submit_store_many(saves, after=written, on_released=released.set)
-    watch.watch(future)
-    wait_released(released, future)  # once copied out, vLLM may reuse the blocks
-    if pool.device is None or wait_stored:
-        # Direct puts: released means stored, the result follows at once. A producer waits
-        # for staged puts too: its request's output must not leave before its blocks are in.
-        wait_ended(future, "store")
-    return StepOutcome(stores=tuple(zip(saves, each_result(future, len(saves)), [watch] * len(saves))))
-
-
 @attrs.define(eq=False)
 class BlockSteps:
     """Whole-block loads before the forward, whole-block stores after it, both within the step."""
@@ -224,7 +205,20 @@ class BlockSteps:
         failed, self._load_failed = self._load_failed, False
         if failed:
             return StepOutcome(dropped=tuple(saves))
-        return store_whole(self.pool, saves, wait_stored=self.wait_stored)
+        if not saves:
+            return StepOutcome()
+        # The host returns from the forward before the device finishes it: order the reads.
+        written = engine_event(self.pool)
+        # The step's stores in one call: one plan and batched backend calls for every request.
+        released, watch = threading.Event(), Stopwatch()
+        future = self.pool.submit_store_many(saves, after=written, on_released=released.set)
+        watch.watch(future)
+        wait_released(released, future)  # once copied out, vLLM may reuse the blocks
+        if self.pool.device is None or self.wait_stored:
+            # Direct puts: released means stored, the result follows at once. A producer waits
+            # for staged puts too: its request's output must not leave before its blocks are in.
+            wait_ended(future, "store")
+        return StepOutcome(stores=tuple(zip(saves, each_result(future, len(saves)), [watch] * len(saves))))
 
     def close(self) -> None:
         _closed(self.pool.close())
@@ -303,10 +297,8 @@ class LayerwiseSteps:
             log.error("kvflow's layerwise transfers of this step failed: %r; recomputing its loads", exc)
             return StepOutcome(tuple((span, None, watch.seconds) for span in loads), dropped=tuple(saves))
         loaded = tuple((span, result.loaded.get(span.request_id), watch.seconds) for span in loads)
-        if failed:  # after a failed load the saves stopped: not stored, for the load
-            return StepOutcome(loaded, dropped=tuple(saves))
-        if not storing:  # no layer was saved (a step without a forward): blocks computed before it
-            return StepOutcome(loaded, store_whole(self.engine, saves, wait_stored=True).stores)
+        if failed or not storing:  # after a failed load the saves stopped: not stored, for the load
+            return StepOutcome(loaded, dropped=tuple(saves) if failed else ())
         stored = result.stored
         ended = Stopwatch(store_started, time.monotonic())
         stores = tuple(

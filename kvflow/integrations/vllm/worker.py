@@ -91,7 +91,6 @@ class WorkerSide:
     _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
     _loading_step: int | None = attrs.field(default=None, init=False)  # a layerwise load not yet recorded
     _idle: bool = attrs.field(default=False, init=False)  # this step computes nothing
-    _sent: set[str] = attrs.field(factory=set, init=False)  # finished requests' held saves, ended
     _puts: list[_Put] = attrs.field(factory=list, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
@@ -185,7 +184,6 @@ class WorkerSide:
         if self._steps is not None:
             saves = meta.saves if self.config.role.stores else ()  # the scheduler plans none either
             self._record(self._steps.finish(saves), meta)
-        self._sent.update(meta.finished_saves)  # their saves have read their blocks: vLLM may free them
 
     def _end_layerwise_loads(self) -> None:
         """Record a layerwise step's loads once the forward ended, and list the step as settled:
@@ -243,10 +241,9 @@ class WorkerSide:
         return len(owned(range(span.block_offset, span.end_block), self._parallel))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending, finished receiving): finished requests whose held saves a step's
-        :meth:`wait_for_save` ended (the scheduler kept their blocks for them; stores end inside
-        their step); the asynchronous loads that ended (failed blocks are reported by
-        :meth:`take_load_errors` in the same step)."""
+        """(finished sending, finished receiving): never any sending (stores end inside their step);
+        the asynchronous loads that ended (failed blocks are reported by :meth:`take_load_errors`
+        in the same step)."""
         self._count_puts()
         if self._watch is not None:
             self._watch.poll()
@@ -262,8 +259,7 @@ class WorkerSide:
                 timeout=wait_s,
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
-        sent, self._sent = self._sent, set()
-        return sent or None, self._harvest_async_loads() or None
+        return None, self._harvest_async_loads() or None
 
     def _harvest_async_loads(self) -> set[str]:
         done: set[str] = set()

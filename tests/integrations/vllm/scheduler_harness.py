@@ -397,7 +397,6 @@ class Harness:
                 "async_loads",
                 "async_bad",
                 "load_failed",
-                "finishing",
             )
         }
         kept["lookups"] = dict(side._lookups._lookups) if side._lookups is not None else {}

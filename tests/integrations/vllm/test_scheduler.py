@@ -130,35 +130,6 @@ def test_full_and_partial_hits_load_instead_of_compute(
     assert second.wrong_inputs == []
 
 
-@pytest.mark.parametrize(
-    ("tp", "async_scheduling", "layerwise"),
-    [
-        (1, False, False),
-        (2, False, False),
-        (1, True, False),
-        (2, True, False),
-        (1, False, True),
-        (2, True, True),
-    ],
-)
-def test_a_prompt_only_request_stores_the_blocks_it_computed_after_its_load(
-    engines: Engines, tp: int, async_scheduling: bool, layerwise: bool
-) -> None:
-    """A request that finishes in the step it computes (max_tokens=1) right after a synchronous
-    load: the blocks it computed wait for that load's verdict (a step later), so vLLM keeps them
-    until a later step stored them and the workers said so (before: they were never stored, and
-    since vLLM's own prefix cache then held them, no later request of that engine stored them)."""
-    extra = {"layerwise": True} if layerwise else {}
-    first = engines(tp=tp, async_scheduling=async_scheduling, extra=extra)
-    engines.serve(first, A, max_tokens=1)
-    second = engines(tp=tp, async_scheduling=async_scheduling, extra=extra)
-    engines.serve(second, A_LONG, max_tokens=1)
-    assert loaded(second) == [5] * tp and stored(second) == [2] * tp
-    third = engines(tp=tp, async_scheduling=async_scheduling, extra=extra)
-    engines.serve(third, A_LONG, max_tokens=1)
-    assert loaded(third) == [7] * tp and stored(third) == [0] * tp
-
-
 def test_requests_sharing_a_prefix_in_one_step(engines: Engines) -> None:
     first = engines()
     engines.serve(first, A)
