@@ -9,6 +9,8 @@ also decides which TP rank owns (stores) each block.
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -39,6 +41,9 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     ``bad_reads``: blocks this step's requests read that hold wrong KV (a failed load's, or
     computed from one, kept in vLLM's prefix cache since): workers report them with the step's
     load errors, so that vLLM recomputes every request reading them from there on.
+    ``save_after``: empty, or per save the load steps whose verdict it still waits for: an engine
+    of one worker (no other rank's load can be wrong) stores it only if that worker's loads of
+    those steps all arrived (else it drops it, as the saves of a step whose own load failed).
     """
 
     step: int = 0
@@ -48,11 +53,24 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     save_tokens: tuple[tuple[int, ...], ...] = attrs.field(default=())
     idle: bool = False
     bad_reads: tuple[int, ...] = ()
+    save_after: tuple[tuple[int, ...], ...] = attrs.field(default=())
 
     @save_tokens.validator
-    def _one_per_save(self, _: object, value: tuple[tuple[int, ...], ...]) -> None:
+    @save_after.validator
+    def _one_per_save(self, attribute: attrs.Attribute[object], value: tuple[tuple[int, ...], ...]) -> None:
         if value and len(value) != len(self.saves):
-            raise ValueError(f"{len(value)} token lists for {len(self.saves)} saves")
+            raise ValueError(f"{len(value)} entries of {attribute.name} for {len(self.saves)} saves")
+
+    def saves_after(self, failed_steps: Set[int]) -> tuple[tuple[KVRequest, ...], tuple[KVRequest, ...]]:
+        """The saves to store, and those to drop: they wait for a step of ``failed_steps`` (one
+        whose loads failed on this worker)."""
+        if not self.save_after or not failed_steps:
+            return self.saves, ()
+        waits = [not failed_steps.isdisjoint(after) for after in self.save_after]
+        return (
+            tuple(s for s, dropped in zip(self.saves, waits) if not dropped),
+            tuple(s for s, dropped in zip(self.saves, waits) if dropped),
+        )
 
     def tokens_of(self, span: KVRequest) -> tuple[int, ...] | None:
         """The tokens of a save's blocks (None without KV events)."""

@@ -24,7 +24,10 @@ scheduling) every save that reads one of their blocks, through the request's own
 vLLM's prefix cache, is held back: ``saved_upto`` stays, and a later step stores the blocks. A
 failed block stays untrusted until a step recomputes it; every request reading it has ``saved_upto``
 lowered to it, so the step that recomputes stores again. A request that finishes first leaves held
-blocks unstored: a lost caching chance, never wrong data.
+blocks unstored: a lost caching chance, never wrong data. An engine of one worker holds nothing
+back for a load's verdict: that worker knows its own loads when its saves run, so the save is
+planned at once with the steps it waits for (``save_after``), and the worker drops it if one of
+those steps' loads failed there.
 
 Roles (vLLM's ``kv_role``): a ``kv_producer`` opens no lookup pool and plans no load; a
 ``kv_consumer`` plans no save. The scheduler side also counts its lookups (hit and missed tokens,
@@ -300,9 +303,10 @@ class SchedulerSide:
         ]
         bad_reads = self._bad_reads(work, self._trust.computed(done))
         saves: list[KVRequest] = []
+        waits: list[tuple[int, ...]] = []  # per save, the load steps whose verdict it waits for
         if self.config.role.stores:
             for tracked, _, after in work:  # only now: a save may read blocks another request loads
-                self._plan_save(tracked, after, saves)
+                self._plan_save(tracked, after, saves, waits)
         if self._pending_loads:
             log.warning("dropping kvflow loads of unscheduled requests %s", sorted(self._pending_loads))
             self._pending_loads.clear()
@@ -320,6 +324,7 @@ class SchedulerSide:
             save_tokens=tokens,
             idle=not any(scheduled.values()),
             bad_reads=bad_reads,
+            save_after=tuple(waits) if any(waits) else (),
         )
 
     def _bad_reads(self, work: list[tuple[_Tracked, int, int]], found: dict[int, BadRead]) -> tuple[int, ...]:
@@ -377,15 +382,25 @@ class SchedulerSide:
             loads.append(span)
             self._trust.loading(step, span)
 
-    def _plan_save(self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest]) -> None:
+    def _plan_save(
+        self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest], waits: list[tuple[int, ...]]
+    ) -> None:
+        """Plan the save of the request's full blocks computed and not yet stored, when their KV is
+        trusted, or (one worker) waits only for the verdict of loads that worker will know of."""
         request = tracked.request
         if not self.config.save_decode_blocks:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
         hashes = request.block_hashes
         start, end = save_range(tracked.saved_upto, computed_tokens, len(hashes), self.shape.block_size)
         end = min(end, len(tracked.block_ids))
-        if end <= start or not self._trust.trusted(tracked.block_ids[start:end]):
-            return  # nothing new, or held back: saved_upto stays, a later step stores these blocks
+        if end <= start:
+            return  # nothing new
+        steps = self._trust.waits_for(tracked.block_ids[start:end])
+        if steps is None or (steps and self.shape.tp_size * self.shape.pp_size > 1):
+            # Held back: saved_upto stays, a later step stores these blocks. (With several workers
+            # a rank computes from every rank's loads, and only the scheduler hears of them all.)
+            return
+        waits.append(tuple(sorted(steps)))
         saves.append(
             KVRequest(
                 request_id=request.request_id,

@@ -160,6 +160,17 @@ class BlockTrust:
         deps, tails = self._deps, self._tails
         return not any(b in deps or b in tails for b in blocks)
 
+    def waits_for(self, blocks: Iterable[int]) -> Deps | None:
+        """The load steps whose verdict ``blocks`` wait for (empty: trusted); None when one of them
+        holds ``BAD`` KV."""
+        found: set[int] = set()
+        for block in blocks:
+            found |= self._deps.get(block, _CLEAN)
+            tail = self._tails.get(block)
+            if tail is not None:
+                found |= tail[1]
+        return None if BAD in found else frozenset(found)
+
     def bad(self, block: int) -> bool:
         tail = self._tails.get(block)
         return BAD in self._deps.get(block, _CLEAN) or (tail is not None and BAD in tail[1])

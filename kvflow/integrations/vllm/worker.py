@@ -56,6 +56,10 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger(__name__)
 
+#: How many of the last steps' load failures a worker keeps for the saves waiting on them: a save
+#: waits at most for the loads of its own step and of the step before (asynchronous scheduling).
+_FAILED_STEPS_KEPT = 16
+
 
 @attrs.define(eq=False)
 class _AsyncLoad:
@@ -91,6 +95,8 @@ class WorkerSide:
     _settled_steps: set[int] = attrs.field(factory=set, init=False)  # loads ended, not yet reported
     _loading_step: int | None = attrs.field(default=None, init=False)  # a layerwise load not yet recorded
     _idle: bool = attrs.field(default=False, init=False)  # this step computes nothing
+    # Recent steps whose loads failed here: saves waiting for their verdict are dropped (save_after)
+    _failed_steps: set[int] = attrs.field(factory=set, init=False)
     _puts: list[_Put] = attrs.field(factory=list, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
@@ -159,10 +165,11 @@ class WorkerSide:
         if meta.loads:
             if steps is None:
                 self._load_errors.update(b for span in meta.loads for b in span.block_ids)
+                self._failed_steps.add(meta.step)
             else:
                 # Recorded now: with speculative decoding vLLM asks for load errors before
                 # wait_for_save.
-                self._record(StepOutcome(steps.load(meta.loads)))
+                self._record(StepOutcome(steps.load(meta.loads)), step=meta.step)
         if isinstance(steps, LayerwiseSteps) and meta.loads:
             self._loading_step = meta.step  # its loads end with the forward: _end_layerwise_loads
         else:
@@ -176,14 +183,17 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str, meta: KVFlowConnectorMetadata) -> None:
         layer = self._layer_index.get(layer_name)
         if self._steps is not None and layer is not None:
-            self._steps.save_layer(layer, meta.saves)
+            self._steps.save_layer(layer, meta.saves_after(self._failed_steps)[0])
 
     def wait_for_save(self, meta: KVFlowConnectorMetadata) -> None:
         """End the step: its stores (and, layerwise, its loads) have ended when this returns."""
         self._end_layerwise_loads()
         if self._steps is not None:
-            saves = meta.saves if self.config.role.stores else ()  # the scheduler plans none either
-            self._record(self._steps.finish(saves), meta)
+            saves, dropped = meta.saves_after(self._failed_steps) if self.config.role.stores else ((), ())
+            outcome = self._steps.finish(saves)  # (the scheduler plans no save for a consumer)
+            self._record(attrs.evolve(outcome, dropped=outcome.dropped + dropped), meta, step=meta.step)
+        # a save waits for the verdict of the last few steps' loads, no older
+        self._failed_steps = {s for s in self._failed_steps if s > meta.step - _FAILED_STEPS_KEPT}
 
     def _end_layerwise_loads(self) -> None:
         """Record a layerwise step's loads once the forward ended, and list the step as settled:
@@ -193,10 +203,15 @@ class WorkerSide:
         step, self._loading_step = self._loading_step, None
         if step is None or not isinstance(self._steps, LayerwiseSteps):
             return
-        self._record(StepOutcome(self._steps.end_loads()))
+        self._record(StepOutcome(self._steps.end_loads()), step=step)
         self._settled_steps.add(step)
 
-    def _record(self, outcome: StepOutcome, meta: KVFlowConnectorMetadata | None = None) -> None:
+    def _record(
+        self, outcome: StepOutcome, meta: KVFlowConnectorMetadata | None = None, *, step: int | None = None
+    ) -> None:
+        """Count a step's transfers and keep its failed blocks for vLLM (and, failed, the step)."""
+        if step is not None and outcome.load_failed:
+            self._failed_steps.add(step)
         counters = self._counters
         for span, loaded, seconds in outcome.loads:
             self._samples["load"].append(seconds)

@@ -602,7 +602,7 @@ def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank_and_the_recompute
 
 
 def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed(open_sides: Any) -> None:
-    sides: Sides = open_sides()
+    sides: Sides = open_sides(tp_size=2)
     _stored_r1(sides)
     longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
     assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
@@ -615,9 +615,31 @@ def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed
     # the load's step has not settled: a save that reads its blocks is still held back
     held = sides.scheduler.build_connector_meta(_decode_step("r2", 20))  # type: ignore[arg-type]
     assert held.saves == ()
-    sides.scheduler.update_connector_output(None, set(), set(), [load_step.step])  # settled, nothing failed
+    sides.scheduler.update_connector_output(None, set(), set(), [load_step.step] * 2)  # settled, no failure
     decode = sides.scheduler.build_connector_meta(_decode_step("r2", 21))  # type: ignore[arg-type]
     assert [(s.block_offset, s.block_ids) for s in decode.saves] == [(3, (12, 13))]
+    assert decode.save_after == ()  # trusted: every worker stores it
+
+
+def test_one_worker_stores_a_load_steps_computed_blocks_in_that_step_on_condition(open_sides: Any) -> None:
+    """A single worker knows its own loads' verdict when the step's saves run: the blocks computed
+    from the load are saved in the load's step, on condition that the step's loads arrived."""
+    sides: Sides = open_sides()
+    _stored_r1(sides)
+    longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
+    assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
+    load_step = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 12)], num_scheduled_tokens={"r2": 8}
+        )
+    )  # type: ignore[arg-type]
+    assert [(s.block_offset, s.block_ids) for s in load_step.saves] == [(3, (12, 13))]
+    assert load_step.save_after == ((load_step.step,),)
+    (worker,) = sides.workers
+    before = worker.counters.stored_blocks  # (r1's)
+    worker.start_load_kv(load_step)
+    worker.wait_for_save(load_step)
+    assert worker.counters.stored_blocks - before == 2  # the load arrived
 
 
 def test_a_request_reading_loaded_blocks_through_the_prefix_cache_is_held_back_too(open_sides: Any) -> None:

@@ -130,6 +130,74 @@ def test_full_and_partial_hits_load_instead_of_compute(
     assert second.wrong_inputs == []
 
 
+@pytest.mark.parametrize(
+    ("async_scheduling", "layerwise"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_one_worker_stores_the_blocks_a_prompt_only_request_computed_after_its_load(
+    engines: Engines, async_scheduling: bool, layerwise: bool
+) -> None:
+    """An engine of one worker knows its own loads' verdict by the time its saves run, so the
+    blocks a request computes right after its load are stored in that step, on condition (before:
+    held for the scheduler's verdict a step later, and lost when the request finished first, as
+    a prompt-only one does; vLLM's own prefix cache then held them, so no later request of that
+    engine stored them either)."""
+    extra = {"layerwise": layerwise, "load_async": False}  # (asynchronous scheduling: sync loads too)
+    first = engines(async_scheduling=async_scheduling, extra=extra)
+    engines.serve(first, A, max_tokens=1)
+    second = engines(async_scheduling=async_scheduling, extra=extra)
+    engines.serve(second, A_LONG, max_tokens=1)
+    assert loaded(second) == [5] and stored(second) == [2]
+    third = engines(async_scheduling=async_scheduling, extra=extra)
+    engines.serve(third, A_LONG, max_tokens=1)
+    assert loaded(third) == [7] and stored(third) == [0]
+
+
+def test_one_worker_stores_nothing_computed_from_a_load_that_failed(engines: Engines) -> None:
+    """The saves of blocks computed from a load whose verdict is still to come are dropped by the
+    worker whose load failed (its gets wrote junk into the blocks): the store never holds them,
+    though vLLM recomputes and stores the blocks afterwards (the fixture checks every object)."""
+    first = engines()
+    engines.serve(first, A, max_tokens=1)
+    scheduler_harness.FAULTS.fail_gets = True
+    second = engines()
+    engines.serve(second, A_LONG, max_tokens=1)
+    assert [w.counters().dropped_save_blocks for w in second.workers] == [2]  # type: ignore[union-attr]
+
+
+def test_one_worker_stores_nothing_computed_a_step_later_from_a_load_that_failed(engines: Engines) -> None:
+    """Asynchronous scheduling plans the next step before a load's step reports: a prompt longer
+    than a step's budget computes its next blocks from a failed load's blocks in that next step,
+    and their save waits for the failed step's verdict; the worker, which knows its load failed,
+    drops it (the fixture checks every stored object, and a fresh engine loads them). The outputs
+    are not checked: with synchronous loads under asynchronous scheduling vLLM may emit one token
+    from the failed blocks (docs/vllm.md)."""
+    first = engines()
+    engines.serve(first, A, max_tokens=1)
+    scheduler_harness.FAULTS.fail_gets = True
+    second = engines(async_scheduling=True, max_num_batched_tokens=16, extra={"load_async": False})
+    longer = [*A, *range(600, 625)]  # 5 blocks loaded, 25 tokens computed 16 a step
+    second.add(longer, max_tokens=2)
+    second.run()
+    engines.prompts.append(longer)
+    assert second.loads and second.loads[0][3] == 5
+    # blocks 5-8 with the load's step (its own load failed), blocks 9-10 in the next
+    assert [w.counters().dropped_save_blocks for w in second.workers] == [6]  # type: ignore[union-attr]
+
+
+def test_several_workers_hold_back_what_a_prompt_only_request_computed_after_its_load(
+    engines: Engines,
+) -> None:
+    """With several workers a rank computes from every rank's loads, and only the scheduler hears
+    of them all, a step later: a prompt-only request finishes first (without asynchronous
+    scheduling, which reports its output a step later), and its new blocks are not stored (a
+    missed cache entry, never wrong KV; docs/vllm.md)."""
+    first = engines(tp=2)
+    engines.serve(first, A, max_tokens=1)
+    second = engines(tp=2)
+    engines.serve(second, A_LONG, max_tokens=1)
+    assert loaded(second) == [5, 5] and stored(second) == [0, 0]
+
+
 def test_requests_sharing_a_prefix_in_one_step(engines: Engines) -> None:
     first = engines()
     engines.serve(first, A)
