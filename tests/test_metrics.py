@@ -23,8 +23,10 @@ from kvflow import (
     ParallelConfig,
     PoolClosedError,
     PoolConfig,
+    PutStatus,
     RequestError,
     RetrieveResult,
+    StoreResult,
 )
 from kvflow.backends import ObjectRef
 from kvflow.events import CpuEvent
@@ -459,3 +461,24 @@ async def test_head_split_ranks_each_count_every_block_they_store_as_the_doc_say
     text = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| `vllm:kvflow_stored_blocks_total`")]
     assert "KV heads split over TP ranks" in row and "a TP=2 engine counts each block twice" in row
+
+
+async def test_a_lookup_counts_only_the_tokens_the_engine_does_not_hold(tmp_path: Path) -> None:
+    """A lookup from ``block_offset`` (blocks the engine holds itself) counts as hit or missed only
+    the tokens past them."""
+    registry = CollectorRegistry()
+    metrics = PoolMetrics(labels={"model_name": "m"}, registry=registry)
+    config = PoolConfig(backend=f"local://{tmp_path}/store?capacity=64MiB", model="m")
+    async with KVPool.create(config, layout=KVLayout.from_kv_caches(_caches())) as raw:
+        pool = MeteredPool(raw, metrics)
+        await pool.store(KVRequest(tokens=PROMPT[: 3 * BLOCK], block_ids=[1, 2, 3]))
+        assert await pool.lookup(KVRequest(tokens=PROMPT, block_offset=2)) == 3 * BLOCK
+    assert _value(registry, "kvflow_lookup_hit_tokens_total") == 1 * BLOCK  # block 2 only
+    assert _value(registry, "kvflow_lookup_missed_tokens_total") == 2 * BLOCK  # blocks 3 and 4
+
+
+def test_a_store_counts_blocks_without_space_apart_from_failed_ones() -> None:
+    result = StoreResult((PutStatus.STORED, PutStatus.NO_SPACE, PutStatus.NO_SPACE, PutStatus.FAILED))
+    counters = TransferCounters().with_store(result, 10)
+    assert counters.store_failures() == {"no_space": 2, "error": 1, "load_failed": 0}
+    assert counters.stored_blocks == 1 and counters.stored_bytes == 10

@@ -37,6 +37,7 @@ from kvflow import (
 from kvflow.backends import ObjectRef
 from kvflow.device import Device
 from kvflow.events import CpuEvent
+from kvflow.profiles import is_book_key
 from kvflow.transfer import staging as staging_module
 from kvflow.transfer.staging import Chunk, StagingPool
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
@@ -1259,6 +1260,7 @@ def test_a_step_stores_nothing_computed_on_a_layer_the_device_reports_failed_aft
             KVRequest(block_ids=SRC_IDS[:6], tokens=TOKENS[: 6 * BLOCK])
         )
     )
+    before = {k for k in backend.stored_keys() if not is_book_key(k)}
     engine = zeros_like_caches(src)
     device = FailsLateOnTheDevice(torch.device("cpu"), max_delay_s=0.0)
     monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 1)  # chunks of one object: none waits for another
@@ -1274,4 +1276,47 @@ def test_a_step_stores_nothing_computed_on_a_layer_the_device_reports_failed_aft
         result = kv.wait_for_save()
         assert result.failed_block_ids == {DST_IDS[0]}  # the one block of the failed copy
         assert result.stored["r"].stored == 0
+        added = {k for k in backend.stored_keys() if not is_book_key(k)} - before
+        assert added == set()  # no layer's objects either (layer 0's rests on its own load too)
         assert kv.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK  # only the blocks stored before
+
+
+@attrs.define(eq=False)
+class SerialCopies(CancellingDevice):
+    """Copies on one copy stream: each completes ``delay_s`` after the one before it."""
+
+    last: float = 0.0
+
+    def record(self) -> LateEvent:  # type: ignore[override]
+        now = time.monotonic()
+        self.last = max(now, self.last) + self.delay_s
+        event = LateEvent(self.last - now, on_complete=self._queued)
+        self._queued = []
+        event.record()
+        return event
+
+
+async def test_a_cancelled_staged_store_gives_no_chunk_back_before_its_copies_on_one_stream_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled at its first copy out, a staged store whose copies complete one after another
+    (a real copy stream) gives each chunk back only once the copies into it completed: the
+    device may still write it until then."""
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 2 * 4096)
+    early: list[bool] = []
+    give_back = StagingPool.give_back
+
+    def checked(self: StagingPool, chunk: Chunk) -> None:
+        early.append(chunk.copied is not None and not chunk.copied.query())
+        give_back(self, chunk)
+
+    monkeypatch.setattr(StagingPool, "give_back", checked)
+    src = LAYOUTS["vllm_cpu"]()
+    scope = anyio.CancelScope()
+    device = SerialCopies(torch.device("cpu"))
+    device.on_gather = scope.cancel
+    writer = pool(src, FaultyBackend(), staged(staging_bytes=4 * 4096), device)
+    with scope:
+        await writer.store(KVRequest(block_ids=SRC_IDS, tokens=[5, *TOKENS[1:]]))
+    assert scope.cancelled_caught
+    assert early and not any(early), early

@@ -382,6 +382,24 @@ async def test_round_trip_of_objects_with_many_regions_is_bit_exact(
 
 
 @pytest.mark.mooncake
+async def test_a_staged_get_that_misses_leaves_its_region_untouched(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend
+) -> None:
+    """A MISS never writes the caller's memory, also through the staging buffer (which holds
+    other objects' bytes from an earlier get)."""
+    backend = mooncake_backends(mooncake_master.url(segment="32MiB", staging="1MiB"))
+    keys = prefix()
+    src, dst = Slab(1 << 20, seed=2), Slab(1 << 20, fill=0xAB)  # never registered: staged
+    puts = [contiguous(f"{keys}{i}", src, i * 100_000, 50_000) for i in range(3)]
+    assert await backend.put(puts) == [PutStatus.STORED] * 3
+    first = [contiguous(f"{keys}{i}", dst, 500_000 + i * 50_000, 50_000) for i in range(3)]
+    assert await backend.get(first) == [GetStatus.HIT] * 3  # the staging buffer holds their bytes now
+    missing, hit = contiguous(f"{keys}none", dst, 0, 50_000), contiguous(f"{keys}1", dst, 100_000, 50_000)
+    assert await backend.get([missing, hit]) == [GetStatus.MISS, GetStatus.HIT]
+    assert bytes(dst.buf[:50_000]) == b"\xab" * 50_000
+
+
+@pytest.mark.mooncake
 async def test_unregistered_memory_goes_through_the_staging_buffer(
     mooncake_master: MasterProcess, mooncake_backends: MakeBackend
 ) -> None:
