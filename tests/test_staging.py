@@ -261,7 +261,9 @@ async def test_a_store_copies_the_next_chunk_out_of_the_cache_while_it_puts_one(
     async def record(objects: Sequence[ObjectRef]) -> None:
         queued.append(device.gathers)
 
-    writer = pool(src, FaultyBackend(put_hook=record), staged(staging_bytes=3 * 2 * 4096), device)
+    writer = pool(
+        src, FaultyBackend(put_hook=record), staged(staging_bytes=3 * 2 * 3072), device
+    )  # 3 KiB blocks
     stored = await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
     per_chunk = len(src)  # one copy per layer
     assert stored.stored == 10
@@ -616,7 +618,7 @@ async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copie
     device = CancellingDevice(torch.device("cpu"))
     if op == "store":
         device.on_gather = scope.cancel  # as the first copy out of the cache starts
-    other = pool(caches, backend, staged(staging_bytes=4 * 4096), device)
+    other = pool(caches, backend, staged(staging_bytes=2 * 2 * 3072), device)  # 3 KiB blocks
     staging = other._transfer.staging
     assert staging is not None and staging.allocations == 2
     released: list[int] = []
@@ -1182,9 +1184,10 @@ async def test_a_reshaped_load_copies_into_the_cache_on_the_staging_device() -> 
 
 @given(total=st.integers(1, 10_000), unit=st.integers(1, 10_000), largest=st.integers(1, 4_000))
 def test_staging_bytes_are_split_into_chunks_that_use_them(total: int, unit: int, largest: int) -> None:
-    """``staging_bytes`` is split into chunks of at most MAX_CHUNK_BYTES (larger only to hold one
-    object), each holding an object, with less left over than a chunk's rounding or an object
-    (before: 48 MiB made one chunk of 32 MiB, and 16 MiB of the setting was never used)."""
+    """``staging_bytes`` is split into chunks of whole objects, of at most MAX_CHUNK_BYTES (larger
+    only to hold one object), that hold at least as many objects as one chunk of the largest size
+    repeated would, and all but less than a chunk's worth (before: 48 MiB of 64 KiB objects made
+    one chunk of 32 MiB, and 16 MiB of the setting was never used)."""
     if total < unit:
         return
     with pytest.MonkeyPatch.context() as patch:
@@ -1195,9 +1198,16 @@ def test_staging_bytes_are_split_into_chunks_that_use_them(total: int, unit: int
     sizes = {chunk.numel() * chunk.element_size() for chunk in chunks}
     assert len(sizes) == 1
     (size,) = sizes
-    assert unit <= size <= max(unit, largest)
-    left = total - size * len(chunks)
-    assert 0 <= left < max(len(chunks), unit)
+    assert size % unit == 0 and unit <= size <= max(unit, largest) and size * len(chunks) <= total
+    held, per_chunk = len(chunks) * (size // unit), size // unit
+    assert held > total // unit - per_chunk  # less than a chunk's worth of objects left out
+    biggest = min(total, max(unit, largest))  # chunks of the largest size, as many as fit
+    assert held >= (total // biggest) * (biggest // unit)
+
+
+def test_48_mib_of_staging_holds_48_mib_of_objects() -> None:
+    pool = StagingPool.create(Device.of("cpu"), 48 << 20, 64 << 10)
+    assert pool.allocations == 2 and pool.chunk_bytes == 24 << 20
 
 
 def test_a_layer_whose_copy_the_device_reports_failed_to_a_host_wait_says_false_not_raises() -> None:
@@ -1315,7 +1325,7 @@ async def test_a_cancelled_staged_store_gives_no_chunk_back_before_its_copies_on
     scope = anyio.CancelScope()
     device = SerialCopies(torch.device("cpu"))
     device.on_gather = scope.cancel
-    writer = pool(src, FaultyBackend(), staged(staging_bytes=4 * 4096), device)
+    writer = pool(src, FaultyBackend(), staged(staging_bytes=2 * 2 * 3072), device)  # 3 KiB blocks
     with scope:
         await writer.store(KVRequest(block_ids=SRC_IDS, tokens=[5, *TOKENS[1:]]))
     assert scope.cancelled_caught

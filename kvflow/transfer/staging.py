@@ -100,19 +100,19 @@ class StagingPool:
 
     @classmethod
     def create(cls, device: Device, total_bytes: int, unit_nbytes: int) -> StagingPool:
-        """``total_bytes`` split in as few chunks of at most :data:`MAX_CHUNK_BYTES` as it takes
-        (larger only to hold one object), each of at least one object."""
+        """``total_bytes`` split in chunks of whole objects of ``unit_nbytes`` (the largest object),
+        each of at most :data:`MAX_CHUNK_BYTES` (or one object): as few chunks as hold as many
+        objects as the bytes do, but for less than one chunk's worth."""
         if total_bytes < unit_nbytes:
             raise ConfigError(
                 f"staging_bytes={total_bytes} cannot hold one object of {unit_nbytes} bytes; raise it to at "
                 f"least {unit_nbytes}"
             )
-        largest = max(unit_nbytes, MAX_CHUNK_BYTES)
-        count = -(-total_bytes // largest)
-        chunk_bytes = total_bytes // count
-        if chunk_bytes < unit_nbytes:  # the largest chunks, as many as fit
-            chunk_bytes = min(total_bytes, largest)
-            count = total_bytes // chunk_bytes
+        objects = total_bytes // unit_nbytes
+        most = max(1, MAX_CHUNK_BYTES // unit_nbytes)  # objects a chunk holds at most
+        per_chunk = objects // -(-objects // most)  # in the fewest chunks, evened out
+        count = objects // per_chunk
+        chunk_bytes = per_chunk * unit_nbytes
         pool = cls(device, chunk_bytes)
         for _ in range(count):
             pool._free.append(device.host_buffer(chunk_bytes))
