@@ -265,6 +265,23 @@ def sync_load_warning(config: ConnectorConfig, *, async_scheduling: bool, recomp
     )
 
 
+def decode_saves_refusal(config: ConnectorConfig, *, async_scheduling: bool, recompute: bool) -> str | None:
+    """Why ``save_decode_blocks`` cannot be served where :func:`sync_load_warning` warns: after a
+    failed load vLLM discards the token its next step computed from the failed blocks, but the
+    KV the step wrote for it stays in the block, which a decode save would store under the hash of
+    the token vLLM kept. None where this cannot happen."""
+    if not config.save_decode_blocks or not config.role.stores:
+        return None
+    if sync_load_warning(config, async_scheduling=async_scheduling, recompute=recompute) is None:
+        return None
+    return (
+        "save_decode_blocks=true with load_async=false under vLLM's asynchronous scheduling: a "
+        "failed load would leave a decode block holding KV of a token vLLM discarded, stored under "
+        "the hash of the token it kept. Leave load_async unset (or true), run vLLM with "
+        "async_scheduling=False, or leave save_decode_blocks off"
+    )
+
+
 def weak_hash_warning(hash_algo: str, *, seeded: bool) -> str | None:
     """What to tell an operator whose vLLM names blocks by a hash that is not collision resistant
     (``prefix_caching_hash_algo`` xxhash...): kvflow keys stored KV by those names, so in a store

@@ -24,7 +24,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, sync_load_warning, weak_hash_warning
+from kvflow.integrations.vllm.config import (
+    ConnectorConfig,
+    KVRole,
+    decode_saves_refusal,
+    sync_load_warning,
+    weak_hash_warning,
+)
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata, KVFlowHandshake, KVFlowWorkerMeta
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, TransferCounters
@@ -91,6 +97,9 @@ class KVFlowConnector(KVConnectorBase_V1):
             )
             if weak is not None:
                 log.warning(weak)
+            refused = decode_saves_refusal(config, async_scheduling=async_scheduling, recompute=recompute)
+            if refused is not None:
+                raise ConfigError(refused)
             unsafe = sync_load_warning(config, async_scheduling=async_scheduling, recompute=recompute)
             if unsafe is not None:
                 log.warning(unsafe)

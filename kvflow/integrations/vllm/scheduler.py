@@ -106,6 +106,9 @@ class SchedulerSide:
     _trust: BlockTrust = attrs.field(factory=BlockTrust, init=False)
     _repairs: dict[bytes, int] | None = attrs.field(default=None, init=False)  # memo, until the next step
     _reports: Counter[int] = attrs.field(factory=Counter, init=False)  # step -> workers that settled it
+    # step -> (request, first block) of each save planned in it, until the step settles: a worker
+    # whose load of the step failed drops them all, so a failed step's saves are planned again
+    _planned: dict[int, list[tuple[str, int]]] = attrs.field(factory=dict, init=False)
     _step: int = attrs.field(default=0, init=False)
     _counters: TransferCounters = attrs.field(factory=TransferCounters, init=False)  # lookups
     _reported: TransferCounters = attrs.field(factory=TransferCounters, init=False)
@@ -307,6 +310,8 @@ class SchedulerSide:
         if self.config.role.stores:
             for tracked, _, after in work:  # only now: a save may read blocks another request loads
                 self._plan_save(tracked, after, saves, waits)
+        if saves:
+            self._planned[step] = [(save.request_id, save.block_offset) for save in saves]
         if self._pending_loads:
             log.warning("dropping kvflow loads of unscheduled requests %s", sorted(self._pending_loads))
             self._pending_loads.clear()
@@ -431,7 +436,13 @@ class SchedulerSide:
         workers = self.shape.tp_size * self.shape.pp_size  # each reports every step once
         for step in sorted(s for s in set(settled_steps) if self._reports[s] >= workers):
             del self._reports[step]
-            self._trust.settle(step, bad)
+            loads = self._trust.settle(step, bad)
+            planned = self._planned.pop(step, [])
+            if any(b in bad for load in loads for b in load.block_ids):  # some worker dropped them
+                for req_id, first in planned:
+                    tracked = self._requests.get(req_id)
+                    if tracked is not None:  # stored again by a later step, once trusted
+                        tracked.saved_upto = min(tracked.saved_upto, first)
         if bad or failed:  # kept until every worker ended the load
             for req_id, running in self._async_loads.items():
                 reported = set(running.block_ids) if req_id in failed else bad.intersection(running.block_ids)

@@ -166,6 +166,10 @@ class Faults:
     #: the key of every object put, by its file name (long keys are stored under a digest name)
     keys: dict[str, str] = attrs.field(factory=dict)
 
+    def stored_block_hashes(self) -> set[bytes]:
+        """The block hash of every KV object put (profile announcements left out)."""
+        return {decode_key(key).block_hash for key in self.keys.values() if not is_book_key(key)}
+
 
 FAULTS = Faults()
 

@@ -26,10 +26,18 @@ import kvflow.integrations.vllm.events as events_module
 from kvflow.backends import SCHEMES
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.mooncake.health import StoreHealth
-from kvflow.integrations.vllm.config import ConnectorConfig, KVRole, sync_load_warning, weak_hash_warning
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.config import (
+    ConnectorConfig,
+    KVRole,
+    decode_saves_refusal,
+    sync_load_warning,
+    weak_hash_warning,
+)
 from kvflow.integrations.vllm.events import EventTally, KVFlowKVEvents, WorkerEvent
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics
 from kvflow.integrations.vllm.worker import WorkerSide
+from tests.integrations.vllm import scheduler_harness
 from tests.integrations.vllm.connector_helpers import local_objects
 from tests.integrations.vllm.test_connector_sides import (
     LAYERS,
@@ -106,6 +114,23 @@ def test_loads_follow_vllms_scheduling_unless_set_and_an_unsafe_choice_is_warned
     assert sync_load_warning(producer, async_scheduling=True, recompute=True) is None
     default = ConnectorConfig.from_extra_config({}, async_scheduling=True)
     assert sync_load_warning(default, async_scheduling=True, recompute=True) is None
+
+
+def test_decode_saves_are_refused_where_a_failed_load_leaves_a_discarded_tokens_kv(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With loads before the forward under asynchronous scheduling, vLLM discards the token a step
+    computed from a failed load's blocks but not the KV that step wrote: a decode block would be
+    stored under the hash of the token vLLM kept. save_decode_blocks is refused there, at start."""
+    extra = {"load_async": False, "save_decode_blocks": True}
+    chosen = ConnectorConfig.from_extra_config(extra, async_scheduling=True)
+    assert decode_saves_refusal(chosen, async_scheduling=True, recompute=True) is not None
+    assert decode_saves_refusal(chosen, async_scheduling=False, recompute=True) is None
+    for allowed in (attrs.evolve(chosen, save_decode_blocks=False), attrs.evolve(chosen, load_async=True)):
+        assert decode_saves_refusal(allowed, async_scheduling=True, recompute=True) is None
+    scheduler_harness.FAULTS = scheduler_harness.Faults()
+    with pytest.raises(ConfigError, match="save_decode_blocks"):
+        scheduler_harness.Harness(tmp_path / "store", tiny_model_dir, async_scheduling=True, extra=extra)
 
 
 def test_kv_role_is_read_from_vllm_with_a_clear_error() -> None:

@@ -184,6 +184,33 @@ def test_one_worker_stores_nothing_computed_a_step_later_from_a_load_that_failed
     assert [w.counters().dropped_save_blocks for w in second.workers] == [6]  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_saves_a_worker_dropped_with_its_steps_failed_load_are_planned_again(
+    engines: Engines, layerwise: bool
+) -> None:
+    """A worker whose load of a step failed drops every save of that step, also those whose blocks
+    do not rest on that load (another request's): the scheduler plans them again once the step
+    settles failed (before: it counted them stored, and they never were). Here R's next blocks,
+    computed from its own good load, are saved in the step where C's load fails."""
+    engines.layerwise = layerwise
+    c = list(range(700, 712))  # 3 blocks of another prefix
+    first = engines()
+    engines.serve(first, A, [*c, 7], max_tokens=1)
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_matching = True, block_hashes(c)[1].hex()
+    second = engines(async_scheduling=True, max_num_batched_tokens=16, extra={"load_async": False})
+    r = [*A, *range(600, 625)]  # 45 tokens: 5 blocks loaded, 25 computed 16 a step
+    second.add(r, max_tokens=3)
+    second.step()
+    other = [*c, *range(800, 805)]
+    second.add(other, max_tokens=3)  # its load, in R's next step, fails
+    second.run()
+    faults.fail_gets = False
+    engines.prompts += [r, other]
+    stored = faults.stored_block_hashes()
+    assert [i for i, h in enumerate(block_hashes(r)) if h not in stored] == []
+
+
 def test_several_workers_hold_back_what_a_prompt_only_request_computed_after_its_load(
     engines: Engines,
 ) -> None:
