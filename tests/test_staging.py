@@ -581,6 +581,19 @@ class CancellingDevice(StuckDevice):
             self.on_gather()
 
 
+def give_backs_before_their_copies_ended(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each chunk given back from now on, whether a copy into or out of it was still running."""
+    early: list[bool] = []
+    give_back = StagingPool.give_back
+
+    def checked(self: StagingPool, chunk: Chunk) -> None:
+        early.append(chunk.copied is not None and not chunk.copied.query())
+        give_back(self, chunk)
+
+    monkeypatch.setattr(StagingPool, "give_back", checked)
+    return early
+
+
 @pytest.mark.parametrize("op", ["store", "retrieve"])
 async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copies_are_done(
     op: str, monkeypatch: pytest.MonkeyPatch
@@ -592,14 +605,7 @@ async def test_cancelling_a_staged_request_gives_every_chunk_back_once_its_copie
     back, none before its copy completed (the device could still be writing it), and the store
     releases the cache."""
     monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 2 * 4096)
-    early: list[bool] = []
-    give_back = StagingPool.give_back
-
-    def checked(self: StagingPool, chunk: Chunk) -> None:
-        early.append(chunk.copied is not None and not chunk.copied.query())
-        give_back(self, chunk)
-
-    monkeypatch.setattr(StagingPool, "give_back", checked)
+    early = give_backs_before_their_copies_ended(monkeypatch)
     src = LAYOUTS["vllm_cpu"]()
     backend = FaultyBackend()
     await pool(src, backend, staged()).store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))
@@ -1313,14 +1319,7 @@ async def test_a_cancelled_staged_store_gives_no_chunk_back_before_its_copies_on
     (a real copy stream) gives each chunk back only once the copies into it completed: the
     device may still write it until then."""
     monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 2 * 4096)
-    early: list[bool] = []
-    give_back = StagingPool.give_back
-
-    def checked(self: StagingPool, chunk: Chunk) -> None:
-        early.append(chunk.copied is not None and not chunk.copied.query())
-        give_back(self, chunk)
-
-    monkeypatch.setattr(StagingPool, "give_back", checked)
+    early = give_backs_before_their_copies_ended(monkeypatch)
     src = LAYOUTS["vllm_cpu"]()
     scope = anyio.CancelScope()
     device = SerialCopies(torch.device("cpu"))
