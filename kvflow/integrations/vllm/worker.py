@@ -226,7 +226,11 @@ class WorkerSide:
             self._puts.append(_Put(span, future, watch, tokens))
         if outcome.dropped:
             blocks = sum(self._owned_blocks(span) for span in outcome.dropped)
-            log.warning("a kvflow load of this step failed; not storing its %d computed blocks", blocks)
+            log.warning(
+                "a kvflow load failed on this worker (of this step, or of one the step's saves rest on); "
+                "not storing %d computed blocks",
+                blocks,
+            )
             counters = counters.with_dropped_saves(blocks)
         self._counters = counters
         self._count_puts()
