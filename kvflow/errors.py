@@ -8,6 +8,7 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "BackendUnavailableError",
+    "ClearStoppedError",
     "ConfigError",
     "KVFlowError",
     "LayoutError",
@@ -43,6 +44,17 @@ class BackendError(KVFlowError, RuntimeError):
 
 class BackendUnavailableError(BackendError):
     """The backend cannot be reached (a server is down); operations report failures meanwhile."""
+
+
+class ClearStoppedError(BackendUnavailableError):
+    """Clearing a store stopped part-way (it stopped answering: a local store's lock held by a
+    stopped engine, say): ``removed`` of the ``listed`` objects were removed, the rest are still
+    there."""
+
+    def __init__(self, message: str, removed: int, listed: int) -> None:
+        super().__init__(message)
+        self.removed = removed
+        self.listed = listed
 
 
 class MissingDependencyError(KVFlowError, ImportError):

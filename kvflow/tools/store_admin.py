@@ -29,7 +29,7 @@ import anyio
 import attrs
 
 from kvflow.config import split_url
-from kvflow.errors import BackendError, ConfigError, KVFlowError, RequestError
+from kvflow.errors import BackendError, ClearStoppedError, ConfigError, KVFlowError, RequestError
 from kvflow.keys import BlockKey, decode_key
 
 __all__ = ["ClearStoppedError", "Inventory", "StoredObject", "clear_store", "read_inventory", "store_main"]
@@ -37,16 +37,6 @@ __all__ = ["ClearStoppedError", "Inventory", "StoredObject", "clear_store", "rea
 # Keys removed per call: a local store removes a call's keys in one lock section, which every
 # engine's puts wait for (as many as its clear removes per section).
 _REMOVE_GROUP = 256
-
-
-class ClearStoppedError(BackendError):
-    """:func:`clear_store` stopped part-way (the store stopped answering): ``removed`` of the
-    ``listed`` objects it meant to remove were removed; the message says what stopped it."""
-
-    def __init__(self, message: str, removed: int, listed: int) -> None:
-        super().__init__(message)
-        self.removed = removed
-        self.listed = listed
 
 
 @attrs.frozen
@@ -251,12 +241,10 @@ async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
     (a local store's lock held by a stopped engine, say) part-way.
     """
     if _scheme(url) != "mooncake" and model is None:
-        from kvflow.backends.local.backend import ClearStoppedError as LocalClearStopped
-
         backend = _open_local(url)
         try:
             return {"removed": await backend.clear(), "failed": 0}
-        except LocalClearStopped as exc:
+        except ClearStoppedError as exc:
             raise _stopped(url, None, exc.removed, exc.listed, exc) from exc
         finally:
             await backend.aclose()

@@ -49,7 +49,7 @@ from kvflow.backends.local.presence import PresenceMemory
 from kvflow.backends.local.safety import LOCK_NAME, Access
 from kvflow.backends.local.space import Reservation, SpaceLedger
 from kvflow.backends.pacing import PIECE, Pacer
-from kvflow.errors import BackendError, BackendUnavailableError
+from kvflow.errors import BackendError, BackendUnavailableError, ClearStoppedError
 
 __all__ = ["ClearStoppedError", "LocalBackend", "LocalConfig", "default_path", "key_of_file_name"]
 
@@ -71,16 +71,6 @@ _published_hook: Callable[[str], Awaitable[None]] | None = None
 # Tests only: awaited with the file names of the objects that failed verification in a get, before
 # they are checked again under the lock (so that another writer can republish one meanwhile).
 _before_remove_corrupt_hook: Callable[[list[str]], Awaitable[None]] | None = None
-
-
-class ClearStoppedError(BackendUnavailableError):
-    """:meth:`LocalBackend.clear` stopped part-way (the lock stayed taken): it had removed
-    ``removed`` of the ``listed`` objects; the others are still there."""
-
-    def __init__(self, message: str, removed: int, listed: int) -> None:
-        super().__init__(message)
-        self.removed = removed
-        self.listed = listed
 
 
 @attrs.define
