@@ -346,57 +346,68 @@ class ProfileBook:
         return time.monotonic() - self._announced_at >= ANNOUNCE_EVERY_S
 
     async def announce(self, deadline: float) -> None:
-        """Make sure the own profile is in the book (at most every ``ANNOUNCE_EVERY_S``)."""
+        """Make sure the own profile is in the book (at most every ``ANNOUNCE_EVERY_S``). A slot
+        another pool took first (racing for it) sends this one to the next free slot, in the same
+        call: a pool that stores rarely must not stay out of the book until its next store."""
         if not self.due or not await self._acquire(deadline):
             return
         try:
-            if not self.due:
-                return
-            slots = await self._read(deadline)
-            if slots is None:
-                return
-            self._remember(slots)
-            if self.own in slots:
-                self._announced_at = time.monotonic()
-                return
-            free = [i for i, p in enumerate(slots) if p is False]
-            if not free:
-                log.warning(
-                    "the store's book of profiles for %s is full (%d); engines with other layouts will "
-                    "not find this engine's KV until old ones are evicted",
-                    self.own.model,
-                    SLOTS,
-                )
-                self._announced_at = time.monotonic()
-                return
-            slot = free[0]
-            payload = self.own.to_json().encode().ljust(SLOT_BYTES)
-            if len(payload) > SLOT_BYTES:
-                log.warning("this engine's profile does not fit an announcement; others will not find its KV")
-                self._announced_at = time.monotonic()
-                return
-            view = self._buffer[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
-            view.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-            try:
-                with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
-                    (status,) = await self.backend.put([self._objects()[slot]])
-            except Exception as exc:
-                log.debug("announcing the profile failed: %r", exc)
-                return
-            if status is PutStatus.STORED:
-                # Read back: a store whose put of a key another pool just wrote keeps that value
-                # and says STORED (Mooncake), so two pools racing for a slot would both count it
-                # theirs. Not found there, the next store looks again (as after PRESENT: another
-                # pool took the slot first).
-                slots = await self._read(deadline)
-                if slots is not None:
-                    self._remember(slots)
-                if slots is None or slots[slot] is None:  # not readable now: taken as written
-                    self._known[slot] = self.own
-                if slots is None or slots[slot] in (None, self.own):
-                    self._announced_at = time.monotonic()
+            for _ in range(SLOTS):
+                if not self.due or time.monotonic() >= deadline or await self._announce_once(deadline):
+                    return
         finally:
             self._lock.release()
+
+    async def _announce_once(self, deadline: float) -> bool:
+        """One try: read the book and, where the own profile is not in it, put it in the first free
+        slot. Whether it is done (in the book, or it cannot be: a full book, a failed store); False
+        when another pool took the slot first."""
+        slots = await self._read(deadline)
+        if slots is None:
+            return True
+        self._remember(slots)
+        if self.own in slots:
+            self._announced_at = time.monotonic()
+            return True
+        free = [i for i, p in enumerate(slots) if p is False]
+        if not free:
+            log.warning(
+                "the store's book of profiles for %s is full (%d); engines with other layouts will "
+                "not find this engine's KV until old ones are evicted",
+                self.own.model,
+                SLOTS,
+            )
+            self._announced_at = time.monotonic()
+            return True
+        slot = free[0]
+        payload = self.own.to_json().encode().ljust(SLOT_BYTES)
+        if len(payload) > SLOT_BYTES:
+            log.warning("this engine's profile does not fit an announcement; others will not find its KV")
+            self._announced_at = time.monotonic()
+            return True
+        view = self._buffer[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
+        view.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        try:
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
+                (status,) = await self.backend.put([self._objects()[slot]])
+        except Exception as exc:
+            log.debug("announcing the profile failed: %r", exc)
+            return True
+        if status is PutStatus.PRESENT:
+            return False  # another pool took the slot first: the next free one
+        if status is not PutStatus.STORED:
+            return True  # the store refused it: the next store looks again
+        # Read back: a store whose put of a key another pool just wrote keeps that value and says
+        # STORED (Mooncake), so two pools racing for a slot would both count it theirs.
+        slots = await self._read(deadline)
+        if slots is not None:
+            self._remember(slots)
+        if slots is None or slots[slot] is None:  # not readable now: taken as written
+            self._known[slot] = self.own
+        if slots is None or slots[slot] in (None, self.own):
+            self._announced_at = time.monotonic()
+            return True
+        return False
 
     async def _acquire(self, deadline: float) -> bool:
         """Take the book's lock, unless ``deadline`` passes first (another call is reading the

@@ -708,10 +708,12 @@ async def test_context_sharded_profiles_of_another_block_size_are_not_read() -> 
 @attrs.define
 class PutKeepsTheFirstValue(FaultyBackend):
     """A store whose put of a key that exists keeps the value there and says STORED (Mooncake's
-    put); ``before_put`` runs once, before the next put (another pool's announcement landing
-    between this pool's read of the book and its put)."""
+    put), or with ``says_present`` PRESENT (the memory, local and arena stores); ``before_put``
+    runs once, before the next put (another pool's announcement landing between this pool's read
+    of the book and its put)."""
 
     before_put: Callable[[], Awaitable[None]] | None = None
+    says_present: bool = False
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         if self.before_put is not None:
@@ -720,20 +722,24 @@ class PutKeepsTheFirstValue(FaultyBackend):
         present = await self.inner.exists([o.key for o in objects])
         fresh = [o for o, there in zip(objects, present) if not there]
         await self.inner.put(fresh)
-        return [PutStatus.STORED] * len(objects)
+        kept = PutStatus.PRESENT if self.says_present else PutStatus.STORED
+        return [kept if there else PutStatus.STORED for there in present]
 
 
-async def test_two_pools_racing_for_a_slot_on_a_store_that_keeps_the_first_put_both_get_announced() -> None:
-    """Pools A and B read the book empty; A's announcement lands in slot 0 before B's put of
-    slot 0, which the store keeps as A's and answers STORED. B reads the slot back, finds A, and
-    its next store takes slot 1 (before: B counted slot 0 as its own for a minute, and engines
-    split otherwise could not find its KV meanwhile)."""
-    backend = PutKeepsTheFirstValue()
+@pytest.mark.parametrize("says_present", [False, True])
+async def test_two_pools_racing_for_a_slot_both_get_announced_in_one_call(says_present: bool) -> None:
+    """Pools A and B read the book empty; A's announcement lands in slot 0 before B's put of slot
+    0, which the store keeps as A's (answering STORED, as Mooncake, or PRESENT). B finds A there
+    (reading the slot back after a STORED) and takes slot 1 in the same call. Before: B counted
+    slot 0 as its own for a minute (STORED), or stayed out of the book until its next store
+    (PRESENT), and engines split otherwise could not find its KV meanwhile: an engine that stores
+    once, or rarely, for good."""
+    backend = PutKeepsTheFirstValue(says_present=says_present)
     a = ProfileBook(backend, PROFILE)  # type: ignore[arg-type]
     b = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=4))  # type: ignore[arg-type]
     backend.before_put = lambda: a.announce(float("inf"))
     await b.announce(float("inf"))  # read the book empty; A took slot 0 before B's put
-    assert sum(is_book_key(k) for k in backend.inner.stored_keys()) == 1
-    await b.announce(float("inf"))  # not announced: it looks again
+    assert sum(is_book_key(k) for k in backend.inner.stored_keys()) == 2
     reader = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=1))  # type: ignore[arg-type]
     assert set(await reader.others(float("inf"))) == {PROFILE, b.own}
+    assert not b.due  # announced: it does not look again for a minute
