@@ -41,9 +41,10 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     ``bad_reads``: blocks this step's requests read that hold wrong KV (a failed load's, or
     computed from one, kept in vLLM's prefix cache since): workers report them with the step's
     load errors, so that vLLM recomputes every request reading them from there on.
-    ``save_after``: empty, or per save the load steps whose verdict it still waits for: an engine
-    of one worker (no other rank's load can be wrong) stores it only if that worker's loads of
-    those steps all arrived (else it drops it, as the saves of a step whose own load failed).
+    ``save_after``: empty, or per save the load steps whose verdict it still waits for: the
+    workers store it only if their loads of those steps all arrived, on every rank (one worker
+    knows its own; the ranks of a tensor-parallel engine agree first, :mod:`.agreement`), and drop
+    it otherwise, as the saves of a step whose own load failed.
     """
 
     step: int = 0

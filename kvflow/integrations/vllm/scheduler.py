@@ -27,7 +27,9 @@ lowered to it, so the step that recomputes stores again. A request that finishes
 blocks unstored: a lost caching chance, never wrong data. An engine of one worker holds nothing
 back for a load's verdict: that worker knows its own loads when its saves run, so the save is
 planned at once with the steps it waits for (``save_after``), and the worker drops it if one of
-those steps' loads failed there.
+those steps' loads failed there. A tensor-parallel engine of one pipeline stage storing whole
+blocks does the same: its ranks agree on which of those steps failed on any rank before they store
+(:mod:`.agreement`).
 
 Roles (vLLM's ``kv_role``): a ``kv_producer`` opens no lookup pool and plans no load; a
 ``kv_consumer`` plans no save. The scheduler side also counts its lookups (hit and missed tokens,
@@ -47,6 +49,7 @@ import attrs
 from vllm.v1.request import Request, RequestStatus
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.agreement import plans_saves_after_loads
 from kvflow.integrations.vllm.clients import open_lookup_pool, open_store
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.events import EventTally
@@ -120,6 +123,12 @@ class SchedulerSide:
         self._tally = EventTally(
             self.shape.tp_size * self.shape.pp_size, max_age_s=2 * self.config.timeout_s + ANSWER_GRACE_S
         )
+
+    @property
+    def _saves_after_loads(self) -> bool:
+        """Whether a save resting on loads not yet settled is planned at once, with ``save_after``:
+        the workers learn whether those loads arrived on every rank by the time they store it."""
+        return plans_saves_after_loads(self.shape, self.config.layerwise)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -391,7 +400,8 @@ class SchedulerSide:
         self, tracked: _Tracked, computed_tokens: int, saves: list[KVRequest], waits: list[tuple[int, ...]]
     ) -> None:
         """Plan the save of the request's full blocks computed and not yet stored, when their KV is
-        trusted, or (one worker) waits only for the verdict of loads that worker will know of."""
+        trusted, or waits only for the verdict of loads the workers will know of when they store it
+        (:func:`~.agreement.plans_saves_after_loads`)."""
         request = tracked.request
         if not self.config.save_decode_blocks:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
@@ -401,9 +411,10 @@ class SchedulerSide:
         if end <= start:
             return  # nothing new
         steps = self._trust.waits_for(tracked.block_ids[start:end])
-        if steps is None or (steps and self.shape.tp_size * self.shape.pp_size > 1):
-            # Held back: saved_upto stays, a later step stores these blocks. (With several workers
-            # a rank computes from every rank's loads, and only the scheduler hears of them all.)
+        if steps is None or (steps and not self._saves_after_loads):
+            # Held back: saved_upto stays, a later step stores these blocks. (A rank computes from
+            # every rank's loads; across pipeline stages, or layer by layer, only the scheduler
+            # hears of them all.)
             return
         waits.append(tuple(sorted(steps)))
         saves.append(

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from kvflow.integrations.vllm.agreement import FailedSteps, plans_saves_after_loads
 from kvflow.integrations.vllm.clients import open_layerwise_pool, open_store, open_worker_pool
 from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
 from kvflow.integrations.vllm.events import KVFlowKVEvents, WorkerEvent, stored_events
@@ -87,6 +89,8 @@ class WorkerSide:
     shape: EngineShape
     tp_rank: int
     pp_rank: int
+    #: With several ranks: which of a step's ``save_after`` steps failed on any rank (:mod:`.agreement`)
+    agree: FailedSteps | None = None
     _steps: BlockSteps | LayerwiseSteps | None = attrs.field(default=None, init=False)
     _layout: KVLayout | None = attrs.field(default=None, init=False)
     _layer_index: dict[str, int] = attrs.field(factory=dict, init=False)
@@ -105,6 +109,19 @@ class WorkerSide:
     _watch: StoreWatch | None = attrs.field(default=None, init=False)
     _block_nbytes: int = attrs.field(default=0, init=False)
     _parallel: ParallelConfig | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if (
+            self.agree is None
+            and self.shape.tp_size > 1
+            and plans_saves_after_loads(self.shape, self.config.layerwise)
+        ):
+            # Its scheduler plans saves resting on loads not yet settled: alone, a rank whose own
+            # load arrived would store KV computed from another rank's failed one.
+            raise ValueError(
+                "a worker of a tensor-parallel engine needs its ranks' agreement on failed loads: "
+                "pass agree= (kvflow.integrations.vllm.agreement.tensor_parallel_agreement())"
+            )
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -189,11 +206,35 @@ class WorkerSide:
         """End the step: its stores (and, layerwise, its loads) have ended when this returns."""
         self._end_layerwise_loads()
         if self._steps is not None:
-            saves, dropped = meta.saves_after(self._failed_steps) if self.config.role.stores else ((), ())
+            saves, dropped = (
+                self._saves_of_step(meta, failed=sys.exc_info()[1]) if self.config.role.stores else ((), ())
+            )
             outcome = self._steps.finish(saves)  # (the scheduler plans no save for a consumer)
             self._record(attrs.evolve(outcome, dropped=outcome.dropped + dropped), meta, step=meta.step)
         # a save waits for the verdict of the last few steps' loads, no older
         self._failed_steps = {s for s in self._failed_steps if s > meta.step - _FAILED_STEPS_KEPT}
+
+    def _saves_of_step(
+        self, meta: KVFlowConnectorMetadata, *, failed: BaseException | None
+    ) -> tuple[tuple[KVRequest, ...], tuple[KVRequest, ...]]:
+        """The step's saves to store, and those to drop. vLLM ends a step from a ``finally``, so
+        ``failed`` (the exception in flight) means its forward raised: the blocks may hold KV half
+        written, and every save is dropped (without asking the other ranks, which may never get
+        there: they wait in the forward's own collectives)."""
+        if failed is not None:
+            if meta.saves:
+                log.warning(
+                    "the forward of step %d failed (%r): storing none of its blocks", meta.step, failed
+                )
+            return (), meta.saves
+        return meta.saves_after(self._failed_anywhere(meta))
+
+    def _failed_anywhere(self, meta: KVFlowConnectorMetadata) -> frozenset[int] | set[int]:
+        """The steps this step's saves wait for whose loads failed here, or with several ranks on
+        any rank (every rank asks in the same step: the metadata is one)."""
+        if not meta.save_after or self.agree is None:
+            return self._failed_steps
+        return self.agree(sorted({s for after in meta.save_after for s in after}), self._failed_steps)
 
     def _end_layerwise_loads(self) -> None:
         """Record a layerwise step's loads once the forward ended, and list the step as settled:

@@ -70,6 +70,7 @@ from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.keys import decode_key
 from kvflow.profiles import is_book_key
+from tests.integrations.vllm.rank_agreement import RankAgreement
 
 __all__ = ["POISON", "Faults", "Harness", "block_hashes", "kv_value"]
 
@@ -303,6 +304,8 @@ class Harness:
     computed: list[tuple[str, int, int]] = attrs.field(init=False, factory=list)
     #: steps that ended with a put still running (stores must end inside their step)
     puts_after_step: list[int] = attrs.field(init=False, factory=list)
+    #: how the ranks agree on failed loads before storing what rests on them (TP > 1)
+    agreement: RankAgreement = attrs.field(init=False, factory=RankAgreement)
 
     def __attrs_post_init__(self) -> None:
         init_none_hash(sha256)
@@ -356,7 +359,7 @@ class Harness:
             log_stats=True,
         )
         for rank in range(self.tp):
-            self.workers.append(_worker_connector(config, kv_cache_config, rank))
+            self.workers.append(_worker_connector(config, kv_cache_config, rank, self.agreement))
             cache = {name: torch.zeros(self.num_blocks, heads, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
             self.workers[-1].register_kv_caches(cache)  # type: ignore[arg-type]
             self.caches.append(cache)
@@ -643,11 +646,18 @@ class Harness:
         return checked
 
 
-def _worker_connector(config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int) -> KVFlowConnector:
-    """A worker-side KVFlowConnector for TP rank ``rank`` (vLLM's process groups are not set up here)."""
-    original = connector_module.worker_ranks
+def _worker_connector(
+    config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int, agreement: RankAgreement
+) -> KVFlowConnector:
+    """A worker-side KVFlowConnector for TP rank ``rank`` (vLLM's process groups are not set up
+    here: its ranks agree through ``agreement``)."""
+    ranks, agree = connector_module.worker_ranks, connector_module.tensor_parallel_agreement
     connector_module.worker_ranks = lambda: (rank, 0)  # type: ignore[assignment]
+    connector_module.tensor_parallel_agreement = lambda: agreement.for_rank(rank)  # type: ignore[assignment]
     try:
-        return KVFlowConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        connector = KVFlowConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     finally:
-        connector_module.worker_ranks = original  # type: ignore[assignment]
+        connector_module.worker_ranks = ranks  # type: ignore[assignment]
+        connector_module.tensor_parallel_agreement = agree  # type: ignore[assignment]
+    agreement.sides[rank] = connector._worker_side()
+    return connector

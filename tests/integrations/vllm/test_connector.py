@@ -44,6 +44,7 @@ from tests.integrations.vllm.prompts import (
     B,
     Batches,
     D,
+    E,
     owned_by,
 )
 
@@ -275,6 +276,42 @@ def test_tensor_parallel_replicas_store_each_block_once_and_both_load_everything
         assert counters[rank]["not_owned_blocks"] == ONE_ENGINE_STORED_BLOCKS - owned_by(rank, 2), rank
         assert counters[rank]["present_blocks"] == 0, rank
     assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_store_what_a_prompt_only_request_computed_after_its_load(
+    reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """TP=2 in worker processes, one token per request, vLLM's prefix cache off. E loads E_HEAD's
+    blocks 0-3 and computes its blocks 4-11 in the same step, and finishes there: the ranks agree,
+    over vLLM's tensor-parallel group, that the load arrived on both before they store, so both
+    store their head's objects of those blocks in that step (before, they were held for the
+    scheduler's verdict a step later, and lost). A third batch loads all of E."""
+    store = tmp_path / "store"
+    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB")
+    counters = _folder(tmp_path, "counters")
+    batches: Batches = ((E_HEAD,), (E,), (E,))
+    run = run_engine(
+        EngineSpec(
+            tiny_model_dir,
+            batches,
+            max_tokens=1,
+            block_size=BLOCK,
+            kv_transfer_config=transfer,
+            env={COUNTERS_ENV: str(counters)},
+            enable_prefix_caching=False,
+            multiprocessing=True,
+            tensor_parallel_size=2,
+        )
+    )
+    assert run.outputs == tuple(tokens[:1] for tokens in reference.expected(batches))
+    assert run.cached_tokens == (0, 4 * BLOCK, 12 * BLOCK)
+    moved = read_counters(counters)
+    assert sorted(moved) == [0, 1]
+    for rank, counts in moved.items():
+        assert counts["stored_blocks"] == 5 + 8 and counts["dropped_save_blocks"] == 0, rank
+        assert counts["loaded_blocks"] == 4 + 12 and counts["load_failed_blocks"] == 0, rank
+    assert len(local_objects(store)) == 2 * (5 + 8)  # each rank's own head
 
 
 @pytest.mark.slow

@@ -193,10 +193,11 @@ def test_a_blocks_event_waits_for_every_worker_however_often_one_reports_it(
         sides.workers[1].shape,
         1,
         0,
+        sides.workers[1].agree,
     )
     failing.register_kv_caches(_caches(heads=1, seed=1))
     sides.workers[1].shutdown()
-    sides.workers[1] = failing
+    sides.workers[1] = sides.agreement.sides[1] = failing
     for name, ids in (("r1", [1, 2, 3, 4]), ("r2", [5, 6, 7, 8])):
         request = FakeRequest(name, TOKENS)
         assert sides.admit(request, ids) == (0, False)

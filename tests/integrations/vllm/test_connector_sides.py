@@ -40,6 +40,7 @@ from kvflow.keys import hash_blocks
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
+from tests.integrations.vllm.rank_agreement import RankAgreement
 from tests.integrations.vllm.recording_connector import FailingGetsBackend
 
 BLOCK = 4
@@ -120,6 +121,7 @@ class Sides:
     scheduler: SchedulerSide
     workers: list[WorkerSide]
     caches: list[dict[str, torch.Tensor]]
+    agreement: RankAgreement  # how its ranks agree on failed loads (TP > 1)
 
     def admit(
         self, request: FakeRequest, block_ids: list[int], local_tokens: int = 0
@@ -138,11 +140,12 @@ class Sides:
         meta = self.scheduler.build_connector_meta(output)  # type: ignore[arg-type]
         reports, invalid, steps = [], set(), []
         events: KVFlowKVEvents | None = None
-        for worker in self.workers:
+        for worker in self.workers:  # the ranks' forwards run side by side: each one's loads first
             worker.start_load_kv(meta)
             for name in LAYERS:
                 worker.wait_for_layer_load(name)
                 worker.save_kv_layer(name, meta)
+        for worker in self.workers:
             worker.wait_for_save(meta)
             reports.append(worker.get_finished(set(finished)))
             if report:
@@ -198,9 +201,10 @@ def open_sides(tmp_path: Path) -> Iterator[Any]:
             {"backend": f"local://{tmp_path}/store", **extra}, role=role, kv_events=kv_events
         )
         shape = EngineShape("tiny", BLOCK, tp_size, 1, kv_heads, False)
-        workers, caches = [], []
+        workers, caches, agreement = [], [], RankAgreement()
         for rank in range(tp_size):
-            worker = WorkerSide(config, shape, rank, 0)
+            worker = WorkerSide(config, shape, rank, 0, agreement.for_rank(rank) if tp_size > 1 else None)
+            agreement.sides[rank] = worker
             cache = _caches(heads=max(1, kv_heads // tp_size), seed=rank)
             worker.register_kv_caches(cache)
             workers.append(worker)
@@ -208,7 +212,7 @@ def open_sides(tmp_path: Path) -> Iterator[Any]:
         scheduler = SchedulerSide(config, shape)
         handshakes = {(0, w.tp_rank): w.handshake() for w in workers}
         scheduler.on_handshake(handshakes)  # type: ignore[arg-type]
-        sides = Sides(scheduler, workers, caches)
+        sides = Sides(scheduler, workers, caches, agreement)
         opened.append(sides)
         return sides
 
@@ -602,7 +606,7 @@ def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank_and_the_recompute
 
 
 def test_a_load_step_stores_its_computed_blocks_a_step_later_when_no_rank_failed(open_sides: Any) -> None:
-    sides: Sides = open_sides(tp_size=2)
+    sides: Sides = open_sides(tp_size=2, layerwise=True)  # (no agreement layer by layer)
     _stored_r1(sides)
     longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
     assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
@@ -642,10 +646,63 @@ def test_one_worker_stores_a_load_steps_computed_blocks_in_that_step_on_conditio
     assert worker.counters.stored_blocks - before == 2  # the load arrived
 
 
+def test_tensor_parallel_ranks_store_a_load_steps_computed_blocks_in_that_step_when_all_arrived(
+    open_sides: Any,
+) -> None:
+    """TP=2, whole blocks: the ranks agree on the loads' verdict before their saves, so the blocks
+    computed from a load are saved in the load's step, as with one worker, by both ranks."""
+    sides: Sides = open_sides(tp_size=2)
+    _stored_r1(sides)
+    longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
+    assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
+    before = [w.counters.stored_blocks for w in sides.workers]
+    sides.step(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 12)], num_scheduled_tokens={"r2": 8}
+        )
+    )
+    assert [w.counters.stored_blocks - b for w, b in zip(sides.workers, before)] == [2, 2]
+    assert sides.agreement.calls[0] == sides.agreement.calls[1] != []
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_step_whose_forward_raised_stores_nothing(open_sides: Any, tp_size: int) -> None:
+    """vLLM ends a step from a ``finally``, also when the forward raised: its blocks may hold KV half
+    written, so nothing of the step is stored, and a rank does not wait for the others' agreement
+    (they may be stuck in the forward's own collectives)."""
+    sides: Sides = open_sides(tp_size=tp_size)
+    _stored_r1(sides)
+    before = [w.counters.stored_blocks for w in sides.workers]
+    fresh, longer = (
+        FakeRequest("r3", list(range(700, 712))),
+        FakeRequest("r2", [*TOKENS[:12], *range(500, 508)]),
+    )
+    assert sides.admit(fresh, [1, 2, 3]) == (0, False)
+    assert sides.admit(longer, [9, 10, 11, 12, 13, 14]) == (12, False)
+    meta = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r3", ([1, 2, 3],), 0), FakeNewRequest("r2", ([9, 10, 11, 12, 13, 14],), 12)],
+            num_scheduled_tokens={"r3": 12, "r2": 8},
+        )
+    )  # type: ignore[arg-type]
+    assert len(meta.saves) == 2 and meta.save_after == ((), (meta.step,))  # r3's, and r2's after its load
+    for worker in sides.workers:
+        worker.start_load_kv(meta)
+    for worker in sides.workers:
+        with pytest.raises(RuntimeError, match="forward"):
+            try:
+                raise RuntimeError("the forward failed")
+            finally:
+                worker.wait_for_save(meta)
+    assert [w.counters.stored_blocks for w in sides.workers] == before
+    assert [w.counters.dropped_save_blocks for w in sides.workers] == [3 + 2] * tp_size
+    assert all(calls == [] for calls in sides.agreement.calls.values())
+
+
 def test_a_request_reading_loaded_blocks_through_the_prefix_cache_is_held_back_too(open_sides: Any) -> None:
     """R1 gets R0's blocks from vLLM's prefix cache in the step R0 loads them: what R1 computes
     from them waits for the load's verdict just like R0's own blocks."""
-    sides: Sides = open_sides(tp_size=2)
+    sides: Sides = open_sides(tp_size=2, layerwise=True)  # (no agreement layer by layer)
     _stored_r1(sides)
     r0 = FakeRequest("r0", [*TOKENS[:12], *range(500, 508)])
     r1 = FakeRequest("r1b", [*TOKENS[:12], *range(600, 608)])
@@ -677,7 +734,7 @@ def test_a_request_reading_loaded_blocks_through_the_prefix_cache_is_held_back_t
 
 
 def test_a_step_settles_only_when_every_worker_reported_it(open_sides: Any) -> None:
-    sides: Sides = open_sides(tp_size=2)
+    sides: Sides = open_sides(tp_size=2, layerwise=True)  # (no agreement layer by layer)
     _stored_r1(sides)
     longer = FakeRequest("r2", [*TOKENS[:12], *range(500, 508)])
     sides.admit(longer, [9, 10, 11, 12, 13, 14])
@@ -981,10 +1038,11 @@ def _fail_rank_1(sides: Sides, tmp_path: Path, seed: int) -> None:
         sides.workers[1].shape,
         1,
         0,
+        sides.workers[1].agree,
     )
     failing.register_kv_caches(_caches(heads=1, seed=seed))
     sides.workers[1].shutdown()
-    sides.workers[1] = failing
+    sides.workers[1] = sides.agreement.sides[1] = failing
 
 
 def _load_r2_and_compute_r3(sides: Sides) -> None:

@@ -67,6 +67,7 @@ class Engines:
         assert not harness.scheduler.requests
         assert harness.scheduler.reset_prefix_cache() is True  # an idle engine holds no block
         assert harness.connector_state() == {}  # the connector forgot every request
+        assert harness.agreement.alike()  # with vLLM, ranks calling apart would hang
 
 
 def finish(engine: Harness, *, max_steps: int) -> None:
@@ -211,18 +212,59 @@ def test_saves_a_worker_dropped_with_its_steps_failed_load_are_planned_again(
     assert [i for i, h in enumerate(block_hashes(r)) if h not in stored] == []
 
 
-def test_several_workers_hold_back_what_a_prompt_only_request_computed_after_its_load(
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tensor_parallel_ranks_store_the_blocks_a_prompt_only_request_computed_after_its_load(
+    engines: Engines, async_scheduling: bool
+) -> None:
+    """TP=2, whole blocks: the ranks agree on whether the load arrived on every rank before their
+    saves run, so the blocks a prompt-only request computes right after its load are stored in
+    that step, as with one worker (before: held for the scheduler's verdict a step later, and lost
+    when the request finished first)."""
+    extra = {"load_async": False}
+    first = engines(tp=2, async_scheduling=async_scheduling, extra=extra)
+    engines.serve(first, A, max_tokens=1)
+    second = engines(tp=2, async_scheduling=async_scheduling, extra=extra)
+    engines.serve(second, A_LONG, max_tokens=1)
+    assert loaded(second) == [5, 5] and stored(second) == [2, 2]
+    assert second.agreement.calls[0]  # the ranks did agree (the fixture checks they called alike)
+    third = engines(tp=2, async_scheduling=async_scheduling, extra=extra)
+    engines.serve(third, A_LONG, max_tokens=1)
+    assert loaded(third) == [7, 7] and stored(third) == [0, 0]
+
+
+def test_tensor_parallel_ranks_drop_what_a_prompt_only_request_computed_from_a_load_failed_on_one(
     engines: Engines,
 ) -> None:
-    """With several workers a rank computes from every rank's loads, and only the scheduler hears
-    of them all, a step later: a prompt-only request finishes first (without asynchronous
-    scheduling, which reports its output a step later), and its new blocks are not stored (a
-    missed cache entry, never wrong KV; docs/vllm.md)."""
+    """TP=2: rank 0's load fails, rank 1's arrives. Rank 1's KV of the new blocks is wrong too (it
+    was computed from rank 0's junk, through the all-reduced attention output), so both ranks drop
+    their saves; the fixture checks every stored object and reloads them in a fresh engine."""
+    first = engines(tp=2)
+    engines.serve(first, A, max_tokens=1)
+    faults = scheduler_harness.FAULTS
+    faults.fail_gets, faults.fail_gets_matching = True, "@h0-1@"  # rank 0's KV head only
+    second = engines(tp=2)
+    engines.serve(second, A_LONG, max_tokens=1)
+    zero, one = (w.counters() for w in second.workers)  # type: ignore[union-attr]
+    assert zero.load_failed_blocks == 5 and one.loaded_blocks == 5
+    assert zero.dropped_save_blocks == 2 and one.dropped_save_blocks == 2
+    assert zero.stored_blocks == one.stored_blocks
+
+
+def test_layerwise_tensor_parallel_ranks_hold_back_what_a_prompt_only_request_computed_after_its_load(
+    engines: Engines,
+) -> None:
+    """Layer by layer, a rank stores each layer during the forward, before the ranks could agree on
+    the loads of the layers after it: only the scheduler hears of every rank's loads, a step later.
+    A prompt-only request finishes first (without asynchronous scheduling, which reports its
+    output a step later), and its new blocks are not stored (a missed cache entry, never wrong KV;
+    docs/vllm.md)."""
+    engines.layerwise = True
     first = engines(tp=2)
     engines.serve(first, A, max_tokens=1)
     second = engines(tp=2)
     engines.serve(second, A_LONG, max_tokens=1)
     assert loaded(second) == [5, 5] and stored(second) == [0, 0]
+    assert second.agreement.calls == {}  # no rank asks: none was made for a layerwise engine
 
 
 def test_requests_sharing_a_prefix_in_one_step(engines: Engines) -> None:
@@ -401,7 +443,9 @@ def test_a_rank_whose_load_failed_stores_nothing_of_its_step_even_saves_the_sche
     engines: Engines,
 ) -> None:
     """TP=2: in one step R loads (rank 0's load fails) and C computes a fresh prompt, whose save the
-    scheduler plans (C reads no loaded block). Rank 0 drops every save of that step; rank 1 stores."""
+    scheduler plans (C reads no loaded block), as it plans R's new blocks on condition that R's load
+    arrived. Rank 0 drops every save of that step; rank 1 stores C's and, told by rank 0 that R's
+    load failed, drops R's."""
     first = engines(tp=2)
     engines.serve(first, A[:12])
     faults = scheduler_harness.FAULTS
@@ -414,8 +458,8 @@ def test_a_rank_whose_load_failed_stores_nothing_of_its_step_even_saves_the_sche
     assert load[1] == r
     assert (load[0], c, 0, 3) in second.saves  # the scheduler did plan C's save in the failing step
     zero, one = (w.counters() for w in second.workers)  # type: ignore[union-attr]
-    assert zero.load_failed_blocks == 3 and zero.dropped_save_blocks == 3 and zero.stored_blocks == 0
-    assert one.loaded_blocks == 3 and one.dropped_save_blocks == 0 and one.stored_blocks == 3
+    assert zero.load_failed_blocks == 3 and zero.dropped_save_blocks == 3 + 4 and zero.stored_blocks == 0
+    assert one.loaded_blocks == 3 and one.dropped_save_blocks == 4 and one.stored_blocks == 3
     second.run()
     assert second.requests[r].finished and second.requests[c].finished
     engines.prompts += [A_LONG, fresh]
