@@ -5,9 +5,11 @@
 
 For a batch of engine blocks whose objects are ``--regions`` regions of one size each (one per
 layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--repeat`` runs of
-``--calls`` calls each:
+``--calls`` calls each (every column alike, the memcpy baselines too):
 
-- memcpy: the same bytes copied in object-sized chunks, one call of the compiled copy loop;
+- memcpy: the same bytes copied in object-sized chunks, one call of the compiled copy loop
+  (memmove: a get's kind of copy); memcpy streamed: the same with streaming stores, a put's kind
+  (a put's baseline is the faster of the two);
 - copy: the objects' region copies alone, the call a backend makes (:mod:`kvflow.backends.copies`);
 - backend get / put: the backend's own call with the batch (puts under new keys each call, into a
   store with room for about one batch, so every put evicts, as a cache in service does);
@@ -15,30 +17,38 @@ layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--
   their tokens (the pool hashes them), or with ``--hashes`` by block hashes made beforehand, as
   vLLM's connector names them (the pool's own work without the hash chain).
 
-Each layer's figure minus the one below it is what that layer adds. What was retrieved is checked
-against what was stored once, outside the timing. A store given by ``--backend`` (default
-``memory://``) is left as it was found, but for the pools' profile announcements.
+Each layer's figure minus the one below it is what that layer adds. Every timed call's statuses
+or hit counts are counted inside the timing (a run that moved fewer than every object fails), and
+after each run, outside the timing, what the last call wrote is compared with what was stored
+(the caches zeroed before a run of loads; a run of puts or stores ends with its last one read
+back). A store given by ``--backend`` (default ``memory://``) is left as it was found, but for the
+pools' profile announcements; a store directory it names that did not exist is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import torch
 
 from kvflow import KVPool, KVRequest, PoolConfig
-from kvflow.backends import ObjectBatch, open_backend
-from kvflow.backends.copies import scatter_objects
+from kvflow.backends import GetStatus, ObjectBatch, PutStatus, open_backend
+from kvflow.backends.arena import ArenaConfig
+from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.local import LocalConfig
 from kvflow.config import parse_size
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
-from kvflow.tools.baselines import memcpy_gbps
+from kvflow.tools.baselines import MemcpyCall, memcpy_call
 
 BLOCK = 16  # tokens per block
 
@@ -49,18 +59,66 @@ def _caches(object_bytes: int, regions: int, blocks: int) -> dict[str, torch.Ten
     return {f"l{i}": torch.randn(blocks, 1, BLOCK, per_layer // BLOCK).half() for i in range(regions)}
 
 
-async def _per_object(calls: int, repeat: int, batch: int, call: Callable[[int], Awaitable[object]]) -> float:
+@attrs.define
+class Timed:
+    """One column: ``call(i)`` is timed and returns how many objects its ``i``-th call moved (a
+    status or hit count, summed inside the timed loop: one addition a call); ``prepare(r)`` and
+    ``check(r)`` run before and after repetition ``r``, outside the timing (zeroing the caches a
+    load writes, comparing what it wrote with what was stored)."""
+
+    what: str
+    call: Callable[[int], Awaitable[int]]
+    prepare: Callable[[int], None] = lambda _: None
+    check: Callable[[int], Awaitable[None]] | None = None
+
+
+async def _per_object(calls: int, repeat: int, batch: int, timed: Timed) -> float:
+    """Microseconds per object: the best of ``repeat`` runs of ``calls`` calls, averaged per call
+    and object. Raises unless every call moved all ``batch`` objects and each run's check passed:
+    a call that moved nothing must fail the benchmark, not report a speed."""
     best = float("inf")
     for r in range(repeat):
+        timed.prepare(r)
+        moved = 0
         start = time.perf_counter()
         for i in range(calls):
-            await call(r * calls + i)
+            moved += await timed.call(r * calls + i)
         best = min(best, time.perf_counter() - start)
+        if moved != calls * batch:
+            raise RuntimeError(
+                f"{timed.what}: {moved} of {calls * batch} objects moved in {calls} timed calls; "
+                "give the store room for two batches (--backend) or look at the backend"
+            )
+        if timed.check is not None:
+            await timed.check(r)
     return best / calls / batch * 1e6
+
+
+def _store_dir(url: str) -> str | None:
+    """The directory of a store in one (``arena://``, ``local://``), else None."""
+    if url.startswith("arena:"):
+        return ArenaConfig.from_url(url).path
+    if url.startswith("local:"):
+        return LocalConfig.from_url(url).path
+    return None
 
 
 async def measure(
     url: str, size: int, batch: int, regions: int, calls: int, repeat: int, by_hashes: bool = False
+) -> dict[str, Any]:
+    """Time every column for one object size; a store directory the URL names that did not exist
+    before is removed at the end (one that did keeps only the pools' profile announcements)."""
+    directory = _store_dir(url)
+    created = directory is not None and not os.path.exists(directory)
+    try:
+        return await _measure(url, size, batch, regions, calls, repeat, by_hashes)
+    finally:
+        if created and directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _measure(
+    url: str, size: int, batch: int, regions: int, calls: int, repeat: int, by_hashes: bool
 ) -> dict[str, Any]:
     src = _caches(size, regions, batch)
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
@@ -94,6 +152,14 @@ async def measure(
     def objects(rows: np.ndarray, names: list[str]) -> ObjectBatch:
         return ObjectBatch(keys=names, addrs=rows, sizes=sizes, nbytes=nbytes)
 
+    def zero(_: int = 0) -> None:
+        for t in dst.values():
+            t.zero_()
+
+    def same(what: str) -> None:
+        if not all(torch.equal(src[k], dst[k]) for k in src):
+            raise RuntimeError(f"{what} left other bytes in the caches than were stored")
+
     try:
         put_ok = await backend.put(objects(writer_rows, held))
         got_ok = await backend.get(objects(reader_rows, held))
@@ -105,24 +171,56 @@ async def measure(
             raise RuntimeError(
                 f"the backend's put and get of one batch did not round-trip: {put_ok} {got_ok}"
             )
-        for t in dst.values():
-            t.zero_()
+        zero()
         if (await writer.store(kept)).stored != batch:
             raise RuntimeError("the store could not hold one batch: give it more room")
         got = await reader.retrieve(kept)
         if got.hit_blocks != batch or not all(torch.equal(src[k], dst[k]) for k in src):
             raise RuntimeError("the pool's retrieve returned other bytes than were stored")
 
-        # written (ones): pages never written read as the kernel's one zero page, always in cache
+        # written (ones): pages never written read as the kernel's one zero page, always in cache;
+        # then the blocks' bytes, so that the copy into the caches can be checked
         buffers = torch.ones(nbytes * batch, dtype=torch.uint8)
         starts = (buffers.data_ptr() + nbytes * np.arange(batch, dtype=np.int64)).tolist()
+        gather_objects(starts, objects(writer_rows, held))
         copied = objects(reader_rows, held)
+        plain, streamed = (
+            memcpy_call(nbytes * batch, nbytes),
+            memcpy_call(nbytes * batch, nbytes, stream=True),
+        )
 
-        async def copy(_: int) -> None:
+        def memcpy(call: MemcpyCall) -> Timed:
+            async def run(_: int) -> int:
+                call()
+                return batch
+
+            async def check(_: int) -> None:
+                if not call.copied():
+                    raise RuntimeError("the memcpy baseline did not copy its bytes")
+
+            def clear(_: int) -> None:
+                call.dst.zero_()
+
+            return Timed("memcpy", run, clear, check)
+
+        async def copy(_: int) -> int:
             scatter_objects(starts, copied)
+            return batch
 
-        async def put(i: int) -> None:
-            await backend.put(objects(writer_rows, keys(i)))
+        async def get(_: int) -> int:
+            return (await backend.get(copied)).count(GetStatus.HIT)
+
+        async def retrieve(_: int) -> int:
+            return (await reader.retrieve(kept)).hit_blocks
+
+        async def lookup(_: int) -> int:
+            return await reader.lookup(kept) // BLOCK
+
+        async def put(i: int) -> int:
+            return (await backend.put(objects(writer_rows, keys(i)))).count(PutStatus.STORED)
+
+        async def store(i: int) -> int:
+            return (await writer.store(fresh(i))).stored
 
         def fresh(i: int) -> KVRequest:
             request = (
@@ -133,19 +231,37 @@ async def measure(
             stored.append(request)
             return request
 
-        gbps = memcpy_gbps(nbytes * batch, nbytes, repeat=calls * repeat)  # as warm as the copies below
-        return {
-            "object_kib": nbytes / 1024,
-            "batch": batch,
-            "regions": len(sizes),
-            "memcpy_us": nbytes / gbps / 1e3,
-            "copy_us": await _per_object(calls, repeat, batch, copy),
-            "backend_get_us": await _per_object(calls, repeat, batch, lambda _: backend.get(copied)),
-            "pool_retrieve_us": await _per_object(calls, repeat, batch, lambda _: reader.retrieve(kept)),
-            "pool_lookup_us": await _per_object(calls, repeat, batch, lambda _: reader.lookup(kept)),
-            "backend_put_us": await _per_object(calls, repeat, batch, put),
-            "pool_store_us": await _per_object(calls, repeat, batch, lambda i: writer.store(fresh(i))),
+        async def loaded(what: str) -> None:
+            same(what)
+
+        async def last_put(r: int) -> None:  # the run's last put read back: it held the bytes
+            zero()
+            if (await backend.get(objects(reader_rows, keys(r * calls + calls - 1)))).count(
+                GetStatus.HIT
+            ) != batch:
+                raise RuntimeError("the backend lost the objects of its last timed put: give it more room")
+            same("a get of the last timed put")
+
+        async def last_store(_: int) -> None:  # the run's last store read back
+            zero()
+            if (await reader.retrieve(stored[-1])).hit_blocks != batch:
+                raise RuntimeError("the pool lost the blocks of its last timed store: give it more room")
+            same("a retrieve of the last timed store")
+
+        columns = {
+            "memcpy": memcpy(plain),
+            "memcpy_streamed": memcpy(streamed),
+            "copy": Timed("copy", copy, zero, lambda _: loaded("the copy")),
+            "backend_get": Timed("backend get", get, zero, lambda _: loaded("the backend's get")),
+            "pool_retrieve": Timed("pool retrieve", retrieve, zero, lambda _: loaded("the pool's retrieve")),
+            "pool_lookup": Timed("pool lookup", lookup),
+            "backend_put": Timed("backend put", put, check=last_put),
+            "pool_store": Timed("pool store", store, check=last_store),
         }
+        row: dict[str, Any] = {"object_kib": nbytes / 1024, "batch": batch, "regions": len(sizes)}
+        for name, timed in columns.items():
+            row[f"{name}_us"] = await _per_object(calls, repeat, batch, timed)
+        return row
     finally:
         for request in stored:
             await writer.remove(request)
@@ -177,7 +293,16 @@ def main() -> None:
         print(json.dumps(rows))
         return
     named = "hashes" if args.hashes else "tokens"
-    columns = ["memcpy", "copy", "backend_get", "pool_retrieve", "pool_lookup", "backend_put", "pool_store"]
+    columns = [
+        "memcpy",
+        "memcpy_streamed",
+        "copy",
+        "backend_get",
+        "pool_retrieve",
+        "pool_lookup",
+        "backend_put",
+        "pool_store",
+    ]
     print(
         f"backend {args.backend}: us per object, batches of {args.batch},"
         f" best of {args.repeat} x {args.calls} calls, blocks named by {named}"

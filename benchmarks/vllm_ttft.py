@@ -39,9 +39,13 @@ because two engine processes differ by more than the 10% the target allows. The 
 the least any load can take: the document's KV copied once by the backends' copy loop, caches
 cold. A question's TTFT is the wall
 time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine core). The report gives the median
-per case, the tokens each hit covered, and the ratios. The first generated token of every case must
-agree (a load that changed the KV would show here). Stores go to ``--workdir`` (tmpfs by default),
-removed at the end.
+per case, the tokens each hit covered, and the ratios. Each case asks questions of its own (cases
+sharing a store would otherwise hit the question blocks an earlier case stored: engines store what
+they compute after a load), and every measured question must find cached exactly what a hit of the
+document alone gives (the run stops otherwise). The recompute engine also answers every other
+case's questions (the document in its prefix cache): the first generated token of every measured
+question of every case must agree with it (a load that changed the KV would show here). Stores go
+to ``--workdir`` (tmpfs by default), removed at the end.
 """
 
 from __future__ import annotations
@@ -166,8 +170,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
 
-    def ask(question: list[int]) -> dict[str, Any]:
-        prompt = TokensPrompt(prompt_token_ids=doc + question)
+    def ask(seed: int, kind: str) -> dict[str, Any]:
+        prompt = TokensPrompt(prompt_token_ids=doc + _question(seed, kind))
         before, steps, gc_before = phases.snapshot()
         started = time.perf_counter()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
@@ -175,6 +179,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         after, steps_after, gc_after = phases.snapshot()
         spent = {phase: after[phase] - before[phase] for phase in PHASES}
         return {
+            "seed": seed,
             "ttft_s": ttft,
             "cached": out.num_cached_tokens,
             "token": out.outputs[0].token_ids[0],
@@ -196,20 +201,24 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     result: dict[str, Any] = {}
     if spec["role"] == "fill":
-        result["fill"] = ask(_question(0, "short"))
+        result["fill"] = ask(0, "short")
     else:
         llm.generate([TokensPrompt(prompt_token_ids=_tokens(99, 64))], params, use_tqdm=False)  # warm-up
         for kind in QUESTIONS:
             asks = []
             for r in range(spec["repeat"]):
                 reset()
-                asks.append(ask(_question(1 + r, kind)))
+                # this case's own questions: cases sharing a store (kvflow and kvflow-async, the
+                # arena cases) would otherwise hit the blocks another case stored of them
+                asks.append(ask(spec["question_seed"] + r, kind))
             result[kind] = asks
             if spec["local_floor"]:  # new questions, the document in vLLM's own prefix cache
-                # questions no other case asks: cases sharing a store would find each other's
-                # stored blocks of them (a hit through the connector, not the engine's own)
+                # questions no other case asks, for the same reason
                 first = spec["local_seed"]
-                result[f"{kind}-local"] = [ask(_question(first + r, kind)) for r in range(spec["repeat"])]
+                result[f"{kind}-local"] = [ask(first + r, kind) for r in range(spec["repeat"])]
+            # the first token of every other case's questions, from this engine (no connector; the
+            # document in its prefix cache): what each case's load must reproduce
+            result[f"{kind}-reference"] = [ask(seed, kind) for seed in spec.get("reference_seeds", [])]
     llm.llm_engine.engine_core.shutdown()
     return result
 
@@ -346,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.doc_tokens % BLOCK:
         parser.error(f"--doc-tokens must be a multiple of {BLOCK}")
+    if not 1 <= args.repeat < 100:
+        parser.error("--repeat must be 1 to 99 (each case's questions are 100 seeds apart)")
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="kvflow-vllm-ttft-model-"))
@@ -374,11 +385,17 @@ def main(argv: list[str] | None = None) -> int:
                     "kv_transfer_config": transfer,
                     "local_floor": True,
                     "local_seed": 100 + 100 * cases.index(case),
+                    "question_seed": _question_seed(cases, case),
                 }
+                if case == "recompute":  # the reference tokens of every other case's questions
+                    spec["reference_seeds"] = [
+                        _question_seed(cases, other) + r for other in cases[1:] for r in range(args.repeat)
+                    ]
                 if transfer is not None:
                     _run_child({**spec, "role": "fill"})
                 rows[case] = _run_child({**spec, "role": "measure"})
                 print(f"{case}: {json.dumps(rows[case])}", file=sys.stderr, flush=True)
+                _check_cached(case, rows[case], len(doc))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(args.workdir, ignore_errors=True)
@@ -390,15 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'case':<20}" + "".join(f"{f'{kind} question ({n} tokens)':>36}" for kind, n in QUESTIONS.items())
     )
-    firsts: dict[str, set[int]] = {kind: set() for kind in QUESTIONS}
     for case in (*rows, "vllm-prefix-cache"):
         cells = []
         for kind in QUESTIONS:
-            if case == "vllm-prefix-cache":
-                asks = rows["recompute"][f"{kind}-local"]
-            else:
-                asks = rows[case][kind]
-                firsts[kind].add(asks[0]["token"])
+            asks = rows["recompute"][f"{kind}-local"] if case == "vllm-prefix-cache" else rows[case][kind]
             seconds = statistics.median(a["ttft_s"] for a in asks)
             recompute = statistics.median(a["ttft_s"] for a in rows["recompute"][kind])
             cells.append(f"{seconds:>14.3f} s{asks[0]['cached']:>10}{recompute / seconds:>10.1f}x")
@@ -441,10 +453,76 @@ def main(argv: list[str] | None = None) -> int:
         if local:
             gc_ms = 1000 * statistics.median(a["gc_s"] for a in local)
             print(f"vllm-prefix-cache {kind}: garbage collector {gc_ms:.1f} ms (median)")
-    if any(len(tokens) != 1 for tokens in firsts.values()):
-        print(f"WARNING: the cases generated different first tokens {firsts}", file=sys.stderr)
+    differ = _differing_tokens(rows)
+    if differ:
+        print(
+            "WARNING: these questions' first tokens differ from the recompute engine's for the same "
+            "question (a load changed the KV): " + "; ".join(differ),
+            file=sys.stderr,
+        )
         return 1
     return 0
+
+
+def _question_seed(cases: list[str], case: str) -> int:
+    """The first seed of ``case``'s measured questions: each case asks its own (``--repeat`` under
+    100), apart from every case's floor questions (seeds 100 + 100 * index)."""
+    return 100_000 + 100 * cases.index(case)
+
+
+def _expected_cached(case: str, kind: str, doc_tokens: int) -> set[int]:
+    """The tokens a measured question may find cached: the whole document through kvflow, nothing
+    without a connector, and at most the document through another project's connector (vLLM's
+    ExampleConnector keys by the whole prompt: a long question misses). Never more than the
+    document: a question's own blocks were stored by an earlier question, not by this case's fill."""
+    if case == "recompute":
+        return {0}
+    if case.startswith("kvflow"):
+        return {doc_tokens}
+    return {0, doc_tokens}
+
+
+def _check_cached(case: str, row: dict[str, Any], doc_tokens: int) -> None:
+    """Stop the run unless every measured question of ``case`` found what a hit of the document
+    alone gives, and every floor question the document in the engine's own prefix cache."""
+    wrong = [
+        f"{kind} question {i} (seed {a['seed']}): {a['cached']} tokens cached, expected "
+        f"{sorted(_expected_cached(case, kind, doc_tokens))}"
+        for kind in QUESTIONS
+        for i, a in enumerate(row[kind])
+        if a["cached"] not in _expected_cached(case, kind, doc_tokens)
+    ]
+    wrong += [
+        f"{kind} floor question {i}: {a['cached']} tokens cached, expected {doc_tokens}"
+        for kind in QUESTIONS
+        for i, a in enumerate(row.get(f"{kind}-local", []))
+        if a["cached"] != doc_tokens
+    ]
+    if wrong:
+        raise SystemExit(
+            f"{case}: a question's hit is not the document's alone, so its TTFT would not measure a "
+            "load of the document (a store shared with another case answering its question blocks?): "
+            + "; ".join(wrong)
+        )
+
+
+def _differing_tokens(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Every measured question of every case whose first token differs from the one the recompute
+    engine generated for the same question (its own measured questions, and every other case's
+    asked with the document in its prefix cache)."""
+    reference = {
+        kind: {
+            a["seed"]: a["token"] for a in (*rows["recompute"][kind], *rows["recompute"][f"{kind}-reference"])
+        }
+        for kind in QUESTIONS
+    }
+    return [
+        f"{case} {kind} question {i} (seed {a['seed']}): {a['token']}, recompute {want}"
+        for case, row in rows.items()
+        for kind in QUESTIONS
+        for i, a in enumerate(row[kind])
+        if a["token"] != (want := reference[kind].get(a["seed"]))
+    ]
 
 
 def _median_ttft(asks: list[dict[str, Any]]) -> float:

@@ -17,18 +17,71 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from kvflow.backends.arena import ArenaBackend
+import kvflow.tools.bench as bench
+import kvflow.tools.bench_layerwise as bench_layerwise
+import kvflow.tools.bench_scale as bench_scale
+from kvflow.backends import GetStatus, ObjectRef, PutStatus, open_backend
+from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.local import LocalBackend, LocalConfig
+from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
 from tests.backends.conftest import REQUIRE_ENV, mooncake_unusable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> Any:
+    """The module of ``benchmarks/<name>.py``, imported from its file (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Liar:
+    """A backend that lies, wrapping an honest one: the ``i``-th put (get) of more than one object
+    (a pool's profile announcement is one) answers STORED (HIT) for every object and copies
+    nothing where ``drop_put(i)`` (``hollow_get(i)``). A benchmark timing it must fail, not report
+    a speed."""
+
+    def __init__(
+        self,
+        inner: Any,
+        drop_put: Callable[[int], bool] = lambda _: False,
+        hollow_get: Callable[[int], bool] = lambda _: False,
+    ) -> None:
+        self.inner, self.drop_put, self.hollow_get = inner, drop_put, hollow_get
+        self.puts = self.gets = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        if len(objects) > 1:
+            self.puts += 1
+            if self.drop_put(self.puts - 1):
+                return [PutStatus.STORED] * len(objects)
+        return list(await self.inner.put(objects))
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if len(objects) > 1:
+            self.gets += 1
+            if self.hollow_get(self.gets - 1):
+                return [GetStatus.HIT] * len(objects)
+        return list(await self.inner.get(objects))
+
+
+def lying(monkeypatch: pytest.MonkeyPatch, module: Any, **lies: Callable[[int], bool]) -> None:
+    """Make ``module``'s ``open_backend`` open :class:`Liar` backends."""
+    monkeypatch.setattr(module, "open_backend", lambda url: Liar(open_backend(url), **lies))
 
 
 def run(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
@@ -135,16 +188,63 @@ def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Pa
     returns other bytes), and the store it was pointed at keeps only the pools' announcements,
     whether the pool's requests name their blocks by tokens or by hashes."""
     url = f"arena://{tmp_path}/store?capacity=16MiB&slot=256KiB"
+    config = ArenaConfig.from_url(url)
+    anyio.run(ArenaBackend(config).aclose)  # a store that was there before: it stays
     args = ["--backend", url, "--sizes", "64KiB,256KiB", "--batch", "8", "--calls", "2", "--repeat", "1"]
     args += ["--hashes"] if named == "hashes" else []
     rows = json.loads(ok(run("benchmarks/per_object.py", *args, "--json")))
     assert [(row["object_kib"], row["batch"], row["regions"]) for row in rows] == [(64, 8, 8), (256, 8, 8)]
-    layers = ["memcpy", "copy", "backend_get", "pool_retrieve", "pool_lookup", "backend_put", "pool_store"]
+    layers = ["memcpy", "memcpy_streamed", "copy", "backend_get", "pool_retrieve", "pool_lookup"]
+    layers += ["backend_put", "pool_store"]
     for row in rows:
         assert all(positive(row[f"{name}_us"]) for name in layers), row
 
     left = anyio.run(book_keys, url)
     assert left and all(left)
+
+
+def test_per_object_bench_removes_a_store_it_created(tmp_path: Path) -> None:
+    """Pointed at a store directory that did not exist, it leaves none behind."""
+    store = tmp_path / "new-store"
+    args = ["--backend", f"arena://{store}?capacity=16MiB&slot=256KiB", "--sizes", "64KiB"]
+    ok(run("benchmarks/per_object.py", *args, "--batch", "8", "--calls", "2", "--repeat", "1", "--json"))
+    assert not store.exists()
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        # the first two gets are the script's own round trips, the first two batch puts too
+        {"hollow_get": lambda i: i >= 2},
+        {"drop_put": lambda i: i >= 2},
+    ],
+    ids=["hollow-gets", "dropped-puts"],
+)
+def test_per_object_bench_fails_when_timed_calls_move_nothing(
+    monkeypatch: pytest.MonkeyPatch, lie: dict[str, Callable[[int], bool]]
+) -> None:
+    """A backend honest in the script's checks before the timing, lying in the timed calls."""
+    per_object = load_benchmark("per_object")
+    lying(monkeypatch, per_object, **lie)
+    with pytest.raises(RuntimeError, match=r"other bytes|lost the objects"):
+        anyio.run(per_object.measure, "memory://", 64 << 10, 4, 8, 2, 2)
+
+
+def test_per_object_bench_fails_when_a_timed_call_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store too small for a batch answers MISS in a timed call: the counts inside the timing
+    catch it and say what to do."""
+    per_object = load_benchmark("per_object")
+
+    class Missing(Liar):
+        async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+            got = await super().get(objects)
+            return [GetStatus.MISS, *got[1:]] if self.gets > 2 else got
+
+    monkeypatch.setattr(per_object, "open_backend", lambda url: Missing(open_backend(url)))
+    with pytest.raises(
+        RuntimeError, match=r"backend get: 6 of 8 objects moved in 2 timed calls; give the store room"
+    ):
+        anyio.run(per_object.measure, "memory://", 64 << 10, 4, 8, 2, 2)
 
 
 def test_copy_threads_bench_times_the_copy_loop_beside_torch_on_one_and_all_threads() -> None:
@@ -169,7 +269,11 @@ def test_arena_copy_bench_reports_the_slot_copies_beside_kvflow_and_removes_its_
     for row in rows:
         for name in ("memcpy", "slots_in", "slots_out", "slots_in_memmove", "store", "retrieve"):
             assert positive(row[f"{name}_gbps"]), row
-        assert row["slots_in_vs_memcpy"] == pytest.approx(row["slots_in_gbps"] / row["memcpy_gbps"])
+        # what is written into slots streams: against the faster of memcpy and the streamed copy
+        assert row["store_memcpy_gbps"] == max(row["memcpy_gbps"], row["streamed_memcpy_gbps"])
+        assert row["slots_in_vs_memcpy"] == pytest.approx(row["slots_in_gbps"] / row["store_memcpy_gbps"])
+        assert row["store_vs_memcpy"] == pytest.approx(row["store_gbps"] / row["store_memcpy_gbps"])
+        assert row["retrieve_vs_memcpy"] == pytest.approx(row["retrieve_gbps"] / row["memcpy_gbps"])
         assert row["slots_in_memmove_vs_memcpy"] == pytest.approx(
             row["slots_in_memmove_gbps"] / row["memcpy_gbps"]
         )
@@ -207,10 +311,11 @@ def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path:
             "--io-compare",
         )
     )
-    rows = re.findall(r"^\s*(\d+)KiB\s+([\d.]+)((?:\s+[\d.]+ \([\d.]+x\)){5})$", out, flags=re.MULTILINE)
-    assert [int(size) for size, _, _ in rows] == [64, 1024]
-    for _, memcpy, cells in rows:
-        assert float(memcpy) > 0
+    pattern = r"^\s*(\d+)KiB\s+([\d.]+)\s+([\d.]+)((?:\s+[\d.]+ \([\d.]+x\)){5})$"
+    rows = re.findall(pattern, out, flags=re.MULTILINE)
+    assert [int(size) for size, _, _, _ in rows] == [64, 1024]
+    for _, memcpy, streamed, cells in rows:
+        assert float(memcpy) > 0 and float(streamed) > 0
         rates = re.findall(r"([\d.]+) \(([\d.]+)x\)", cells)
         assert len(rates) == 5 and all(float(rate) > 0 for rate, _ in rates)
     assert len(re.findall(r"^\s+(write|read) \S+\s+[\d.]+ GB/s", out, flags=re.MULTILINE)) == 4
@@ -261,3 +366,140 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
     load_ms = float(re.search(r"load ([0-9.]+),", breakdown[0]).group(1))  # type: ignore[union-attr]
     assert load_ms > 0
     assert not work.exists()  # the stores are removed at the end
+
+
+# -- a benchmark that moved nothing fails (in-process, backends that lie) ---------------------------
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"drop_put": lambda i: i == 0},  # only the first timed store: before, only the last was read
+        {"hollow_get": lambda i: i >= 1},  # every get after the first store's read-back
+    ],
+    ids=["first-store-dropped", "hollow-gets"],
+)
+def test_bench_fails_when_a_timed_store_or_retrieve_moved_nothing(
+    monkeypatch: pytest.MonkeyPatch, lie: dict[str, Callable[[int], bool]]
+) -> None:
+    lying(monkeypatch, bench, **lie)
+    with pytest.raises(RuntimeError, match="bench retrieve"):
+        anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
+
+
+def test_bench_compares_stores_with_the_faster_memcpy_and_retrieves_with_memmove() -> None:
+    """A put streams: its baseline is the faster of the plain and the streamed copy; a get copies
+    with ordinary stores: its baselines are memmove and the regions scattered (not gathered)."""
+    row = anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
+    assert row["store_memcpy_gbps"] == max(row["memcpy_gbps"], row["streamed_memcpy_gbps"])
+    assert row["store_vs_memcpy"] == pytest.approx(row["store_gbps"] / row["store_memcpy_gbps"])
+    assert row["bare_store_vs_memcpy"] == pytest.approx(row["bare_store_gbps"] / row["store_memcpy_gbps"])
+    assert row["floor_vs_memcpy"] == pytest.approx(row["floor_gbps"] / row["store_memcpy_gbps"])
+    assert row["retrieve_vs_memcpy"] == pytest.approx(row["retrieve_gbps"] / row["memcpy_gbps"])
+    assert row["retrieve_vs_regions"] == pytest.approx(row["retrieve_gbps"] / row["retrieve_regions_gbps"])
+    assert row["retrieve_vs_floor"] == pytest.approx(row["retrieve_gbps"] / row["retrieve_floor_gbps"])
+    assert 0 < row["retrieve_floor_gbps"] < row["retrieve_regions_gbps"]
+
+
+def test_layerwise_bench_fails_when_whole_block_gets_copy_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole-block gets answer HIT and copy nothing; the layerwise ones are honest."""
+
+    class HollowWhole(MemoryBackend):
+        async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+            if objects and max(o.nbytes for o in objects) >= bench_layerwise.QUICK.block_nbytes:
+                return [GetStatus.HIT] * len(objects)
+            return await super().get(objects)
+
+    monkeypatch.setattr(bench_layerwise, "MemoryBackend", HollowWhole)
+    with pytest.raises(RuntimeError, match="whole-block retrieve loaded other bytes"):
+        bench_layerwise.run_layerwise_bench(quick=True, blocks=16)
+
+
+@pytest.mark.parametrize(
+    ("compute", "load", "overlapped", "hidden"),
+    [(10, 10, 10, 1.0), (10, 10, 15, 0.5), (10, 10, 20, 0.0), (10, 10, 8, 1.0), (10, 10, 25, 0.0)],
+)
+def test_layerwise_hidden_share_is_of_the_layerwise_load_and_clamped(
+    compute: float, load: float, overlapped: float, hidden: float
+) -> None:
+    assert bench_layerwise.hidden_fraction(compute, load, overlapped) == pytest.approx(hidden)
+
+
+def test_scale_bench_fails_when_the_store_did_not_hold_what_was_filled() -> None:
+    """A store with room for 1,500 of the 2,000 blocks filled evicts (the first request's leading
+    blocks, so a lookup of each finds none): "blocks held" would be false."""
+    url = f"memory://?capacity={1500 * bench_scale._OBJECT_BYTES}"
+    with pytest.raises(
+        RuntimeError, match=r"found 0 of the 2000 blocks filled \(the store evicted\): give it room"
+    ):
+        anyio.run(bench_scale._per_block_us, url, 2000)
+
+
+def test_scale_bench_fails_when_a_fill_stores_less_than_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Refusing(Liar):
+        async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+            return [PutStatus.FAILED] * len(objects) if len(objects) > 1 else await super().put(objects)
+
+    monkeypatch.setattr(bench_scale, "open_backend", lambda url: Refusing(open_backend(url)))
+    with pytest.raises(RuntimeError, match="a fill stored 0 of 1000 blocks"):
+        anyio.run(bench_scale._per_block_us, "memory://", 1000)
+
+
+def test_local_backend_bench_fails_when_a_later_rounds_gets_copy_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The second round's backend answers HIT without reading: its gets must not pass on the bytes
+    the first round left in the destination."""
+    local_backend = load_benchmark("local_backend")
+    opened: list[int] = []
+
+    class SecondHollow(LocalBackend):
+        def __init__(self, config: LocalConfig) -> None:
+            super().__init__(config)
+            opened.append(1)
+            self.hollow = len(opened) >= 2
+
+        async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+            return [GetStatus.HIT] * len(objects) if self.hollow else await super().get(objects)
+
+    monkeypatch.setattr(local_backend, "LocalBackend", SecondHollow)
+    with pytest.raises(RuntimeError, match="read back other bytes"):
+        anyio.run(local_backend.bench_size, str(tmp_path / "store"), 64 << 10, 2 << 20, 2, 2)
+    assert len(opened) == 2
+
+
+# -- vllm_ttft's checks of what each question found and generated (no vLLM needed) -----------------
+
+
+def ttft_row(seeds: list[int], cached: int, tokens: list[int], local: int = 64) -> dict[str, Any]:
+    asks = [{"seed": s, "cached": cached, "token": t, "ttft_s": 0.1} for s, t in zip(seeds, tokens)]
+    return {kind: asks for kind in ("short", "long")} | {
+        f"{kind}-local": [{"seed": 1, "cached": local, "token": 0}] for kind in ("short", "long")
+    }
+
+
+def test_vllm_ttft_stops_when_a_later_question_hits_more_than_the_document() -> None:
+    """A case sharing a store with an earlier one found its question's blocks: every question is
+    checked, not just the first."""
+    vllm_ttft = load_benchmark("vllm_ttft")
+    vllm_ttft._check_cached("kvflow", ttft_row([1, 2], 64, [5, 6]), 64)  # the document alone
+    row = ttft_row([1, 2], 64, [5, 6])
+    row["long"] = [{**row["long"][0]}, {**row["long"][1], "cached": 256}]
+    with pytest.raises(SystemExit, match=r"long question 1 .*256 tokens cached"):
+        vllm_ttft._check_cached("kvflow-async", row, 64)
+    with pytest.raises(SystemExit, match="short question 0"):
+        vllm_ttft._check_cached("recompute", ttft_row([1], 64, [5]), 64)  # recompute caches nothing
+    vllm_ttft._check_cached("example", ttft_row([1], 0, [5]), 64)  # another connector may miss
+
+
+def test_vllm_ttft_compares_every_questions_first_token_with_the_recompute_engines() -> None:
+    vllm_ttft = load_benchmark("vllm_ttft")
+    recompute = ttft_row([100_000, 100_001], 0, [1, 2])
+    recompute |= {
+        f"{kind}-reference": [{"seed": 100_100, "token": 7}, {"seed": 100_101, "token": 8}]
+        for kind in ("short", "long")
+    }
+    rows = {"recompute": recompute, "kvflow": ttft_row([100_100, 100_101], 64, [7, 8])}
+    assert vllm_ttft._differing_tokens(rows) == []
+    rows["kvflow"]["long"] = [rows["kvflow"]["long"][0], {**rows["kvflow"]["long"][1], "token": 9}]
+    assert vllm_ttft._differing_tokens(rows) == ["kvflow long question 1 (seed 100101): 9, recompute 8"]

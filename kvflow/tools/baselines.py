@@ -1,9 +1,14 @@
 """What the benchmarks compare kvflow with, each measured in the same run on the same blocks:
 
-- :func:`memcpy_gbps`: the same bytes copied in object-sized chunks by `memmove` (the targets' baseline;
-  the streaming stores of a put can pass it: :mod:`kvflow.copyloops`);
+- :func:`memcpy_gbps`: the same bytes copied in object-sized chunks by `memmove` (the targets' baseline
+  for retrieves, whose copies use ordinary stores); with ``stream=True`` by streaming
+  (non-temporal) stores, as a put copies (:mod:`kvflow.copyloops`): out of the CPU's caches these
+  run 1.2-1.7x faster than `memmove`, so a put is compared with the faster of the two
+  (:func:`store_memcpy_gbps`);
 - :func:`region_copy_gbps`: the blocks' regions copied and nothing else (what the cache's layout
-  costs: a block's regions lie apart, one per layer);
+  costs: a block's regions lie apart, one per layer), gathered with streaming stores as a put
+  gathers them, or with ``into_regions=True`` scattered into them with ordinary stores as a get
+  scatters;
 - :func:`hash_chain_s`: the sha256 chain that names a request's blocks by their tokens;
 - :func:`bare_call_s`: the least a call that keys each object by text can do in Python: the hash
   chain, the key text, one dict operation per object, the addresses and one copy call, with no
@@ -19,46 +24,97 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
 
-__all__ = ["bare_call_s", "best_s", "hash_chain_s", "memcpy_gbps", "region_copy_gbps"]
+__all__ = [
+    "MemcpyCall",
+    "bare_call_s",
+    "best_s",
+    "hash_chain_s",
+    "memcpy_call",
+    "memcpy_gbps",
+    "region_copy_gbps",
+    "store_memcpy_gbps",
+]
 
 
-def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> float:
-    """Best-of-``repeat`` memcpy throughput copying ``nbytes`` in ``chunk``-byte copies between two
-    buffers of ``nbytes`` each (pre-faulted, so the figure is the copy alone, not page faults). The
-    copies are made by one call of the compiled copy loop (:func:`kvflow.regions.copy_rows`, one
-    region per chunk), so no Python call per chunk weighs on the figure at small chunks."""
+@attrs.define
+class MemcpyCall:
+    """One call of the compiled copy loop (:func:`kvflow.regions.copy_rows`, one region per chunk)
+    copying ``src`` into ``dst`` (pre-faulted buffers of the same size) in chunks, with streaming
+    stores when ``stream`` (as a put copies). A call checks nothing: :meth:`copied` does, after a
+    timing."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    chunk: int
+    stream: bool
+
+    def __call__(self) -> None:
+        offsets = self.chunk * np.arange(self.src.numel() // self.chunk, dtype=np.int64)
+        starts, addrs = self.dst.data_ptr() + offsets, (self.src.data_ptr() + offsets).reshape(-1, 1)
+        sizes = np.asarray([self.chunk], dtype=np.int64)
+        copy_rows(starts, addrs, sizes, into_regions=False, stream=self.stream)
+
+    def copied(self) -> bool:
+        return bool(torch.equal(self.src, self.dst))
+
+
+def memcpy_call(nbytes: int, chunk: int, *, stream: bool = False) -> MemcpyCall:
+    """A :class:`MemcpyCall` copying ``nbytes`` (rounded down to whole chunks) in ``chunk``-byte
+    copies between two buffers of that size, the destination zeroed (so that :meth:`MemcpyCall.copied`
+    tells a copy from none)."""
     chunk = max(1, min(chunk, nbytes))
-    count = max(1, nbytes // chunk)
-    src = torch.randint(0, 255, (chunk * count,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    offsets = chunk * np.arange(count, dtype=np.int64)
-    starts, addrs = dst.data_ptr() + offsets, (src.data_ptr() + offsets).reshape(-1, 1)
-    sizes = np.asarray([chunk], dtype=np.int64)
-    return count * chunk / _best_copy_s(starts, addrs, sizes, repeat) / 1e9
+    src = torch.randint(0, 255, (chunk * max(1, nbytes // chunk),), dtype=torch.uint8)
+    return MemcpyCall(src=src, dst=torch.zeros_like(src), chunk=chunk, stream=stream)
 
 
-def region_copy_gbps(layout: KVLayout, block_ids: Sequence[int], *, repeat: int = 3) -> float:
+def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3, stream: bool = False) -> float:
+    """Best-of-``repeat`` memcpy throughput copying ``nbytes`` in ``chunk``-byte copies between two
+    buffers of ``nbytes`` each (pre-faulted, so the figure is the copy alone, not page faults), by
+    one call of the compiled copy loop (:func:`memcpy_call`), so no Python call per chunk weighs on
+    the figure at small chunks; with streaming stores when ``stream``. Raises if the copy did not
+    copy (a baseline that moved nothing would make anything beside it look slow)."""
+    call = memcpy_call(nbytes, chunk, stream=stream)
+    best = best_s(call, repeat)
+    if not call.copied():
+        raise RuntimeError("the memcpy baseline did not copy its bytes: the copy loop is broken")
+    return call.dst.numel() / best / 1e9
+
+
+def store_memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> tuple[float, float]:
+    """The plain and the streamed :func:`memcpy_gbps` of the same bytes, each best of ``repeat``.
+    A store's baseline is the faster of the two (``max``): a put writes with streaming stores,
+    which out of the CPU's caches often beat `memmove` by 1.2-1.7x, and in them lose to it."""
+    plain = memcpy_gbps(nbytes, chunk, repeat=repeat)
+    return plain, memcpy_gbps(nbytes, chunk, repeat=repeat, stream=True)
+
+
+def region_copy_gbps(
+    layout: KVLayout, block_ids: Sequence[int], *, repeat: int = 3, into_regions: bool = False
+) -> float:
     """Best-of-``repeat`` throughput of the copies a store of these blocks must make and nothing
     else: each block's regions (one per layer and plane) gathered back to back into a pre-faulted
     buffer, every block in one call of the compiled copy loop the backends use
-    (:func:`kvflow.regions.copy_rows`, with the streaming stores of their puts). Beside
-    :func:`memcpy_gbps` of whole objects it shows what the cache's layout itself costs (a block's
-    regions lie apart, one per layer)."""
+    (:func:`kvflow.regions.copy_rows`, with the streaming stores of their puts). With
+    ``into_regions``, the copies a retrieve must make instead: the buffer scattered into the
+    regions with ordinary stores, as the backends' gets copy. Beside :func:`memcpy_gbps` of whole
+    objects it shows what the cache's layout itself costs (a block's regions lie apart, one per
+    layer)."""
     sizes = np.asarray(layout.unit_sizes(None), dtype=np.int64)
     rows = layout.addr_rows(block_ids)
     nbytes = int(sizes.sum())
-    dst = torch.zeros(nbytes * len(rows), dtype=torch.uint8)
-    starts = dst.data_ptr() + nbytes * np.arange(len(rows), dtype=np.int64)
-    best = best_s(lambda: copy_rows(starts, rows, sizes, into_regions=False, stream=True), repeat)
-    return dst.numel() / best / 1e9
+    buffer = torch.ones(nbytes * len(rows), dtype=torch.uint8)  # written: its pages are faulted in
+    starts = buffer.data_ptr() + nbytes * np.arange(len(rows), dtype=np.int64)
+    stream = not into_regions
+    best = best_s(lambda: copy_rows(starts, rows, sizes, into_regions=into_regions, stream=stream), repeat)
+    return buffer.numel() / best / 1e9
 
 
 def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3) -> float:
@@ -67,14 +123,6 @@ def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3) -> 
     by its tokens does before it can name an object. Beside :func:`region_copy_gbps` it gives the
     floor of such a call: the copies its blocks need plus the hashes that name them."""
     return best_s(lambda: hash_blocks(tokens, block_size), repeat)
-
-
-def _best_copy_s(
-    starts: npt.NDArray[np.int64], rows: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], repeat: int
-) -> float:
-    """The shortest of ``repeat`` timed calls of the copy loop gathering ``rows`` into ``starts``
-    (the untimed first call loads or compiles the loop)."""
-    return best_s(lambda: copy_rows(starts, rows, sizes, into_regions=False), repeat)
 
 
 def bare_call_s(

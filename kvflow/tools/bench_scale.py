@@ -8,7 +8,10 @@
   requests, each step one :meth:`~kvflow.KVPool.store_many` / :meth:`~kvflow.KVPool.retrieve_many`
   call (as the vLLM connector moves a step's requests); reported as requests and blocks per second.
 
-Small objects (16 KiB: 4 layers of 4 KiB) so that the per-block work, not the copy, dominates.
+Small objects (8 KiB: 4 layers of 2 KiB) so that the per-block work, not the copy, dominates. Every
+fill is checked: each of its stores must store every block, and after the timed calls a lookup
+must still find every block filled (a store too small to hold them fails the run, so that "blocks
+held" is what the store held).
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ __all__ = ["run_scale_bench", "scale_main"]
 _BLOCK = 16
 _WORK = 1000  # blocks of the request timed at each store size
 _STEP = 16  # requests per call in the many-requests run's steps
+_LAYERS, _WIDTH = 4, 64  # caches of 4 layers of [blocks, 1, _BLOCK, _WIDTH] float16
+_OBJECT_BYTES = _LAYERS * _BLOCK * _WIDTH * 2  # one block's object: 8 KiB
 
 
 def _pool(url: str, blocks: int, model: str) -> tuple[KVPool, Any, dict[str, torch.Tensor]]:
-    caches = {f"l{i}": torch.zeros(blocks, 1, _BLOCK, 64, dtype=torch.float16) for i in range(4)}
+    caches = {f"l{i}": torch.zeros(blocks, 1, _BLOCK, _WIDTH, dtype=torch.float16) for i in range(_LAYERS)}
     backend = open_backend(url)
     pool = KVPool.create(PoolConfig(model=model), layout=KVLayout.from_kv_caches(caches), backend=backend)
     return pool, backend, caches
@@ -69,9 +74,28 @@ def _fill_salts(blocks: int) -> range:
 
 
 async def _fill(pool: KVPool, blocks: int) -> None:
-    """Put ``blocks`` objects in the store, in requests of ``_WORK`` blocks."""
+    """Put ``blocks`` objects in the store, in requests of ``_WORK`` blocks; raise unless each
+    request stored every block."""
     for salt in _fill_salts(blocks):
-        await pool.store(_request(salt, _WORK))
+        stored = (await pool.store(_request(salt, _WORK))).stored
+        if stored != _WORK:
+            raise RuntimeError(
+                f"bench: a fill stored {stored} of {_WORK} blocks: give the store room for "
+                f"{blocks + 2 * _WORK} objects of {_OBJECT_BYTES >> 10} KiB"
+            )
+
+
+async def _check_held(pool: KVPool, blocks: int) -> None:
+    """Raise unless a lookup still finds every block :func:`_fill` stored (a store too small for
+    them evicts some, and the run would not measure a store holding ``blocks``)."""
+    found = 0
+    for salt in _fill_salts(blocks):
+        found += await pool.lookup(_request(salt, _WORK)) // _BLOCK
+    if found != blocks:
+        raise RuntimeError(
+            f"bench: a lookup found {found} of the {blocks} blocks filled (the store evicted): give "
+            f"it room for {blocks + 2 * _WORK} objects of {_OBJECT_BYTES >> 10} KiB"
+        )
 
 
 async def _per_block_us(url: str, held: int) -> dict[str, float]:
@@ -94,6 +118,7 @@ async def _per_block_us(url: str, held: int) -> dict[str, float]:
         if await pool.lookup(_request(7, _WORK)) != _WORK * _BLOCK:
             raise RuntimeError("bench: a lookup missed blocks it had stored")
         out["lookup_us_per_block"] = (time.perf_counter() - start) / _WORK * 1e6
+        await _check_held(pool, held)
     finally:  # leave nothing in the store, also when a run failed
         with anyio.CancelScope(shield=True):
             for salt in [7, *_fill_salts(held)]:
@@ -158,8 +183,8 @@ async def _many_requests(url: str, requests: int, blocks: int) -> dict[str, floa
 async def run_scale_bench(url: str, *, quick: bool) -> dict[str, Any]:
     sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
     capacity_url = url
-    if url == "memory://":  # room for the largest store: 16 KiB objects
-        capacity_url = f"memory://?capacity={(max(sizes) + 2 * _WORK) * 16 << 10}"
+    if url == "memory://":  # room for the largest store
+        capacity_url = f"memory://?capacity={(max(sizes) + 2 * _WORK) * _OBJECT_BYTES}"
     return {
         "backend": url,
         "store_size": [await _per_block_us(capacity_url, n) for n in sizes],
@@ -172,7 +197,7 @@ def scale_main(url: str, *, as_json: bool, quick: bool) -> int:
     if as_json:
         print(json.dumps(result))
         return 0
-    print(f"backend {url}; per block of a {_WORK}-block request, 16 KiB objects")
+    print(f"backend {url}; per block of a {_WORK}-block request, {_OBJECT_BYTES >> 10} KiB objects")
     print(f"{'blocks held':>11} {'store us':>9} {'retrieve us':>11} {'lookup us':>9}")
     for row in result["store_size"]:
         print(
