@@ -22,6 +22,8 @@ from kvflow.profiles import is_book_key
 
 __all__ = [
     "COUNTERS_ENV",
+    "FAIL_MATCHING_ENV",
+    "FAIL_ONCE_FLAG_ENV",
     "corrupt_local_store",
     "kvflow_transfer_config",
     "local_objects",
@@ -29,6 +31,8 @@ __all__ = [
 ]
 
 COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"
+FAIL_MATCHING_ENV = "KVFLOW_TEST_FAIL_MATCHING"  # failonce-local://: the keys whose first get fails
+FAIL_ONCE_FLAG_ENV = "KVFLOW_TEST_FAIL_ONCE_FLAG"  # ... and the file that marks it done
 
 
 def kvflow_transfer_config(backend: str, *, recording: bool = True, **extra: Any) -> dict[str, Any]:

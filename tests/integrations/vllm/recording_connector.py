@@ -11,6 +11,11 @@ backend whose gets fail.
   the engine blocks it was given, then reports ``FAILED``. Lookups and puts work. A connector that
   ignored the failure would compute with the junk; vLLM with ``kv_load_failure_policy="recompute"``
   must recompute those blocks instead.
+- ``failonce-local:///path`` is the local backend whose first get of objects whose keys contain
+  ``$KVFLOW_TEST_FAIL_MATCHING`` (in any process of the engine: the file
+  ``$KVFLOW_TEST_FAIL_ONCE_FLAG`` marks it done) writes junk into those objects' blocks and reports
+  them ``FAILED``, the rest of it as the local backend answered; every later get works. With
+  ``@h0-1@`` at TP=2 over two KV heads, rank 0's load fails once and rank 1's arrives.
 - ``slow-local:///path`` is the local backend at ``path`` whose every put first waits
   ``$KVFLOW_TEST_PUT_DELAY_S`` seconds (default 1): a store that outlives the step unless the
   connector waits for it; and every get ``$KVFLOW_TEST_GET_DELAY_S`` seconds (default 0).
@@ -38,8 +43,15 @@ from kvflow.backends.local import LocalBackend
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.stats import TransferCounters
 from kvflow.profiles import is_book_key
+from tests.integrations.vllm.connector_helpers import FAIL_MATCHING_ENV, FAIL_ONCE_FLAG_ENV
 
-__all__ = ["FailingGetsBackend", "FailingPutsBackend", "RecordingKVFlowConnector", "SlowPutsBackend"]
+__all__ = [
+    "FailOnceBackend",
+    "FailingGetsBackend",
+    "FailingPutsBackend",
+    "RecordingKVFlowConnector",
+    "SlowPutsBackend",
+]
 
 COUNTERS_ENV = "KVFLOW_TEST_COUNTERS_DIR"  # the same name as connector_helpers.COUNTERS_ENV
 PUT_DELAY_ENV = "KVFLOW_TEST_PUT_DELAY_S"
@@ -48,6 +60,7 @@ GET_DELAY_ENV = "KVFLOW_TEST_GET_DELAY_S"
 SCHEMES.setdefault("failing-local", f"{__name__}:FailingGetsBackend")
 SCHEMES.setdefault("slow-local", f"{__name__}:SlowPutsBackend")
 SCHEMES.setdefault("noput-local", f"{__name__}:FailingPutsBackend")
+SCHEMES.setdefault("failonce-local", f"{__name__}:FailOnceBackend")
 
 
 @attrs.define(eq=False)
@@ -125,6 +138,31 @@ class FailingPutsBackend(FailingGetsBackend):
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         return await self.inner.get(objects)
+
+
+@attrs.define(eq=False)
+class FailOnceBackend(FailingGetsBackend):
+    """The local backend whose first get of matching objects fails after scribbling on them."""
+
+    @classmethod
+    def from_url(cls, url: str) -> FailOnceBackend:
+        return cls(LocalBackend.from_url("local" + url[len("failonce-local") :]))
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        results = await self.inner.get(objects)
+        matching, flag = os.environ[FAIL_MATCHING_ENV], Path(os.environ[FAIL_ONCE_FLAG_ENV])
+        failing = [i for i, obj in enumerate(objects) if matching in obj.key and not is_book_key(obj.key)]
+        if not failing:
+            return results
+        try:
+            flag.touch(exist_ok=False)  # the first such get of the engine's processes, only
+        except FileExistsError:
+            return results
+        for i in failing:
+            for addr, size in zip(objects[i].addrs, objects[i].sizes):
+                ctypes.memset(addr, 0x7F, size)  # 0x7f7f7f7f: a huge float, never a real KV value
+            results[i] = GetStatus.FAILED
+        return results
 
 
 class RecordingKVFlowConnector(KVFlowConnector):

@@ -15,11 +15,15 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from kvflow.backends.local.format import HEADER_SIZE, Header
 from tests.integrations.vllm.conftest import Reference
 from tests.integrations.vllm.connector_helpers import (
     COUNTERS_ENV,
+    FAIL_MATCHING_ENV,
+    FAIL_ONCE_FLAG_ENV,
     corrupt_local_store,
     kvflow_transfer_config,
     local_objects,
@@ -278,40 +282,74 @@ def test_tensor_parallel_replicas_store_each_block_once_and_both_load_everything
     assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
 
 
-@pytest.mark.slow
-def test_tensor_parallel_ranks_store_what_a_prompt_only_request_computed_after_its_load(
-    reference: Reference, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """TP=2 in worker processes, one token per request, vLLM's prefix cache off. E loads E_HEAD's
-    blocks 0-3 and computes its blocks 4-11 in the same step, and finishes there: the ranks agree,
-    over vLLM's tensor-parallel group, that the load arrived on both before they store, so both
-    store their head's objects of those blocks in that step (before, they were held for the
-    scheduler's verdict a step later, and lost). A third batch loads all of E."""
+def _prompt_only_tp2(
+    model: Path, tmp_path: Path, backend: str, env: Mapping[str, str] | None = None
+) -> tuple[EngineRun, Mapping[int, Mapping[str, int]], Path]:
+    """TP=2 in worker processes, one token per request, vLLM's prefix cache off: E_HEAD, then E
+    (which loads E_HEAD's blocks 0-3 and computes its blocks 4-11 in that step, and finishes
+    there), then E again (which loads what is stored of it)."""
     store = tmp_path / "store"
-    transfer = kvflow_transfer_config(f"local://{store}?capacity=256MiB")
     counters = _folder(tmp_path, "counters")
-    batches: Batches = ((E_HEAD,), (E,), (E,))
     run = run_engine(
         EngineSpec(
-            tiny_model_dir,
-            batches,
+            model,
+            PROMPT_ONLY,
             max_tokens=1,
             block_size=BLOCK,
-            kv_transfer_config=transfer,
-            env={COUNTERS_ENV: str(counters)},
+            kv_transfer_config=kvflow_transfer_config(f"{backend}://{store}?capacity=256MiB"),
+            env={COUNTERS_ENV: str(counters), **(env or {})},
             enable_prefix_caching=False,
             multiprocessing=True,
             tensor_parallel_size=2,
         )
     )
-    assert run.outputs == tuple(tokens[:1] for tokens in reference.expected(batches))
-    assert run.cached_tokens == (0, 4 * BLOCK, 12 * BLOCK)
     moved = read_counters(counters)
     assert sorted(moved) == [0, 1]
+    return run, moved, store
+
+
+PROMPT_ONLY: Batches = ((E_HEAD,), (E,), (E,))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_store_what_a_prompt_only_request_computed_after_its_load(
+    reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The ranks agree, over vLLM's tensor-parallel group, that E's load arrived on both before they
+    store, so both store their head's objects of E's blocks 4-11 in the load's step (before, they
+    were held for the scheduler's verdict a step later, and lost). The third batch loads all of E."""
+    run, moved, store = _prompt_only_tp2(tiny_model_dir, tmp_path, "local")
+    assert run.outputs == tuple(tokens[:1] for tokens in reference.expected(PROMPT_ONLY))
+    assert run.cached_tokens == (0, 4 * BLOCK, 12 * BLOCK)
     for rank, counts in moved.items():
         assert counts["stored_blocks"] == 5 + 8 and counts["dropped_save_blocks"] == 0, rank
         assert counts["loaded_blocks"] == 4 + 12 and counts["load_failed_blocks"] == 0, rank
     assert len(local_objects(store)) == 2 * (5 + 8)  # each rank's own head
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_store_nothing_computed_from_a_load_that_failed_on_one_of_them(
+    reference: Reference, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """As above, but rank 0's load of E fails (junk in its blocks) while rank 1's arrives. Rank 1's
+    KV of E's new blocks is wrong too (computed from rank 0's junk through the all-reduced attention
+    output): told by rank 0, it drops them as rank 0 does, and vLLM's recompute stores them. No
+    stored object holds junk or a value that is not finite, and the tokens are the reference's."""
+    failed = tmp_path / "failed-once"
+    env = {FAIL_MATCHING_ENV: "@h0-1@", FAIL_ONCE_FLAG_ENV: str(failed)}  # rank 0's KV head
+    run, moved, store = _prompt_only_tp2(tiny_model_dir, tmp_path, "failonce-local", env)
+    assert failed.exists()
+    assert run.outputs == tuple(tokens[:1] for tokens in reference.expected(PROMPT_ONLY))
+    assert moved[0]["load_failed_blocks"] == 4 and moved[1]["load_failed_blocks"] == 0
+    for rank, counts in moved.items():
+        assert counts["dropped_save_blocks"] == 8, rank  # E's blocks 4-11, computed from the junk
+        assert counts["stored_blocks"] == 5 + 8, rank  # E_HEAD's, then E's 4-11 after the recompute
+    objects = local_objects(store)
+    assert len(objects) == 2 * (5 + 8)
+    for path in objects:
+        data = path.read_bytes()
+        payload = np.frombuffer(data, np.float32, Header.unpack(data).payload_len // 4, HEADER_SIZE)
+        assert np.isfinite(payload).all() and not (payload.view(np.uint32) == 0x7F7F7F7F).any(), path.name
 
 
 @pytest.mark.slow
