@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import anyio.lowlevel
 import attrs
+import numpy as np
 import torch
 
 from kvflow import regions
@@ -355,21 +356,45 @@ class MemoryBackend:
 async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:
     """Copy between ``obj``'s regions and the buffer at ``buf``, in pieces of at most 1 MiB.
 
-    Checks the clock after every 1 MiB (never after the last piece: the caller does).
+    Checks the clock after every 1 MiB (never after the last piece: the caller does). Into the
+    buffer, each 1 MiB is one call of the compiled copy loop with streaming stores, as the puts of
+    smaller objects copy (:mod:`kvflow.copyloops`: nobody reads a stored object soon); out of it,
+    ``memmove`` per piece (the engine reads what it loaded next).
     """
     offset = 0
     since_tick = 0
+    sources: list[int] = []  # into the buffer: the pieces of the MiB being gathered at ``gathered``
+    lengths: list[int] = []
+    gathered = buf
     for addr, size in zip(obj.addrs, obj.sizes):
         done = 0
         while done < size:
             if since_tick >= PIECE:
+                if into_buffer:
+                    _stream(gathered, sources, lengths)
+                    gathered, sources, lengths = buf + offset, [], []
                 await pacer.tick()
                 since_tick = 0
             n = min(size - done, PIECE - since_tick)
             if into_buffer:
-                _memmove(buf + offset, addr + done, n)
+                sources.append(addr + done)
+                lengths.append(n)
             else:
                 _memmove(addr + done, buf + offset, n)
             done += n
             offset += n
             since_tick += n
+    if sources:
+        _stream(gathered, sources, lengths)
+
+
+def _stream(dst: int, sources: list[int], lengths: list[int]) -> None:
+    """Gather the regions ``(sources[i], lengths[i])`` back to back at ``dst``, streamed."""
+    regions.copy_ragged(
+        np.asarray([dst], dtype=np.int64),
+        np.asarray([len(sources)], dtype=np.int64),
+        np.asarray(sources, dtype=np.int64),
+        np.asarray(lengths, dtype=np.int64),
+        into_regions=False,
+        stream=True,
+    )

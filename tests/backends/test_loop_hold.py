@@ -126,7 +126,10 @@ async def test_at_most_one_piece_is_copied_between_turns(
 
     if isinstance(backend, MemoryBackend):
         monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
-        monkeypatch.setattr(memory, "_memmove", metered(memory._memmove, lambda _d, _s, n: n))
+        monkeypatch.setattr(
+            memory, "_memmove", metered(memory._memmove, lambda _d, _s, n: n)
+        )  # a get's piece
+        monkeypatch.setattr(memory, "_stream", metered(memory._stream, lambda _d, _s, lengths: sum(lengths)))
         for name in ("gather_objects", "scatter_objects"):  # runs of one-piece objects, one call each
             real = getattr(memory, name)
             monkeypatch.setattr(memory, name, metered(real, lambda _b, objects: sum(nbytes_of(objects))))
