@@ -383,7 +383,26 @@ def test_bench_fails_when_a_timed_store_or_retrieve_moved_nothing(
     monkeypatch: pytest.MonkeyPatch, lie: dict[str, Callable[[int], bool]]
 ) -> None:
     lying(monkeypatch, bench, **lie)
-    with pytest.raises(RuntimeError, match="bench retrieve"):
+    with pytest.raises(RuntimeError, match=r"bench (store 0 left|retrieve)"):
+        anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
+
+
+def test_bench_fails_when_a_timed_store_kept_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose puts keep the keys but not the bytes (each object's first byte changed): each
+    timed store's first block is read back and compared."""
+
+    class Scribbling(MemoryBackend):
+        async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+            statuses = await super().put(objects)
+            if len(objects) > 1:
+                for obj in objects:
+                    entry = self._objects.get(obj.key)
+                    if entry is not None:
+                        entry.buf[0] ^= 0xFF
+            return statuses
+
+    monkeypatch.setattr(bench, "open_backend", lambda url: Scribbling())
+    with pytest.raises(RuntimeError, match="bench store 0 kept other bytes"):
         anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
 
 
