@@ -352,16 +352,23 @@ class ProfileBook:
         if not self.due or not await self._acquire(deadline):
             return
         try:
+            refused: set[int] = set()  # slots another pool took first, in this call
             for _ in range(SLOTS):
-                if not self.due or time.monotonic() >= deadline or await self._announce_once(deadline):
+                if (
+                    not self.due
+                    or time.monotonic() >= deadline
+                    or await self._announce_once(deadline, refused)
+                ):
                     return
         finally:
             self._lock.release()
 
-    async def _announce_once(self, deadline: float) -> bool:
+    async def _announce_once(self, deadline: float, refused: set[int]) -> bool:
         """One try: read the book and, where the own profile is not in it, put it in the first free
-        slot. Whether it is done (in the book, or it cannot be: a full book, a failed store); False
-        when another pool took the slot first."""
+        slot not in ``refused``. Whether it is done (in the book, or not now: a full book, a failed
+        store, every free slot refused, a slot stored and not there when read back); False when
+        another pool took the slot first (added to ``refused``: a slot another pool is still
+        writing reads as free, and is never tried twice in one call)."""
         slots = await self._read(deadline)
         if slots is None:
             return True
@@ -370,6 +377,9 @@ class ProfileBook:
             self._announced_at = time.monotonic()
             return True
         free = [i for i, p in enumerate(slots) if p is False]
+        if free and not set(free) - refused:
+            return True  # each free slot refused in this call: the next store looks again
+        free = [i for i in free if i not in refused]
         if not free:
             log.warning(
                 "the store's book of profiles for %s is full (%d); engines with other layouts will "
@@ -394,7 +404,8 @@ class ProfileBook:
             log.debug("announcing the profile failed: %r", exc)
             return True
         if status is PutStatus.PRESENT:
-            return False  # another pool took the slot first: the next free one
+            refused.add(slot)  # another pool took the slot first: the next free one
+            return False
         if status is not PutStatus.STORED:
             return True  # the store refused it: the next store looks again
         # Read back: a store whose put of a key another pool just wrote keeps that value and says
@@ -407,6 +418,9 @@ class ProfileBook:
         if slots is None or slots[slot] in (None, self.own):
             self._announced_at = time.monotonic()
             return True
+        if slots[slot] is False:
+            return True  # stored and not there now (evicted, or a store that keeps nothing): next store
+        refused.add(slot)  # another pool's, kept by a store that keeps the first put (Mooncake)
         return False
 
     async def _acquire(self, deadline: float) -> bool:

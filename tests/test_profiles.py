@@ -743,3 +743,49 @@ async def test_two_pools_racing_for_a_slot_both_get_announced_in_one_call(says_p
     reader = ProfileBook(backend, attrs.evolve(PROFILE, head_groups=1))  # type: ignore[arg-type]
     assert set(await reader.others(float("inf"))) == {PROFILE, b.own}
     assert not b.due  # announced: it does not look again for a minute
+
+
+@attrs.define
+class SlotBeingWritten(FaultyBackend):
+    """A store where another live writer holds slot 0's key, not yet published (the arena answers
+    PRESENT to a put of it, while exists and get do not see it); every put is recorded."""
+
+    puts: list[str] = attrs.field(factory=list)
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        self.puts += [o.key for o in objects]
+        held = [o.key.endswith("@0") for o in objects]
+        kept = await self.inner.put([o for o, h in zip(objects, held) if not h])
+        answers = iter(kept)
+        return [PutStatus.PRESENT if h else next(answers) for h in held]
+
+
+async def test_a_slot_another_writer_still_writes_is_tried_once_and_the_next_one_taken() -> None:
+    """Slot 0 reads as free but answers PRESENT (another writer's put of it has not published):
+    the pool takes slot 1 in the same call, with two puts (before this was mended, it put slot 0
+    again sixteen times, stayed out of the book, and did so again at every store)."""
+    backend = SlotBeingWritten()
+    book = ProfileBook(backend, PROFILE)  # type: ignore[arg-type]
+    await book.announce(float("inf"))
+    assert [k.rsplit("@", 1)[1] for k in backend.puts] == ["0", "1"]
+    assert not book.due
+    assert PROFILE in await ProfileBook(backend, attrs.evolve(PROFILE, head_groups=4)).others(float("inf"))  # type: ignore[arg-type]
+
+
+@attrs.define
+class KeepsNothing(FaultyBackend):
+    """A store whose puts answer STORED and keep nothing."""
+
+    puts: int = 0
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        self.puts += 1
+        return [PutStatus.STORED] * len(objects)
+
+
+async def test_an_announcement_a_store_did_not_keep_is_put_once_per_call() -> None:
+    """Stored, then not there when read back: the call ends (the next store looks again), one put."""
+    backend = KeepsNothing()
+    book = ProfileBook(backend, PROFILE)  # type: ignore[arg-type]
+    await book.announce(float("inf"))
+    assert backend.puts == 1 and book.due

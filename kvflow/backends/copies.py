@@ -20,7 +20,7 @@ import numpy as np
 from kvflow.backends.base import ObjectBatch, ObjectRef
 from kvflow.regions import copy_ragged, copy_rows
 
-__all__ = ["gather_objects", "scatter_objects"]
+__all__ = ["check_object", "gather_objects", "scatter_objects"]
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
@@ -31,6 +31,16 @@ def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None
 def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
     """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order."""
     _copy(buffers, objects, into_regions=True, stream=False)
+
+
+def check_object(obj: ObjectRef) -> None:
+    """Raise ValueError unless ``obj``'s addresses, sizes and byte count agree (a copy of it would
+    leave part of its buffer unwritten, or write past it)."""
+    if len(obj.addrs) != len(obj.sizes) or sum(obj.sizes) != obj.nbytes or min(obj.sizes, default=0) < 0:
+        raise ValueError(
+            f"object {obj.key!r}: {len(obj.addrs)} addresses, sizes {list(obj.sizes)} and "
+            f"nbytes {obj.nbytes} do not agree (build it with ObjectRef.of)"
+        )
 
 
 def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions: bool, stream: bool) -> None:
@@ -44,11 +54,7 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
     addrs: list[int] = []
     sizes_of: list[int] = []
     for obj in objects:
-        if len(obj.addrs) != len(obj.sizes) or sum(obj.sizes) != obj.nbytes or min(obj.sizes, default=0) < 0:
-            raise ValueError(
-                f"object {obj.key!r}: {len(obj.addrs)} addresses, sizes {list(obj.sizes)} and "
-                f"nbytes {obj.nbytes} do not agree (build it with ObjectRef.of)"
-            )
+        check_object(obj)
         addrs.extend(obj.addrs)
         sizes_of.extend(obj.sizes)
     counts = np.fromiter((len(obj.sizes) for obj in objects), dtype=np.int64, count=len(objects))

@@ -46,7 +46,7 @@ from kvflow.backends.base import (
     nbytes_of,
     some_of,
 )
-from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.copies import check_object, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query, split_url
@@ -247,6 +247,7 @@ class MemoryBackend:
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
         """A put of an object larger than one piece: reserved, copied with checkpoints, published."""
+        check_object(obj)  # (as a run's copy checks each of its objects)
         objects = self._objects
         entry = self._room(obj.key, obj.nbytes)
         if isinstance(entry, PutStatus):
@@ -342,6 +343,7 @@ class MemoryBackend:
 
     async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
         """A get of an object larger than one piece: its buffer pinned while copied with checkpoints."""
+        check_object(obj)
         entry = self._found(obj.key, obj.nbytes)
         if isinstance(entry, GetStatus):
             return entry

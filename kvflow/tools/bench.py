@@ -309,8 +309,9 @@ _LEGEND = (
     " copy loop (a store's gathered and streamed, a retrieve's scattered into the regions); floor:",
     " those copies plus the sha256 hash chain of the request's tokens, the least any call does; bare:",
     " the floor plus a key text, a dict operation per object and nothing else, the least a Python",
-    " call keyed per object does: kvflow.tools.baselines. Every store and retrieve timed was read",
-    " back and compared, outside the timing)",
+    " call keyed per object does: kvflow.tools.baselines. Outside the timing, every timed store's",
+    " blocks were looked up and its first block read back and compared; the last store and every",
+    " retrieve were compared whole)",
 )
 
 

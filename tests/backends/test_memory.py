@@ -388,3 +388,20 @@ async def test_a_put_of_an_object_larger_than_a_piece_streams_each_piece(
     assert [n for n, _ in calls] == [pacing.PIECE, pacing.PIECE, sum(sizes) - 2 * pacing.PIECE]
     assert await backend.get([obj("big", *targets)]) == [GetStatus.HIT]
     assert all(torch.equal(s, t) for s, t in zip(sources, targets))
+
+
+@pytest.mark.parametrize("nbytes", [3 * pacing.PIECE - 1, 3 * pacing.PIECE + 1])
+async def test_an_object_larger_than_a_piece_whose_sizes_disagree_with_its_bytes_is_refused(
+    nbytes: int,
+) -> None:
+    """As a run of smaller objects is: a put would publish part of a buffer unwritten (an evicted
+    object's bytes) or write past it, a get read into memory the caller did not give."""
+    source = torch.randint(0, 255, (3 * pacing.PIECE,), dtype=torch.uint8)
+    bad = ObjectRef("big", [source.data_ptr()], [source.numel()], nbytes)
+    backend = MemoryBackend()
+    with pytest.raises(ValueError, match="do not agree"):
+        await backend.put([bad])
+    assert backend.stats().used_bytes == 0 and await backend.exists(["big"]) == [False]
+    assert await backend.put([obj("big", source)]) == [PutStatus.STORED]
+    with pytest.raises(ValueError, match="do not agree"):
+        await backend.get([bad])
