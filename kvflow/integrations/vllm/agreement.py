@@ -24,7 +24,7 @@ from kvflow.ranks import failed_on_any
 if TYPE_CHECKING:
     from kvflow.integrations.vllm.topology import EngineShape
 
-__all__ = ["FailedSteps", "plans_saves_after_loads", "tensor_parallel_agreement"]
+__all__ = ["FailedSteps", "plans_saves_after_loads", "ranks_must_agree", "tensor_parallel_agreement"]
 
 #: ``(steps, failed_here) -> those of steps that failed on some rank``.
 FailedSteps = Callable[[Sequence[int], Set[int]], frozenset[int]]
@@ -38,6 +38,12 @@ def plans_saves_after_loads(shape: EngineShape, layerwise: bool) -> bool:
     different times: a collective there would stall the pipeline), nor layer by layer (a layerwise
     step stores each layer during the forward, before the loads of the layers after it ended)."""
     return shape.pp_size == 1 and (shape.tp_size == 1 or not layerwise)
+
+
+def ranks_must_agree(shape: EngineShape, layerwise: bool) -> bool:
+    """Whether the workers of such an engine must agree on failed loads before they store: several
+    ranks whose scheduler plans saves resting on loads not yet settled."""
+    return shape.tp_size > 1 and plans_saves_after_loads(shape, layerwise)
 
 
 def tensor_parallel_agreement() -> FailedSteps:

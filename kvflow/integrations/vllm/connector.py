@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.agreement import plans_saves_after_loads, tensor_parallel_agreement
+from kvflow.integrations.vllm.agreement import ranks_must_agree, tensor_parallel_agreement
 from kvflow.integrations.vllm.config import (
     ConnectorConfig,
     KVRole,
@@ -112,8 +112,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 )
         else:
             tp_rank, pp_rank = worker_ranks()
-            several = shape.tp_size > 1 and plans_saves_after_loads(shape, config.layerwise)
-            agree = tensor_parallel_agreement() if several else None
+            agree = tensor_parallel_agreement() if ranks_must_agree(shape, config.layerwise) else None
             self._worker = WorkerSide(config, shape, tp_rank, pp_rank, agree)
 
     @property

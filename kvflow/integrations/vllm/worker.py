@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from kvflow.integrations.vllm.agreement import FailedSteps, plans_saves_after_loads
+from kvflow.integrations.vllm.agreement import FailedSteps, ranks_must_agree
 from kvflow.integrations.vllm.clients import open_layerwise_pool, open_store, open_worker_pool
 from kvflow.integrations.vllm.config import ConnectorConfig, KVRole
 from kvflow.integrations.vllm.events import KVFlowKVEvents, WorkerEvent, stored_events
@@ -111,11 +111,7 @@ class WorkerSide:
     _parallel: ParallelConfig | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if (
-            self.agree is None
-            and self.shape.tp_size > 1
-            and plans_saves_after_loads(self.shape, self.config.layerwise)
-        ):
+        if self.agree is None and ranks_must_agree(self.shape, self.config.layerwise):
             # Its scheduler plans saves resting on loads not yet settled: alone, a rank whose own
             # load arrived would store KV computed from another rank's failed one.
             raise ValueError(
