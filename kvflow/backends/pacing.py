@@ -14,12 +14,14 @@ from collections.abc import Sequence
 import anyio.lowlevel
 import attrs
 
-__all__ = ["PIECE", "RUN_BYTES", "RUN_OBJECTS", "YIELD_EVERY_S", "Pacer", "run_end"]
+__all__ = ["MIN_PIECE", "PIECE", "RUN_BYTES", "RUN_OBJECTS", "YIELD_EVERY_S", "Pacer", "PieceSize", "run_end"]
 
 #: The longest a call holds the event loop between checkpoints (plus one piece).
 YIELD_EVERY_S = 0.0005
 #: The most bytes copied (or hashed) between two looks at the clock, within one object.
 PIECE = 1 << 20
+#: The smallest piece :class:`PieceSize` cuts a copy into, however slow the kernel is.
+MIN_PIECE = 64 << 10
 #: The most bytes of a run of objects that one copy call takes between two looks at the clock
 #: (about 0.4 ms of copying at this project's machines' 10 GB/s): each run costs some Python
 #: before and after its copy, which in runs of one piece took 5-10% of a 256 KiB-1 MiB batch.
@@ -48,6 +50,35 @@ class Pacer:
         """:meth:`pause` if it is :meth:`due`."""
         if self.due():
             await self.pause()
+
+
+@attrs.define
+class PieceSize:
+    """How many bytes the next piece of a copy the kernel makes (a write into a file, or a read
+    from one) may hold: :data:`PIECE`, or less where the kernel is slow to fill new pages.
+
+    A 1 MiB write into tmpfs takes 0.1-0.5 ms, but on a virtual machine whose host has taken back
+    the guest's free pages, each new page can cost the host a fault: 10-13 ms per 1 MiB was
+    measured right after a large install, and a copy of one piece held the loop that long. A piece
+    that held the loop more than twice :data:`YIELD_EVERY_S` (in the thread's CPU time, so that
+    another process taking the CPU does not count) shrinks the next ones to what would have taken
+    :data:`YIELD_EVERY_S`, page-aligned and at least :data:`MIN_PIECE`; a whole piece that took
+    under half of it doubles them again, up to :data:`PIECE`. A backend keeps one for all its
+    calls, so that each call does not learn it again with a slow first piece.
+    """
+
+    nbytes: int = PIECE
+
+    def took(self, nbytes: int, seconds: float) -> None:
+        """A piece of ``nbytes`` took ``seconds`` of the loop's thread."""
+        if seconds > 2 * YIELD_EVERY_S:
+            fits = int(nbytes * YIELD_EVERY_S / seconds) & ~(_PAGE - 1)
+            self.nbytes = max(MIN_PIECE, min(self.nbytes, fits))
+        elif 2 * seconds < YIELD_EVERY_S and nbytes >= self.nbytes:
+            self.nbytes = min(PIECE, 2 * self.nbytes)
+
+
+_PAGE = 4096
 
 
 def run_end(sizes: Sequence[int], start: int, *, uniform: bool = False) -> int:

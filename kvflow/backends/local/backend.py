@@ -48,7 +48,7 @@ from kvflow.backends.local.format import (
 from kvflow.backends.local.presence import PresenceMemory
 from kvflow.backends.local.safety import LOCK_NAME, Access
 from kvflow.backends.local.space import Reservation, SpaceLedger
-from kvflow.backends.pacing import PIECE, Pacer
+from kvflow.backends.pacing import PIECE, Pacer, PieceSize
 from kvflow.errors import BackendError, BackendUnavailableError, ClearStoppedError
 
 __all__ = ["ClearStoppedError", "LocalBackend", "LocalConfig", "default_path", "key_of_file_name"]
@@ -89,6 +89,7 @@ class LocalBackend:
     _stats: BackendStats = attrs.field(init=False)
     _presence: PresenceMemory = attrs.field(init=False)
     _life: Lifetime = attrs.field(init=False)  # the calls running: the store's descriptors stay open for them
+    _piece: PieceSize = attrs.field(init=False, factory=PieceSize)  # of writes and reads: the kernel's speed
 
     def __attrs_post_init__(self) -> None:
         self._ledger = SpaceLedger.open(
@@ -421,11 +422,11 @@ class LocalBackend:
                 parts.append(memoryview(kept))
             hook = _mid_write_hook
             if hook is None or len(views) < 2:
-                await _write_pieces(res.fd, parts, 0, pacer)
+                await _write_pieces(res.fd, parts, 0, pacer, self._piece)
             else:
-                offset = await _write_pieces(res.fd, parts[:2], 0, pacer)
+                offset = await _write_pieces(res.fd, parts[:2], 0, pacer, self._piece)
                 hook(f"{self.root}/tmp/{res.name}")
-                await _write_pieces(res.fd, parts[2:], offset, pacer)
+                await _write_pieces(res.fd, parts[2:], offset, pacer, self._piece)
             os.utime(res.fd, ns=(stamp, stamp))
         except OSError as exc:
             logger.debug("local backend: writing %r failed: %s", obj.key, exc)
@@ -491,13 +492,17 @@ class LocalBackend:
                 return GetStatus.MISS
             views = region_views(obj.addrs, obj.sizes)
             header_buf = bytearray(HEADER_SIZE)
-            whole = HEADER_SIZE + obj.nbytes <= PIECE  # one read and one checksum pass: nothing to pace
+            # One read and one checksum pass (nothing to pace) if the object fits in a piece.
+            whole = HEADER_SIZE + obj.nbytes <= self._piece.nbytes
             if whole:
+                started = time.thread_time()
                 got = read_into(fd, [header_buf, *views], 0)
+                self._piece.took(got, time.thread_time() - started)
             else:
                 hook = _mid_read_hook
                 after_first = None if hook is None else partial(hook, name)
-                got = await _read_pieces(fd, [memoryview(header_buf), *views], pacer, after_first)
+                bufs = [memoryview(header_buf), *views]
+                got = await _read_pieces(fd, bufs, pacer, self._piece, after_first)
             header = Header.unpack(header_buf) if got >= HEADER_SIZE else None
             problem = ""
             if header is None:
@@ -593,13 +598,18 @@ def _touch_fd(fd: int, stamp: int) -> None:
         logger.debug("local backend: could not mark an object used: %s", exc)
 
 
-async def _write_pieces(fd: int, bufs: Sequence[memoryview], offset: int, pacer: Pacer) -> int:
-    """Write ``bufs`` at ``offset`` in 1 MiB pieces, letting the loop run between; the end offset."""
-    for n, piece in enumerate(pieces(bufs, PIECE)):
+async def _write_pieces(
+    fd: int, bufs: Sequence[memoryview], offset: int, pacer: Pacer, size: PieceSize
+) -> int:
+    """Write ``bufs`` at ``offset`` in pieces of ``size``, letting the loop run between; the end offset."""
+    for n, piece in enumerate(pieces(bufs, lambda: size.nbytes)):
         if n:
             await pacer.tick()
+        nbytes = sum(v.nbytes for v in piece)
+        started = time.thread_time()
         write_from(fd, piece, offset)
-        offset += sum(v.nbytes for v in piece)
+        size.took(nbytes, time.thread_time() - started)
+        offset += nbytes
     return offset
 
 
@@ -607,18 +617,21 @@ async def _read_pieces(
     fd: int,
     bufs: Sequence[memoryview],
     pacer: Pacer,
+    size: PieceSize,
     after_first: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
-    """Fill ``bufs`` from the start of the file in 1 MiB pieces; the bytes read (fewer at its end).
-    ``after_first``: a test hook, awaited after the first piece."""
+    """Fill ``bufs`` from the start of the file in pieces of ``size``; the bytes read (fewer at its
+    end). ``after_first``: a test hook, awaited after the first piece."""
     got = 0
-    for n, piece in enumerate(pieces(bufs, PIECE)):
+    for n, piece in enumerate(pieces(bufs, lambda: size.nbytes)):
         if n:
             await pacer.tick()
             if n == 1 and after_first is not None:
                 await after_first()
         want = sum(v.nbytes for v in piece)
+        started = time.thread_time()
         done = read_into(fd, piece, got)
+        size.took(done, time.thread_time() - started)
         got += done
         if done < want:
             break

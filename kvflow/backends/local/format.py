@@ -240,13 +240,15 @@ def region_views(addrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]
     return [memoryview((ctypes.c_char * size).from_address(addr)) for addr, size in zip(addrs, sizes) if size]
 
 
-def pieces(bufs: Sequence[memoryview], limit: int) -> Iterator[list[memoryview]]:
-    """``bufs`` in order, as lists of at most ``limit`` bytes each (a large buffer is cut up).
+def pieces(bufs: Sequence[memoryview], limit: int | Callable[[], int]) -> Iterator[list[memoryview]]:
+    """``bufs`` in order, as lists of at most ``limit`` bytes each (a large buffer is cut up). A
+    callable ``limit`` is asked before each piece, so that the pieces may shrink or grow as they go.
 
     Empty buffers are dropped; concatenating every piece gives back the bytes of ``bufs``.
     """
+    next_limit = limit if callable(limit) else lambda: limit
     batch: list[memoryview] = []
-    room = limit
+    room = next_limit()
     for buf in bufs:
         view = buf.cast("B") if buf.ndim != 1 or buf.itemsize != 1 else buf
         while view.nbytes:
@@ -256,7 +258,7 @@ def pieces(bufs: Sequence[memoryview], limit: int) -> Iterator[list[memoryview]]
             view = view[part.nbytes :]
             if room == 0:
                 yield batch
-                batch, room = [], limit
+                batch, room = [], next_limit()
     if batch:
         yield batch
 
