@@ -446,6 +446,10 @@ class ProfileBook:
         return self._seen
 
     def _remember(self, slots: Sequence[Profile | bool | None]) -> None:
+        if self.own not in slots and False in slots:
+            # Evicted, or removed by `kvflow store clear`: the next store announces it again (it
+            # would wait for the minutely check otherwise). Not when the book is full.
+            self._announced_at = float("-inf")
         seen: list[Profile] = []
         for profile in slots:
             if not isinstance(profile, Profile) or profile == self.own or profile in seen:

@@ -100,6 +100,8 @@ async def test_a_full_book_is_reported_and_the_pool_keeps_working(caplog: pytest
         await late.announce(float("inf"))
     assert "full" in caplog.text
     assert len(await late.others(float("inf"))) == SLOTS
+    await late.others(float("inf"), max_age_s=0.0)  # a full book read again: not announcing at every store
+    assert not late.due
 
 
 async def test_an_evicted_announcement_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -789,3 +791,21 @@ async def test_an_announcement_a_store_did_not_keep_is_put_once_per_call() -> No
     book = ProfileBook(backend, PROFILE)  # type: ignore[arg-type]
     await book.announce(float("inf"))
     assert backend.puts == 1 and book.due
+
+
+async def test_a_pool_whose_announcement_a_read_finds_gone_announces_at_its_next_store() -> None:
+    """After `kvflow store clear` (or an eviction) a pool that reads the book for a lookup and
+    finds its own profile gone announces it at its next store, not a minute later; a full book
+    does not send it announcing at every store."""
+    backend = MemoryBackend()
+    book = ProfileBook(backend, PROFILE)
+    await book.announce(float("inf"))
+    (key,) = [k for k in backend.stored_keys() if is_book_key(k)]
+    assert await backend.remove([key]) == [True]  # `kvflow store clear`
+    await book.announce(float("inf"))  # within the minute, and nothing read since: not looked at
+    assert not any(is_book_key(k) for k in backend.stored_keys())
+    assert await book.others(float("inf"), max_age_s=0.0) == ()  # a lookup reads the book
+    await book.announce(float("inf"))  # the next store
+    assert [k for k in backend.stored_keys() if is_book_key(k)] == [key]
+    await book.others(float("inf"), max_age_s=0.0)  # found there: no announcing at every store
+    assert not book.due
