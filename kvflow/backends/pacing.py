@@ -57,9 +57,10 @@ class PieceSize:
     """How many bytes the next piece of a copy the kernel makes (a write into a file, or a read
     from one) may hold: :data:`PIECE`, or less where the kernel is slow to fill new pages.
 
-    A 1 MiB write into tmpfs takes 0.1-0.5 ms, but on a virtual machine whose host has taken back
-    the guest's free pages, each new page can cost the host a fault: 10-13 ms per 1 MiB was
-    measured right after a large install, and a copy of one piece held the loop that long. A piece
+    A 1 MiB write into tmpfs takes 0.1-0.5 ms, but not everywhere: on this project's virtual
+    machine, for a minute or two after a large install, it took 10-13 ms of the thread's CPU time
+    (in the kernel, filling the file's new pages; the other backends' copies were not slowed), and
+    a copy of one piece held the loop that long. A piece
     that held the loop more than twice :data:`YIELD_EVERY_S` (in the thread's CPU time, so that
     another process taking the CPU does not count) shrinks the next ones to what would have taken
     :data:`YIELD_EVERY_S`, page-aligned and at least :data:`MIN_PIECE`; a whole piece that took
