@@ -58,6 +58,7 @@ from kvflow.backends.arena.header import (
 from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
 from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
+from kvflow.backends.filesystems import warn_unless_in_memory
 from kvflow.backends.local.format import WriterId
 from kvflow.backends.local.safety import (
     LOCK_NAME,
@@ -185,6 +186,7 @@ class ArenaFile:
             try:
                 lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
                 wait = config.lock_timeout_s
+                warn_unless_in_memory(fds[0], root, "arena")
                 if not exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
                     check_room(fds[0], root, geometry)  # (not for one its filesystem cannot hold)
                     wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
