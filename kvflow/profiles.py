@@ -290,11 +290,13 @@ class ProfileBook:
     _read_at: float = attrs.field(default=float("-inf"), init=False)
     _announced_at: float = attrs.field(default=float("-inf"), init=False)
     _warned: set[str] = attrs.field(factory=set, init=False)
+    _fits: bool = attrs.field(init=False)  # whether the own profile fits an announcement
 
     def __attrs_post_init__(self) -> None:
         # Not registered with the backend: 64 KiB read a few times a minute go through a backend's
         # own copy path, and a registration would have to outlive every pool sharing the backend.
         self._buffer = torch.zeros(SLOTS * SLOT_BYTES, dtype=torch.uint8)
+        self._fits = len(self.own.to_json().encode()) <= SLOT_BYTES
 
     def _objects(self) -> list[ObjectRef]:
         base = self._buffer.data_ptr()
@@ -390,11 +392,11 @@ class ProfileBook:
             self._announced_at = time.monotonic()
             return True
         slot = free[0]
-        payload = self.own.to_json().encode().ljust(SLOT_BYTES)
-        if len(payload) > SLOT_BYTES:
+        if not self._fits:
             log.warning("this engine's profile does not fit an announcement; others will not find its KV")
             self._announced_at = time.monotonic()
             return True
+        payload = self.own.to_json().encode().ljust(SLOT_BYTES)
         view = self._buffer[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
         view.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         try:
@@ -446,9 +448,10 @@ class ProfileBook:
         return self._seen
 
     def _remember(self, slots: Sequence[Profile | bool | None]) -> None:
-        if self.own not in slots and False in slots:
+        if self.own not in slots and False in slots and self._fits:
             # Evicted, or removed by `kvflow store clear`: the next store announces it again (it
-            # would wait for the minutely check otherwise). Not when the book is full.
+            # would wait for the minutely check otherwise). Not when the book is full, nor for a
+            # profile too large to announce (it would read the book and warn at every store).
             self._announced_at = float("-inf")
         seen: list[Profile] = []
         for profile in slots:

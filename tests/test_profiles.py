@@ -809,3 +809,20 @@ async def test_a_pool_whose_announcement_a_read_finds_gone_announces_at_its_next
     assert [k for k in backend.stored_keys() if is_book_key(k)] == [key]
     await book.others(float("inf"), max_age_s=0.0)  # found there: no announcing at every store
     assert not book.due
+
+
+async def test_a_profile_too_large_to_announce_is_reported_once_a_minute_not_at_every_store(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A profile that does not fit a slot is never in the book; reading the book for lookups must
+    not send the pool reading it again and warning at every store."""
+    huge = attrs.evolve(PROFILE, layer_ranges=tuple((i, i + 1) for i in range(600)))
+    assert len(huge.to_json().encode()) > SLOT_BYTES
+    backend = MemoryBackend()
+    book = ProfileBook(backend, huge)
+    with caplog.at_level(logging.WARNING, logger="kvflow.profiles"):
+        for _ in range(3):
+            await book.announce(float("inf"))  # a store
+            await book.others(float("inf"), max_age_s=0.0)  # a lookup reads the book
+    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
+    assert not book.due

@@ -14,7 +14,18 @@ from collections.abc import Sequence
 import anyio.lowlevel
 import attrs
 
-__all__ = ["MIN_PIECE", "PIECE", "RUN_BYTES", "RUN_OBJECTS", "YIELD_EVERY_S", "Pacer", "PieceSize", "run_end"]
+__all__ = [
+    "CALM_S",
+    "MIN_PIECE",
+    "PIECE",
+    "PIECE_BUDGET_S",
+    "RUN_BYTES",
+    "RUN_OBJECTS",
+    "YIELD_EVERY_S",
+    "Pacer",
+    "PieceSize",
+    "run_end",
+]
 
 #: The longest a call holds the event loop between checkpoints (plus one piece).
 YIELD_EVERY_S = 0.0005
@@ -22,6 +33,10 @@ YIELD_EVERY_S = 0.0005
 PIECE = 1 << 20
 #: The smallest piece :class:`PieceSize` cuts a copy into, however slow the kernel is.
 MIN_PIECE = 64 << 10
+#: What one piece of a kernel copy may hold the loop (:class:`PieceSize`).
+PIECE_BUDGET_S = 0.0005
+#: How long no piece must have been slow before :class:`PieceSize` lets pieces grow again.
+CALM_S = 1.0
 #: The most bytes of a run of objects that one copy call takes between two looks at the clock
 #: (about 0.4 ms of copying at this project's machines' 10 GB/s): each run costs some Python
 #: before and after its copy, which in runs of one piece took 5-10% of a 256 KiB-1 MiB batch.
@@ -54,28 +69,37 @@ class Pacer:
 
 @attrs.define
 class PieceSize:
-    """How many bytes the next piece of a copy the kernel makes (a write into a file, or a read
-    from one) may hold: :data:`PIECE`, or less where the kernel is slow to fill new pages.
+    """How many bytes the next piece of one kind of copy the kernel makes (writes into files, or
+    reads from them) may hold: :data:`PIECE`, or less where the kernel is slow.
 
     A 1 MiB write into tmpfs takes 0.1-0.5 ms, but not everywhere: on this project's virtual
     machine, for a minute or two after a large install, it took 10-13 ms of the thread's CPU time
     (in the kernel, filling the file's new pages; the other backends' copies were not slowed), and
-    a copy of one piece held the loop that long. A piece
-    that held the loop more than twice :data:`YIELD_EVERY_S` (in the thread's CPU time, so that
-    another process taking the CPU does not count) shrinks the next ones to what would have taken
-    :data:`YIELD_EVERY_S`, page-aligned and at least :data:`MIN_PIECE`; a whole piece that took
-    under half of it doubles them again, up to :data:`PIECE`. A backend keeps one for all its
-    calls, so that each call does not learn it again with a slow first piece.
+    a copy of one piece held the loop that long.
+
+    A piece that held the loop more than twice :data:`PIECE_BUDGET_S` shrinks the next ones to what
+    would have taken :data:`PIECE_BUDGET_S`, page-aligned and at least :data:`MIN_PIECE`. Once no
+    piece has been slow for :data:`CALM_S`, each whole piece that took under half of it doubles
+    them again, up to :data:`PIECE`: a kernel slow only at times (new pages slow, recycled ones
+    quick) keeps them small. Time is the thread's CPU time, so another process taking the CPU does
+    not count (nor does a kernel that sleeps inside the copy, waiting to reclaim memory). A backend
+    keeps one per kind for all its calls, so that each call does not learn it again with a slow
+    first piece.
     """
 
     nbytes: int = PIECE
+    _slow_at: float = float("-inf")  # time.monotonic() of the last slow piece
 
-    def took(self, nbytes: int, seconds: float) -> None:
-        """A piece of ``nbytes`` took ``seconds`` of the loop's thread."""
-        if seconds > 2 * YIELD_EVERY_S:
-            fits = int(nbytes * YIELD_EVERY_S / seconds) & ~(_PAGE - 1)
+    def took(self, nbytes: int, seconds: float, now: float | None = None) -> None:
+        """A piece of ``nbytes`` took ``seconds`` of the loop's thread, ending at ``now``
+        (``time.monotonic()``, the default)."""
+        if seconds > 2 * PIECE_BUDGET_S:
+            fits = int(nbytes * PIECE_BUDGET_S / seconds) & ~(_PAGE - 1)
             self.nbytes = max(MIN_PIECE, min(self.nbytes, fits))
-        elif 2 * seconds < YIELD_EVERY_S and nbytes >= self.nbytes:
+            self._slow_at = time.monotonic() if now is None else now
+            return
+        quick = 2 * seconds < PIECE_BUDGET_S and nbytes >= self.nbytes < PIECE
+        if quick and (time.monotonic() if now is None else now) - self._slow_at >= CALM_S:
             self.nbytes = min(PIECE, 2 * self.nbytes)
 
 

@@ -31,6 +31,7 @@ from kvflow.backends import pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, nbytes_of
 from kvflow.backends.local import LocalBackend, LocalConfig
+from kvflow.backends.local.format import pieces
 from kvflow.backends.memory import MemoryBackend, MemoryConfig
 from kvflow.regions import buffer_address
 from tests.helpers import bounded_shm
@@ -177,61 +178,73 @@ def spend(seconds: float) -> None:
         pass
 
 
-async def test_a_kernel_slow_to_fill_pages_does_not_hold_the_loop_longer(
-    monkeypatch: pytest.MonkeyPatch,
+def slowed(copy: Callable[[int, list[memoryview], int], int]) -> Callable[[int, list[memoryview], int], int]:
+    """``copy`` on a kernel that takes 10 ms of the thread's CPU time per 1 MiB."""
+
+    def run(fd: int, bufs: list[memoryview], at: int) -> int:
+        spend(0.010 / MiB * sum(len(b) for b in bufs))
+        return copy(fd, bufs, at)
+
+    return run
+
+
+@pytest.mark.parametrize("size", [MiB + 4096, 900 << 10], ids=["over-a-piece", "under-a-piece"])
+@pytest.mark.parametrize("slow", ["writes", "reads", "both"])
+async def test_a_kernel_slow_to_copy_does_not_hold_the_loop_longer(
+    slow: str, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a host slow to fill new pages (10-13 ms per 1 MiB written into tmpfs was measured on a
     virtual machine after a large install) the local backend cuts its writes and reads into smaller
-    pieces: after the first slow piece, no call holds the loop longer than on a fast host."""
-    per_byte_s = 0.010 / MiB  # a 1 MiB piece holds the loop 10 ms
-
-    def slow(
-        copy: Callable[[int, list[memoryview], int], int],
-    ) -> Callable[[int, list[memoryview], int], int]:
-        def run(fd: int, bufs: list[memoryview], at: int) -> int:
-            spend(per_byte_s * sum(len(b) for b in bufs))
-            return copy(fd, bufs, at)
-
-        return run
-
-    monkeypatch.setattr(local, "write_from", slow(local.write_from))
-    monkeypatch.setattr(local, "read_into", slow(local.read_into))
-    count, size = 4, MiB + 4096
+    pieces: after the first slow write and the first slow read, no call holds the loop longer than
+    on a fast host, in puts and gets taking turns (a quick get does not undo what a slow put
+    taught), for objects read whole on a fast host too."""
+    if slow in ("writes", "both"):
+        monkeypatch.setattr(local, "write_from", slowed(local.write_from))
+    if slow in ("reads", "both"):
+        monkeypatch.setattr(local, "read_into", slowed(local.read_into))
+    count, put_holds, get_holds = 4, [], []
     with bounded_shm("64m") as path:
-        backend = LocalBackend(LocalConfig(str(path / "store"), capacity_bytes=32 * MiB))
+        backend = LocalBackend(LocalConfig(str(path / "store"), capacity_bytes=48 * MiB))
         try:
             sources = [bytearray(os.urandom(size)) for _ in range(count)]
-            first, _ = await longest_hold(partial(backend.put, refs("first", sources)))
-            assert first > LIMIT_S  # the first piece is as slow as the kernel, and teaches the backend
-            targets = [bytearray(size) for _ in range(count)]
-            put_held, stored = await longest_hold(partial(backend.put, refs("then", sources)))
-            get_held, got = await longest_hold(partial(backend.get, refs("then", targets)))
-            assert (stored, got) == ([PutStatus.STORED] * count, [GetStatus.HIT] * count)
-            assert targets == sources
-            assert put_held < LIMIT_S and get_held < LIMIT_S, (put_held, get_held)
+            for round_ in range(4):
+                targets = [bytearray(size) for _ in range(count)]
+                put_held, stored = await longest_hold(partial(backend.put, refs(f"r{round_}", sources)))
+                get_held, got = await longest_hold(partial(backend.get, refs(f"r{round_}", targets)))
+                assert (stored, got) == ([PutStatus.STORED] * count, [GetStatus.HIT] * count)
+                assert targets == sources
+                put_holds.append(put_held)
+                get_holds.append(get_held)
         finally:
             await backend.aclose()
+    first = put_holds[0] if slow in ("writes", "both") else get_holds[0]
+    assert first > LIMIT_S  # the first slow piece is as slow as the kernel, and teaches the backend
+    assert min(put_holds[1:]) < LIMIT_S and min(get_holds[1:]) < LIMIT_S, (put_holds, get_holds)
 
 
 @settings(max_examples=300)
-@given(st.lists(st.tuples(st.integers(1, 2 * pacing.PIECE), st.floats(0, 0.05)), max_size=40))
-def test_pieces_shrink_after_a_slow_one_and_grow_back_after_quick_whole_ones(
-    pieces: list[tuple[int, float]],
+@given(
+    st.lists(st.tuples(st.integers(1, 2 * pacing.PIECE), st.floats(0, 0.05), st.floats(0, 3)), max_size=40)
+)
+def test_pieces_shrink_after_a_slow_one_and_grow_back_after_a_calm_second(
+    steps: list[tuple[int, float, float]],
 ) -> None:
-    """A piece that held the loop over twice YIELD_EVERY_S shrinks the next ones to what would have
-    taken YIELD_EVERY_S (page-aligned, at least MIN_PIECE); a whole piece that took under half of it
-    doubles them, up to PIECE; anything else leaves them as they are."""
-    size = pacing.PieceSize()
+    """A piece that held the loop over twice PIECE_BUDGET_S shrinks the next ones to what would
+    have taken PIECE_BUDGET_S (page-aligned, at least MIN_PIECE); once CALM_S passed without a slow
+    piece, a whole piece that took under half of it doubles them, up to PIECE; anything else leaves
+    them as they are."""
+    size, budget = pacing.PieceSize(), pacing.PIECE_BUDGET_S
     assert size.nbytes == pacing.PIECE
-    for nbytes, seconds in pieces:
+    now, slow_at = 1000.0, float("-inf")
+    for nbytes, seconds, gap in steps:
+        now += gap
         before = size.nbytes
-        size.took(nbytes, seconds)
+        size.took(nbytes, seconds, now)
         assert pacing.MIN_PIECE <= size.nbytes <= pacing.PIECE and size.nbytes % 4096 == 0
-        if seconds > 2 * pacing.YIELD_EVERY_S:
-            assert size.nbytes == max(
-                pacing.MIN_PIECE, min(before, nbytes * pacing.YIELD_EVERY_S / seconds // 4096 * 4096)
-            )
-        elif 2 * seconds < pacing.YIELD_EVERY_S and nbytes >= before:
+        if seconds > 2 * budget:
+            assert size.nbytes == max(pacing.MIN_PIECE, min(before, nbytes * budget / seconds // 4096 * 4096))
+            slow_at = now
+        elif 2 * seconds < budget and nbytes >= before and now - slow_at >= pacing.CALM_S:
             assert size.nbytes == min(pacing.PIECE, 2 * before)
         else:
             assert size.nbytes == before
@@ -239,15 +252,39 @@ def test_pieces_shrink_after_a_slow_one_and_grow_back_after_quick_whole_ones(
 
 def test_a_slow_piece_of_1_mib_shrinks_the_next_ones_to_what_fits() -> None:
     size = pacing.PieceSize()
-    size.took(MiB, 0.002)  # 4 times YIELD_EVERY_S
+    size.took(MiB, 0.002, now=10.0)  # 4 times PIECE_BUDGET_S
     assert size.nbytes == MiB // 4
-    size.took(MiB // 4, 0.1)
+    size.took(MiB // 4, 0.1, now=10.1)
     assert size.nbytes == pacing.MIN_PIECE
-    size.took(100, 0.0)  # a short last piece says nothing of a whole one
+    size.took(size.nbytes, 0.0001, now=10.5)  # quick, but within a second of a slow one
+    assert size.nbytes == pacing.MIN_PIECE
+    size.took(100, 0.0, now=12.0)  # a short last piece says nothing of a whole one
     assert size.nbytes == pacing.MIN_PIECE
     for expected in (128 << 10, 256 << 10, 512 << 10, MiB, MiB):
-        size.took(size.nbytes, 0.0001)
+        size.took(size.nbytes, 0.0001, now=12.0)
         assert size.nbytes == expected
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    st.lists(st.integers(1, 4096), min_size=1, max_size=50),
+)
+def test_pieces_follow_a_limit_that_changes_between_them(lengths: list[int], limits: list[int]) -> None:
+    """Each piece is as long as the limit asked just before it (the last may be shorter), and the
+    pieces put together are the buffers."""
+    bufs = [memoryview(os.urandom(n)) for n in lengths]
+    asked: list[int] = []
+
+    def limit() -> int:
+        asked.append(limits[len(asked) % len(limits)])
+        return asked[-1]
+
+    cut = list(pieces(bufs, limit))
+    sizes = [sum(len(v) for v in piece) for piece in cut]
+    assert b"".join(bytes(v) for piece in cut for v in piece) == b"".join(bytes(b) for b in bufs)
+    assert all(sizes) and sizes[:-1] == asked[: len(sizes) - 1]
+    assert not cut or sizes[-1] <= asked[len(sizes) - 1]
 
 
 @settings(max_examples=200)

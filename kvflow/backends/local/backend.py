@@ -89,7 +89,10 @@ class LocalBackend:
     _stats: BackendStats = attrs.field(init=False)
     _presence: PresenceMemory = attrs.field(init=False)
     _life: Lifetime = attrs.field(init=False)  # the calls running: the store's descriptors stay open for them
-    _piece: PieceSize = attrs.field(init=False, factory=PieceSize)  # of writes and reads: the kernel's speed
+    # What the kernel's speed allows a piece of a write, and of a read (learnt apart: filling new
+    # pages may be slow when reading is not).
+    _write_piece: PieceSize = attrs.field(init=False, factory=PieceSize)
+    _read_piece: PieceSize = attrs.field(init=False, factory=PieceSize)
 
     def __attrs_post_init__(self) -> None:
         self._ledger = SpaceLedger.open(
@@ -422,11 +425,11 @@ class LocalBackend:
                 parts.append(memoryview(kept))
             hook = _mid_write_hook
             if hook is None or len(views) < 2:
-                await _write_pieces(res.fd, parts, 0, pacer, self._piece)
+                await _write_pieces(res.fd, parts, 0, pacer, self._write_piece)
             else:
-                offset = await _write_pieces(res.fd, parts[:2], 0, pacer, self._piece)
+                offset = await _write_pieces(res.fd, parts[:2], 0, pacer, self._write_piece)
                 hook(f"{self.root}/tmp/{res.name}")
-                await _write_pieces(res.fd, parts[2:], offset, pacer, self._piece)
+                await _write_pieces(res.fd, parts[2:], offset, pacer, self._write_piece)
             os.utime(res.fd, ns=(stamp, stamp))
         except OSError as exc:
             logger.debug("local backend: writing %r failed: %s", obj.key, exc)
@@ -493,16 +496,16 @@ class LocalBackend:
             views = region_views(obj.addrs, obj.sizes)
             header_buf = bytearray(HEADER_SIZE)
             # One read and one checksum pass (nothing to pace) if the object fits in a piece.
-            whole = HEADER_SIZE + obj.nbytes <= self._piece.nbytes
+            whole = HEADER_SIZE + obj.nbytes <= self._read_piece.nbytes
             if whole:
                 started = time.thread_time()
                 got = read_into(fd, [header_buf, *views], 0)
-                self._piece.took(got, time.thread_time() - started)
+                self._read_piece.took(got, time.thread_time() - started)
             else:
                 hook = _mid_read_hook
                 after_first = None if hook is None else partial(hook, name)
                 bufs = [memoryview(header_buf), *views]
-                got = await _read_pieces(fd, bufs, pacer, self._piece, after_first)
+                got = await _read_pieces(fd, bufs, pacer, self._read_piece, after_first)
             header = Header.unpack(header_buf) if got >= HEADER_SIZE else None
             problem = ""
             if header is None:
