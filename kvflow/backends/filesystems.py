@@ -26,9 +26,9 @@ def type_of_device(device: str, mountinfo: str) -> str | None:
     device ``"major:minor"``; None when no line names it."""
     for line in mountinfo.splitlines():
         fields, _, rest = line.partition(" - ")
-        columns = fields.split()
-        if len(columns) > 2 and columns[2] == device and rest.split():
-            return rest.split()[0]
+        columns, after = fields.split(), rest.split()
+        if len(columns) > 2 and columns[2] == device and after:
+            return after[0]
     return None
 
 

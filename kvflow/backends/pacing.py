@@ -93,13 +93,12 @@ class PieceSize:
     def took(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         """A piece of ``nbytes`` took ``seconds`` of the loop's thread, ending at ``now``
         (``time.monotonic()``, the default)."""
+        now = time.monotonic() if now is None else now
         if seconds > 2 * PIECE_BUDGET_S:
             fits = int(nbytes * PIECE_BUDGET_S / seconds) & ~(_PAGE - 1)
             self.nbytes = max(MIN_PIECE, min(self.nbytes, fits))
-            self._slow_at = time.monotonic() if now is None else now
-            return
-        quick = 2 * seconds < PIECE_BUDGET_S and nbytes >= self.nbytes < PIECE
-        if quick and (time.monotonic() if now is None else now) - self._slow_at >= CALM_S:
+            self._slow_at = now
+        elif 2 * seconds < PIECE_BUDGET_S and nbytes >= self.nbytes < PIECE and now - self._slow_at >= CALM_S:
             self.nbytes = min(PIECE, 2 * self.nbytes)
 
 

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
 
 import anyio
@@ -48,12 +48,14 @@ from kvflow.backends.local.format import (
 from kvflow.backends.local.presence import PresenceMemory
 from kvflow.backends.local.safety import LOCK_NAME, Access
 from kvflow.backends.local.space import Reservation, SpaceLedger
-from kvflow.backends.pacing import PIECE, Pacer, PieceSize
+from kvflow.backends.pacing import MIN_PIECE, PIECE, Pacer, PieceSize
 from kvflow.errors import BackendError, BackendUnavailableError, ClearStoppedError
 
 __all__ = ["ClearStoppedError", "LocalBackend", "LocalConfig", "default_path", "key_of_file_name"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _RESERVE_GROUP = 16  # objects reserved per lock section (a section never awaits)
 _LIST_GROUP = 256  # directory entries listed (or removed, under the lock) between checkpoints
@@ -498,9 +500,9 @@ class LocalBackend:
             # One read and one checksum pass (nothing to pace) if the object fits in a piece.
             whole = HEADER_SIZE + obj.nbytes <= self._read_piece.nbytes
             if whole:
-                started = time.thread_time()
-                got = read_into(fd, [header_buf, *views], 0)
-                self._read_piece.took(got, time.thread_time() - started)
+                got = _timed(
+                    self._read_piece, HEADER_SIZE + obj.nbytes, read_into, fd, [header_buf, *views], 0
+                )
             else:
                 hook = _mid_read_hook
                 after_first = None if hook is None else partial(hook, name)
@@ -601,6 +603,18 @@ def _touch_fd(fd: int, stamp: int) -> None:
         logger.debug("local backend: could not mark an object used: %s", exc)
 
 
+def _timed(size: PieceSize, nbytes: int, copy: Callable[..., T], *args: object) -> T:
+    """``copy(*args)``, a kernel copy of ``nbytes``, its CPU time told to ``size``; not timed for a
+    piece of at most :data:`MIN_PIECE`, which can teach ``size`` nothing smaller (and the clock of
+    the thread's CPU time costs a system call, about 0.5 us, on every small object)."""
+    if nbytes <= MIN_PIECE:
+        return copy(*args)
+    started = time.thread_time()
+    result = copy(*args)
+    size.took(nbytes, time.thread_time() - started)
+    return result
+
+
 async def _write_pieces(
     fd: int, bufs: Sequence[memoryview], offset: int, pacer: Pacer, size: PieceSize
 ) -> int:
@@ -609,9 +623,7 @@ async def _write_pieces(
         if n:
             await pacer.tick()
         nbytes = sum(v.nbytes for v in piece)
-        started = time.thread_time()
-        write_from(fd, piece, offset)
-        size.took(nbytes, time.thread_time() - started)
+        _timed(size, nbytes, write_from, fd, piece, offset)
         offset += nbytes
     return offset
 
@@ -632,9 +644,7 @@ async def _read_pieces(
             if n == 1 and after_first is not None:
                 await after_first()
         want = sum(v.nbytes for v in piece)
-        started = time.thread_time()
-        done = read_into(fd, piece, got)
-        size.took(done, time.thread_time() - started)
+        done = _timed(size, want, read_into, fd, piece, got)
         got += done
         if done < want:
             break
