@@ -290,13 +290,18 @@ class ProfileBook:
     _read_at: float = attrs.field(default=float("-inf"), init=False)
     _announced_at: float = attrs.field(default=float("-inf"), init=False)
     _warned: set[str] = attrs.field(factory=set, init=False)
-    _fits: bool = attrs.field(init=False)  # whether the own profile fits an announcement
+    _announcement: bytes = attrs.field(init=False)  # the own profile as a slot holds it (unpadded)
 
     def __attrs_post_init__(self) -> None:
         # Not registered with the backend: 64 KiB read a few times a minute go through a backend's
         # own copy path, and a registration would have to outlive every pool sharing the backend.
         self._buffer = torch.zeros(SLOTS * SLOT_BYTES, dtype=torch.uint8)
-        self._fits = len(self.own.to_json().encode()) <= SLOT_BYTES
+        self._announcement = self.own.to_json().encode()
+
+    @property
+    def _fits(self) -> bool:
+        """Whether the own profile fits an announcement."""
+        return len(self._announcement) <= SLOT_BYTES
 
     def _objects(self) -> list[ObjectRef]:
         base = self._buffer.data_ptr()
@@ -396,7 +401,7 @@ class ProfileBook:
             log.warning("this engine's profile does not fit an announcement; others will not find its KV")
             self._announced_at = time.monotonic()
             return True
-        payload = self.own.to_json().encode().ljust(SLOT_BYTES)
+        payload = self._announcement.ljust(SLOT_BYTES)
         view = self._buffer[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
         view.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         try:
