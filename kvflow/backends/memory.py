@@ -217,24 +217,31 @@ class MemoryBackend:
     ) -> list[PutStatus]:
         """Puts of objects copied in one call, without a checkpoint: those not yet stored reserved
         together, all copied, each published (the second of one key twice is PRESENT). Each step
-        runs over the whole run at once, not as a call per object. Once closed: nothing."""
+        runs over the whole run at once, not as a call per object, and the usual run (every key
+        new and distinct, every object fitting) is published with one update of the index. Once
+        closed: nothing."""
         if self._life.closed:  # a put that was running when aclose began: nothing more is stored
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
         new = [i for i, key in enumerate(keys) if key not in stored]
-        results = [PutStatus.PRESENT] * len(keys)
-        if len(new) < len(keys):
+        every = len(new) == len(keys)
+        if not every:
             for key in keys:
                 if key in stored:
                     stored.move_to_end(key)  # a use, for LRU
-        reserved = self._reserve([sizes[i] for i in new])
-        room = [i for i, entry in zip(new, reserved) if entry is not None]
+        reserved = self._reserve(sizes if every else [sizes[i] for i in new])
         entries = [entry for entry in reserved if entry is not None]
+        fits = len(entries) == len(new)
+        room = new if fits else [i for i, entry in zip(new, reserved) if entry is not None]
         try:
             gather_objects([entry.addr for entry in entries], some_of(objects, room))
         except BaseException:
             self._stats.used_bytes -= sum(sizes[i] for i in room)
             raise
+        if every and fits and len(set(keys)) == len(keys):  # the usual run: one update of the index
+            stored.update(zip(keys, entries))
+            return [PutStatus.STORED] * len(keys)
+        results = [PutStatus.PRESENT] * len(keys)
         for i, entry in zip(new, reserved):
             results[i] = PutStatus.NO_SPACE if entry is None else PutStatus.STORED
         for i, entry in zip(room, entries):
@@ -271,11 +278,15 @@ class MemoryBackend:
         them need) and count those that fit as used.
 
         Returns an entry per size, in order: a recycled victim where one of that size was evicted
-        for this call (its pages are faulted in already: a fresh buffer costs a page fault per
-        4 KiB), else a fresh buffer; None for an object that cannot fit (too large, or the rest of
-        the budget is pinned or being written).
+        for this call, the oldest first (its pages are faulted in already: a fresh buffer costs a
+        page fault per 4 KiB), else a fresh buffer; None for an object that cannot fit (too large,
+        or the rest of the budget is pinned or being written).
         """
         capacity, stats = self.config.capacity_bytes, self._stats
+        if not sizes:
+            return []
+        if sizes.count(sizes[0]) == len(sizes):  # one size (a batch's): counted, not walked
+            return self._reserve_same(sizes[0], len(sizes))
         victims = self._evict(stats.used_bytes + sum(n for n in sizes if n <= capacity) - capacity)
         spare: dict[int, list[_Entry]] = {}
         for victim in reversed(victims):  # popped from the end: the oldest first, as they were stored
@@ -294,20 +305,35 @@ class MemoryBackend:
             raise
         return entries
 
+    def _reserve_same(self, nbytes: int, count: int) -> list[_Entry | None]:
+        """:meth:`_reserve` of ``count`` objects of ``nbytes`` each: the first that fit get
+        entries, the rest None."""
+        capacity, stats = self.config.capacity_bytes, self._stats
+        if nbytes > capacity:
+            return [None] * count
+        victims = self._evict(stats.used_bytes + count * nbytes - capacity)
+        fit = min(count, (capacity - stats.used_bytes) // nbytes) if nbytes else count
+        recycled = [victim for victim in victims if victim.nbytes == nbytes][:fit]
+        entries: list[_Entry | None] = [*recycled, *(_Entry.new(nbytes) for _ in range(fit - len(recycled)))]
+        stats.used_bytes += fit * nbytes  # counted once allocated: a failed allocation reserves nothing
+        return entries + [None] * (count - fit)
+
     def _evict(self, excess: int) -> list[_Entry]:
         """Evict unpinned objects, least recently used first, until ``excess`` bytes are freed or
-        none is left; the evicted entries."""
-        if excess <= 0:
-            return []
-        victims: list[str] = []
-        for key, entry in self._objects.items():  # pinned entries were moved to the end when pinned
-            if entry.readers == 0:
-                victims.append(key)
-                excess -= entry.nbytes
-                if excess <= 0:
-                    break
-        stats, evicted = self._stats, [self._objects.pop(key) for key in victims]
-        stats.used_bytes -= sum(entry.nbytes for entry in evicted)
+        none is left; the evicted entries, in that order."""
+        objects, evicted, pinned, freed = self._objects, [], [], 0
+        while freed < excess and objects:
+            key, entry = objects.popitem(last=False)
+            if entry.readers:  # (pinned entries were moved to the end when pinned: rare here)
+                pinned.append((key, entry))
+            else:
+                evicted.append(entry)
+                freed += entry.nbytes
+        for key, entry in reversed(pinned):  # back in front, in their order
+            objects[key] = entry
+            objects.move_to_end(key, last=False)
+        stats = self._stats
+        stats.used_bytes -= freed
         stats.evictions += len(evicted)
         return evicted
 

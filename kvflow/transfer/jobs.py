@@ -132,9 +132,12 @@ class StoreJob:
         before it completed (a device event: the copy stream waits for it on the device).
         """
         n = len(self.owned)
-        present = self._present.get(unit) or [False] * n
-        statuses = [PutStatus.PRESENT if p else PutStatus.FAILED for p in present]
-        todo = [k for k, p in enumerate(present) if not p] if True in present else list(range(n))
+        present = self._present.get(unit)
+        if present is None or True not in present:  # (asked, or not, none is present: the usual case)
+            statuses, todo = [PutStatus.FAILED] * n, list(range(n))
+        else:
+            statuses = [PutStatus.PRESENT if p else PutStatus.FAILED for p in present]
+            todo = [k for k, p in enumerate(present) if not p]
         if self._repeats:  # blocks several requests share: put once, each repeat told how that went
             todo = [k for k in todo if k not in self._repeats]
         try:

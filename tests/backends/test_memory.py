@@ -193,6 +193,31 @@ async def test_eviction_never_takes_a_buffer_that_a_get_is_reading(checkpoint_of
     assert await backend.get([obj("b", out)]) == [GetStatus.HIT] and torch.equal(out, b)
 
 
+async def test_an_eviction_that_passes_a_pinned_object_leaves_it_where_it_was(checkpoint_often: None) -> None:
+    """An object a get is reading stays in the store and keeps its place in the LRU order (first,
+    here) when a put evicts the objects around it."""
+    big, small = 64 * MiB, MiB
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=big + 2 * small))
+    a = data("a", big)
+    assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
+    target = torch.zeros(big, dtype=torch.uint8)
+    results: list[list[GetStatus]] = []
+
+    async def read() -> None:
+        results.append(await backend.get([obj("a", target)]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        while not torch.equal(target[:MiB], a[:MiB]):  # the get has started copying: "a" is pinned
+            await anyio.lowlevel.checkpoint()
+        for key in "bcd":  # the third evicts the least recently used unpinned object, "b"
+            assert await backend.put([obj(key, data(key, small))]) == [PutStatus.STORED]
+        assert not results  # (still reading "a": the eviction passed it)
+        assert backend.stored_keys() == ["a", "c", "d"]
+    assert results == [[GetStatus.HIT]] and torch.equal(target, a)
+    assert backend.stats().evictions == 1
+
+
 async def test_a_put_whose_copy_fails_gives_back_its_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Objects copied in one call (no checkpoint) whose copy fails: the error reaches the caller and
     nothing of them stays (no key, no bytes counted); the next put has the room."""
