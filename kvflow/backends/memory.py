@@ -352,15 +352,22 @@ class MemoryBackend:
         self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
     ) -> list[GetStatus]:
         """Gets of objects copied in one call, without a checkpoint (so they need no pin): each
-        step over the whole run at once (a comprehension), not a call per object."""
+        step over the whole run at once (a comprehension), not a call per object; the usual run
+        (every object found, of its size) in one comprehension before its copy."""
         stored = self._objects
         entries = [stored.get(key) for key in keys]
+        use = stored.move_to_end  # a use, for LRU
+        found = [0 if e is None or e.nbytes != n else e.addr for e, n in zip(entries, sizes)]
+        if 0 not in found:  # (a buffer's address is never 0)
+            for key in keys:
+                use(key)
+            scatter_objects(found, objects)
+            return [GetStatus.HIT] * len(keys)
         results = [
             GetStatus.MISS if entry is None else GetStatus.HIT if entry.nbytes == n else GetStatus.FAILED
             for entry, n in zip(entries, sizes)
         ]
         hits = [i for i, result in enumerate(results) if result is GetStatus.HIT]
-        use = stored.move_to_end  # a use, for LRU
         for i in hits:
             use(keys[i])
         addrs = [e.addr for e, result in zip(entries, results) if e is not None and result is GetStatus.HIT]
