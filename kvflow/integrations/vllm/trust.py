@@ -228,18 +228,48 @@ class _Step:
                 first = (item.read_to or 0) if own_first else 0
                 end = item.written_to if i == last else None
                 self.written.setdefault(block, []).append((r, first, end))
+        # A request reads mostly blocks nobody writes in the step (a prefix, loaded or computed
+        # before): what those depend on is fixed, found once, in bulk; only the others are
+        # followed through the step.
+        self.fixed = [self._fixed_reads(item) for item in work]
+        self.moving = [self._moving_reads(item) for item in work]
         self.inputs: list[Deps] = [_CLEAN] * len(work)
         for _ in range(len(work) + 1):  # grows until settled (no request reads its own writes)
             changed = False
-            for r, item in enumerate(work):
-                deps = frozenset().union(*(d for _, d in self._reads(item)))
+            for r in range(len(work)):
+                deps = self.fixed[r].union(*(d for _, d in self._moved(r)))
                 if deps != self.inputs[r]:
                     self.inputs[r], changed = deps, True
             if not changed:
                 break
 
+    def _fixed_reads(self, item: StepWork) -> Deps:
+        """What the blocks ``item`` reads whole that no request of the step writes depend on."""
+        whole = item.reads if item.read_to is None else item.reads[:-1]
+        written, heads, tails = self.written, self.before.deps, self.before.tails
+        unwritten = [b for b in whole if b not in written] if written else whole
+        if not tails:
+            return frozenset().union(*{heads.get(b, _CLEAN) for b in unwritten})
+        found = {heads.get(b, _CLEAN) for b in unwritten if b not in tails}
+        return frozenset().union(*found, *(self.before.span(b, 0, None) for b in unwritten if b in tails))
+
+    def _moving_reads(self, item: StepWork) -> list[tuple[int, int | None]]:
+        """The blocks ``item`` reads whose positions the step may change or that it reads in part,
+        each with the end of what it reads (None: all of it)."""
+        reads, written = item.reads, self.written
+        whole = reads if item.read_to is None else reads[:-1]
+        moving: list[tuple[int, int | None]] = [(b, None) for b in whole if b in written] if written else []
+        if item.read_to is not None and reads:
+            moving.append((reads[-1], item.read_to))
+        return moving
+
+    def _moved(self, r: int) -> Iterator[tuple[int, Deps]]:
+        """Each of request ``r``'s moving reads, with what the positions it reads of it depend on."""
+        for block, end in self.moving[r]:
+            yield block, self.deps_between(block, 0, end, self.written.get(block, []))
+
     def _reads(self, item: StepWork) -> Iterator[tuple[int, Deps]]:
-        """Each block ``item`` reads, with what the positions it reads of it depend on."""
+        """Each block ``item`` reads, in order, with what the positions it reads of it depend on."""
         last = len(item.reads) - 1
         for i, block in enumerate(item.reads):
             end = item.read_to if i == last else None
@@ -269,6 +299,8 @@ class _Step:
         of the step rewrites that block from good inputs (it is being recomputed)."""
         found: dict[int, BadRead] = {}
         for r, item in enumerate(self.work):
+            if BAD not in self.fixed[r] and not any(BAD in deps for _, deps in self._moved(r)):
+                continue  # (the usual request: nothing it read is bad, no need to look block by block)
             block = next((b for b, deps in self._reads(item) if BAD in deps), None)
             if block is not None:
                 repairing = any(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kvflow.integrations.vllm.trust import BadRead, BlockTrust, StepWork
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvflow.integrations.vllm.trust import BAD, BadRead, BlockTrust, StepWork, _Snapshot, _Step
 from kvflow.request import KVRequest
 
 
@@ -153,3 +156,44 @@ def test_a_block_two_requests_rewrite_in_one_step_holds_what_they_wrote() -> Non
         assert trust.computed([reader, sharer, owner]) == bad
         assert trust.bad(12) == bool(bad) and trust.bad(13) == bool(bad)
         assert trust.computed([StepWork(reads=[10, 11, 12], read_to=3, writes=[12])]) == {}
+
+
+class _EveryReadFollowed(_Step):
+    """A step that follows every block a request reads through the step, one by one: the rule
+    itself, without finding what the blocks nobody writes depend on in bulk."""
+
+    def _fixed_reads(self, item: StepWork) -> frozenset[int]:
+        return frozenset()
+
+    def _moving_reads(self, item: StepWork) -> list[tuple[int, int | None]]:
+        last = len(item.reads) - 1
+        return [(block, item.read_to if i == last else None) for i, block in enumerate(item.reads)]
+
+
+_blocks = st.integers(0, 7)
+_deps = st.frozensets(st.sampled_from([BAD, 1, 2, 3]), min_size=1, max_size=2)
+_work = st.builds(
+    StepWork,
+    reads=st.lists(_blocks, max_size=6),
+    writes=st.lists(_blocks, max_size=3),
+    read_to=st.none() | st.integers(1, 15),
+    written_to=st.none() | st.integers(1, 15),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    heads=st.dictionaries(_blocks, _deps, max_size=6),
+    tails=st.dictionaries(_blocks, st.tuples(st.integers(1, 15), _deps), max_size=3),
+    work=st.lists(_work, max_size=4),
+)
+def test_a_step_finds_what_its_requests_read_as_the_rule_followed_block_by_block_does(
+    heads: dict[int, frozenset[int]], tails: dict[int, tuple[int, frozenset[int]]], work: list[StepWork]
+) -> None:
+    """What the blocks no request of the step writes depend on is found in bulk (the prefix a
+    request reads, hundreds of blocks after a load); the inputs and the bad reads of every request
+    must be those of following every block through the step."""
+    fast = _Step(_Snapshot(dict(heads), dict(tails)), work)
+    rule = _EveryReadFollowed(_Snapshot(dict(heads), dict(tails)), work)
+    assert fast.inputs == rule.inputs
+    assert fast.bad_reads() == rule.bad_reads()
