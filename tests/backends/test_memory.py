@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import AsyncIterator
 
 import anyio
 import anyio.lowlevel
@@ -166,21 +168,32 @@ async def test_a_get_never_sees_an_object_whose_put_is_still_copying(checkpoint_
     assert backend.stats().used_bytes == size
 
 
+@contextlib.asynccontextmanager
+async def reading(
+    backend: MemoryBackend, key: str, stored: torch.Tensor
+) -> AsyncIterator[tuple[torch.Tensor, list[list[GetStatus]]]]:
+    """A get of ``key`` (whose object is ``stored``) running: entered once it has started copying,
+    so the object is pinned; yields its target and its result, there once the get ended (after
+    the block, at the latest)."""
+    target = torch.zeros(stored.numel(), dtype=torch.uint8)
+    results: list[list[GetStatus]] = []
+
+    async def read() -> None:
+        results.append(await backend.get([obj(key, target)]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        while not torch.equal(target[:MiB], stored[:MiB]):  # the get has started copying
+            await anyio.lowlevel.checkpoint()
+        yield target, results
+
+
 async def test_eviction_never_takes_a_buffer_that_a_get_is_reading(checkpoint_often: None) -> None:
     size = 4 * MiB
     backend = MemoryBackend(MemoryConfig(capacity_bytes=size))  # room for one object
     a, b = data("a", size), data("b", size)
     assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
-    target = torch.zeros(size, dtype=torch.uint8)
-    results: list[list[GetStatus]] = []
-
-    async def read() -> None:
-        results.append(await backend.get([obj("a", target)]))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(read)
-        while not torch.equal(target[:MiB], a[:MiB]):  # the get has started copying
-            await anyio.lowlevel.checkpoint()
+    async with reading(backend, "a", a) as (target, results):
         assert not results
         # "a" is pinned: it is neither evicted nor recycled for "b", so "b" finds no room.
         assert await backend.put([obj("b", b)]) == [PutStatus.NO_SPACE]
@@ -200,16 +213,7 @@ async def test_an_eviction_that_passes_a_pinned_object_leaves_it_where_it_was(ch
     backend = MemoryBackend(MemoryConfig(capacity_bytes=big + 2 * small))
     a = data("a", big)
     assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
-    target = torch.zeros(big, dtype=torch.uint8)
-    results: list[list[GetStatus]] = []
-
-    async def read() -> None:
-        results.append(await backend.get([obj("a", target)]))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(read)
-        while not torch.equal(target[:MiB], a[:MiB]):  # the get has started copying: "a" is pinned
-            await anyio.lowlevel.checkpoint()
+    async with reading(backend, "a", a) as (target, results):
         for key in "bcd":  # the third evicts the least recently used unpinned object, "b"
             assert await backend.put([obj(key, data(key, small))]) == [PutStatus.STORED]
         assert not results  # (still reading "a": the eviction passed it)
