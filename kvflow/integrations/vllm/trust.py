@@ -231,8 +231,12 @@ class _Step:
         # A request reads mostly blocks nobody writes in the step (a prefix, loaded or computed
         # before): what those depend on is fixed, found once, in bulk; only the others are
         # followed through the step.
-        self.fixed = [self._fixed_reads(item) for item in work]
-        self.moving = [self._moving_reads(item) for item in work]
+        self.fixed: list[Deps] = []
+        self.moving: list[list[tuple[int, int | None]]] = []
+        for item in work:
+            fixed, moving = self._split_reads(item)
+            self.fixed.append(fixed)
+            self.moving.append(moving)
         self.inputs: list[Deps] = [_CLEAN] * len(work)
         for _ in range(len(work) + 1):  # grows until settled (no request reads its own writes)
             changed = False
@@ -243,25 +247,21 @@ class _Step:
             if not changed:
                 break
 
-    def _fixed_reads(self, item: StepWork) -> Deps:
-        """What the blocks ``item`` reads whole that no request of the step writes depend on."""
-        whole = item.reads if item.read_to is None else item.reads[:-1]
-        written, heads, tails = self.written, self.before.deps, self.before.tails
-        unwritten = [b for b in whole if b not in written] if written else whole
-        if not tails:
-            return frozenset().union(*{heads.get(b, _CLEAN) for b in unwritten})
-        found = {heads.get(b, _CLEAN) for b in unwritten if b not in tails}
-        return frozenset().union(*found, *(self.before.span(b, 0, None) for b in unwritten if b in tails))
-
-    def _moving_reads(self, item: StepWork) -> list[tuple[int, int | None]]:
-        """The blocks ``item`` reads whose positions the step may change or that it reads in part,
-        each with the end of what it reads (None: all of it)."""
-        reads, written = item.reads, self.written
+    def _split_reads(self, item: StepWork) -> tuple[Deps, list[tuple[int, int | None]]]:
+        """What the blocks ``item`` reads whole that no request of the step writes depend on; and
+        the others it reads (written in the step, or read in part), each with the end of what it
+        reads of it (None: all of it)."""
+        reads, written, heads, tails = item.reads, self.written, self.before.deps, self.before.tails
         whole = reads if item.read_to is None else reads[:-1]
+        unwritten: Sequence[int] = [b for b in whole if b not in written] if written else whole
         moving: list[tuple[int, int | None]] = [(b, None) for b in whole if b in written] if written else []
         if item.read_to is not None and reads:
             moving.append((reads[-1], item.read_to))
-        return moving
+        if not tails:
+            return frozenset().union(*{heads.get(b, _CLEAN) for b in unwritten}), moving
+        found = {heads.get(b, _CLEAN) for b in unwritten if b not in tails}
+        tailed = (self.before.span(b, 0, None) for b in unwritten if b in tails)
+        return frozenset().union(*found, *tailed), moving
 
     def _moved(self, r: int) -> Iterator[tuple[int, Deps]]:
         """Each of request ``r``'s moving reads, with what the positions it reads of it depend on."""

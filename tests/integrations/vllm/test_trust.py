@@ -162,12 +162,10 @@ class _EveryReadFollowed(_Step):
     """A step that follows every block a request reads through the step, one by one: the rule
     itself, without finding what the blocks nobody writes depend on in bulk."""
 
-    def _fixed_reads(self, item: StepWork) -> frozenset[int]:
-        return frozenset()
-
-    def _moving_reads(self, item: StepWork) -> list[tuple[int, int | None]]:
+    def _split_reads(self, item: StepWork) -> tuple[frozenset[int], list[tuple[int, int | None]]]:
         last = len(item.reads) - 1
-        return [(block, item.read_to if i == last else None) for i, block in enumerate(item.reads)]
+        every = [(block, item.read_to if i == last else None) for i, block in enumerate(item.reads)]
+        return frozenset(), every
 
 
 _blocks = st.integers(0, 7)
