@@ -258,15 +258,19 @@ async def test_the_arena_lists_keys_sizes_and_keys_too_long_to_keep(tmp_path: Pa
         data = bytearray(b"x" * 300)
         kept = "k" * 254  # a slot keeps 254 bytes of its key
         odd = "a\udcff"  # a lone surrogate: not UTF-8, but a str key all the same
-        sizes = {"a/b c": 10, kept: 20, odd: 30, "l" * 255: 40, "m" * 256: 50, "n" * 300: 60}
+        nul = "a\0b"  # keys are joined by NULs to be encoded in one call: not this one
+        huge = "o" * 65_540  # (its length is no u16)
+        sizes = {"a/b c": 10, kept: 20, odd: 30, "l" * 255: 40, "m" * 256: 50, "n" * 300: 60, nul: 70}
+        sizes[huge] = 80
         await backend.put([ObjectRef.of(k, [buffer_address(data)], [n]) for k, n in sizes.items()])
         listed = sorted(await backend.list_objects(), key=str)
-        expected = [("a/b c", 10), (kept, 20), (odd, 30), (None, 40), (None, 50), (None, 60)]
+        expected = [("a/b c", 10), (kept, 20), (odd, 30), (None, 40), (None, 50), (None, 60), (nul, 70)]
+        expected.append((None, 80))
         assert listed == sorted(expected, key=str)
         out = bytearray(30)
         assert await backend.get([ObjectRef.of(odd, [buffer_address(out)], [30])]) == [GetStatus.HIT]
-        assert await backend.usage() == 210
-        assert await backend.clear() == 6
+        assert await backend.usage() == 360
+        assert await backend.clear() == 8
         assert await backend.list_objects() == [] and await backend.usage() == 0
     finally:
         await backend.aclose()

@@ -29,7 +29,14 @@ from kvflow import regions
 from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
-from kvflow.backends.arena.store import ArenaFile, KeyHashes, Query, key_hashes, stored_geometry
+from kvflow.backends.arena.store import (
+    ArenaFile,
+    KeyHashes,
+    Query,
+    key_hashes,
+    outcomes,
+    stored_geometry,
+)
 from kvflow.backends.arena.table import passes
 from kvflow.backends.base import (
     BackendCapabilities,
@@ -144,14 +151,17 @@ class ArenaBackend:
                 await self._claim(objects, results, claimed, repeats)
                 await self._write(objects, claimed)
                 keys, sizes = keys_of(objects), nbytes_of(objects)
+                order = list(claimed)
+                if len(order) < len(objects):  # (else every object, in order)
+                    keys, sizes = [keys[i] for i in order], [sizes[i] for i in order]
                 async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
                     self._free_stranded()
-                    order = list(claimed)
-                    self._arena.publish(
-                        list(claimed.values()), [sizes[i] for i in order], [keys[i] for i in order]
-                    )
-                    for i in order:
-                        results[i] = PutStatus.STORED
+                    self._arena.publish(list(claimed.values()), sizes, keys)
+                    if len(order) == len(objects):
+                        results[:] = [PutStatus.STORED] * len(objects)
+                    else:
+                        for i in order:
+                            results[i] = PutStatus.STORED
                     claimed.clear()
             except TimeoutError as exc:
                 logger.error("arena backend: put of %d objects failed: %s", len(objects), exc)
@@ -167,8 +177,9 @@ class ArenaBackend:
         """Copy the claimed objects into their slots (without the lock: the slots are this put's),
         a run of them (:func:`kvflow.backends.pacing.run_end`) per copy call."""
         order, rows = list(claimed), list(claimed.values())
-        every = nbytes_of(objects)
-        sizes = [every[i] for i in order]
+        sizes = nbytes_of(objects)
+        if len(order) < len(objects):  # (else every object, in order)
+            sizes = [sizes[i] for i in order]
         uniform = isinstance(objects, ObjectBatch)
         arena, pacer, start = self._arena, pacing.Pacer(), 0
         slots = (arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes).tolist()
@@ -189,21 +200,27 @@ class ArenaBackend:
     ) -> None:
         slot_bytes = self._arena.geometry.slot_bytes
         keys, sizes = keys_of(objects), nbytes_of(objects)
-        fits = [i for i, nbytes in enumerate(sizes) if nbytes <= slot_bytes]
-        if len(fits) < len(objects):
+        fits: Sequence[int] = range(len(sizes))
+        if max(sizes, default=0) > slot_bytes:
+            fits = [i for i, nbytes in enumerate(sizes) if nbytes <= slot_bytes]
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
-        hashes = key_hashes([keys[i] for i in fits])  # new keys, mostly: not remembered
+            keys = [keys[i] for i in fits]
+        hashes = key_hashes(keys)  # new keys, mostly: not remembered
         now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             self._free_stranded()  # first: a key of this put may be one of theirs
-            claims = self._arena.claim(hashes, now)
+            rows = self._arena.claim(hashes, now)
+            if len(fits) == len(objects) and (rows >= 0).all():  # the usual put: a slot for each
+                claimed.update(enumerate(rows.tolist()))
+                return
+            claims = outcomes(rows)
             for i, got in zip(fits, claims):
                 if isinstance(got, PutStatus):
                     results[i] = got
                 elif got is not None:  # (None: a repeat of a key earlier in the call)
                     claimed[i] = got
         if None in claims:  # each repeat and the first copy of its key that fits a slot
-            repeats.update((fits[k], fits[f]) for k, f in repeats_of([keys[i] for i in fits]).items())
+            repeats.update((fits[k], fits[f]) for k, f in repeats_of(keys).items())
 
     async def _give_back(self, rows: Iterable[int]) -> None:
         """Free claimed slots after a failure or a cancellation, with any that earlier puts could

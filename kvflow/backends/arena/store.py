@@ -77,16 +77,18 @@ __all__ = [
     "WAYS",
     "WRITING",
     "ArenaFile",
+    "Claims",
     "Geometry",
     "KeyHashes",
     "Query",
     "key_hashes",
+    "outcomes",
     "stored_geometry",
 ]
 
 _ALLOCATE_BYTES_PER_S = 1 << 30  # posix_fallocate on tmpfs, a slow host's (12 GB/s measured here)
+_KEPT = KEY_BYTES - 2  # the most bytes of a key a slot keeps
 _KEY_TOO_LONG = KEY_BYTES - 1  # a length no key is given: the key was not kept
-_LENGTH = [n.to_bytes(2, "little") for n in range(KEY_BYTES)]
 
 FREE, WRITING, READY = 0, 1, 2
 # The table's columns.
@@ -99,6 +101,7 @@ _STATUS: dict[int, int | PutStatus | None] = {
 
 Hashes = npt.NDArray[np.uint64]  # n x 2: the words that name each key
 Words = npt.NDArray[np.uint64]  # one word of each key
+Claims = npt.NDArray[np.int64]  # per key: the row it claimed, or PRESENT, NO_SPACE or REPEAT
 
 
 def key_hashes(keys: Sequence[str]) -> Hashes:
@@ -107,8 +110,19 @@ def key_hashes(keys: Sequence[str]) -> Hashes:
 
 
 def _digests(keys: Sequence[str]) -> list[bytes]:
-    digest = xxhash.xxh3_128_digest
-    return [digest(k.encode("utf-8", "surrogatepass")) for k in keys]
+    return list(map(xxhash.xxh3_128_digest, _encoded(keys)))
+
+
+def _encoded(keys: Sequence[str]) -> list[bytes]:
+    """Each key's UTF-8 bytes (a lone surrogate kept, as ``surrogatepass`` writes it): the keys
+    joined, encoded and split again in three calls, or one by one where a key holds the NUL that
+    joins them."""
+    if not keys:
+        return []
+    data = "\0".join(keys).encode("utf-8", "surrogatepass").split(b"\0")
+    if len(data) == len(keys):
+        return data
+    return [k.encode("utf-8", "surrogatepass") for k in keys]
 
 
 def _words(digests: list[bytes]) -> Hashes:
@@ -148,22 +162,24 @@ class ArenaFile:
     _table: npt.NDArray[np.uint64] = attrs.field(init=False)  # columns x rows
     _words: memoryview = attrs.field(init=False)  # the same, flat: column * rows + row
     _tags: npt.NDArray[np.uint8] = attrs.field(init=False)  # per row: the low byte of its k1
+    _key_rows: npt.NDArray[np.uint8] = attrs.field(init=False)  # per row: its key's length and bytes
     _anchor: ctypes.c_char = attrs.field(init=False)
     base: int = attrs.field(init=False)  # address of the first slot
     _rows: int = attrs.field(init=False)  # the geometry's, kept: a property costs a call per object
-    _keys_at: int = attrs.field(init=False)  # where the kept keys start in the map
     _columns: tuple[npt.NDArray[np.uint64], ...] = attrs.field(init=False)  # the table's, one view each
     _me_words: npt.NDArray[np.uint64] = attrs.field(init=False)  # ``me`` as the table writes it
 
     def __attrs_post_init__(self) -> None:
         rows = self._rows = self.geometry.rows
-        self._keys_at = self.geometry.keys_offset
         self._table = np.frombuffer(self._map, dtype="<u8", count=rows * COLUMNS, offset=PAGE).reshape(
             COLUMNS, rows
         )
         self._words = memoryview(self._map)[PAGE : PAGE + rows * COLUMNS * 8].cast("Q")
         tags = self.geometry.tags_offset
         self._tags = np.frombuffer(self._map, dtype=np.uint8, count=rows, offset=tags)
+        self._key_rows = np.frombuffer(
+            self._map, dtype=np.uint8, count=rows * KEY_BYTES, offset=self.geometry.keys_offset
+        ).reshape(rows, KEY_BYTES)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
         self._columns = tuple(self._table[column] for column in range(COLUMNS))
@@ -213,7 +229,7 @@ class ArenaFile:
     def close(self) -> None:
         """Unmap the arena and close the descriptors (call once no copy is running)."""
         self._words.release()
-        del self._table, self._tags, self._anchor, self._columns
+        del self._table, self._tags, self._key_rows, self._anchor, self._columns
         self._map.close()
         lockfiles.closing(self.lock.fd)
         for fd in (self.lock.fd, self._root_fd):
@@ -275,10 +291,11 @@ class ArenaFile:
 
     # --- under the exclusive lock ---------------------------------------------------------------
 
-    def claim(self, hashes: Hashes, now: int) -> list[int | PutStatus | None]:
-        """For each hash, a slot for its new object, now WRITING and this process's; or PRESENT, or
-        NO_SPACE (every slot of its set is being written); or None for a hash earlier in
-        ``hashes``, which shares the outcome of that one's put.
+    def claim(self, hashes: Hashes, now: int) -> Claims:
+        """For each hash, a slot for its new object, now WRITING and this process's (a row >= 0);
+        or PRESENT, or NO_SPACE (every slot of its set is being written); or REPEAT for a hash
+        earlier in ``hashes``, which shares the outcome of that one's put (:func:`outcomes` reads
+        them).
 
         A key already published, or being written by a live process, is PRESENT; a published one
         counts as used. The ``i``-th hash's slot is used at ``now - i``: a request's first blocks
@@ -290,7 +307,7 @@ class ArenaFile:
         Decided in one pass of compiled code (:mod:`kvflow.backends.arena.table`).
         """
         if not len(hashes):
-            return []
+            return np.empty(0, dtype=np.int64)
         compiled, columns = passes(), self._columns
         state, ns, pid, start = columns[_STATE], columns[_NS], columns[_PID], columns[_START]
         k0, k1, sets = self._hash_words(hashes)
@@ -307,7 +324,7 @@ class ArenaFile:
         # No decision read a row it gave out (a row given once is never given again, nor one that
         # holds a key of the call), so the claims are written together, column by column.
         self._write_claims(rows[given], hashes[given], _uses(now, np.flatnonzero(given)))
-        return [_STATUS.get(row, row) for row in rows.tolist()]
+        return rows
 
     def _hash_words(self, hashes: Hashes) -> tuple[Words, Words, npt.NDArray[np.int64]]:
         """Each key's two hash words (contiguous, writable copies, as the compiled passes take them)
@@ -337,33 +354,30 @@ class ArenaFile:
         table[_USED, at] = used
         self._tags[at] = (hashes[:, 1] & np.uint64(0xFF)).astype(np.uint8)
 
-    def publish(self, rows: list[int], sizes: list[int], keys: list[str]) -> None:
+    def publish(self, rows: Sequence[int], sizes: Sequence[int], keys: Sequence[str]) -> None:
         """Make slots this process claimed readable, ``rows[i]`` holding ``sizes[i]`` bytes of
         ``keys[i]``'s object: every size and key is written before any row turns READY."""
         if not rows:
             return
         at = np.asarray(rows, dtype=np.intp)
         self._table[_NBYTES, at] = sizes
-        mapped = self._map
-        for row, key in zip(rows, keys):
-            data = key.encode("utf-8", "surrogatepass")
-            start, size = self._keys_at + row * KEY_BYTES, len(data)
-            if size <= KEY_BYTES - 2:
-                mapped[start + 2 : start + 2 + size] = data
-            mapped[start : start + 2] = _LENGTH[size if size <= KEY_BYTES - 2 else _KEY_TOO_LONG]
+        data = _encoded(keys)
+        lengths = np.array(list(map(len, data)), dtype=np.int64)
+        width = min(int(lengths.max()), _KEPT)
+        if width:  # each key's bytes, padded with NULs (a key too long to keep: cut, and not kept)
+            text = np.array(data, dtype=f"S{width}").view(np.uint8).reshape(len(data), width)
+            self._key_rows[at, 2 : 2 + width] = text
+        lengths[lengths > _KEPT] = _KEY_TOO_LONG
+        self._key_rows[at, :2] = lengths.astype("<u2").view(np.uint8).reshape(len(data), 2)
         self._table[_STATE, at] = READY
 
     def listing(self) -> list[tuple[str | None, int]]:
         """Every published object: its key (None when too long to keep) and its size."""
         table, found = self._table, []
         for row in np.flatnonzero(table[_STATE] == READY).tolist():
-            at = self.geometry.keys_offset + row * KEY_BYTES
-            length = int.from_bytes(self._map[at : at + 2], "little")
-            key = (
-                None
-                if length > KEY_BYTES - 2
-                else self._map[at + 2 : at + 2 + length].decode("utf-8", "surrogatepass")
-            )
+            record = self._key_rows[row].tobytes()
+            length = int.from_bytes(record[:2], "little")
+            key = None if length > _KEPT else record[2 : 2 + length].decode("utf-8", "surrogatepass")
             found.append((key, int(table[_NBYTES, row])))
         return found
 
@@ -393,6 +407,12 @@ class ArenaFile:
             if removed[-1]:
                 self._words[row] = FREE
         return removed
+
+
+def outcomes(claims: Claims) -> list[int | PutStatus | None]:
+    """What :meth:`ArenaFile.claim` decided for each key: its slot's row, PRESENT, NO_SPACE, or
+    None for a repeat of a key earlier in the call."""
+    return [_STATUS.get(row, row) for row in claims.tolist()]
 
 
 def _uses(now: int, order: npt.NDArray[np.int64]) -> Words:
