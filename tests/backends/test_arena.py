@@ -36,7 +36,7 @@ from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends import lockfiles, open_backend, pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.arena.store import WAYS, KeyHashes, key_hashes
-from kvflow.backends.base import GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
 from kvflow.regions import buffer_address
 from tests.backends.store_worker import Workers, content, read_all, regions
@@ -90,6 +90,19 @@ async def test_round_trip_of_scattered_regions_and_a_miss(store_dir: Path) -> No
     stats = backend.stats()
     assert (stats.puts, stats.put_bytes, stats.hits, stats.misses) == (5, 25000, 5, 1)
     assert (stats.used_bytes, stats.capacity_bytes) == (25000, 16 * SLOT)
+    await backend.aclose()
+
+
+async def test_a_batch_whose_keys_are_an_array_is_stored_as_a_list_of_them_would_be(store_dir: Path) -> None:
+    backend = open_arena(store_dir)
+    data, out = bytearray(content("array", 0, 300)), bytearray(100)
+    for names in (["a", "b", "c"], [""]):  # (an array of one empty key reads as false)
+        keys = np.array(names, dtype=object)
+        addrs = (buffer_address(data) + 100 * np.arange(len(names), dtype=np.int64))[:, None]
+        assert await backend.put(ObjectBatch(keys, addrs, [100], 100)) == [PutStatus.STORED] * len(names)
+    for key, at in [("a", 0), ("b", 100), ("c", 200), ("", 0)]:
+        assert await backend.get([ObjectRef.of(key, [buffer_address(out)], [100])]) == [GetStatus.HIT]
+        assert out == data[at : at + 100]
     await backend.aclose()
 
 

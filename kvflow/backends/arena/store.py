@@ -117,7 +117,7 @@ def _encoded(keys: Sequence[str]) -> list[bytes]:
     """Each key's UTF-8 bytes (a lone surrogate kept, as ``surrogatepass`` writes it): the keys
     joined, encoded and split again in three calls, or one by one where a key holds the NUL that
     joins them."""
-    if not keys:
+    if len(keys) == 0:  # (not ``not keys``: a batch's keys may be an array)
         return []
     data = "\0".join(keys).encode("utf-8", "surrogatepass").split(b"\0")
     if len(data) == len(keys):
