@@ -188,7 +188,7 @@ def some_of(objects: Sequence[ObjectRef], indices: Sequence[int]) -> Sequence[Ob
     """The objects at ``indices`` (increasing), in order; of an :class:`ObjectBatch`, a batch again."""
     if len(indices) == len(objects):  # every one, in order: indices only grow
         return objects
-    if indices and indices[-1] - indices[0] == len(indices) - 1:  # a run of them
+    if len(indices) > 0 and indices[-1] - indices[0] == len(indices) - 1:  # a run of them
         return objects[indices[0] : indices[-1] + 1]
     if isinstance(objects, ObjectBatch):
         keys = objects.keys

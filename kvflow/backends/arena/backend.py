@@ -210,7 +210,7 @@ class ArenaBackend:
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             self._free_stranded()  # first: a key of this put may be one of theirs
             rows = self._arena.claim(hashes, now)
-            if len(fits) == len(objects) and (rows >= 0).all():  # the usual put: a slot for each
+            if len(rows) == len(objects) and (rows >= 0).all():  # the usual put: a slot for each
                 claimed.update(enumerate(rows.tolist()))
                 return
             claims = outcomes(rows)
