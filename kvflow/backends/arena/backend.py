@@ -33,7 +33,8 @@ from kvflow.backends.arena.store import (
     ArenaFile,
     KeyHashes,
     Query,
-    key_hashes,
+    encode_keys,
+    hashes_of,
     outcomes,
     stored_geometry,
 )
@@ -148,9 +149,10 @@ class ArenaBackend:
             claimed: dict[int, int] = {}  # object index -> row, until published or given back
             repeats: dict[int, int] = {}  # object index -> the first of the call with its key
             try:
-                await self._claim(objects, results, claimed, repeats)
+                keys = encode_keys(keys_of(objects))  # once: hashed for the claim, kept by the publish
+                await self._claim(objects, keys, results, claimed, repeats)
                 await self._write(objects, claimed)
-                keys, sizes = keys_of(objects), nbytes_of(objects)
+                sizes = nbytes_of(objects)
                 order = list(claimed)
                 if len(order) < len(objects):  # (else every object, in order)
                     keys, sizes = [keys[i] for i in order], [sizes[i] for i in order]
@@ -194,18 +196,20 @@ class ArenaBackend:
     async def _claim(
         self,
         objects: Sequence[ObjectRef],
+        keys: Sequence[bytes],
         results: list[PutStatus],
         claimed: dict[int, int],
         repeats: dict[int, int],
     ) -> None:
+        """Claim a slot for each object that fits one (``keys``: the objects' keys, encoded)."""
         slot_bytes = self._arena.geometry.slot_bytes
-        keys, sizes = keys_of(objects), nbytes_of(objects)
+        sizes = nbytes_of(objects)
         fits: Sequence[int] = range(len(sizes))
         if max(sizes, default=0) > slot_bytes:
             fits = [i for i, nbytes in enumerate(sizes) if nbytes <= slot_bytes]
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
             keys = [keys[i] for i in fits]
-        hashes = key_hashes(keys)  # new keys, mostly: not remembered
+        hashes = hashes_of(keys)  # new keys, mostly: not remembered
         now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             self._free_stranded()  # first: a key of this put may be one of theirs

@@ -81,6 +81,8 @@ __all__ = [
     "Geometry",
     "KeyHashes",
     "Query",
+    "encode_keys",
+    "hashes_of",
     "key_hashes",
     "outcomes",
     "stored_geometry",
@@ -106,14 +108,19 @@ Claims = npt.NDArray[np.int64]  # per key: the row it claimed, or PRESENT, NO_SP
 
 def key_hashes(keys: Sequence[str]) -> Hashes:
     """The two words that name each key in the table (its xxh3-128 hash)."""
-    return _words(_digests(keys))
+    return hashes_of(encode_keys(keys))
+
+
+def hashes_of(keys: Sequence[bytes]) -> Hashes:
+    """:func:`key_hashes` of keys encoded already (:func:`encode_keys`)."""
+    return _words(list(map(xxhash.xxh3_128_digest, keys)))
 
 
 def _digests(keys: Sequence[str]) -> list[bytes]:
-    return list(map(xxhash.xxh3_128_digest, _encoded(keys)))
+    return list(map(xxhash.xxh3_128_digest, encode_keys(keys)))
 
 
-def _encoded(keys: Sequence[str]) -> list[bytes]:
+def encode_keys(keys: Sequence[str]) -> list[bytes]:
     """Each key's UTF-8 bytes (a lone surrogate kept, as ``surrogatepass`` writes it): the keys
     joined, encoded and split again in three calls, or one by one where a key holds the NUL that
     joins them."""
@@ -133,7 +140,7 @@ def _words(digests: list[bytes]) -> Hashes:
 class KeyHashes:
     """:func:`key_hashes` remembering the digests of the last keys it was given (up to ``limit``;
     then it starts afresh): a prefix is looked up many times (each scheduler step, then loaded).
-    A put's keys are mostly new: it calls :func:`key_hashes` itself, which costs a third as much as
+    A put's keys are mostly new: it calls :func:`hashes_of` itself, which costs a third as much as
     remembering them (8 against 27 us for 64 new keys)."""
 
     limit: int = 1 << 17
@@ -354,21 +361,21 @@ class ArenaFile:
         table[_USED, at] = used
         self._tags[at] = (hashes[:, 1] & np.uint64(0xFF)).astype(np.uint8)
 
-    def publish(self, rows: Sequence[int], sizes: Sequence[int], keys: Sequence[str]) -> None:
+    def publish(self, rows: Sequence[int], sizes: Sequence[int], keys: Sequence[bytes]) -> None:
         """Make slots this process claimed readable, ``rows[i]`` holding ``sizes[i]`` bytes of
-        ``keys[i]``'s object: every size and key is written before any row turns READY."""
+        ``keys[i]``'s object (the key encoded: :func:`encode_keys`): every size and key is written
+        before any row turns READY."""
         if not rows:
             return
         at = np.asarray(rows, dtype=np.intp)
         self._table[_NBYTES, at] = sizes
-        data = _encoded(keys)
-        lengths = np.array(list(map(len, data)), dtype=np.int64)
+        lengths = np.array(list(map(len, keys)), dtype=np.int64)
         width = min(int(lengths.max()), _KEPT)
         if width:  # each key's bytes, padded with NULs (a key too long to keep: cut, and not kept)
-            text = np.array(data, dtype=f"S{width}").view(np.uint8).reshape(len(data), width)
+            text = np.array(keys, dtype=f"S{width}").view(np.uint8).reshape(len(keys), width)
             self._key_rows[at, 2 : 2 + width] = text
         lengths[lengths > _KEPT] = _KEY_TOO_LONG
-        self._key_rows[at, :2] = lengths.astype("<u2").view(np.uint8).reshape(len(data), 2)
+        self._key_rows[at, :2] = lengths.astype("<u2").view(np.uint8).reshape(len(keys), 2)
         self._table[_STATE, at] = READY
 
     def listing(self) -> list[tuple[str | None, int]]:

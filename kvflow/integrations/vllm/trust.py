@@ -299,7 +299,7 @@ class _Step:
         of the step rewrites that block from good inputs (it is being recomputed)."""
         found: dict[int, BadRead] = {}
         for r, item in enumerate(self.work):
-            if BAD not in self.fixed[r] and not any(BAD in deps for _, deps in self._moved(r)):
+            if BAD not in self.inputs[r]:
                 continue  # (the usual request: nothing it read is bad, no need to look block by block)
             block = next((b for b, deps in self._reads(item) if BAD in deps), None)
             if block is not None:
