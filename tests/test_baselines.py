@@ -3,10 +3,25 @@ make kvflow look slower beside it than it is."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 import torch
 
 from kvflow.layout import KVLayout
-from kvflow.tools.baselines import bare_call_s, memcpy_call, region_copy_gbps, store_memcpy_gbps
+from kvflow.tools.baselines import (
+    CacheFlush,
+    bare_call_s,
+    best_s,
+    hash_chain_s,
+    last_level_cache_bytes,
+    memcpy_call,
+    memcpy_gbps,
+    region_copy_gbps,
+    store_memcpy_gbps,
+)
 
 
 def caches(blocks: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -48,3 +63,59 @@ def test_the_retrieve_region_baseline_scatters_into_the_target_regions() -> None
     assert region_copy_gbps(KVLayout.from_kv_caches(dst), [0, 3], into_regions=True) > 0
     for name in dst:
         assert dst[name][[0, 3]].all() and not dst[name][[1, 2, 4, 5, 6, 7]].any()
+
+
+def test_best_s_calls_before_ahead_of_each_timed_call_outside_its_timing() -> None:
+    """``before`` (a cache flush in ``kvflow bench``) runs before every timed call and is not timed:
+    a slow ``before`` beside an instant call still gives an instant best."""
+    log: list[str] = []
+
+    def before() -> None:
+        log.append("before")
+        time.sleep(0.02)
+
+    best = best_s(lambda: log.append("call"), 3, before=before)
+    assert log == ["call"] + ["before", "call"] * 3  # one untimed warm-up call, then before each timed one
+    assert best < 0.01
+
+
+BASELINES: dict[str, tuple[int, Callable[[KVLayout, KVLayout, Callable[[], object]], object]]] = {
+    # name: (timed calls at repeat=2, the baseline called with a ``before``)
+    "memcpy": (2, lambda s, t, before: memcpy_gbps(1 << 20, 64 << 10, repeat=2, before=before)),
+    "store memcpy, plain and streamed": (
+        4,
+        lambda s, t, before: store_memcpy_gbps(1 << 20, 64 << 10, repeat=2, before=before),
+    ),
+    "regions": (2, lambda s, t, before: region_copy_gbps(s, [0, 3], repeat=2, before=before)),
+    "hash chain": (2, lambda s, t, before: hash_chain_s(range(32), 16, repeat=2, before=before)),
+    "bare store and retrieve": (
+        4,
+        lambda s, t, before: bare_call_s(s, t, [0, 3], range(32), repeat=2, before=before),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_every_baseline_calls_before_ahead_of_each_of_its_timed_calls(name: str) -> None:
+    """Each baseline passes ``before`` to each of its timed calls (a baseline timed in cache beside
+    kvflow's calls timed out of it would make kvflow look slower than it is)."""
+    timed, baseline = BASELINES[name]
+    calls: list[None] = []
+    baseline(
+        KVLayout.from_kv_caches(caches(4, fill=True)),
+        KVLayout.from_kv_caches(caches(4, fill=False)),
+        lambda: calls.append(None),
+    )
+    assert len(calls) == timed
+
+
+def test_the_cache_flush_reads_twice_the_largest_cache_and_at_least_64_mib(tmp_path: Path) -> None:
+    for index, size in enumerate(["48K", "1024K", "32768K", "weird"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    assert last_level_cache_bytes(tmp_path / "none") is None  # Linux says nothing: the 64 MiB floor
+    flush = CacheFlush()
+    largest = last_level_cache_bytes() or 0
+    assert flush.nbytes >= max(64 << 20, 2 * largest)
+    flush()  # a read of the whole buffer, on this thread

@@ -383,13 +383,13 @@ def test_bench_fails_when_a_timed_store_or_retrieve_moved_nothing(
     monkeypatch: pytest.MonkeyPatch, lie: dict[str, Callable[[int], bool]]
 ) -> None:
     lying(monkeypatch, bench, **lie)
-    with pytest.raises(RuntimeError, match=r"bench (store 0 left|retrieve)"):
+    with pytest.raises(RuntimeError, match=r"bench (store 0 left|store \d's read-back|retrieve)"):
         anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
 
 
 def test_bench_fails_when_a_timed_store_kept_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store whose puts keep the keys but not the bytes (each object's first byte changed): each
-    timed store's first block is read back and compared."""
+    timed store is read back whole and compared."""
 
     class Scribbling(MemoryBackend):
         async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
@@ -402,8 +402,33 @@ def test_bench_fails_when_a_timed_store_kept_other_bytes(monkeypatch: pytest.Mon
             return statuses
 
     monkeypatch.setattr(bench, "open_backend", lambda url: Scribbling())
-    with pytest.raises(RuntimeError, match="bench store 0 kept other bytes"):
+    with pytest.raises(RuntimeError, match="bench store 0's read-back returned different bytes"):
         anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
+
+
+def test_bench_flushes_the_caches_before_each_timed_store_and_retrieve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvflow's calls start from the CPU's caches as its baselines' do (each after a flush), not
+    from whatever the check of the call before left in them."""
+    events: list[str] = []
+
+    class Recording(Liar):
+        async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+            events.append(f"put {len(objects)}")
+            return await super().put(objects)
+
+        async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+            events.append(f"get {len(objects)}")
+            return await super().get(objects)
+
+    monkeypatch.setattr(bench, "open_backend", lambda url: Recording(open_backend(url)))
+    row = anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2, lambda: events.append("flush"))
+    assert positive(row["store_gbps"]) and positive(row["retrieve_gbps"])
+    batches = [i for i, event in enumerate(events) if event in ("put 16", "get 16")]
+    assert events.count("put 16") == 2 and events.count("get 16") == 4  # each store read back, 2 retrieves
+    assert all(events[i - 1] == "flush" for i in batches), events
+    assert events.count("flush") > len(batches)  # the baselines' too
 
 
 def test_bench_compares_stores_with_the_faster_memcpy_and_retrieves_with_memmove() -> None:

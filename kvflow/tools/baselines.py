@@ -17,12 +17,19 @@
 
 Every copy is one call of the compiled copy loop the backends use (:func:`kvflow.regions.copy_rows`),
 so no Python call per chunk weighs on a baseline.
+
+Each takes ``before``, called ahead of every timed call and outside its timing: ``kvflow bench``
+passes a :class:`CacheFlush`, so that its baselines start from the CPU's caches as kvflow's own
+calls do (a baseline copied back to back in cache while kvflow's call found its bytes out of it
+read 1.7x too fast: docs/benchmarks.md, seventh stop).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -33,15 +40,55 @@ from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
 
 __all__ = [
+    "CacheFlush",
     "MemcpyCall",
     "bare_call_s",
     "best_s",
     "hash_chain_s",
+    "last_level_cache_bytes",
     "memcpy_call",
     "memcpy_gbps",
     "region_copy_gbps",
     "store_memcpy_gbps",
 ]
+
+#: A call made ahead of each timed call, outside its timing (a :class:`CacheFlush`), or None.
+Before = Callable[[], object] | None
+
+
+#: Where Linux says how large each of the first CPU's caches is.
+_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = _CACHES) -> int | None:
+    """The size of the largest cache the first CPU reports (``index*/size``, e.g. ``32768K``); None
+    where Linux says nothing readable."""
+    sizes = []
+    for entry in caches.glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=None)
+
+
+@attrs.define
+class CacheFlush:
+    """A call that pushes everything out of the CPU's caches by reading a buffer of ``nbytes``
+    (twice the largest cache, at least 64 MiB): after it a copy finds its source and destination in
+    memory, as a store or a load of KV finds them, whatever the call before it touched."""
+
+    nbytes: int = attrs.field(factory=lambda: max(64 << 20, 2 * (last_level_cache_bytes() or 0)))
+    _words: np.ndarray[Any, np.dtype[np.uint64]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._words = np.ones(max(1, self.nbytes // 8), dtype=np.uint64)  # written: its pages are faulted in
+
+    def __call__(self) -> None:
+        # numpy's sum, on this thread alone: torch's reduction ran 100x slower and woke its worker
+        # threads, which then spun beside the timed call.
+        self._words.sum()
 
 
 @attrs.define
@@ -75,29 +122,38 @@ def memcpy_call(nbytes: int, chunk: int, *, stream: bool = False) -> MemcpyCall:
     return MemcpyCall(src=src, dst=torch.zeros_like(src), chunk=chunk, stream=stream)
 
 
-def memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3, stream: bool = False) -> float:
+def memcpy_gbps(
+    nbytes: int, chunk: int, *, repeat: int = 3, stream: bool = False, before: Before = None
+) -> float:
     """Best-of-``repeat`` memcpy throughput copying ``nbytes`` in ``chunk``-byte copies between two
     buffers of ``nbytes`` each (pre-faulted, so the figure is the copy alone, not page faults), by
     one call of the compiled copy loop (:func:`memcpy_call`), so no Python call per chunk weighs on
     the figure at small chunks; with streaming stores when ``stream``. Raises if the copy did not
     copy (a baseline that moved nothing would make anything beside it look slow)."""
     call = memcpy_call(nbytes, chunk, stream=stream)
-    best = best_s(call, repeat)
+    best = best_s(call, repeat, before=before)
     if not call.copied():
         raise RuntimeError("the memcpy baseline did not copy its bytes: the copy loop is broken")
     return call.dst.numel() / best / 1e9
 
 
-def store_memcpy_gbps(nbytes: int, chunk: int, *, repeat: int = 3) -> tuple[float, float]:
+def store_memcpy_gbps(
+    nbytes: int, chunk: int, *, repeat: int = 3, before: Before = None
+) -> tuple[float, float]:
     """The plain and the streamed :func:`memcpy_gbps` of the same bytes, each best of ``repeat``.
     A store's baseline is the faster of the two (``max``): a put writes with streaming stores,
     which out of the CPU's caches often beat `memmove` by 1.2-1.7x, and in them lose to it."""
-    plain = memcpy_gbps(nbytes, chunk, repeat=repeat)
-    return plain, memcpy_gbps(nbytes, chunk, repeat=repeat, stream=True)
+    plain = memcpy_gbps(nbytes, chunk, repeat=repeat, before=before)
+    return plain, memcpy_gbps(nbytes, chunk, repeat=repeat, stream=True, before=before)
 
 
 def region_copy_gbps(
-    layout: KVLayout, block_ids: Sequence[int], *, repeat: int = 3, into_regions: bool = False
+    layout: KVLayout,
+    block_ids: Sequence[int],
+    *,
+    repeat: int = 3,
+    into_regions: bool = False,
+    before: Before = None,
 ) -> float:
     """Best-of-``repeat`` throughput of the copies a store of these blocks must make and nothing
     else: each block's regions (one per layer and plane) gathered back to back into a pre-faulted
@@ -112,21 +168,30 @@ def region_copy_gbps(
     nbytes = int(sizes.sum())
     buffer = torch.ones(nbytes * len(rows), dtype=torch.uint8)  # written: its pages are faulted in
     starts = buffer.data_ptr() + nbytes * np.arange(len(rows), dtype=np.int64)
-    stream = not into_regions
-    best = best_s(lambda: copy_rows(starts, rows, sizes, into_regions=into_regions, stream=stream), repeat)
+
+    def copy() -> None:
+        copy_rows(starts, rows, sizes, into_regions=into_regions, stream=not into_regions)
+
+    best = best_s(copy, repeat, before=before)
     return buffer.numel() / best / 1e9
 
 
-def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3) -> float:
+def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3, before: Before = None) -> float:
     """Best-of-``repeat`` seconds to hash ``tokens`` into their chain of block hashes
     (:func:`kvflow.keys.hash_blocks`, sha256), the work every store and retrieve of a request named
     by its tokens does before it can name an object. Beside :func:`region_copy_gbps` it gives the
     floor of such a call: the copies its blocks need plus the hashes that name them."""
-    return best_s(lambda: hash_blocks(tokens, block_size), repeat)
+    return best_s(lambda: hash_blocks(tokens, block_size), repeat, before=before)
 
 
 def bare_call_s(
-    source: KVLayout, target: KVLayout, block_ids: Sequence[int], tokens: Sequence[int], *, repeat: int = 3
+    source: KVLayout,
+    target: KVLayout,
+    block_ids: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    repeat: int = 3,
+    before: Before = None,
 ) -> tuple[float, float]:
     """Best-of-``repeat`` seconds of a bare store of ``block_ids`` from ``source``'s caches and a
     bare retrieve of them into ``target``'s (the same geometry), named by ``tokens``: the hash
@@ -159,15 +224,20 @@ def bare_call_s(
         rows = target.addr_rows(block_ids)
         copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=True)
 
-    return best_s(store, repeat), best_s(retrieve, repeat)
+    return best_s(store, repeat, before=before), best_s(retrieve, repeat, before=before)
 
 
-def best_s(call: Callable[[], object], repeat: int, *, warm: bool = True) -> float:
-    """The shortest of ``repeat`` timed calls of ``call`` (``warm``: one untimed call first)."""
+def best_s(
+    call: Callable[[], object], repeat: int, *, warm: bool = True, before: Callable[[], object] | None = None
+) -> float:
+    """The shortest of ``repeat`` timed calls of ``call`` (``warm``: one untimed call first;
+    ``before``: called ahead of each timed call, untimed)."""
     if warm:
         call()
     best = float("inf")
     for _ in range(repeat):
+        if before is not None:
+            before()
         start = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - start)

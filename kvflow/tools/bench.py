@@ -21,7 +21,7 @@ from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.profiles import SLOT_BYTES
 from kvflow.request import KVRequest
-from kvflow.tools.baselines import bare_call_s, hash_chain_s, region_copy_gbps, store_memcpy_gbps
+from kvflow.tools.baselines import CacheFlush, bare_call_s, hash_chain_s, region_copy_gbps, store_memcpy_gbps
 
 __all__ = ["bench_main", "run_bench"]
 
@@ -72,7 +72,12 @@ async def _best(repeat: int, run: Callable[[int], Awaitable[float]]) -> float:
     return min([await run(i) for i in range(repeat)])
 
 
-async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) -> dict[str, float]:
+async def _store_retrieve(
+    url: str, object_bytes: int, batch: int, repeat: int, flush: CacheFlush | None = None
+) -> dict[str, float]:
+    """A row: kvflow's best store and retrieve of ``batch`` objects beside their baselines, every
+    timed call (kvflow's and each baseline's) made right after ``flush`` (a new one by default)."""
+    flush = CacheFlush() if flush is None else flush
     src = _caches(object_bytes, batch)
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     layout_src, layout_dst = KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst)
@@ -91,40 +96,36 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
     def request(i: int) -> KVRequest:
         return KVRequest(block_ids=ids, tokens=range(i, i + 16 * batch))
 
-    async def load(i: int) -> float:
+    async def load(i: int, what: str = "bench retrieve") -> float:
         """Retrieve request ``i`` into zeroed destination caches; raise unless every byte came back."""
         for tensor in dst.values():  # (outside any timing) each retrieve must bring every byte
             tensor.zero_()
+        flush()
         start = time.perf_counter()
         result = await reader.retrieve(request(i))
         elapsed = time.perf_counter() - start
         if result.hit_blocks != batch:
-            raise RuntimeError(f"bench retrieve loaded {result.hit_blocks} of {batch} blocks")
+            raise RuntimeError(f"{what} loaded {result.hit_blocks} of {batch} blocks")
         if not all(torch.equal(src[k], dst[k]) for k in src):
-            raise RuntimeError("bench retrieve returned different bytes than were stored")
+            raise RuntimeError(f"{what} returned different bytes than were stored")
         return elapsed
 
     async def store(i: int) -> float:
+        flush()
         start = time.perf_counter()
         result = await writer.store(request(i))
         elapsed = time.perf_counter() - start
         if result.stored != batch:
             raise RuntimeError(f"bench store stored {result.stored} of {batch} blocks: {result}")
-        await stored(i)  # outside the timing: a store that kept none of its blocks fails the run
+        await stored(i)  # outside the timing: a store that kept other bytes fails the run
         return elapsed
 
     async def stored(i: int) -> None:
-        """Every block of store ``i`` is found, and its first block holds the source's bytes (the
-        last store is read back whole by the retrieves). Not a read-back of every block: that would
-        leave the next store's caches colder than memcpy's, whose copies run back to back (it made
-        64-block stores of 256 KiB objects 1.5x slower)."""
+        """Every block of store ``i`` is found and read back whole (the flush before each timed call
+        leaves the next store's caches as cold as its baselines', whatever this read touched)."""
         if await reader.lookup(request(i)) != 16 * batch:
             raise RuntimeError(f"bench store {i} left some of its {batch} blocks out of the store")
-        for tensor in dst.values():
-            tensor[ids[0]].zero_()
-        first = await reader.retrieve(KVRequest(block_ids=ids[:1], tokens=range(i, i + 16)))
-        if first.hit_blocks != 1 or not all(torch.equal(src[k][ids[0]], dst[k][ids[0]]) for k in src):
-            raise RuntimeError(f"bench store {i} kept other bytes than were stored")
+        await load(i, f"bench store {i}'s read-back")
 
     async def retrieve(i: int) -> float:
         return await load(repeat - 1)  # the batch the last store wrote (earlier ones were evicted)
@@ -137,12 +138,18 @@ async def _store_retrieve(url: str, object_bytes: int, batch: int, repeat: int) 
             for i in range(repeat):
                 await writer.remove(request(i))
             await backend.aclose()
-    base = _baselines(layout_src, layout_dst, ids, request(0).tokens or (), object_bytes, repeat)
+    base = _baselines(layout_src, layout_dst, ids, request(0).tokens or (), object_bytes, repeat, flush)
     return _row(object_bytes, batch, nbytes / store_s / 1e9, nbytes / retrieve_s / 1e9, base)
 
 
 def _baselines(
-    source: KVLayout, target: KVLayout, ids: list[int], tokens: Sequence[int], object_bytes: int, repeat: int
+    source: KVLayout,
+    target: KVLayout,
+    ids: list[int],
+    tokens: Sequence[int],
+    object_bytes: int,
+    repeat: int,
+    flush: CacheFlush,
 ) -> dict[str, float]:
     """The baselines of a store and a retrieve of ``ids`` from ``source``'s caches into ``target``'s,
     each in the direction's own kind of copy: a put writes with streaming stores, a get with
@@ -150,11 +157,11 @@ def _baselines(
     nbytes = source.block_nbytes * len(ids)
     # Each baseline is timed at least as often as kvflow's calls, memcpy twice as often: a best of
     # three moved by 20-30% from run to run on a shared VM, and a baseline caught low flatters kvflow.
-    plain, streamed = store_memcpy_gbps(nbytes, object_bytes, repeat=2 * repeat)
-    hashes_s = hash_chain_s(tokens, 16, repeat=repeat)
-    regions = region_copy_gbps(source, ids, repeat=repeat)
-    retrieve_regions = region_copy_gbps(target, ids, repeat=repeat, into_regions=True)
-    bare_store_s, bare_retrieve_s = bare_call_s(source, target, ids, tokens, repeat=repeat)
+    plain, streamed = store_memcpy_gbps(nbytes, object_bytes, repeat=2 * repeat, before=flush)
+    hashes_s = hash_chain_s(tokens, 16, repeat=repeat, before=flush)
+    regions = region_copy_gbps(source, ids, repeat=repeat, before=flush)
+    retrieve_regions = region_copy_gbps(target, ids, repeat=repeat, into_regions=True, before=flush)
+    bare_store_s, bare_retrieve_s = bare_call_s(source, target, ids, tokens, repeat=repeat, before=flush)
     return {
         "memcpy_gbps": plain,  # memmove: a retrieve's baseline (a get copies with ordinary stores)
         "streamed_memcpy_gbps": streamed,  # the same copy with streaming stores, as a put copies
@@ -263,9 +270,9 @@ async def run_bench(url: str, *, quick: bool, progress: bool) -> dict[str, Any]:
     largest, holds = await _limits(url)
     skipped = [s for s in sizes if largest is not None and s > largest]
     cases = [(s, b) for s in sizes for b in batches if s * b <= (512 << 20) and s not in skipped]
-    rows = []
+    rows, flush = [], CacheFlush()
     for size, batch in tqdm(cases, desc="bench", disable=not progress):
-        rows.append(await _store_retrieve(url, size, batch, repeat=2 if quick else 5))
+        rows.append(await _store_retrieve(url, size, batch, repeat=2 if quick else 5, flush=flush))
     first_ms = lookup_ms = None
     if holds is None or holds >= 10_000:
         first_ms, lookup_ms = await _lookup_ms(url, 10_000)
@@ -309,9 +316,10 @@ _LEGEND = (
     " copy loop (a store's gathered and streamed, a retrieve's scattered into the regions); floor:",
     " those copies plus the sha256 hash chain of the request's tokens, the least any call does; bare:",
     " the floor plus a key text, a dict operation per object and nothing else, the least a Python",
-    " call keyed per object does: kvflow.tools.baselines. Outside the timing, every timed store's",
-    " blocks were looked up and its first block read back and compared; the last store and every",
-    " retrieve were compared whole)",
+    " call keyed per object does: kvflow.tools.baselines. Every timed call, kvflow's and each",
+    " baseline's, starts with the CPU's caches flushed (a read of twice the largest cache, 64 MiB at",
+    " least), as a store or a load finds KV in memory. Outside the timing, every timed store was",
+    " looked up and read back whole, and every retrieve compared whole)",
 )
 
 
