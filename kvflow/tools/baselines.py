@@ -20,8 +20,8 @@ so no Python call per chunk weighs on a baseline.
 
 Each takes ``before``, called ahead of every timed call and outside its timing: ``kvflow bench``
 passes a :class:`CacheFlush`, so that its baselines start from the CPU's caches as kvflow's own
-calls do (a baseline copied back to back in cache while kvflow's call found its bytes out of it
-read 1.7x too fast: docs/benchmarks.md, seventh stop).
+calls do (a bare retrieve timed back to back, its bytes still in the caches, ran 1.4-2.3x as fast
+as in the state kvflow's retrieves were timed in: docs/benchmarks.md, seventh stop).
 """
 
 from __future__ import annotations
@@ -227,9 +227,7 @@ def bare_call_s(
     return best_s(store, repeat, before=before), best_s(retrieve, repeat, before=before)
 
 
-def best_s(
-    call: Callable[[], object], repeat: int, *, warm: bool = True, before: Callable[[], object] | None = None
-) -> float:
+def best_s(call: Callable[[], object], repeat: int, *, warm: bool = True, before: Before = None) -> float:
     """The shortest of ``repeat`` timed calls of ``call`` (``warm``: one untimed call first;
     ``before``: called ahead of each timed call, untimed)."""
     if warm:

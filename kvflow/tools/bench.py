@@ -73,7 +73,7 @@ async def _best(repeat: int, run: Callable[[int], Awaitable[float]]) -> float:
 
 
 async def _store_retrieve(
-    url: str, object_bytes: int, batch: int, repeat: int, flush: CacheFlush | None = None
+    url: str, object_bytes: int, batch: int, repeat: int, flush: Callable[[], object] | None = None
 ) -> dict[str, float]:
     """A row: kvflow's best store and retrieve of ``batch`` objects beside their baselines, every
     timed call (kvflow's and each baseline's) made right after ``flush`` (a new one by default)."""
@@ -149,7 +149,7 @@ def _baselines(
     tokens: Sequence[int],
     object_bytes: int,
     repeat: int,
-    flush: CacheFlush,
+    flush: Callable[[], object],
 ) -> dict[str, float]:
     """The baselines of a store and a retrieve of ``ids`` from ``source``'s caches into ``target``'s,
     each in the direction's own kind of copy: a put writes with streaming stores, a get with
