@@ -1,11 +1,14 @@
 """Where an arena put's time goes: each stage of ``ArenaBackend.put`` timed on its own, medians.
 
-    python benchmarks/arena_put_stages.py [--batch 64] [--size 64KiB] [--regions 8] [--puts 400] [--json]
+    python benchmarks/arena_put_stages.py [--batch 64] [--size 64KiB] [--regions 8] [--puts 400]
+                                          [--flush] [--json]
 
 A private arena store (a new directory under /dev/shm, removed at the end) of 256 MiB in 256 KiB
 slots, so that puts evict as a store in service does. ``--puts`` puts of ``--batch``
 objects of ``--size`` bytes in ``--regions`` regions each, new keys every put, the first quarter
-not counted; each put must store every object. Reported in microseconds per put (medians):
+not counted; each put must store every object. With ``--flush``, each put starts with the CPU's
+caches flushed, as ``kvflow bench`` times its calls (:class:`kvflow.tools.baselines.CacheFlush`).
+Reported in microseconds per put (medians):
 
 - claim: :meth:`ArenaFile.claim`, the compiled pass and its Python around it, under the lock;
 - claim section: the put's whole claim (hashing the keys, the lock, the claim);
@@ -39,6 +42,7 @@ from kvflow.backends import ObjectBatch, PutStatus
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.arena.store import ArenaFile
 from kvflow.config import parse_size
+from kvflow.tools.baselines import CacheFlush
 
 SLOT = 256 << 10
 CAPACITY = 256 << 20  # 1,024 slots: the puts evict from the fifth batch of 256 on
@@ -68,7 +72,7 @@ def _timed(times: list[float], call: Callable[..., Any], *, awaited: bool) -> Ca
     return timed
 
 
-async def measure(batch: int, size: int, regions: int, puts: int) -> dict[str, float]:
+async def measure(batch: int, size: int, regions: int, puts: int, flush: bool = False) -> dict[str, float]:
     names = ("claim", "claim section", "copy", "write", "publish", "put")
     times: dict[str, list[float]] = {name: [] for name in names}
     patches = [
@@ -87,12 +91,14 @@ async def measure(batch: int, size: int, regions: int, puts: int) -> dict[str, f
     region = size // regions
     offsets = np.arange(batch, dtype=np.int64)[:, None] * size + np.arange(regions, dtype=np.int64) * region
     addrs = source.data_ptr() + offsets
+    before = CacheFlush() if flush else (lambda: None)
     try:
         config = ArenaConfig(path=f"{root}/store", capacity_bytes=CAPACITY, slot_bytes=SLOT)
         backend = ArenaBackend(config)
         try:
             for i in range(puts):
                 keys = [f"put-stages-{i}-{j}" for j in range(batch)]
+                before()
                 statuses = await backend.put(ObjectBatch(keys, addrs, [region] * regions, size))
                 if set(statuses) != {PutStatus.STORED}:
                     raise RuntimeError(f"put {i} did not store every object: {statuses}")
@@ -114,13 +120,16 @@ def main() -> None:
     parser.add_argument("--size", default="64KiB")
     parser.add_argument("--regions", type=int, default=8)
     parser.add_argument("--puts", type=int, default=400)
+    parser.add_argument("--flush", action="store_true", help="flush the CPU's caches before each put")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    stages = anyio.run(measure, args.batch, parse_size(args.size), args.regions, args.puts)
+    stages = anyio.run(measure, args.batch, parse_size(args.size), args.regions, args.puts, args.flush)
     if args.json:
         print(json.dumps(stages))
         return
-    print(f"arena put of {args.batch} objects of {args.size} in {args.regions} regions: us per put, medians")
+    state = ", caches flushed before each" if args.flush else ""
+    what = f"{args.batch} objects of {args.size} in {args.regions} regions{state}"
+    print(f"arena put of {what}: us per put, medians")
     print("  ".join(f"{name} {value:.1f}" for name, value in stages.items()))
 
 

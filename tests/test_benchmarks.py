@@ -286,7 +286,9 @@ def test_arena_put_stages_bench_times_each_stage_within_the_put_and_removes_its_
     """Each stage's median is positive and no longer than the call it is part of (the script fails
     if a put stores less than every object), and its private store is gone at the end."""
     before = set(Path("/dev/shm").glob("kvflow-put-stages-*"))
-    stages = json.loads(ok(run("benchmarks/arena_put_stages.py", "--batch", "8", "--puts", "40", "--json")))
+    stages = json.loads(
+        ok(run("benchmarks/arena_put_stages.py", "--batch", "8", "--puts", "40", "--flush", "--json"))
+    )
     assert all(
         positive(stages[name]) for name in ("claim", "claim section", "copy", "write", "publish", "put")
     )
