@@ -72,7 +72,10 @@ def _timed(times: list[float], call: Callable[..., Any], *, awaited: bool) -> Ca
     return timed
 
 
-async def measure(batch: int, size: int, regions: int, puts: int, flush: bool = False) -> dict[str, float]:
+async def measure(
+    batch: int, size: int, regions: int, puts: int, before: Callable[[], object] = lambda: None
+) -> dict[str, float]:
+    """Medians per stage of ``puts`` puts, ``before`` called ahead of each (untimed)."""
     names = ("claim", "claim section", "copy", "write", "publish", "put")
     times: dict[str, list[float]] = {name: [] for name in names}
     patches = [
@@ -91,7 +94,6 @@ async def measure(batch: int, size: int, regions: int, puts: int, flush: bool = 
     region = size // regions
     offsets = np.arange(batch, dtype=np.int64)[:, None] * size + np.arange(regions, dtype=np.int64) * region
     addrs = source.data_ptr() + offsets
-    before = CacheFlush() if flush else (lambda: None)
     try:
         config = ArenaConfig(path=f"{root}/store", capacity_bytes=CAPACITY, slot_bytes=SLOT)
         backend = ArenaBackend(config)
@@ -123,7 +125,8 @@ def main() -> None:
     parser.add_argument("--flush", action="store_true", help="flush the CPU's caches before each put")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    stages = anyio.run(measure, args.batch, parse_size(args.size), args.regions, args.puts, args.flush)
+    before = CacheFlush() if args.flush else (lambda: None)
+    stages = anyio.run(measure, args.batch, parse_size(args.size), args.regions, args.puts, before)
     if args.json:
         print(json.dumps(stages))
         return

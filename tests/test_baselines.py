@@ -109,13 +109,18 @@ def test_every_baseline_calls_before_ahead_of_each_of_its_timed_calls(name: str)
     assert len(calls) == timed
 
 
-def test_the_cache_flush_reads_twice_the_largest_cache_and_at_least_64_mib(tmp_path: Path) -> None:
-    for index, size in enumerate(["48K", "1024K", "32768K", "weird"]):
+def test_the_cache_flush_reads_eight_times_the_largest_cache_and_at_least_256_mib(tmp_path: Path) -> None:
+    sizes = ["48K", "1024K", "32768K", "weird", "12KM", "\u00b2K", "1G"]
+    for index, size in enumerate(sizes):
         (tmp_path / f"index{index}").mkdir()
         (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    (tmp_path / f"index{len(sizes)}" / "size").mkdir(parents=True)  # unreadable: skipped, not raised
+    assert last_level_cache_bytes(tmp_path) == 1 << 30
+    (tmp_path / "index6" / "size").write_text("512k\n")  # lower case reads as Linux means it
     assert last_level_cache_bytes(tmp_path) == 32 << 20
-    assert last_level_cache_bytes(tmp_path / "none") is None  # Linux says nothing: the 64 MiB floor
+    assert last_level_cache_bytes(tmp_path / "none") is None  # Linux says nothing: the 256 MiB floor
     flush = CacheFlush()
-    largest = last_level_cache_bytes() or 0
-    assert flush.nbytes >= max(64 << 20, 2 * largest)
-    flush()  # a read of the whole buffer, on this thread
+    assert flush.nbytes >= max(256 << 20, 8 * (last_level_cache_bytes() or 0))
+    assert flush() == flush.nbytes // 8  # every word of the buffer read (each holds 1)
+    small = CacheFlush(nbytes=1 << 20)
+    assert small() == (1 << 20) // 8

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,14 @@ def test_arena_put_stages_bench_times_each_stage_within_the_put_and_removes_its_
     assert set(Path("/dev/shm").glob("kvflow-put-stages-*")) == before
 
 
+def test_arena_put_stages_bench_calls_before_ahead_of_each_put() -> None:
+    """``--flush`` flushes the caches before each put: ``measure`` calls its ``before`` once a put."""
+    calls: list[None] = []
+    measure = load_benchmark("arena_put_stages").measure
+    stages = anyio.run(measure, 4, 16 << 10, 2, 12, lambda: calls.append(None))
+    assert len(calls) == 12 and positive(stages["put"])
+
+
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = ok(
@@ -374,18 +383,21 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "lie",
+    ("lie", "message"),
     [
-        {"drop_put": lambda i: i == 0},  # only the first timed store: before, only the last was read
-        {"hollow_get": lambda i: i >= 1},  # every get after the first store's read-back
+        # only the first timed store: before, only the last was read
+        ({"drop_put": lambda i: i == 0}, "bench store 0 left"),
+        ({"hollow_get": lambda i: i == 0}, "bench store 0's read-back returned different bytes"),
+        # the timed retrieves, after both stores' read-backs
+        ({"hollow_get": lambda i: i >= 2}, "bench retrieve returned different bytes"),
     ],
-    ids=["first-store-dropped", "hollow-gets"],
+    ids=["first-store-dropped", "hollow-read-back", "hollow-retrieves"],
 )
 def test_bench_fails_when_a_timed_store_or_retrieve_moved_nothing(
-    monkeypatch: pytest.MonkeyPatch, lie: dict[str, Callable[[int], bool]]
+    monkeypatch: pytest.MonkeyPatch, lie: dict[str, Callable[[int], bool]], message: str
 ) -> None:
     lying(monkeypatch, bench, **lie)
-    with pytest.raises(RuntimeError, match=r"bench (store 0 left|store \d's read-back|retrieve)"):
+    with pytest.raises(RuntimeError, match=message):
         anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
 
 
@@ -408,12 +420,13 @@ def test_bench_fails_when_a_timed_store_kept_other_bytes(monkeypatch: pytest.Mon
         anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2)
 
 
-def test_bench_flushes_the_caches_before_each_timed_store_and_retrieve(
+def test_bench_flushes_the_caches_before_each_timed_call_and_outside_its_timing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """kvflow's calls start from the CPU's caches as its baselines' do (each after a flush), not
-    from whatever the check of the call before left in them."""
+    """kvflow's calls start from the CPU's caches as its baselines' do (each right after a flush),
+    not from whatever the check of the call before left in them; the flush is not timed."""
     events: list[str] = []
+    flush_s = 0.05
 
     class Recording(Liar):
         async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
@@ -424,13 +437,24 @@ def test_bench_flushes_the_caches_before_each_timed_store_and_retrieve(
             events.append(f"get {len(objects)}")
             return await super().get(objects)
 
+    def flush() -> None:
+        events.append("flush")
+        time.sleep(flush_s)
+
     monkeypatch.setattr(bench, "open_backend", lambda url: Recording(open_backend(url)))
-    row = anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2, lambda: events.append("flush"))
-    assert positive(row["store_gbps"]) and positive(row["retrieve_gbps"])
+    row = anyio.run(bench._store_retrieve, "memory://", 64 << 10, 16, 2, flush)
     batches = [i for i, event in enumerate(events) if event in ("put 16", "get 16")]
     assert events.count("put 16") == 2 and events.count("get 16") == 4  # each store read back, 2 retrieves
     assert all(events[i - 1] == "flush" for i in batches), events
-    assert events.count("flush") > len(batches)  # the baselines' too
+    # one per kvflow call (2 stores, their 2 read-backs, 2 retrieves) and per timed baseline call:
+    # memmove and the streamed copy 4 each, the hash chain 2, the regions 2 each way, the bare calls 2 each
+    assert events.count("flush") == 6 + 8 + 2 + 4 + 4
+    # A flush timed with a call would hold it at least flush_s: 1 MiB a call, so under 0.021 GB/s.
+    slowest = 2 * (16 * (64 << 10)) / flush_s / 1e9
+    for name in ("store", "retrieve", "memcpy", "streamed_memcpy", "regions", "retrieve_regions"):
+        assert row[f"{name}_gbps"] > slowest, name
+    for name in ("floor", "retrieve_floor", "bare_store", "bare_retrieve"):
+        assert row[f"{name}_gbps"] > slowest, name
 
 
 def test_bench_compares_stores_with_the_faster_memcpy_and_retrieves_with_memmove() -> None:
