@@ -531,25 +531,19 @@ def _median_ttft(asks: list[dict[str, Any]]) -> float:
 
 def _copy_s(nbytes: int, repeat: int = 5) -> float:
     """Best of ``repeat`` copies of ``nbytes`` between two buffers by the backends' compiled copy
-    loop (one thread, as a load copies), each after writing 64 MiB elsewhere so that neither
-    buffer is in the CPU's caches (a load reads a store's memory and writes the engine's)."""
+    loop (one thread, as a load copies), each from flushed caches (a load reads a store's memory
+    and writes the engine's), as ``kvflow bench`` times its calls."""
     import numpy as np
     import torch
 
     from kvflow.regions import copy_rows
+    from kvflow.tools.baselines import CacheFlush, best_s
 
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst, flush = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(64 << 20, dtype=torch.uint8)
+    dst = torch.ones(nbytes, dtype=torch.uint8)
     starts, rows = np.asarray([dst.data_ptr()]), np.asarray([[src.data_ptr()]])
     sizes = np.asarray([nbytes])
-    copy_rows(starts, rows, sizes, into_regions=False)  # the loop loaded (or compiled)
-    best = float("inf")
-    for _ in range(repeat):
-        flush.add_(1)
-        started = time.perf_counter()
-        copy_rows(starts, rows, sizes, into_regions=False)
-        best = min(best, time.perf_counter() - started)
-    return best
+    return best_s(lambda: copy_rows(starts, rows, sizes, into_regions=False), repeat, before=CacheFlush())
 
 
 if __name__ == "__main__":
