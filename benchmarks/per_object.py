@@ -1,7 +1,8 @@
 """Where a small object's time goes: each layer of a retrieve and a store timed alone, per object.
 
     python benchmarks/per_object.py [--backend URL] [--sizes 64KiB,256KiB] [--batch 64]
-                                    [--regions 8] [--calls 200] [--repeat 5] [--hashes] [--json]
+                                    [--regions 8] [--calls 200] [--repeat 5] [--hashes] [--flush]
+                                    [--json]
 
 For a batch of engine blocks whose objects are ``--regions`` regions of one size each (one per
 layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--repeat`` runs of
@@ -10,12 +11,19 @@ layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--
 - memcpy: the same bytes copied in object-sized chunks, one call of the compiled copy loop
   (memmove: a get's kind of copy); memcpy streamed: the same with streaming stores, a put's kind
   (a put's baseline is the faster of the two);
-- copy: the objects' region copies alone, the call a backend makes (:mod:`kvflow.backends.copies`);
+- copy: the objects' region copies alone, the call a backend's get makes, from one buffer per
+  object into the cache (:mod:`kvflow.backends.copies`); gather: the call a put makes, from the
+  cache into one buffer per object, streamed;
 - backend get / put: the backend's own call with the batch (puts under new keys each call, into a
   store with room for about one batch, so every put evicts, as a cache in service does);
 - pool retrieve / store / lookup: :class:`kvflow.KVPool` calls for the same blocks, named by
   their tokens (the pool hashes them), or with ``--hashes`` by block hashes made beforehand, as
   vLLM's connector names them (the pool's own work without the hash chain).
+
+With ``--flush`` each timed call starts with the CPU's caches flushed
+(:class:`kvflow.tools.baselines.CacheFlush`, untimed), as ``kvflow bench`` times its calls and as
+an engine's store or load after a forward finds them; a run's time is then the sum of its calls'
+(give fewer ``--calls``: each flush reads 256 MiB or more).
 
 Each layer's figure minus the one below it is what that layer adds. Every timed call's statuses
 or hit counts are counted inside the timing (a run that moved fewer than every object fails), and
@@ -48,7 +56,7 @@ from kvflow.backends.local import LocalConfig
 from kvflow.config import parse_size
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
-from kvflow.tools.baselines import MemcpyCall, memcpy_call
+from kvflow.tools.baselines import CacheFlush, MemcpyCall, memcpy_call
 
 BLOCK = 16  # tokens per block
 
@@ -72,18 +80,27 @@ class Timed:
     check: Callable[[int], Awaitable[None]] | None = None
 
 
-async def _per_object(calls: int, repeat: int, batch: int, timed: Timed) -> float:
+async def _per_object(
+    calls: int, repeat: int, batch: int, timed: Timed, before: Callable[[], object] | None = None
+) -> float:
     """Microseconds per object: the best of ``repeat`` runs of ``calls`` calls, averaged per call
-    and object. Raises unless every call moved all ``batch`` objects and each run's check passed:
-    a call that moved nothing must fail the benchmark, not report a speed."""
+    and object; with ``before``, each call is timed alone, right after ``before`` (untimed), and a
+    run's time is the sum of its calls'. Raises unless every call moved all ``batch`` objects and
+    each run's check passed: a call that moved nothing must fail the benchmark, not report a speed."""
     best = float("inf")
     for r in range(repeat):
         timed.prepare(r)
         moved = 0
+        elapsed = 0.0
         start = time.perf_counter()
         for i in range(calls):
+            if before is not None:
+                before()
+                start = time.perf_counter()
             moved += await timed.call(r * calls + i)
-        best = min(best, time.perf_counter() - start)
+            if before is not None:
+                elapsed += time.perf_counter() - start
+        best = min(best, elapsed if before is not None else time.perf_counter() - start)
         if moved != calls * batch:
             raise RuntimeError(
                 f"{timed.what}: {moved} of {calls * batch} objects moved in {calls} timed calls; "
@@ -104,21 +121,36 @@ def _store_dir(url: str) -> str | None:
 
 
 async def measure(
-    url: str, size: int, batch: int, regions: int, calls: int, repeat: int, by_hashes: bool = False
+    url: str,
+    size: int,
+    batch: int,
+    regions: int,
+    calls: int,
+    repeat: int,
+    by_hashes: bool = False,
+    before: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
-    """Time every column for one object size; a store directory the URL names that did not exist
-    before is removed at the end (one that did keeps only the pools' profile announcements)."""
+    """Time every column for one object size (``before``: called ahead of each timed call,
+    untimed); a store directory the URL names that did not exist before is removed at the end
+    (one that did keeps only the pools' profile announcements)."""
     directory = _store_dir(url)
     created = directory is not None and not os.path.exists(directory)
     try:
-        return await _measure(url, size, batch, regions, calls, repeat, by_hashes)
+        return await _measure(url, size, batch, regions, calls, repeat, by_hashes, before)
     finally:
         if created and directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
 async def _measure(
-    url: str, size: int, batch: int, regions: int, calls: int, repeat: int, by_hashes: bool
+    url: str,
+    size: int,
+    batch: int,
+    regions: int,
+    calls: int,
+    repeat: int,
+    by_hashes: bool,
+    before: Callable[[], object] | None,
 ) -> dict[str, Any]:
     src = _caches(size, regions, batch)
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
@@ -183,7 +215,7 @@ async def _measure(
         buffers = torch.ones(nbytes * batch, dtype=torch.uint8)
         starts = (buffers.data_ptr() + nbytes * np.arange(batch, dtype=np.int64)).tolist()
         gather_objects(starts, objects(writer_rows, held))
-        copied = objects(reader_rows, held)
+        copied, gathered = objects(reader_rows, held), objects(writer_rows, held)
         plain, streamed = (
             memcpy_call(nbytes * batch, nbytes),
             memcpy_call(nbytes * batch, nbytes, stream=True),
@@ -206,6 +238,18 @@ async def _measure(
         async def copy(_: int) -> int:
             scatter_objects(starts, copied)
             return batch
+
+        async def gather(_: int) -> int:
+            gather_objects(starts, gathered)
+            return batch
+
+        def clear_buffers(_: int) -> None:
+            buffers.zero_()
+
+        async def gathered_whole(_: int) -> None:  # the buffers, copied into zeroed caches, are the blocks
+            zero()
+            scatter_objects(starts, copied)
+            same("the gather")
 
         async def get(_: int) -> int:
             return (await backend.get(copied)).count(GetStatus.HIT)
@@ -251,6 +295,7 @@ async def _measure(
         columns = {
             "memcpy": memcpy(plain),
             "memcpy_streamed": memcpy(streamed),
+            "gather": Timed("gather", gather, clear_buffers, gathered_whole),
             "copy": Timed("copy", copy, zero, lambda _: loaded("the copy")),
             "backend_get": Timed("backend get", get, zero, lambda _: loaded("the backend's get")),
             "pool_retrieve": Timed("pool retrieve", retrieve, zero, lambda _: loaded("the pool's retrieve")),
@@ -260,7 +305,7 @@ async def _measure(
         }
         row: dict[str, Any] = {"object_kib": nbytes / 1024, "batch": batch, "regions": len(sizes)}
         for name, timed in columns.items():
-            row[f"{name}_us"] = await _per_object(calls, repeat, batch, timed)
+            row[f"{name}_us"] = await _per_object(calls, repeat, batch, timed, before)
         return row
     finally:
         for request in stored:
@@ -282,13 +327,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--hashes", action="store_true", help="name the pool's blocks by hashes, not tokens")
+    parser.add_argument(
+        "--flush", action="store_true", help="flush the CPU's caches before each timed call (untimed)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rows = [
-        anyio.run(measure, args.backend, size, args.batch, args.regions, args.calls, args.repeat, args.hashes)
-        for size in sizes
-    ]
+    before = CacheFlush() if args.flush else None
+    shape = (args.batch, args.regions, args.calls, args.repeat, args.hashes, before)
+    rows = [anyio.run(measure, args.backend, size, *shape) for size in sizes]
     if args.json:
         print(json.dumps(rows))
         return
@@ -296,6 +343,7 @@ def main() -> None:
     columns = [
         "memcpy",
         "memcpy_streamed",
+        "gather",
         "copy",
         "backend_get",
         "pool_retrieve",
@@ -306,6 +354,7 @@ def main() -> None:
     print(
         f"backend {args.backend}: us per object, batches of {args.batch},"
         f" best of {args.repeat} x {args.calls} calls, blocks named by {named}"
+        + (", caches flushed before each call" if args.flush else "")
     )
     print("  object regions " + " ".join(f"{c:>13}" for c in columns))
     for row in rows:

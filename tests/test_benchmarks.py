@@ -195,13 +195,53 @@ def test_per_object_bench_times_each_layer_and_leaves_only_profiles(tmp_path: Pa
     args += ["--hashes"] if named == "hashes" else []
     rows = json.loads(ok(run("benchmarks/per_object.py", *args, "--json")))
     assert [(row["object_kib"], row["batch"], row["regions"]) for row in rows] == [(64, 8, 8), (256, 8, 8)]
-    layers = ["memcpy", "memcpy_streamed", "copy", "backend_get", "pool_retrieve", "pool_lookup"]
+    layers = ["memcpy", "memcpy_streamed", "gather", "copy", "backend_get", "pool_retrieve", "pool_lookup"]
     layers += ["backend_put", "pool_store"]
     for row in rows:
         assert all(positive(row[f"{name}_us"]) for name in layers), row
 
     left = anyio.run(book_keys, url)
     assert left and all(left)
+
+
+def test_per_object_bench_flushes_before_each_timed_call_and_outside_its_timing() -> None:
+    """``before`` (the ``--flush`` of the script) runs once ahead of every timed call of every
+    column, and is not timed: each column is a sum of its calls' own times."""
+    calls: list[None] = []
+    flush_s = 0.02
+
+    def flush() -> None:
+        calls.append(None)
+        time.sleep(flush_s)
+
+    per_object = load_benchmark("per_object")
+    row = anyio.run(per_object.measure, "memory://", 64 << 10, 8, 4, 2, 2, False, flush)
+    columns = [name for name in row if name.endswith("_us")]
+    assert len(columns) == 9 and len(calls) == 9 * 2 * 2  # columns x calls x runs
+    # A flush timed with a call would add flush_s / 8 objects to its figure per object.
+    assert all(0 < row[name] < flush_s / 8 * 1e6 for name in columns), row
+
+
+def test_per_object_bench_fails_when_the_timed_gathers_copy_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gather column's buffers are zeroed before its run and checked after it: a gather that
+    copied only in the script's setup cannot report a speed."""
+    per_object = load_benchmark("per_object")
+    real, gathers = per_object.gather_objects, []
+
+    def first_only(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
+        gathers.append(None)
+        if len(gathers) == 1:
+            real(buffers, objects)
+
+    monkeypatch.setattr(per_object, "gather_objects", first_only)
+    with pytest.raises(RuntimeError, match="the gather left other bytes"):
+        anyio.run(per_object.measure, "memory://", 64 << 10, 4, 8, 2, 2)
+
+
+def test_per_object_bench_says_when_it_flushed() -> None:
+    args = ["--sizes", "64KiB", "--batch", "8", "--regions", "4", "--calls", "1", "--repeat", "1"]
+    out = ok(run("benchmarks/per_object.py", *args, "--flush"))
+    assert "caches flushed before each call" in out and re.search(r"64Ki\s+4(\s+\d+\.\d+){9}", out), out
 
 
 def test_per_object_bench_removes_a_store_it_created(tmp_path: Path) -> None:
