@@ -702,6 +702,34 @@ async def test_a_stuck_lock_holder_fails_calls_within_the_lock_timeout(store_dir
     await stuck.aclose()
 
 
+async def test_a_put_that_claims_nothing_publishes_nothing_and_leaves_the_lock_alone(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A put whose every key is stored claims no slot: it copies nothing and takes no second
+    exclusive section. Before, it took the lock again to publish nothing, shutting out every
+    reader, and when another process held the lock then it waited out ``lock_timeout`` and logged
+    the put as failed, though it answered PRESENT (found by review)."""
+    backend = open_arena(store_dir, lock_timeout_s=0.05)
+    other = open_arena(store_dir)  # another process's lock: its own open file
+    claim = ArenaBackend._claim
+
+    async def claim_then_lock(self: ArenaBackend, *args: Any) -> None:
+        await claim(self, *args)
+        fcntl.flock(other._arena.lock.fd, fcntl.LOCK_EX)  # the other takes the lock right after
+
+    try:
+        assert await put_all(backend, ["a", "b"]) == [PutStatus.STORED] * 2
+        monkeypatch.setattr(ArenaBackend, "_claim", claim_then_lock)
+        with caplog.at_level(logging.ERROR):
+            assert await put_all(backend, ["a", "b"]) == [PutStatus.PRESENT] * 2
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert backend.stats().put_failures == 0
+    finally:
+        fcntl.flock(other._arena.lock.fd, fcntl.LOCK_UN)
+        await backend.aclose()
+        await other.aclose()
+
+
 async def test_closing_waits_for_a_lookup_that_waits_for_the_lock(store_dir: Path) -> None:
     stuck, backend = open_arena(store_dir), open_arena(store_dir)
     await put_all(backend, ["k"])

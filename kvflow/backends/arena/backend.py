@@ -151,22 +151,13 @@ class ArenaBackend:
             try:
                 keys = encode_keys(keys_of(objects))  # once: hashed for the claim, kept by the publish
                 await self._claim(objects, keys, results, claimed, repeats)
-                await self._write(objects, claimed)
-                sizes = nbytes_of(objects)
-                order = list(claimed)
-                if len(order) < len(objects):  # (else every object, in order)
-                    keys, sizes = [keys[i] for i in order], [sizes[i] for i in order]
-                async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
-                    self._free_stranded()
-                    self._arena.publish(list(claimed.values()), sizes, keys)
-                    if len(order) == len(objects):
-                        results[:] = [PutStatus.STORED] * len(objects)
-                    else:
-                        for i in order:
-                            results[i] = PutStatus.STORED
-                    claimed.clear()
+                if claimed:  # (none: every key present, or no room; nothing to copy or publish)
+                    await self._write(objects, claimed)
+                    await self._publish(objects, keys, results, claimed)
             except TimeoutError as exc:
-                logger.error("arena backend: put of %d objects failed: %s", len(objects), exc)
+                # the claim's lock: every object failed; the publish's: those claimed
+                failed = len(claimed) or len(objects)
+                logger.error("arena backend: %d of a put's %d objects failed: %s", failed, len(objects), exc)
             finally:
                 if claimed:
                     await self._give_back(claimed.values())
@@ -174,6 +165,29 @@ class ArenaBackend:
                     results[i] = results[first].repeated()
                 self._stats.count_puts(objects, results)
             return results
+
+    async def _publish(
+        self,
+        objects: Sequence[ObjectRef],
+        keys: Sequence[bytes],
+        results: list[PutStatus],
+        claimed: dict[int, int],
+    ) -> None:
+        """Publish the claimed objects, copied into their slots, under the exclusive lock: STORED,
+        and ``claimed`` emptied (nothing left to give back)."""
+        sizes = nbytes_of(objects)
+        order = list(claimed)
+        if len(order) < len(objects):  # (else every object, in order)
+            keys, sizes = [keys[i] for i in order], [sizes[i] for i in order]
+        async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
+            self._free_stranded()
+            self._arena.publish(list(claimed.values()), sizes, keys)
+            if len(order) == len(objects):
+                results[:] = [PutStatus.STORED] * len(objects)
+            else:
+                for i in order:
+                    results[i] = PutStatus.STORED
+            claimed.clear()
 
     async def _write(self, objects: Sequence[ObjectRef], claimed: dict[int, int]) -> None:
         """Copy the claimed objects into their slots (without the lock: the slots are this put's),
