@@ -595,8 +595,9 @@ async def test_closing_waits_for_a_put_still_copying(store_dir: Path, checkpoint
         await backend.aclose()  # returns once the put returned, the arena unmapped then
         assert results == [PutStatus.STORED] * 6
         assert backend._arena._map.closed
+    out = bytearray(SLOT)
     with pytest.raises(PoolClosedError):
-        await backend.get([obj("k0", bytearray(SLOT))])
+        await backend.get([obj("k0", out)])
     again = open_arena(store_dir)
     assert await again.exists([f"k{i}" for i in range(6)]) == [True] * 6
     await again.aclose()

@@ -18,6 +18,7 @@ from kvflow.backends.memory import MemoryConfig
 
 
 def obj(key: str, *tensors: torch.Tensor) -> ObjectRef:
+    """An object over ``tensors``: it holds their addresses only, so keep them alive while it is used."""
     return ObjectRef.of(key, [t.data_ptr() for t in tensors], [t.numel() * t.element_size() for t in tensors])
 
 
@@ -215,7 +216,8 @@ async def test_an_eviction_that_passes_a_pinned_object_leaves_it_where_it_was(ch
     assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
     async with reading(backend, "a", a) as (target, results):
         for key in "bcd":  # the third evicts the least recently used unpinned object, "b"
-            assert await backend.put([obj(key, data(key, small))]) == [PutStatus.STORED]
+            source = data(key, small)  # (alive through the put: an object holds only its address)
+            assert await backend.put([obj(key, source)]) == [PutStatus.STORED]
         assert not results  # (still reading "a": the eviction passed it)
         assert backend.stored_keys() == ["a", "c", "d"]
     assert results == [[GetStatus.HIT]] and torch.equal(target, a)
@@ -270,16 +272,17 @@ async def test_a_put_whose_allocation_fails_gives_back_every_reservation(
 async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None) -> None:
     size = 16 * MiB
     backend = MemoryBackend(MemoryConfig(capacity_bytes=size))
+    source = data("k", size)  # (alive through the puts: an object holds only its address)
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(backend.put, [obj("k", data("k", size))])
+            tg.start_soon(backend.put, [obj("k", source)])
             while backend.stats().used_bytes == 0:  # reserved: the copy is under way
                 await anyio.lowlevel.checkpoint()
             scope.cancel()
     stats = backend.stats()
     assert (stats.used_bytes, stats.puts, stats.put_failures) == (0, 0, 0)
     assert await backend.exists(["k"]) == [False]
-    assert await backend.put([obj("k", data("k", size))]) == [PutStatus.STORED]  # the room is there
+    assert await backend.put([obj("k", source)]) == [PutStatus.STORED]  # the room is there
 
 
 async def test_concurrent_calls_keep_objects_whole_and_stats_exact(
@@ -346,8 +349,8 @@ async def test_an_evicted_buffer_holds_the_next_object_of_its_size_whole() -> No
         patch.setattr(memory.torch, "empty", counted)
         assert await backend.put([obj("c", c)]) == [PutStatus.STORED]
     assert allocations == 0  # a's buffer, recycled
-    out_b, out_c = torch.zeros_like(b), torch.zeros_like(c)
-    got = await backend.get([obj("a", torch.zeros_like(a)), obj("b", out_b), obj("c", out_c)])
+    out_a, out_b, out_c = torch.zeros_like(a), torch.zeros_like(b), torch.zeros_like(c)
+    got = await backend.get([obj("a", out_a), obj("b", out_b), obj("c", out_c)])
     assert got == [GetStatus.MISS, GetStatus.HIT, GetStatus.HIT]
     assert torch.equal(out_b, b) and torch.equal(out_c, c)
     assert backend.stats().evictions == 1 and backend.stats().used_bytes == 2 * 4096
@@ -369,8 +372,8 @@ async def test_the_same_key_twice_in_one_put_is_stored_once_and_counted_once() -
     """Both copies are reserved and copied in one run; the second to publish finds the first and
     reports PRESENT, and its reservation is given back: the store counts one object's bytes."""
     backend = MemoryBackend(MemoryConfig(capacity_bytes=MiB))
-    a = data("a", 4096)
-    assert await backend.put([obj("a", a), obj("b", data("b", 1024)), obj("a", a)]) == [
+    a, b = data("a", 4096), data("b", 1024)
+    assert await backend.put([obj("a", a), obj("b", b), obj("a", a)]) == [
         PutStatus.STORED,
         PutStatus.STORED,
         PutStatus.PRESENT,
