@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from types import TracebackType
 
 import anyio
 import attrs
@@ -26,19 +27,20 @@ class InFlight:
     """How many calls are running; use from one event loop."""
 
     count: int = 0
-    _ended: anyio.Event = attrs.field(factory=anyio.Event)  # set when count drops to 0
+    # made by the first :meth:`drained` that waits, set (and dropped) when count drops to 0: a call
+    # makes no event (one costs tens of microseconds from cold caches, on every put and get)
+    _ended: anyio.Event | None = None
 
     def enter(self) -> None:
         """A call starts; pair with :meth:`leave` (or use :meth:`running`)."""
-        if not self.count:
-            self._ended = anyio.Event()
         self.count += 1
 
     def leave(self) -> None:
         """The call counted by :meth:`enter` ended."""
         self.count -= 1
-        if not self.count:
+        if not self.count and self._ended is not None:
             self._ended.set()
+            self._ended = None
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -54,8 +56,11 @@ class InFlight:
         it returns at once, without a checkpoint (a backend never used closes without a task)."""
         if not self.count:
             return
+        if self._ended is None:
+            self._ended = anyio.Event()
+        ended = self._ended  # (dropped once set: a later wait makes its own)
         with anyio.CancelScope(shield=True):
-            await self._ended.wait()
+            await ended.wait()
 
 
 @attrs.define
@@ -75,26 +80,33 @@ class Lifetime:
     copies: InFlight = attrs.field(factory=InFlight)  # puts and gets: close waits for them
     _users: int = 0  # every call running, copies or not
     _released: bool = False
+    # (not copies, copies): they hold no call's state, so each serves every call of its kind
+    _calls: tuple[_Call, _Call] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._calls = (_Call(self, copies=False), _Call(self, copies=True))
 
     def check_open(self) -> None:
         """Raise :class:`PoolClosedError` once closed."""
         if self.closed:
             raise PoolClosedError(self.closed_error)
 
-    @contextlib.contextmanager
-    def call(self, *, copies: bool = False) -> Iterator[None]:
-        """Count the body as a call (``copies``: one that :meth:`close` waits for); refused once closed."""
+    def call(self, *, copies: bool = False) -> _Call:
+        """``with lifetime.call():`` counts the body as a call (``copies``: one that :meth:`close`
+        waits for); refused once closed."""
+        return self._calls[copies]
+
+    def _enter(self, copies: bool) -> None:
         self.check_open()
         self._users += 1
         if copies:
             self.copies.enter()
-        try:
-            yield
-        finally:
-            self._users -= 1
-            if copies:
-                self.copies.leave()
-            self._release_if_idle()
+
+    def _leave(self, copies: bool) -> None:
+        self._users -= 1
+        if copies:
+            self.copies.leave()
+        self._release_if_idle()
 
     async def close(self) -> None:
         """No call starts any more; return once no copy runs (shielded: a cancelled close still
@@ -107,3 +119,21 @@ class Lifetime:
         if self.closed and not self._users and not self._released:
             self._released = True
             self.release()
+
+
+@attrs.frozen(eq=False, repr=False)
+class _Call:
+    """:meth:`Lifetime.call`'s context, one of each kind per lifetime (a class, not a generator:
+    from cold caches ``contextlib``'s machinery costs tens of microseconds around every put and
+    get)."""
+
+    lifetime: Lifetime
+    copies: bool
+
+    def __enter__(self) -> None:
+        self.lifetime._enter(self.copies)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lifetime._leave(self.copies)

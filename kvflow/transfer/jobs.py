@@ -301,7 +301,9 @@ class LoadJob:
     # the events after each unit's copies into the cache, kept apart from the chunks: another unit
     # short of chunks may finish and reuse one before this unit is handed out
     _events: dict[Unit, list[DeviceEvent]] = attrs.field(init=False, factory=dict)
-    _waiting: anyio.Lock = attrs.field(init=False, factory=anyio.Lock)  # the first wait for ``after``
+    # the first wait for ``after`` (made only for a job with one: a lock costs tens of microseconds
+    # from cold caches, on every load)
+    _waiting: anyio.Lock | None = attrs.field(init=False, default=None)
     _streams_wait: set[int] = attrs.field(init=False, factory=set)  # ids of devices whose copy stream waits
     _after_failed: bool = attrs.field(default=False, init=False)  # it did not complete in time
 
@@ -309,6 +311,8 @@ class LoadJob:
         self._order = self.transfer.load_order(len(self.plan))
         self._unrotated = self._order == list(range(len(self.plan)))
         self._status = [GetStatus.HIT] * len(self.plan)
+        if self.after is not None:
+            self._waiting = anyio.Lock()
 
     async def get(self, unit: Unit, deadline: float) -> int:
         """Get ``unit`` of every block not failed yet; return how many blocks of it did not arrive.
@@ -350,6 +354,7 @@ class LoadJob:
         nothing, the blocks fail."""
         if self.after is None or (device is not None and id(device) in self._streams_wait):
             return True
+        assert self._waiting is not None  # (made with the job, which has an ``after``)
         async with self._waiting:
             after = self.after
             if after is None or (device is not None and id(device) in self._streams_wait):

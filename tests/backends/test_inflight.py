@@ -70,3 +70,35 @@ async def test_a_cancelled_close_still_waits_for_the_copy() -> None:
 async def _set_later(event: anyio.Event) -> None:
     await anyio.sleep(0.01)
     event.set()
+
+
+async def test_close_waits_for_the_last_of_several_copies_whatever_ran_before() -> None:
+    """Copies that came and went before the close leave nothing behind that could end its wait
+    early, and of two copies running the first to end does not end it either."""
+    life = Lifetime("closed")
+    for _ in range(3):  # calls that came and went: the count fell to nought between them
+        with life.call(copies=True):
+            pass
+    first_may_end, second_may_end = anyio.Event(), anyio.Event()
+    closed: list[bool] = []
+
+    async def copy(may_end: anyio.Event) -> None:
+        with life.call(copies=True):
+            await may_end.wait()
+
+    async def close() -> None:
+        await life.close()
+        closed.append(True)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(copy, first_may_end)
+        tg.start_soon(copy, second_may_end)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(close)
+        tg.start_soon(close)  # a second close waits alike
+        await anyio.wait_all_tasks_blocked()
+        first_may_end.set()
+        await anyio.wait_all_tasks_blocked()
+        assert not closed  # the second copy still runs
+        second_may_end.set()
+    assert closed == [True, True]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
+from types import TracebackType
 
 import anyio
 import attrs
 
-__all__ = ["EXCLUSIVE", "SHARED", "StoreLock"]
+__all__ = ["EXCLUSIVE", "SHARED", "Held", "StoreLock"]
 
 SHARED = fcntl.LOCK_SH
 EXCLUSIVE = fcntl.LOCK_EX
@@ -45,12 +46,13 @@ class StoreLock:
             "for a stopped or stuck kvflow process"
         )
 
-    @contextlib.asynccontextmanager
-    async def held(self, mode: int, timeout_s: float) -> AsyncIterator[None]:
-        """Hold the lock (``SHARED`` or ``EXCLUSIVE``) for a body that does not await.
+    def held(self, mode: int, timeout_s: float) -> Held:
+        """``async with lock.held(mode, timeout_s):`` holds the lock (``SHARED`` or ``EXCLUSIVE``)
+        for a body that does not await. Raises TimeoutError after ``timeout_s`` of waiting."""
+        return Held(self, mode, timeout_s)
 
-        Raises TimeoutError after ``timeout_s`` of waiting.
-        """
+    async def _acquire(self, mode: int, timeout_s: float) -> None:
+        """Take the lock, polling with backoff while another holds it."""
         delay = _BACKOFF_MIN_S
         deadline = time.monotonic() + timeout_s
         while not self._try(mode):
@@ -58,10 +60,9 @@ class StoreLock:
                 raise self._timeout(mode, timeout_s)
             await anyio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_MAX_S)
-        try:
-            yield
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def _release(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
     def held_blocking(self, mode: int, timeout_s: float) -> Iterator[None]:
@@ -75,3 +76,21 @@ class StoreLock:
             yield
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+@attrs.frozen(eq=False)
+class Held:
+    """:meth:`StoreLock.held`'s context (a class, not a generator: from cold caches
+    ``contextlib``'s machinery costs tens of microseconds around every section)."""
+
+    lock: StoreLock
+    mode: int
+    timeout_s: float
+
+    async def __aenter__(self) -> None:
+        await self.lock._acquire(self.mode, self.timeout_s)
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lock._release()
