@@ -36,11 +36,12 @@ pools' profile announcements; a store directory it names that did not exist is r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -120,6 +121,19 @@ def _store_dir(url: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _removed_if_new(url: str) -> Iterator[None]:
+    """A store directory the URL names that did not exist before is removed at the end (one that
+    did keeps only the pools' profile announcements)."""
+    directory = _store_dir(url)
+    created = directory is not None and not os.path.exists(directory)
+    try:
+        yield
+    finally:
+        if created and directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 async def measure(
     url: str,
     size: int,
@@ -131,27 +145,7 @@ async def measure(
     before: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
     """Time every column for one object size (``before``: called ahead of each timed call,
-    untimed); a store directory the URL names that did not exist before is removed at the end
-    (one that did keeps only the pools' profile announcements)."""
-    directory = _store_dir(url)
-    created = directory is not None and not os.path.exists(directory)
-    try:
-        return await _measure(url, size, batch, regions, calls, repeat, by_hashes, before)
-    finally:
-        if created and directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _measure(
-    url: str,
-    size: int,
-    batch: int,
-    regions: int,
-    calls: int,
-    repeat: int,
-    by_hashes: bool,
-    before: Callable[[], object] | None,
-) -> dict[str, Any]:
+    untimed). The objects it stores are removed at the end."""
     src = _caches(size, regions, batch)
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     writer_layout, reader_layout = KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst)
@@ -335,7 +329,8 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     before = CacheFlush() if args.flush else None
     shape = (args.batch, args.regions, args.calls, args.repeat, args.hashes, before)
-    rows = [anyio.run(measure, args.backend, size, *shape) for size in sizes]
+    with _removed_if_new(args.backend):
+        rows = [anyio.run(measure, args.backend, size, *shape) for size in sizes]
     if args.json:
         print(json.dumps(rows))
         return
