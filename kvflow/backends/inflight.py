@@ -80,11 +80,6 @@ class Lifetime:
     copies: InFlight = attrs.field(factory=InFlight)  # puts and gets: close waits for them
     _users: int = 0  # every call running, copies or not
     _released: bool = False
-    # (not copies, copies): they hold no call's state, so each serves every call of its kind
-    _calls: tuple[_Call, _Call] = attrs.field(init=False, eq=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._calls = (_Call(self, copies=False), _Call(self, copies=True))
 
     def check_open(self) -> None:
         """Raise :class:`PoolClosedError` once closed."""
@@ -94,7 +89,7 @@ class Lifetime:
     def call(self, *, copies: bool = False) -> _Call:
         """``with lifetime.call():`` counts the body as a call (``copies``: one that :meth:`close`
         waits for); refused once closed."""
-        return self._calls[copies]
+        return _Call(self, copies)
 
     def _enter(self, copies: bool) -> None:
         self.check_open()
@@ -121,14 +116,16 @@ class Lifetime:
             self.release()
 
 
-@attrs.frozen(eq=False, repr=False)
 class _Call:
-    """:meth:`Lifetime.call`'s context, one of each kind per lifetime (a class, not a generator:
-    from cold caches ``contextlib``'s machinery costs tens of microseconds around every put and
-    get)."""
+    """:meth:`Lifetime.call`'s context (a class, not a generator: from cold caches ``contextlib``'s
+    machinery costs tens of microseconds around every put and get). Made per call, not kept by the
+    lifetime: a lifetime that referred to its contexts, which refer to it, would outlive a backend
+    dropped unclosed until the garbage collector ran, and with it the mapping its release frees."""
 
-    lifetime: Lifetime
-    copies: bool
+    __slots__ = ("copies", "lifetime")
+
+    def __init__(self, lifetime: Lifetime, copies: bool) -> None:
+        self.lifetime, self.copies = lifetime, copies
 
     def __enter__(self) -> None:
         self.lifetime._enter(self.copies)

@@ -731,6 +731,30 @@ async def test_a_put_that_claims_nothing_publishes_nothing_and_leaves_the_lock_a
         await other.aclose()
 
 
+async def test_a_put_whose_publish_times_out_logs_every_object_that_failed(
+    store_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log counts the failures the put answers: a repeat of a key whose publish timed out
+    fails with it, a key already stored does not (found by review: it counted the claimed slots)."""
+    backend = open_arena(store_dir, lock_timeout_s=0.05)
+    other = open_arena(store_dir)  # another process's lock: its own open file
+    try:
+        assert await put_all(backend, ["stored"]) == [PutStatus.STORED]
+
+        def stall(row: int) -> None:  # the other takes the lock while the put copies
+            fcntl.flock(other._arena.lock.fd, fcntl.LOCK_EX)
+
+        monkeypatch.setattr(arena, "_mid_write_hook", stall)
+        with caplog.at_level(logging.ERROR):
+            statuses = await put_all(backend, ["k", "k", "stored"])
+        assert statuses == [PutStatus.FAILED, PutStatus.FAILED, PutStatus.PRESENT]
+        assert "2 of a put's 3 objects failed" in caplog.text
+    finally:
+        fcntl.flock(other._arena.lock.fd, fcntl.LOCK_UN)
+        await backend.aclose()
+        await other.aclose()
+
+
 async def test_closing_waits_for_a_lookup_that_waits_for_the_lock(store_dir: Path) -> None:
     stuck, backend = open_arena(store_dir), open_arena(store_dir)
     await put_all(backend, ["k"])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import anyio
 import pytest
 
-from kvflow.backends.inflight import Lifetime
+from kvflow.backends.inflight import InFlight, Lifetime
 from kvflow.errors import PoolClosedError
 
 
@@ -102,3 +105,46 @@ async def test_close_waits_for_the_last_of_several_copies_whatever_ran_before() 
         assert not closed  # the second copy still runs
         second_may_end.set()
     assert closed == [True, True]
+
+
+async def test_a_drain_after_an_earlier_one_waits_for_the_calls_running_then() -> None:
+    """The event an earlier drain waited on is spent: a later drain, while a new call runs, waits
+    for that call instead of returning at once."""
+    flight = InFlight()
+    drained: list[int] = []
+
+    async def drain(tag: int) -> None:
+        await flight.drained()
+        drained.append(tag)
+
+    async with anyio.create_task_group() as tg:
+        flight.enter()
+        tg.start_soon(drain, 1)
+        await anyio.wait_all_tasks_blocked()
+        flight.leave()
+        await anyio.wait_all_tasks_blocked()
+        assert drained == [1]
+        flight.enter()
+        tg.start_soon(drain, 2)
+        await anyio.wait_all_tasks_blocked()
+        assert drained == [1]  # the second call still runs
+        flight.leave()
+    assert drained == [1, 2]
+
+
+def test_a_lifetime_dropped_unclosed_is_freed_at_once() -> None:
+    """Nothing a call leaves behind refers back to the lifetime: a backend dropped without its
+    close frees what its release frees (an arena's mapping, a store's descriptors) at once, not
+    when the garbage collector next runs."""
+    life = Lifetime("closed")
+    with life.call(copies=True), life.call():
+        pass
+    gone = weakref.ref(life)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del life
+        assert gone() is None
+    finally:
+        if collecting:
+            gc.enable()

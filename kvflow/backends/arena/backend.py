@@ -148,6 +148,7 @@ class ArenaBackend:
             results = [PutStatus.FAILED] * len(objects)
             claimed: dict[int, int] = {}  # object index -> row, until published or given back
             repeats: dict[int, int] = {}  # object index -> the first of the call with its key
+            timed_out: TimeoutError | None = None
             try:
                 keys = encode_keys(keys_of(objects))  # once: hashed for the claim, kept by the publish
                 await self._claim(objects, keys, results, claimed, repeats)
@@ -155,15 +156,16 @@ class ArenaBackend:
                     await self._write(objects, claimed)
                     await self._publish(objects, keys, results, claimed)
             except TimeoutError as exc:
-                # the claim's lock: every object failed; the publish's: those claimed
-                failed = len(claimed) or len(objects)
-                logger.error("arena backend: %d of a put's %d objects failed: %s", failed, len(objects), exc)
+                timed_out = exc
             finally:
                 if claimed:
                     await self._give_back(claimed.values())
                 for i, first in repeats.items():  # copied once: each repeat as its first went
                     results[i] = results[first].repeated()
                 self._stats.count_puts(objects, results)
+            if timed_out is not None:  # (counted once every repeat took its first's result)
+                failed, asked = results.count(PutStatus.FAILED), len(objects)
+                logger.error("arena backend: %d of a put's %d objects failed: %s", failed, asked, timed_out)
             return results
 
     async def _publish(
