@@ -57,7 +57,7 @@ from kvflow.backends.local import LocalConfig
 from kvflow.config import parse_size
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
-from kvflow.tools.baselines import CacheFlush, MemcpyCall, memcpy_call
+from kvflow.tools.baselines import Before, CacheFlush, MemcpyCall, memcpy_call
 
 BLOCK = 16  # tokens per block
 
@@ -81,27 +81,23 @@ class Timed:
     check: Callable[[int], Awaitable[None]] | None = None
 
 
-async def _per_object(
-    calls: int, repeat: int, batch: int, timed: Timed, before: Callable[[], object] | None = None
-) -> float:
+async def _per_object(calls: int, repeat: int, batch: int, timed: Timed, before: Before = None) -> float:
     """Microseconds per object: the best of ``repeat`` runs of ``calls`` calls, averaged per call
-    and object; with ``before``, each call is timed alone, right after ``before`` (untimed), and a
-    run's time is the sum of its calls'. Raises unless every call moved all ``batch`` objects and
-    each run's check passed: a call that moved nothing must fail the benchmark, not report a speed."""
+    and object; each call is timed alone (right after ``before``, untimed) and a run's time is the
+    sum of its calls'. Raises unless every call moved all ``batch`` objects and each run's check
+    passed: a call that moved nothing must fail the benchmark, not report a speed."""
     best = float("inf")
     for r in range(repeat):
         timed.prepare(r)
         moved = 0
         elapsed = 0.0
-        start = time.perf_counter()
         for i in range(calls):
             if before is not None:
                 before()
-                start = time.perf_counter()
+            start = time.perf_counter()
             moved += await timed.call(r * calls + i)
-            if before is not None:
-                elapsed += time.perf_counter() - start
-        best = min(best, elapsed if before is not None else time.perf_counter() - start)
+            elapsed += time.perf_counter() - start
+        best = min(best, elapsed)
         if moved != calls * batch:
             raise RuntimeError(
                 f"{timed.what}: {moved} of {calls * batch} objects moved in {calls} timed calls; "
@@ -142,7 +138,7 @@ async def measure(
     calls: int,
     repeat: int,
     by_hashes: bool = False,
-    before: Callable[[], object] | None = None,
+    before: Before = None,
 ) -> dict[str, Any]:
     """Time every column for one object size (``before``: called ahead of each timed call,
     untimed). The objects it stores are removed at the end."""

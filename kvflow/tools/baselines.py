@@ -41,6 +41,7 @@ from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
 
 __all__ = [
+    "Before",
     "CacheFlush",
     "MemcpyCall",
     "bare_call_s",
