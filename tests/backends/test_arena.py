@@ -703,6 +703,26 @@ async def test_a_stuck_lock_holder_fails_calls_within_the_lock_timeout(store_dir
     await stuck.aclose()
 
 
+async def test_a_lookup_that_timed_out_on_the_lock_leaves_nothing_held(store_dir: Path) -> None:
+    """An ``exists`` and a ``remove`` that gave up waiting for the lock ended their calls: the
+    lock is free for others, and a close then unmaps the arena and closes its files."""
+    stuck = open_arena(store_dir)
+    mapped = arena_maps(store_dir)
+    backend = open_arena(store_dir, lock_timeout_s=0.05)
+    await put_all(backend, ["k"])
+    with stuck._arena.lock.held_blocking(arena.EXCLUSIVE, 1):
+        for call in (backend.exists, backend.remove):
+            with pytest.raises(BackendError, match="cannot answer"):
+                await call(["k"])
+    with stuck._arena.lock.held_blocking(arena.EXCLUSIVE, 0.2):  # neither left the lock taken
+        pass
+    before = open_fds()
+    await backend.aclose()
+    assert arena_maps(store_dir) == mapped
+    assert open_fds() < before
+    await stuck.aclose()
+
+
 async def test_a_put_that_claims_nothing_publishes_nothing_and_leaves_the_lock_alone(
     store_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

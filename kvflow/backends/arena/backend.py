@@ -15,10 +15,10 @@ holds the loop for at most that plus one object's copy. See docs/arena-backend.m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
 
 import anyio
 import anyio.lowlevel
@@ -362,18 +362,11 @@ class ArenaBackend:
         async with self._locked(EXCLUSIVE) as arena:
             return arena.clear()
 
-    @contextlib.asynccontextmanager
-    async def _locked(self, mode: int) -> AsyncIterator[ArenaFile]:
-        """The arena under the lock, for a body that does not await; BackendError after the lock
-        timeout (as the protocol asks of ``exists`` and ``remove``)."""
-        with self._life.call():
-            try:
-                async with self._arena.lock.held(mode, self.config.lock_timeout_s):
-                    if mode == EXCLUSIVE:
-                        self._free_stranded()
-                    yield self._arena
-            except TimeoutError as exc:
-                raise BackendError(f"the arena store {self.root} cannot answer: {exc}") from exc
+    def _locked(self, mode: int) -> _Section:
+        """``async with self._locked(mode) as arena:`` the arena under the lock, for a body that
+        does not await; BackendError after the lock timeout (as the protocol asks of ``exists``
+        and ``remove``)."""
+        return _Section(self, mode)
 
     async def aclose(self) -> None:
         """Close: no call starts any more; return once no put or get runs (they copy the caller's
@@ -386,3 +379,41 @@ class ArenaBackend:
         with self._life.call():  # the arena stays mapped while the stranded slots are given back
             await self._life.close()
             await self._give_back(())
+
+
+class _Section:
+    """:meth:`ArenaBackend._locked`'s context: a call of the backend's lifetime holding the lock
+    (a class, not a generator: from cold caches ``contextlib``'s machinery costs tens of
+    microseconds around every lookup)."""
+
+    __slots__ = ("backend", "call", "mode")
+
+    def __init__(self, backend: ArenaBackend, mode: int) -> None:
+        self.backend, self.mode = backend, mode
+        self.call = backend._life.call()
+
+    async def __aenter__(self) -> ArenaFile:
+        backend, call = self.backend, self.call
+        call.__enter__()  # refused once closed
+        try:
+            await backend._arena.lock._acquire(self.mode, backend.config.lock_timeout_s)
+        except BaseException as exc:
+            call.__exit__(None, None, None)
+            if isinstance(exc, TimeoutError):
+                raise BackendError(f"the arena store {backend.root} cannot answer: {exc}") from exc
+            raise
+        if self.mode == EXCLUSIVE:
+            try:
+                backend._free_stranded()
+            except BaseException:
+                await self.__aexit__(None, None, None)
+                raise
+        return backend._arena
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.backend._arena.lock._release()
+        finally:
+            self.call.__exit__(kind, exc, tb)
