@@ -15,6 +15,7 @@ from kvflow.tools.baselines import (
     CacheFlush,
     bare_call_s,
     best_s,
+    flush_bytes,
     hash_chain_s,
     last_level_cache_bytes,
     memcpy_call,
@@ -109,7 +110,7 @@ def test_every_baseline_calls_before_ahead_of_each_of_its_timed_calls(name: str)
     assert len(calls) == timed
 
 
-def test_the_cache_flush_reads_eight_times_the_largest_cache_and_at_least_256_mib(tmp_path: Path) -> None:
+def test_the_cache_flush_reads_eight_times_the_largest_cache_from_256_mib_to_1_gib(tmp_path: Path) -> None:
     sizes = ["48K", "1024K", "32768K", "weird", "12KM", "\u00b2K", "1G"]
     for index, size in enumerate(sizes):
         (tmp_path / f"index{index}").mkdir()
@@ -119,8 +120,16 @@ def test_the_cache_flush_reads_eight_times_the_largest_cache_and_at_least_256_mi
     (tmp_path / "index6" / "size").write_text("512k\n")  # lower case reads as Linux means it
     assert last_level_cache_bytes(tmp_path) == 32 << 20
     assert last_level_cache_bytes(tmp_path / "none") is None  # Linux says nothing: the 256 MiB floor
+    assert [flush_bytes(n) for n in (None, 0, 16 << 20, 32 << 20, 100 << 20, 300 << 20)] == [
+        256 << 20,
+        256 << 20,
+        256 << 20,
+        256 << 20,
+        800 << 20,
+        1 << 30,  # a VM reporting its host's whole cache: 2.4 GiB a call would gain nothing
+    ]
     flush = CacheFlush()
-    assert flush.nbytes >= max(256 << 20, 8 * (last_level_cache_bytes() or 0))
+    assert flush.nbytes == flush_bytes(last_level_cache_bytes())
     assert flush() == flush.nbytes // 8  # every word of the buffer read (each holds 1)
     small = CacheFlush(nbytes=1 << 20)
     assert small() == (1 << 20) // 8

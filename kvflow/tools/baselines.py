@@ -46,6 +46,7 @@ __all__ = [
     "MemcpyCall",
     "bare_call_s",
     "best_s",
+    "flush_bytes",
     "hash_chain_s",
     "last_level_cache_bytes",
     "memcpy_call",
@@ -77,17 +78,31 @@ def last_level_cache_bytes(caches: Path = _CACHES) -> int | None:
     return max(sizes, default=None)
 
 
+#: The least and the most a :class:`CacheFlush` reads by default.
+FLUSH_FLOOR, FLUSH_CAP = 256 << 20, 1 << 30
+
+
+def flush_bytes(cache_bytes: int | None) -> int:
+    """What a :class:`CacheFlush` reads by default, given the largest cache the CPU reports: eight
+    times it, at least :data:`FLUSH_FLOOR` and at most :data:`FLUSH_CAP`.
+
+    The cap is for virtual machines that report their host's whole cache: one of this project's,
+    an Intel Xeon VM of 2 cores, reports a 300 MiB L3, and there a 16 MiB copy ran as slowly after
+    a read of 128 MiB as after one of 2.4 GiB (eight times 300 MiB), which took 234 ms a call."""
+    return min(FLUSH_CAP, max(FLUSH_FLOOR, 8 * (cache_bytes or 0)))
+
+
 @attrs.define
 class CacheFlush:
     """A call that pushes everything out of the CPU's caches by reading a buffer of ``nbytes``
-    (eight times the largest cache, at least 256 MiB): after it a copy finds its source and
+    (:func:`flush_bytes` of the largest cache by default): after it a copy finds its source and
     destination in memory, as a store or a load of KV finds them, whatever the call before it
     touched. Returns the sum of the buffer's words (each 1), the proof that it read them all.
 
-    On this project's VM (an AMD EPYC reporting a 32 MiB L3), a copy of 4 MiB after a read of
-    64 MiB still ran 1.3-1.5x as fast as after a read of 256 or 512 MiB, which ran alike."""
+    On this project's first VM (an AMD EPYC reporting a 32 MiB L3), a copy of 4 MiB after a read
+    of 64 MiB still ran 1.3-1.5x as fast as after a read of 256 or 512 MiB, which ran alike."""
 
-    nbytes: int = attrs.field(factory=lambda: max(256 << 20, 8 * (last_level_cache_bytes() or 0)))
+    nbytes: int = attrs.field(factory=lambda: flush_bytes(last_level_cache_bytes()))
     _words: np.ndarray[Any, np.dtype[np.uint64]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:

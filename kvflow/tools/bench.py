@@ -317,8 +317,8 @@ _LEGEND = (
     " those copies plus the sha256 hash chain of the request's tokens, the least any call does; bare:",
     " the floor plus a key text, a dict operation per object and nothing else, the least a Python",
     " call keyed per object does: kvflow.tools.baselines. Every timed call, kvflow's and each",
-    " baseline's, starts with the CPU's caches flushed (a read of eight times the largest cache, 256",
-    " MiB at least), as a store or a load finds KV in memory. Outside the timing, every timed store",
+    " baseline's, starts with the CPU's caches flushed (a read of eight times the largest cache, from",
+    " 256 MiB to 1 GiB), as a store or a load finds KV in memory. Outside the timing, every timed store",
     " was looked up and read back whole, and every retrieve compared whole)",
 )
 
