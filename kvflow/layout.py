@@ -225,6 +225,10 @@ class KVLayout:
     _bases: list[int] = attrs.field(repr=False)
     _strides: list[int] = attrs.field(repr=False)
     _sizes: list[int] = attrs.field(repr=False)
+    #: :meth:`addr_rows`'s bases and strides of each unit (every layer: None), made at its first use
+    _columns: dict[int | None, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
 
     @classmethod
     def from_kv_caches(cls, kv_caches: Mapping[str, KVCacheEntry], block_size: int | None = None) -> KVLayout:
@@ -345,9 +349,14 @@ class KVLayout:
 
     def addr_rows(self, block_ids: Sequence[int], layer: int | None = None) -> npt.NDArray[np.int64]:
         """:meth:`addrs_of` as an array: one row of region addresses per block."""
-        planes = self.unit_planes(layer)
-        bases = np.asarray([self._bases[p] for p in planes], dtype=np.int64)
-        strides = np.asarray([self._strides[p] for p in planes], dtype=np.int64)
+        columns = self._columns.get(layer)
+        if columns is None:  # (kept: from cold caches each small numpy call costs about 10 us)
+            planes = self.unit_planes(layer)
+            columns = self._columns[layer] = (
+                np.asarray([self._bases[p] for p in planes], dtype=np.int64),
+                np.asarray([self._strides[p] for p in planes], dtype=np.int64),
+            )
+        bases, strides = columns
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, 1)
         return ids * strides + bases
 
