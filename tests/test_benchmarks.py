@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 
 import kvflow.tools.bench as bench
@@ -33,6 +34,7 @@ from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
+from kvflow.tools.machine import this_machine
 from tests.backends.conftest import REQUIRE_ENV, mooncake_unusable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,8 +179,10 @@ def test_the_bench_skips_what_an_arena_cannot_hold_and_says_so(tmp_path: Path) -
     assert positive(result["store_retrieve"][0]["retrieve_vs_memcpy"])
     assert result["skipped_sizes"] == [1 << 20] and result["objects_held"] == 128
     assert result["lookup_10k_ms"] is None
+    assert result["machine"] == attrs.asdict(this_machine())  # the figures say where they were taken
     out = ok(run("-m", "kvflow.cli", "bench", "--backend", url, "--quick"))
     assert "objects of 1024 KiB: skipped" in out and "the store holds 128 objects" in out
+    assert out.splitlines()[0] == f"backend {url} on {this_machine().describe()}"
 
     assert all(anyio.run(book_keys, url))  # only the profile announcements stay
 

@@ -22,6 +22,7 @@ from kvflow.pool import KVPool
 from kvflow.profiles import SLOT_BYTES
 from kvflow.request import KVRequest
 from kvflow.tools.baselines import CacheFlush, bare_call_s, hash_chain_s, region_copy_gbps, store_memcpy_gbps
+from kvflow.tools.machine import Machine, this_machine
 
 __all__ = ["bench_main", "run_bench"]
 
@@ -284,6 +285,7 @@ async def run_bench(url: str, *, quick: bool, progress: bool) -> dict[str, Any]:
         "lookup_10k_first_ms": first_ms,
         "lookup_10k_ms": lookup_ms,
         "pipeline": await _pipeline_us(20_000 if quick else 100_000),
+        "machine": attrs.asdict(this_machine()),
     }
 
 
@@ -324,7 +326,7 @@ _LEGEND = (
 
 
 def _print_table(url: str, result: dict[str, Any]) -> None:
-    print(f"backend {url}")
+    print(f"backend {url} on {Machine(**result['machine']).describe()}")
     columns = (
         ("store GB/s", "store_gbps"),
         ("retrieve GB/s", "retrieve_gbps"),
