@@ -350,7 +350,7 @@ class KVLayout:
     def addr_rows(self, block_ids: Sequence[int], layer: int | None = None) -> npt.NDArray[np.int64]:
         """:meth:`addrs_of` as an array: one row of region addresses per block."""
         columns = self._columns.get(layer)
-        if columns is None:  # (kept: from cold caches each small numpy call costs about 10 us)
+        if columns is None:  # (kept: from cold caches each small numpy call costs 10-35 us)
             planes = self.unit_planes(layer)
             columns = self._columns[layer] = (
                 np.asarray([self._bases[p] for p in planes], dtype=np.int64),

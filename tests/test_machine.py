@@ -44,3 +44,4 @@ def test_a_machine_describes_its_cores_cache_and_flush() -> None:
     text = Machine("Some CPU", 2, 300 << 20, 1 << 30).describe()
     assert text == "Some CPU, 2 cores, largest cache 300 MiB (a cache flush reads 1024 MiB)"
     assert "no cache size reported" in Machine("Some CPU", 8, None, 256 << 20).describe()
+    assert "largest cache 512 KiB" in Machine("Some CPU", 1, 512 << 10, 256 << 20).describe()

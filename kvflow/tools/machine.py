@@ -44,7 +44,9 @@ class Machine:
     def describe(self) -> str:
         cache = "no cache size reported"
         if self.cache_bytes is not None:
-            cache = f"largest cache {self.cache_bytes >> 20} MiB"
+            size = self.cache_bytes
+            amount = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            cache = f"largest cache {amount}"
         return f"{self.cpu}, {self.cores} cores, {cache} (a cache flush reads {self.flush_bytes >> 20} MiB)"
 
 
