@@ -6,12 +6,13 @@ call is defined at module level, so numba's on-disk cache recognises them in the
 loads them instead of compiling again. Where no cache directory is writable (a read-only install
 with no ``NUMBA_CACHE_DIR``), :func:`compile_loops` compiles them in memory instead.
 
-A copy into a backend's own storage may *stream* (on x86-64): the body of each region is written
-with non-temporal stores, which skip the read of every destination line that an ordinary store
-makes first and leave the caches to the engine; the store's slots are not read again soon. Into
-slots spread over a large arena that copy runs at about 1.5x ``memmove`` on the 2-core VM of
-docs/benchmarks.md. A streaming call ends with a store fence, so what it wrote is visible to other
-cores before anything the caller writes after it (a published table row).
+A copy may *stream* (on x86-64), in either direction: the body of each destination region is
+written with non-temporal stores, which skip the read of every destination line that an ordinary
+store makes first. Into slots spread over a large arena that copy runs at about 1.5x ``memmove``
+on the first VM of docs/benchmarks.md; out of them into an engine's cache, 1.2-1.4x on the second,
+whose next read of what was loaded took as long either way. A streaming call ends with a store
+fence, so what it wrote is visible to other cores before anything the caller writes after it (a
+published table row, a load's completion).
 """
 
 from __future__ import annotations
@@ -113,14 +114,16 @@ def _rows(starts: Addresses, addrs: Addresses, sizes: Addresses, into_regions: b
     for i in range(starts.shape[0]):  # pragma: no cover (compiled)
         at = starts[i]
         for j in range(sizes.shape[0]):
-            if into_regions:
+            if into_regions and stream:
+                _stream(addrs[i, j], at, sizes[j])
+            elif into_regions:
                 _memmove(addrs[i, j], at, sizes[j])
             elif stream:
                 _stream(at, addrs[i, j], sizes[j])
             else:
                 _memmove(at, addrs[i, j], sizes[j])
             at += sizes[j]
-    if stream and not into_regions:  # pragma: no cover (compiled)
+    if stream:  # pragma: no cover (compiled)
         _fence()
 
 
@@ -131,7 +134,9 @@ def _ragged(
     for i in range(starts.shape[0]):  # pragma: no cover (compiled)
         at = starts[i]
         for _ in range(counts[i]):
-            if into_regions:
+            if into_regions and stream:
+                _stream(addrs[k], at, sizes[k])
+            elif into_regions:
                 _memmove(addrs[k], at, sizes[k])
             elif stream:
                 _stream(at, addrs[k], sizes[k])
@@ -139,7 +144,7 @@ def _ragged(
                 _memmove(at, addrs[k], sizes[k])
             at += sizes[k]
             k += 1
-    if stream and not into_regions:  # pragma: no cover (compiled)
+    if stream:  # pragma: no cover (compiled)
         _fence()
 
 
@@ -150,8 +155,8 @@ _RAGGED = "void(int64[::1], int64[::1], int64[::1], int64[::1], boolean, boolean
 @attrs.frozen
 class Loops:
     """The compiled copy loops; each ``memmove``s between object ``i``'s buffer at ``starts[i]``
-    and its regions, back to back (into the regions when ``into_regions``, else out of them, into
-    the buffers with streaming stores when ``stream``)."""
+    and its regions, back to back (into the regions when ``into_regions``, else out of them), the
+    destination written with streaming stores when ``stream``."""
 
     rows: Callable[[Addresses, Addresses, Addresses, bool, bool], None]  # regions addrs[i, :], of sizes
     ragged: Callable[[Addresses, Addresses, Addresses, Addresses, bool, bool], None]  # counts[i] regions each

@@ -49,9 +49,9 @@ def copy_rows(
 ) -> None:
     """For each ``i``, copy between the buffer at ``starts[i]`` and the regions at ``addrs[i, :]``
     of the sizes ``sizes`` (one per column), back to back in the buffer: into the regions when
-    ``into_regions``, else out of them, into the buffers with streaming stores when ``stream``
-    (buffers not read again soon, a store's own: :mod:`kvflow.copyloops`). One compiled loop,
-    without the GIL; buffers and regions must not overlap."""
+    ``into_regions``, else out of them; the destination written with streaming stores when
+    ``stream`` (:mod:`kvflow.copyloops`). One compiled loop, without the GIL; buffers and regions
+    must not overlap."""
     if addrs.shape != (len(starts), len(sizes)):
         raise ValueError(
             f"region addresses of shape {addrs.shape} for {len(starts)} buffers of {len(sizes)} regions"

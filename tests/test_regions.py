@@ -217,3 +217,54 @@ def test_a_streamed_gather_writes_what_memmove_writes_and_nothing_around_it(
     assert torch.equal(fast, plain)
     for start, offs in zip(starts, rows):
         assert bytes(fast[start : start + sum(sizes)].tolist()) == reference(SOURCE, offs, sizes)
+
+
+@st.composite
+def scattered(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int]]:
+    """Buffers at any alignment in the source, and regions apart from each other at any alignment
+    in the destination, of sizes on either side of the streamed body: where each buffer starts,
+    each row's region offsets, sizes."""
+    width = draw(st.integers(1, 3))
+    sizes = draw(st.lists(st.integers(0, 700), min_size=width, max_size=width))
+    count = draw(st.integers(1, 4))
+    starts = [draw(st.integers(0, 63)) + i * 2304 for i in range(count)]
+    rows, cursor = [], 0
+    for _ in range(count):
+        row = []
+        for size in sizes:
+            cursor += draw(st.integers(0, 63))
+            row.append(cursor)
+            cursor += size
+        rows.append(row)
+    return starts, rows, sizes
+
+
+@settings(deadline=None)
+@given(scattered(), st.booleans())
+def test_a_streamed_scatter_writes_what_memmove_writes_and_nothing_around_it(
+    case: tuple[list[int], list[list[int]], list[int]], ragged_rows: bool
+) -> None:
+    """Every get streams into the engine's regions too (:mod:`kvflow.backends.copies`): for every
+    alignment and size the regions hold exactly the bytes of a plain copy of their buffer, and
+    the bytes between and after them keep what was there."""
+    starts, rows, sizes = case
+    width = len(sizes)
+    source = torch.randint(0, 255, (4 * 2304 + 64,), dtype=torch.uint8)
+    plain = torch.full((4 * 2304 + 4 * 3 * 64 + 64,), 7, dtype=torch.uint8)
+    fast = plain.clone()
+    at = source.data_ptr() + np.asarray(starts, dtype=np.int64)
+    for out, stream in ((plain, False), (fast, True)):
+        addrs = np.asarray(rows, dtype=np.int64) + out.data_ptr()
+        if ragged_rows:
+            counts = np.full(len(rows), width, dtype=np.int64)
+            flat = np.tile(sizes, len(rows))
+            copy_ragged(at, counts, addrs.ravel(), flat, into_regions=True, stream=stream)
+        else:
+            copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), into_regions=True, stream=stream)
+    assert torch.equal(fast, plain)
+    written = torch.zeros_like(fast, dtype=torch.bool)
+    for start, offs in zip(starts, rows):
+        assert reference(fast, offs, sizes) == bytes(source[start : start + sum(sizes)].tolist())
+        for offset, size in zip(offs, sizes):
+            written[offset : offset + size] = True
+    assert bool((fast[~written] == 7).all())

@@ -1,11 +1,13 @@
 """In-process copies of a backend call's objects: each object's regions to or from one buffer, the
 whole batch in one compiled call (:mod:`kvflow.regions`).
 
-A gather writes the store's own buffers with streaming stores (:mod:`kvflow.copyloops`): nobody
-reads a stored object again soon, so its lines need not be read first nor kept in the caches. A
-scatter writes the engine's cache with ordinary stores: its kernels read the loaded KV next, and
-what is still in the caches they read faster (streamed loads of a 32 MiB prompt made no load faster
-and the forward after them slower in ``benchmarks/vllm_ttft.py``: docs/benchmarks.md, 2026-12-04).
+Both directions write with streaming stores (:mod:`kvflow.copyloops`), which skip the read of
+each destination line first. A gather writes the store's own buffers, which nobody reads again
+soon. A scatter writes the engine's cache, whose kernels read the loaded KV next: on the second VM
+of docs/benchmarks.md a streamed load of 1-32 MiB took 0.67-0.99x the time of the same load by
+``memmove`` (0.67-0.84x from 16 MiB), and reading what it loaded took as long after either (tenth
+stop). On the first VM, two noisy runs of ``benchmarks/vllm_ttft.py`` with streamed loads showed
+no faster load (2026-12-04, afternoon); it could not be measured there again.
 
 An :class:`~kvflow.backends.base.ObjectBatch` goes to the copy loop as the columns it already is;
 a list of objects of any shapes is first laid out flat.
@@ -25,12 +27,12 @@ __all__ = ["check_object", "gather_objects", "scatter_objects"]
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
     """Copy each object's regions back to back into the buffer at ``buffers[i]`` (streamed)."""
-    _copy(buffers, objects, into_regions=False, stream=True)
+    _copy(buffers, objects, into_regions=False)
 
 
 def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
-    """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order."""
-    _copy(buffers, objects, into_regions=True, stream=False)
+    """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order (streamed)."""
+    _copy(buffers, objects, into_regions=True)
 
 
 def check_object(obj: ObjectRef) -> None:
@@ -43,13 +45,13 @@ def check_object(obj: ObjectRef) -> None:
         )
 
 
-def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions: bool, stream: bool) -> None:
+def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions: bool) -> None:
     if len(buffers) != len(objects):
         raise ValueError(f"{len(buffers)} buffers for {len(objects)} objects")
     starts = np.asarray(buffers, dtype=np.int64)
     if isinstance(objects, ObjectBatch):
         sizes = np.asarray(objects.sizes)
-        copy_rows(starts, objects.addrs, sizes, into_regions=into_regions, stream=stream)
+        copy_rows(starts, objects.addrs, sizes, into_regions=into_regions, stream=True)
         return
     addrs: list[int] = []
     sizes_of: list[int] = []
@@ -59,5 +61,5 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
         sizes_of.extend(obj.sizes)
     counts = np.fromiter((len(obj.sizes) for obj in objects), dtype=np.int64, count=len(objects))
     copy_ragged(
-        starts, counts, np.asarray(addrs), np.asarray(sizes_of), into_regions=into_regions, stream=stream
+        starts, counts, np.asarray(addrs), np.asarray(sizes_of), into_regions=into_regions, stream=True
     )

@@ -24,7 +24,6 @@ What stays true across the checkpoints of larger objects:
 
 from __future__ import annotations
 
-import ctypes
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -57,7 +56,6 @@ __all__ = ["MemoryBackend", "MemoryConfig"]
 R = TypeVar("R")
 
 _DEFAULT_CAPACITY = 4 << 30
-_memmove = ctypes.memmove
 
 
 @attrs.frozen
@@ -391,45 +389,41 @@ class MemoryBackend:
 async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:
     """Copy between ``obj``'s regions and the buffer at ``buf``, in pieces of at most 1 MiB.
 
-    Checks the clock after every 1 MiB (never after the last piece: the caller does). Into the
-    buffer, each 1 MiB is one call of the compiled copy loop with streaming stores, as the puts of
-    smaller objects copy (:mod:`kvflow.copyloops`: nobody reads a stored object soon); out of it,
-    ``memmove`` per piece (the engine reads what it loaded next).
+    Each piece is one call of the compiled copy loop with streaming stores, as a run of smaller
+    objects is copied either way (:mod:`kvflow.backends.copies`). Checks the clock after every
+    piece but the last (the caller does after it).
     """
     offset = 0
     since_tick = 0
-    sources: list[int] = []  # into the buffer: the pieces of the MiB being gathered at ``gathered``
+    addrs: list[int] = []  # the regions' parts of the piece that starts in the buffer at ``piece``
     lengths: list[int] = []
-    gathered = buf
+    piece = buf
     for addr, size in zip(obj.addrs, obj.sizes):
         done = 0
         while done < size:
             if since_tick >= PIECE:
-                if into_buffer:
-                    _stream(gathered, sources, lengths)
-                    gathered, sources, lengths = buf + offset, [], []
+                _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
+                piece, addrs, lengths = buf + offset, [], []
                 await pacer.tick()
                 since_tick = 0
             n = min(size - done, PIECE - since_tick)
-            if into_buffer:
-                sources.append(addr + done)
-                lengths.append(n)
-            else:
-                _memmove(addr + done, buf + offset, n)
+            addrs.append(addr + done)
+            lengths.append(n)
             done += n
             offset += n
             since_tick += n
-    if sources:
-        _stream(gathered, sources, lengths)
+    if addrs:
+        _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
 
 
-def _stream(dst: int, sources: list[int], lengths: list[int]) -> None:
-    """Gather the regions ``(sources[i], lengths[i])`` back to back at ``dst``, streamed."""
+def _copy_piece(at: int, addrs: list[int], lengths: list[int], *, into_buffer: bool) -> None:
+    """Copy between the regions ``(addrs[i], lengths[i])`` and the buffer at ``at``, back to back
+    there, streamed: into the buffer when ``into_buffer``, else out of it."""
     regions.copy_ragged(
-        np.asarray([dst], dtype=np.int64),
-        np.asarray([len(sources)], dtype=np.int64),
-        np.asarray(sources, dtype=np.int64),
+        np.asarray([at], dtype=np.int64),
+        np.asarray([len(addrs)], dtype=np.int64),
+        np.asarray(addrs, dtype=np.int64),
         np.asarray(lengths, dtype=np.int64),
-        into_regions=False,
+        into_regions=not into_buffer,
         stream=True,
     )

@@ -118,19 +118,17 @@ async def test_at_most_one_piece_is_copied_between_turns(
     copied = 0
 
     def metered(copy: Callable[..., T], nbytes: Callable[..., int]) -> Callable[..., T]:
-        def run(*args: object) -> T:
+        def run(*args: object, **kwargs: object) -> T:
             nonlocal copied
-            copied += nbytes(*args)
-            return copy(*args)
+            copied += nbytes(*args, **kwargs)
+            return copy(*args, **kwargs)
 
         return run
 
     if isinstance(backend, MemoryBackend):
         monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
-        monkeypatch.setattr(
-            memory, "_memmove", metered(memory._memmove, lambda _d, _s, n: n)
-        )  # a get's piece
-        monkeypatch.setattr(memory, "_stream", metered(memory._stream, lambda _d, _s, lengths: sum(lengths)))
+        piece = metered(memory._copy_piece, lambda _at, _addrs, lengths, **_: sum(lengths))
+        monkeypatch.setattr(memory, "_copy_piece", piece)  # a piece of a larger object, either way
         for name in ("gather_objects", "scatter_objects"):  # runs of one-piece objects, one call each
             real = getattr(memory, name)
             monkeypatch.setattr(memory, name, metered(real, lambda _b, objects: sum(nbytes_of(objects))))
