@@ -9,11 +9,11 @@ layer, in vLLM's CPU layout), it times, in microseconds per object, best of ``--
 ``--calls`` calls each (every column alike, the memcpy baselines too):
 
 - memcpy: the same bytes copied in object-sized chunks, one call of the compiled copy loop
-  (memmove: a get's kind of copy); memcpy streamed: the same with streaming stores, a put's kind
-  (a put's baseline is the faster of the two);
+  (memmove); memcpy streamed: the same with streaming stores, the kind of copy puts and gets
+  make (their baseline is the faster of the two);
 - copy: the objects' region copies alone, the call a backend's get makes, from one buffer per
-  object into the cache (:mod:`kvflow.backends.copies`); gather: the call a put makes, from the
-  cache into one buffer per object, streamed;
+  object into the cache, streamed (:mod:`kvflow.backends.copies`); gather: the call a put makes,
+  from the cache into one buffer per object, streamed;
 - backend get / put: the backend's own call with the batch (puts under new keys each call, into a
   store with room for about one batch, so every put evicts, as a cache in service does);
 - pool retrieve / store / lookup: :class:`kvflow.KVPool` calls for the same blocks, named by

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvflow.layout import KVLayout
+from kvflow.tools import baselines
 from kvflow.tools.baselines import (
     CacheFlush,
     bare_call_s,
@@ -54,9 +55,18 @@ def test_the_memcpy_baselines_copy_every_byte_plain_and_streamed() -> None:
     assert plain > 0 and streamed > 0
 
 
-def test_the_retrieve_region_baseline_scatters_into_the_target_regions() -> None:
-    """A retrieve's region baseline writes the caches' regions (ordinary stores), as a get does;
-    a store's reads them (gathered into a buffer, streamed), as a put does."""
+def test_the_region_baselines_copy_as_the_backends_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retrieve's region baseline writes the caches' regions, as a get does; a store's reads
+    them (gathered into a buffer), as a put does. Both copy streamed, as the backends' puts and
+    gets do (:mod:`kvflow.backends.copies`), and so do the bare calls."""
+    copies: list[tuple[bool, bool]] = []  # (into the regions, streamed)
+    real = baselines.copy_rows
+
+    def recorded(starts, addrs, sizes, *, into_regions, stream=False):  # type: ignore[no-untyped-def]
+        copies.append((into_regions, stream))
+        real(starts, addrs, sizes, into_regions=into_regions, stream=stream)
+
+    monkeypatch.setattr(baselines, "copy_rows", recorded)
     src, dst = caches(8, fill=True), caches(8, fill=False)
     before = {name: t.clone() for name, t in src.items()}
     assert region_copy_gbps(KVLayout.from_kv_caches(src), [0, 3]) > 0
@@ -64,6 +74,10 @@ def test_the_retrieve_region_baseline_scatters_into_the_target_regions() -> None
     assert region_copy_gbps(KVLayout.from_kv_caches(dst), [0, 3], into_regions=True) > 0
     for name in dst:
         assert dst[name][[0, 3]].all() and not dst[name][[1, 2, 4, 5, 6, 7]].any()
+    assert set(copies) == {(False, True), (True, True)}
+    copies.clear()
+    bare_call_s(KVLayout.from_kv_caches(src), KVLayout.from_kv_caches(dst), [0, 3], range(32), repeat=1)
+    assert set(copies) == {(False, True), (True, True)}
 
 
 def test_best_s_calls_before_ahead_of_each_timed_call_outside_its_timing() -> None:

@@ -73,10 +73,11 @@ def test_bench_reports_ratios_against_memcpy() -> None:
     assert result["backend"] == "memory://"
     assert len(result["store_retrieve"]) == 2
     for row in result["store_retrieve"]:
-        # each direction against a copy of its own kind: a put streams (the faster of memmove and
-        # the streamed copy), a get copies with ordinary stores (memmove; regions scattered)
-        memcpy = {"store": row["store_memcpy_gbps"], "retrieve": row["memcpy_gbps"]}
-        assert memcpy["store"] == max(row["memcpy_gbps"], row["streamed_memcpy_gbps"])
+        # puts and gets stream: both against the faster of memmove and the streamed copy (regions
+        # gathered for a store, scattered for a retrieve)
+        best = max(row["memcpy_gbps"], row["streamed_memcpy_gbps"])
+        assert row["best_memcpy_gbps"] == best
+        memcpy = {"store": best, "retrieve": best}
         regions = {"store": row["regions_gbps"], "retrieve": row["retrieve_regions_gbps"]}
         floor = {"store": row["floor_gbps"], "retrieve": row["retrieve_floor_gbps"]}
         assert row["floor_vs_memcpy"] == pytest.approx(row["floor_gbps"] / memcpy["store"])

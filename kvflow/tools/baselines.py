@@ -1,14 +1,13 @@
 """What the benchmarks compare kvflow with, each measured in the same run on the same blocks:
 
-- :func:`memcpy_gbps`: the same bytes copied in object-sized chunks by `memmove` (the targets' baseline
-  for retrieves, whose copies use ordinary stores); with ``stream=True`` by streaming
-  (non-temporal) stores, as a put copies (:mod:`kvflow.copyloops`): out of the CPU's caches these
-  run 1.2-1.7x faster than `memmove`, so a put is compared with the faster of the two
+- :func:`memcpy_gbps`: the same bytes copied in object-sized chunks by `memmove`; with
+  ``stream=True`` by streaming (non-temporal) stores, as the backends' puts and gets copy
+  (:mod:`kvflow.copyloops`): out of the CPU's caches these run 1.2-1.7x faster than `memmove`, and
+  in them lose to it, so both directions are compared with the faster of the two
   (:func:`store_memcpy_gbps`);
 - :func:`region_copy_gbps`: the blocks' regions copied and nothing else (what the cache's layout
   costs: a block's regions lie apart, one per layer), gathered with streaming stores as a put
-  gathers them, or with ``into_regions=True`` scattered into them with ordinary stores as a get
-  scatters;
+  gathers them, or with ``into_regions=True`` scattered into them, streamed, as a get scatters;
 - :func:`hash_chain_s`: the sha256 chain that names a request's blocks by their tokens;
 - :func:`bare_call_s`: the least a call that keys each object by text can do in Python: the hash
   chain, the key text, one dict operation per object, the addresses and one copy call, with no
@@ -164,8 +163,9 @@ def store_memcpy_gbps(
     nbytes: int, chunk: int, *, repeat: int = 3, before: Before = None
 ) -> tuple[float, float]:
     """The plain and the streamed :func:`memcpy_gbps` of the same bytes, each best of ``repeat``.
-    A store's baseline is the faster of the two (``max``): a put writes with streaming stores,
-    which out of the CPU's caches often beat `memmove` by 1.2-1.7x, and in them lose to it."""
+    A store's and a retrieve's baseline is the faster of the two (``max``): puts and gets write
+    with streaming stores, which out of the CPU's caches often beat `memmove` by 1.2-1.7x, and in
+    them lose to it."""
     plain = memcpy_gbps(nbytes, chunk, repeat=repeat, before=before)
     return plain, memcpy_gbps(nbytes, chunk, repeat=repeat, stream=True, before=before)
 
@@ -183,7 +183,7 @@ def region_copy_gbps(
     buffer, every block in one call of the compiled copy loop the backends use
     (:func:`kvflow.regions.copy_rows`, with the streaming stores of their puts). With
     ``into_regions``, the copies a retrieve must make instead: the buffer scattered into the
-    regions with ordinary stores, as the backends' gets copy. Beside :func:`memcpy_gbps` of whole
+    regions, streamed too, as the backends' gets copy. Beside :func:`memcpy_gbps` of whole
     objects it shows what the cache's layout itself costs (a block's regions lie apart, one per
     layer)."""
     sizes = np.asarray(layout.unit_sizes(None), dtype=np.int64)
@@ -193,7 +193,7 @@ def region_copy_gbps(
     starts = buffer.data_ptr() + nbytes * np.arange(len(rows), dtype=np.int64)
 
     def copy() -> None:
-        copy_rows(starts, rows, sizes, into_regions=into_regions, stream=not into_regions)
+        copy_rows(starts, rows, sizes, into_regions=into_regions, stream=True)
 
     best = best_s(copy, repeat, before=before)
     return buffer.numel() / best / 1e9
@@ -220,7 +220,7 @@ def bare_call_s(
     bare retrieve of them into ``target``'s (the same geometry), named by ``tokens``: the hash
     chain, a key text per block (a prefix and the hash in hex, as kvflow's), one dict insert or
     look-up per key, the blocks' addresses and one call of the copy loop between the cache and
-    pre-faulted slots (the store's streamed, as the backends' puts: :mod:`kvflow.backends.copies`).
+    pre-faulted slots, streamed both ways as the backends' puts and gets (:mod:`kvflow.backends.copies`).
     Nothing is checked or counted and the call never yields to a loop; what kvflow adds over it is
     everything a library does beyond that."""
     sizes = np.asarray(source.unit_sizes(None), dtype=np.int64)
@@ -245,7 +245,7 @@ def bare_call_s(
     def retrieve() -> None:
         starts = [index[key] for key in keys()]
         rows = target.addr_rows(block_ids)
-        copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=True)
+        copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=True, stream=True)
 
     return best_s(store, repeat, before=before), best_s(retrieve, repeat, before=before)
 
