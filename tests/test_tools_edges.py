@@ -331,7 +331,7 @@ def test_bench_plot_that_fails_to_write_keeps_the_results_and_says_why(
     """A plot that cannot be written after the run (the directory went away meanwhile) is one line
     and exit 2, and the results were printed first: nothing measured is lost."""
     pytest.importorskip("matplotlib")
-    row = {"object_kib": 64.0, "batch": 1, "memcpy_gbps": 1.0, "store_gbps": 2.0, "retrieve_gbps": 3.0}
+    row = {"object_kib": 64.0, "batch": 1, "best_memcpy_gbps": 1.0, "store_gbps": 2.0, "retrieve_gbps": 3.0}
     result: dict[str, object] = {"backend": "memory://", "store_retrieve": [row]}
     target = tmp_path / "gone" / "x.png"
     target.parent.mkdir()
@@ -345,3 +345,43 @@ def test_bench_plot_that_fails_to_write_keeps_the_results_and_says_why(
     out = capsys.readouterr()
     assert json.loads(out.out) == result
     assert f"--plot {target}: could not write the plot" in out.err and len(out.err.strip().splitlines()) == 1
+
+
+def test_bench_plot_draws_each_size_at_its_largest_batch_beside_the_baseline_of_both_directions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plot has one point per object size, from that size's largest batch, for the store, the
+    retrieve and the memcpy both are compared with (the faster of memmove and the streamed copy),
+    and is written as a PNG."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from kvflow.tools.bench_plot import plot_throughput
+
+    def row(kib: float, batch: int, base: float) -> dict[str, float]:
+        return {
+            "object_kib": kib,
+            "batch": batch,
+            "memcpy_gbps": base,
+            "best_memcpy_gbps": base + 0.5,
+            "store_gbps": base + 0.1,
+            "retrieve_gbps": base + 0.2,
+        }
+
+    result = {"backend": "memory://", "store_retrieve": [row(64, 16, 1), row(64, 256, 2), row(256, 64, 3)]}
+    drawn: dict[str, list[float]] = {}
+    real = Axes.plot
+
+    def plot(self: Axes, xs: list[float], ys: list[float], style: str, *, label: str) -> object:
+        drawn[label] = [*xs, *ys]
+        return real(self, xs, ys, style, label=label)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    target = tmp_path / "throughput.png"
+    plot_throughput(result, str(target))
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == {
+        "memcpy (the faster of memmove and streamed)": [64, 256, 2.5, 3.5],
+        "store": [64, 256, 2.1, 3.1],
+        "retrieve": [64, 256, 2.2, 3.2],
+    }
