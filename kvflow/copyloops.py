@@ -9,7 +9,7 @@ with no ``NUMBA_CACHE_DIR``), :func:`compile_loops` compiles them in memory inst
 A copy may *stream* (on x86-64), in either direction: the body of each destination region is
 written with non-temporal stores, which skip the read of every destination line that an ordinary
 store makes first. Into slots spread over a large arena that copy runs at about 1.5x ``memmove``
-on the first VM of docs/benchmarks.md; out of them into an engine's cache, 1.2-1.4x on the second,
+on the first VM of docs/benchmarks.md; out of them into an engine's cache, 1.2-1.5x on the second,
 whose next read of what was loaded took as long either way. A streaming call ends with a store
 fence, so what it wrote is visible to other cores before anything the caller writes after it (a
 published table row, a load's completion).

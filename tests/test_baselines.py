@@ -21,8 +21,8 @@ from kvflow.tools.baselines import (
     last_level_cache_bytes,
     memcpy_call,
     memcpy_gbps,
+    plain_and_streamed_gbps,
     region_copy_gbps,
-    store_memcpy_gbps,
 )
 
 
@@ -51,7 +51,7 @@ def test_the_memcpy_baselines_copy_every_byte_plain_and_streamed() -> None:
         assert call.src.numel() == 1 << 20 and not call.copied()
         call()
         assert call.copied()
-    plain, streamed = store_memcpy_gbps(1 << 20, 64 << 10)
+    plain, streamed = plain_and_streamed_gbps(1 << 20, 64 << 10)
     assert plain > 0 and streamed > 0
 
 
@@ -99,7 +99,7 @@ BASELINES: dict[str, tuple[int, Callable[[KVLayout, KVLayout, Callable[[], objec
     "memcpy": (2, lambda s, t, before: memcpy_gbps(1 << 20, 64 << 10, repeat=2, before=before)),
     "store memcpy, plain and streamed": (
         4,
-        lambda s, t, before: store_memcpy_gbps(1 << 20, 64 << 10, repeat=2, before=before),
+        lambda s, t, before: plain_and_streamed_gbps(1 << 20, 64 << 10, repeat=2, before=before),
     ),
     "regions": (2, lambda s, t, before: region_copy_gbps(s, [0, 3], repeat=2, before=before)),
     "hash chain": (2, lambda s, t, before: hash_chain_s(range(32), 16, repeat=2, before=before)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from kvflow.backends.arena import backend as arena_backend
 from kvflow.backends.arena.table import compile_passes
 from kvflow.backends.base import Backend
 from kvflow.backends.memory import MemoryBackend
-from kvflow.copyloops import Loops, compile_loops
+from kvflow.copyloops import STREAMS, Loops, compile_loops
 
 # One process's use of the loops: which were loaded from the cache, which compiled.
 PROBE = """
@@ -117,3 +118,15 @@ def test_warming_calls_each_loop_once_on_nothing(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(regions, "_kernels", lambda: Loops(rows, ragged, cached=True))
     regions.warm()
     assert calls == [("rows", 0), ("ragged", 0)]
+
+
+@pytest.mark.skipif(not STREAMS, reason="streaming stores are written on x86-64 only (memmove elsewhere)")
+def test_each_loop_writes_with_non_temporal_stores_both_ways_and_fences() -> None:
+    """Each compiled loop has the streamed body twice, one for a put's gather and one for a get's
+    scatter (four vector stores per step each), and a store fence after them: a loop whose
+    scatter went back to memmove, or that lost its fence, has fewer."""
+    loops = compile_loops(cache=False)
+    for loop in (loops.rows, loops.ragged):
+        (llvm,) = loop.inspect_llvm().values()
+        assert len(re.findall(r"store <4 x i64> .*!nontemporal", llvm)) == 8
+        assert "call void @llvm.x86.sse.sfence()" in llvm

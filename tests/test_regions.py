@@ -268,3 +268,35 @@ def test_a_streamed_scatter_writes_what_memmove_writes_and_nothing_around_it(
         for offset, size in zip(offs, sizes):
             written[offset : offset + size] = True
     assert bool((fast[~written] == 7).all())
+
+
+@pytest.mark.parametrize("as_batch", [False, True], ids=["list", "batch"])
+def test_a_backend_call_copies_streamed_both_ways(monkeypatch: pytest.MonkeyPatch, as_batch: bool) -> None:
+    """A put's gather and a get's scatter both ask the copy loop for streaming stores, for objects
+    by column and for a list (:mod:`kvflow.backends.copies`); the bytes round-trip."""
+    from kvflow.backends import copies
+
+    seen: list[tuple[bool, bool]] = []  # (into the regions, streamed)
+    for name in ("copy_rows", "copy_ragged"):
+        real = getattr(copies, name)
+
+        def recorded(*args, into_regions, stream=False, _real=real):  # type: ignore[no-untyped-def]
+            seen.append((into_regions, stream))
+            _real(*args, into_regions=into_regions, stream=stream)
+
+        monkeypatch.setattr(copies, name, recorded)
+    cache = torch.randint(0, 255, (2, 300), dtype=torch.uint8)
+    expected = cache.clone()
+    buffers = torch.zeros(2, 300, dtype=torch.uint8)
+    addrs = np.asarray([[row.data_ptr(), row.data_ptr() + 100] for row in cache], dtype=np.int64)
+    objects = (
+        ObjectBatch(["a", "b"], addrs, [100, 200], 300)
+        if as_batch
+        else [ObjectRef.of(key, list(row), [100, 200]) for key, row in zip("ab", addrs.tolist())]
+    )
+    starts = [row.data_ptr() for row in buffers]
+    gather_objects(starts, objects)
+    cache.zero_()
+    scatter_objects(starts, objects)
+    assert torch.equal(buffers, expected) and torch.equal(cache, expected)
+    assert seen == [(False, True), (True, True)]

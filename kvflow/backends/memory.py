@@ -131,7 +131,7 @@ class MemoryBackend:
         return BackendCapabilities(put_checks_present=True)
 
     def register_memory(self, addr: int, nbytes: int) -> None:
-        """Nothing to register: copies go straight through ``memmove``."""
+        """Nothing to register: copies go straight between the caller's memory and the buffers."""
 
     def stats(self) -> BackendStats:
         return self._stats

@@ -4,7 +4,7 @@
   ``stream=True`` by streaming (non-temporal) stores, as the backends' puts and gets copy
   (:mod:`kvflow.copyloops`): out of the CPU's caches these run 1.2-1.7x faster than `memmove`, and
   in them lose to it, so both directions are compared with the faster of the two
-  (:func:`store_memcpy_gbps`);
+  (:func:`plain_and_streamed_gbps`);
 - :func:`region_copy_gbps`: the blocks' regions copied and nothing else (what the cache's layout
   costs: a block's regions lie apart, one per layer), gathered with streaming stores as a put
   gathers them, or with ``into_regions=True`` scattered into them, streamed, as a get scatters;
@@ -50,8 +50,8 @@ __all__ = [
     "last_level_cache_bytes",
     "memcpy_call",
     "memcpy_gbps",
+    "plain_and_streamed_gbps",
     "region_copy_gbps",
-    "store_memcpy_gbps",
 ]
 
 #: A call made ahead of each timed call, outside its timing (a :class:`CacheFlush`), or None.
@@ -159,7 +159,7 @@ def memcpy_gbps(
     return call.dst.numel() / best / 1e9
 
 
-def store_memcpy_gbps(
+def plain_and_streamed_gbps(
     nbytes: int, chunk: int, *, repeat: int = 3, before: Before = None
 ) -> tuple[float, float]:
     """The plain and the streamed :func:`memcpy_gbps` of the same bytes, each best of ``repeat``.

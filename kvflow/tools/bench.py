@@ -21,7 +21,13 @@ from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.profiles import SLOT_BYTES
 from kvflow.request import KVRequest
-from kvflow.tools.baselines import CacheFlush, bare_call_s, hash_chain_s, region_copy_gbps, store_memcpy_gbps
+from kvflow.tools.baselines import (
+    CacheFlush,
+    bare_call_s,
+    hash_chain_s,
+    plain_and_streamed_gbps,
+    region_copy_gbps,
+)
 from kvflow.tools.machine import Machine, this_machine
 
 __all__ = ["bench_main", "run_bench"]
@@ -158,7 +164,7 @@ def _baselines(
     nbytes = source.block_nbytes * len(ids)
     # Each baseline is timed at least as often as kvflow's calls, memcpy twice as often: a best of
     # three moved by 20-30% from run to run on a shared VM, and a baseline caught low flatters kvflow.
-    plain, streamed = store_memcpy_gbps(nbytes, object_bytes, repeat=2 * repeat, before=flush)
+    plain, streamed = plain_and_streamed_gbps(nbytes, object_bytes, repeat=2 * repeat, before=flush)
     hashes_s = hash_chain_s(tokens, 16, repeat=repeat, before=flush)
     regions = region_copy_gbps(source, ids, repeat=repeat, before=flush)
     retrieve_regions = region_copy_gbps(target, ids, repeat=repeat, into_regions=True, before=flush)

@@ -21,7 +21,7 @@ from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
 from kvflow.request import KVRequest
-from kvflow.tools.baselines import memcpy_gbps
+from kvflow.tools.baselines import plain_and_streamed_gbps
 from kvflow.tools.workload import (
     Geometry,
     block_matches,
@@ -56,7 +56,7 @@ class DemoSummary:
     retrieve_bytes: int = 0
     store_s: float = 0.0
     retrieve_s: float = 0.0
-    memcpy_gbps: float = 0.0
+    memcpy_gbps: float = 0.0  # the faster of memmove and the streamed copy of the retrieved bytes
     block_nbytes: int = 0
 
     @property
@@ -169,7 +169,9 @@ async def run_demo(
             for run in created:
                 summary.blocks_removed += await pool_b.remove(run)
     summary.evictions = backend.stats().evictions - evicted_before
-    summary.memcpy_gbps = memcpy_gbps(max(summary.retrieve_bytes, g.block_nbytes), g.block_nbytes)
+    # the faster of memmove and the streamed copy: a get streams, as kvflow bench compares it
+    nbytes = max(summary.retrieve_bytes, g.block_nbytes)
+    summary.memcpy_gbps = max(plain_and_streamed_gbps(nbytes, g.block_nbytes))
     return summary
 
 
@@ -228,7 +230,7 @@ def demo_main(
             f"(hit rate {data['hit_rate']:.0%}), {data['blocks_verified']} verified bit-exact; "
             f"prefix reuse while storing {data['reuse_rate']:.0%}\n"
             f"store {data['store_gbps']:.2f} GB/s, retrieve {data['retrieve_gbps']:.2f} GB/s, "
-            f"memcpy {data['memcpy_gbps']:.2f} GB/s "
+            f"memcpy {data['memcpy_gbps']:.2f} GB/s, the faster of memmove and the streamed copy "
             f"(retrieve/memcpy {data['retrieve_gbps'] / max(data['memcpy_gbps'], 1e-9):.2f}x)\n"
             + (
                 f"removed the {summary.blocks_removed} blocks this run stored (--keep keeps them)\n"

@@ -4,9 +4,9 @@ Every process on the host that opens the same directory maps the same arena
 (:mod:`kvflow.backends.arena.store`) and shares its objects; there is no server. A put claims one
 slot per object under the exclusive lock, copies the object's regions into it without the lock,
 and publishes it under the lock again; a get finds and copies objects under the shared lock, so no
-claim can take a slot while it is read. Copies are ``memmove`` into and out of memory that every
-process has mapped already: no system call per object, and no checksum (a slot is only ever read
-while its row says it holds that key, whole).
+claim can take a slot while it is read. Copies are streamed (:mod:`kvflow.backends.copies`) into
+and out of memory that every process has mapped already: no system call per object, and no
+checksum (a slot is only ever read while its row says it holds that key, whole).
 
 No lock is held across an await (:mod:`kvflow.backends.arena.lock`); a call lets the loop run
 between objects once it has held it for half a millisecond (:mod:`kvflow.backends.pacing`), so it
@@ -131,7 +131,7 @@ class ArenaBackend:
         return self._arena.root
 
     def register_memory(self, addr: int, nbytes: int) -> None:
-        """Nothing to register: copies are plain ``memmove`` between mapped memory and the caller's."""
+        """Nothing to register: copies go straight between mapped memory and the caller's."""
 
     def stats(self) -> BackendStats:
         """Counters of this instance; ``used_bytes`` is the arena's, read from its table now (once
