@@ -4,6 +4,7 @@ for objects by column (ObjectBatch) and for lists of objects of any shapes."""
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from hypothesis import given, settings
@@ -181,15 +182,33 @@ def test_keys_sizes_and_some_of_a_batch_are_its_objects(case: tuple[int, list[in
     assert list(part) == list(some_of(as_list, picked)) == [as_list[i] for i in picked]
 
 
-@st.composite
-def streamed(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int]]:
-    """Buffers at any alignment and regions of sizes on either side of the streamed body (its
-    vectors of 32 bytes, steps of 128): where each buffer starts, each row's region offsets, sizes."""
+def buffers_and_sizes(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """Up to 4 buffers at any alignment, 2304 bytes apart (3 regions of up to 700 fit), and up to
+    3 region sizes on either side of the streamed body (its vectors of 32 bytes, steps of 128)."""
     width = draw(st.integers(1, 3))
     sizes = draw(st.lists(st.integers(0, 700), min_size=width, max_size=width))
     count = draw(st.integers(1, 4))
-    rows = [[draw(st.integers(0, POOL - size)) for size in sizes] for _ in range(count)]
-    starts = [draw(st.integers(0, 63)) + i * 2304 for i in range(count)]  # apart: 3 x 700 < 2304
+    return [draw(st.integers(0, 63)) + i * 2304 for i in range(count)], sizes
+
+
+def copy_with_loop(
+    at: npt.NDArray[np.int64], addrs: npt.NDArray[np.int64], sizes: list[int], *, ragged: bool, **how: bool
+) -> None:
+    """One call of either loop (``ragged``: as rows of any length) between the buffers at ``at``
+    and the regions at ``addrs`` (a row per buffer)."""
+    if ragged:
+        counts = np.full(len(addrs), len(sizes), dtype=np.int64)
+        copy_ragged(at, counts, addrs.ravel(), np.tile(sizes, len(addrs)), **how)
+    else:
+        copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), **how)
+
+
+@st.composite
+def streamed(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int]]:
+    """Buffers and sizes (:func:`buffers_and_sizes`) and regions anywhere in the pool: where each
+    buffer starts, each row's region offsets, sizes."""
+    starts, sizes = buffers_and_sizes(draw)
+    rows = [[draw(st.integers(0, POOL - size)) for size in sizes] for _ in starts]
     return starts, rows, sizes
 
 
@@ -202,18 +221,12 @@ def test_a_streamed_gather_writes_what_memmove_writes_and_nothing_around_it(
     copy head, aligned body and tail: for every alignment and size the buffers hold exactly the
     bytes of a plain copy, and the bytes between and after them keep what was there."""
     starts, rows, sizes = case
-    base, width = SOURCE.data_ptr(), len(sizes)
     plain = torch.full((4 * 2304 + 64,), 7, dtype=torch.uint8)
     fast = plain.clone()
-    addrs = np.asarray(rows, dtype=np.int64) + base
+    addrs = np.asarray(rows, dtype=np.int64) + SOURCE.data_ptr()
     for out, stream in ((plain, False), (fast, True)):
         at = out.data_ptr() + np.asarray(starts, dtype=np.int64)
-        if ragged_rows:
-            counts = np.full(len(rows), width, dtype=np.int64)
-            flat = np.tile(sizes, len(rows))
-            copy_ragged(at, counts, addrs.ravel(), flat, into_regions=False, stream=stream)
-        else:
-            copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), into_regions=False, stream=stream)
+        copy_with_loop(at, addrs, sizes, ragged=ragged_rows, into_regions=False, stream=stream)
     assert torch.equal(fast, plain)
     for start, offs in zip(starts, rows):
         assert bytes(fast[start : start + sum(sizes)].tolist()) == reference(SOURCE, offs, sizes)
@@ -221,15 +234,11 @@ def test_a_streamed_gather_writes_what_memmove_writes_and_nothing_around_it(
 
 @st.composite
 def scattered(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int]]:
-    """Buffers at any alignment in the source, and regions apart from each other at any alignment
-    in the destination, of sizes on either side of the streamed body: where each buffer starts,
-    each row's region offsets, sizes."""
-    width = draw(st.integers(1, 3))
-    sizes = draw(st.lists(st.integers(0, 700), min_size=width, max_size=width))
-    count = draw(st.integers(1, 4))
-    starts = [draw(st.integers(0, 63)) + i * 2304 for i in range(count)]
+    """Buffers and sizes (:func:`buffers_and_sizes`) and regions apart from each other, at any
+    alignment: where each buffer starts, each row's region offsets, sizes."""
+    starts, sizes = buffers_and_sizes(draw)
     rows, cursor = [], 0
-    for _ in range(count):
+    for _ in starts:
         row = []
         for size in sizes:
             cursor += draw(st.integers(0, 63))
@@ -248,19 +257,13 @@ def test_a_streamed_scatter_writes_what_memmove_writes_and_nothing_around_it(
     alignment and size the regions hold exactly the bytes of a plain copy of their buffer, and
     the bytes between and after them keep what was there."""
     starts, rows, sizes = case
-    width = len(sizes)
     source = torch.randint(0, 255, (4 * 2304 + 64,), dtype=torch.uint8)
     plain = torch.full((4 * 2304 + 4 * 3 * 64 + 64,), 7, dtype=torch.uint8)
     fast = plain.clone()
     at = source.data_ptr() + np.asarray(starts, dtype=np.int64)
     for out, stream in ((plain, False), (fast, True)):
         addrs = np.asarray(rows, dtype=np.int64) + out.data_ptr()
-        if ragged_rows:
-            counts = np.full(len(rows), width, dtype=np.int64)
-            flat = np.tile(sizes, len(rows))
-            copy_ragged(at, counts, addrs.ravel(), flat, into_regions=True, stream=stream)
-        else:
-            copy_rows(at, addrs, np.asarray(sizes, dtype=np.int64), into_regions=True, stream=stream)
+        copy_with_loop(at, addrs, sizes, ragged=ragged_rows, into_regions=True, stream=stream)
     assert torch.equal(fast, plain)
     written = torch.zeros_like(fast, dtype=torch.bool)
     for start, offs in zip(starts, rows):
