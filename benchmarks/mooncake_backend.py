@@ -23,7 +23,10 @@ regions far apart in registered memory, through that one client:
 Sharing one client keeps segment placement and page state equal for all sides (separate clients
 differed by up to 30% from run to run). Each round uses fresh keys and rotates the order of the
 sides; every key is removed between rounds; round 0 warms up and is not counted; every get is
-checked against the source. Reported: median GB/s over ``--repeat`` rounds and ratios to raw.
+checked against the source. Reported: median GB/s over ``--repeat`` rounds, ratios to raw, and
+kvflow's own time: what its ``put``/``get`` took beyond the Mooncake calls it made (timed inside
+the worker thread around each native call), the part of the gap that is kvflow's. The rest of a
+ratio's distance from 1 is the client's own spread from call to call.
 """
 
 from __future__ import annotations
@@ -52,6 +55,34 @@ SEGMENT = 1 << 30
 
 class Store(NativeStore, Protocol):
     def remove_all(self, force: bool) -> int: ...
+
+
+@attrs.define
+class TimedStore:
+    """The backend's client with its batch calls timed (they run in a worker thread); the raw side
+    calls the client itself."""
+
+    store: Store
+    native_s: float = 0.0
+
+    def _timed(self, name: str, *args: object) -> list[int]:
+        start = time.perf_counter()
+        try:
+            return cast(list[int], getattr(self.store, name)(*args))
+        finally:
+            self.native_s += time.perf_counter() - start
+
+    def batch_put_from_multi_buffers(self, *args: object) -> list[int]:
+        return self._timed("batch_put_from_multi_buffers", *args)
+
+    def batch_get_into_multi_buffers(self, *args: object) -> list[int]:
+        return self._timed("batch_get_into_multi_buffers", *args)
+
+    def batch_is_exist(self, *args: object) -> list[int]:
+        return self._timed("batch_is_exist", *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
 
 
 class Side(Protocol):
@@ -123,16 +154,33 @@ def _check_and_clear(src: bytearray, dst: bytearray, nbytes: int) -> None:
     ctypes.memset(buffer_address(dst), 0, nbytes)
 
 
-async def _timed(
-    side: Side, puts: list[ObjectRef], gets: list[ObjectRef], nbytes: int
-) -> tuple[float, float]:
+@attrs.frozen
+class Round:
+    """One side's put and get in a round: seconds each took, and seconds inside Mooncake's calls
+    (the backend's client is timed inside; the raw side's calls are not, so 0 there)."""
+
+    put_s: float
+    get_s: float
+    put_native_s: float
+    get_native_s: float
+
+    def seconds(self, op: str) -> float:
+        return self.put_s if op == "put" else self.get_s
+
+    def native_s(self, op: str) -> float:
+        return self.put_native_s if op == "put" else self.get_native_s
+
+
+async def _timed(side: Side, puts: list[ObjectRef], gets: list[ObjectRef], timer: TimedStore) -> Round:
     await side.prepare(puts)
+    before = timer.native_s
     start = time.perf_counter()
     await side.put(puts)
     middle = time.perf_counter()
+    after_put = timer.native_s
     await side.get(gets)
     end = time.perf_counter()
-    return nbytes / (middle - start) / 1e9, nbytes / (end - middle) / 1e9
+    return Round(middle - start, end - middle, after_put - before, timer.native_s - after_put)
 
 
 async def run(
@@ -153,6 +201,8 @@ async def run(
             backend.register_memory(buffer_address(buf), total)
         await backend.connect()
         store = cast(Store, backend.native_store)
+        timer = TimedStore(store)
+        backend._store = timer  # the kv sides' calls are timed inside; the raw side calls ``store``
         sides: list[tuple[str, Side]] = [
             ("raw", Raw(store, backend._replicate)),
             ("kv", Kv(backend, check_present=True)),
@@ -163,20 +213,33 @@ async def run(
             for regions in regions_list:
                 batch = total // size
                 nbytes = size // regions * regions * batch
-                rates: dict[str, list[float]] = {f"{n}_{op}": [] for n, _ in sides for op in ("put", "get")}
+                rounds: dict[str, list[Round]] = {name: [] for name, _ in sides}
                 for round_ in range(repeat + 1):
                     turn = round_ % len(sides)
                     for name, side in sides[turn:] + sides[:turn]:
                         tag = uuid.uuid4().hex[:8]
                         puts = _objects(buffer_address(src), size, regions, batch, f"bench/{tag}/")
                         gets = _objects(buffer_address(dst), size, regions, batch, f"bench/{tag}/")
-                        put_rate, get_rate = await _timed(side, puts, gets, nbytes)
+                        timed = await _timed(side, puts, gets, timer)
                         _check_and_clear(src, dst, nbytes)
                         store.remove_all(True)
                         if round_:
-                            rates[f"{name}_put"].append(put_rate)
-                            rates[f"{name}_get"].append(get_rate)
-                med = {k: statistics.median(v) for k, v in rates.items()}
+                            rounds[name].append(timed)
+                med = {
+                    f"{name}_{op}": statistics.median(nbytes / r.seconds(op) / 1e9 for r in rs)
+                    for name, rs in rounds.items()
+                    for op in ("put", "get")
+                }
+                own = {  # kvflow's time beside Mooncake's calls, and the kv side's rate in those calls
+                    f"kv_{op}_own_ms": statistics.median(
+                        (r.seconds(op) - r.native_s(op)) * 1e3 for r in rounds["kv"]
+                    )
+                    for op in ("put", "get")
+                }
+                native = {
+                    op: statistics.median(nbytes / r.native_s(op) / 1e9 for r in rounds["kv"])
+                    for op in ("put", "get")
+                }
                 rows.append(
                     {
                         "size": size,
@@ -187,6 +250,11 @@ async def run(
                         "put_nocheck_ratio": round(med["kvnc_put"] / med["raw_put"], 2),
                         "put_asked_ratio": round(med["kvp_put"] / med["raw_put"], 2),
                         "get_ratio": round(med["kv_get"] / med["raw_get"], 2),
+                        "kv_put_ms": round(nbytes / med["kv_put"] / 1e6, 2),
+                        "kv_get_ms": round(nbytes / med["kv_get"] / 1e6, 2),
+                        **{k: round(v, 2) for k, v in own.items()},
+                        "put_native_ratio": round(native["put"] / med["raw_put"], 2),
+                        "get_native_ratio": round(native["get"] / med["raw_get"], 2),
                     }
                 )
         await backend.aclose()
@@ -223,6 +291,12 @@ def main() -> None:
         ("raw get", "raw_get_gbps"),
         ("kv get", "kv_get_gbps"),
         ("ratio", "get_ratio"),
+        ("put ms", "kv_put_ms"),
+        ("own", "kv_put_own_ms"),
+        ("get ms", "kv_get_ms"),
+        ("own", "kv_get_own_ms"),
+        ("n.put", "put_native_ratio"),
+        ("n.get", "get_native_ratio"),
     ]
     print(f"{'size':>9}" + "".join(f"{head:>9}" for head, _ in columns))
     for row in rows:
@@ -230,7 +304,9 @@ def main() -> None:
         print(f"{size:>9}" + "".join(f"{row[key]!s:>9}" for _, key in columns))
     print(
         "(GB/s, median of rounds; ratio = kvflow / raw Mooncake client; * = check_present=false; "
-        "+ = right after exists, as the pool puts)"
+        "+ = right after exists, as the pool puts; put ms / get ms: kvflow's call, own: its time "
+        "outside Mooncake's calls, median of rounds; n.put / n.get: the kv side's rate inside Mooncake's "
+        "calls against raw, the ratio kvflow would read with no time of its own)"
     )
 
 
