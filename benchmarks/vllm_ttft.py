@@ -33,9 +33,12 @@ runs one-token requests until it succeeds, and stops with an error if it never d
 the report breaks each question's time down by the connector's calls (lookup; the scheduler's
 other calls; load; store; finish; the rest: the forward and vLLM itself), the time Python's
 garbage collector ran, and counts the engine steps it took (more than one: the request waited for
-its load). Every engine then asks ``--repeat`` new questions of each kind that its own prefix
-cache answers (no reset): each case is also given as a ratio to that floor in its own process,
-because two engine processes differ by more than the 10% the target allows. The report ends with
+its load). Right after each measured question every engine asks a new question of the same kind
+that its own prefix cache answers (no reset): each case is also given as a ratio to that floor in
+its own process, because two engine processes differ by more than the 10% the target allows, as
+the ratio of the medians and question by question (the median of each question's ratio to the
+floor question asked right after it: one engine's speed drifts by more than 10% within a run, and a
+pair shares the drift). The report ends with
 the least any load can take: the document's KV copied once by the backends' copy loop (the
 faster of memmove and the streamed copy), caches cold. A question's TTFT is the wall
 time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine core). The report gives the median
@@ -206,17 +209,19 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         llm.generate([TokensPrompt(prompt_token_ids=_tokens(99, 64))], params, use_tqdm=False)  # warm-up
         for kind in QUESTIONS:
-            asks = []
+            asks, local = [], []
             for r in range(spec["repeat"]):
                 reset()
                 # this case's own questions: cases sharing a store (kvflow and kvflow-async, the
                 # arena cases) would otherwise hit the blocks another case stored of them
                 asks.append(ask(spec["question_seed"] + r, kind))
+                if spec["local_floor"]:  # right after it, a new question that finds the document
+                    # in vLLM's own prefix cache: the floor beside each measured question, through
+                    # the engine's drift (seeds no other case asks, for the same reason)
+                    local.append(ask(spec["local_seed"] + r, kind))
             result[kind] = asks
-            if spec["local_floor"]:  # new questions, the document in vLLM's own prefix cache
-                # questions no other case asks, for the same reason
-                first = spec["local_seed"]
-                result[f"{kind}-local"] = [ask(first + r, kind) for r in range(spec["repeat"])]
+            if spec["local_floor"]:
+                result[f"{kind}-local"] = local
             # the first token of every other case's questions, from this engine (no connector; the
             # document in its prefix cache): what each case's load must reproduce
             result[f"{kind}-reference"] = [ask(seed, kind) for seed in spec.get("reference_seeds", [])]
@@ -430,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{kind} {_median_ttft(rows[case][kind]) / _median_ttft(rows[case][f'{kind}-local']):.2f}x"
             for kind in QUESTIONS
         )
-        print(f"{case}: TTFT over vLLM's own prefix-cache hit: {ratios} (over its own engine's hit: {own})")
+        paired = ", ".join(
+            f"{kind} {_paired_ratio(rows[case][kind], rows[case][f'{kind}-local']):.2f}x"
+            for kind in QUESTIONS
+        )
+        print(
+            f"{case}: TTFT over vLLM's own prefix-cache hit: {ratios} (over its own engine's hit: {own}; "
+            f"question by question, each over the floor question asked right after it: {paired})"
+        )
     kv_bytes = args.doc_tokens * KV_BYTES_PER_TOKEN
     copy_ms = 1000 * _copy_s(kv_bytes)
     print(
@@ -528,6 +540,13 @@ def _differing_tokens(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 def _median_ttft(asks: list[dict[str, Any]]) -> float:
     return statistics.median(a["ttft_s"] for a in asks)
+
+
+def _paired_ratio(asks: list[dict[str, Any]], floor: list[dict[str, Any]]) -> float:
+    """The median over repeats of a question's TTFT over its floor question's, asked right after
+    it in the same engine: the engine's speed drifts by more than 10% within a run, and a pair
+    shares the drift."""
+    return statistics.median(a["ttft_s"] / f["ttft_s"] for a, f in zip(asks, floor, strict=True))
 
 
 def _copy_s(nbytes: int, repeat: int = 5) -> float:

@@ -425,6 +425,14 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
     assert len(breakdown) == 1 and "lookup" in breakdown[0] and breakdown[0].endswith("; 1 engine steps")
     load_ms = float(re.search(r"load ([0-9.]+),", breakdown[0]).group(1))  # type: ignore[union-attr]
     assert load_ms > 0
+    # each case over its own engine's hit, by medians and question by question
+    own = re.search(
+        r"^kvflow: .*own engine's hit: short ([0-9.]+)x, long ([0-9.]+)x; question by question, "
+        r"each over the floor question asked right after it: short ([0-9.]+)x, long ([0-9.]+)x\)$",
+        out,
+        flags=re.MULTILINE,
+    )
+    assert own is not None and all(float(r) > 0 for r in own.groups()), out
     assert not work.exists()  # the stores are removed at the end
 
 
