@@ -1,6 +1,7 @@
 """Time to first token of a long shared document on vLLM (CPU): recompute, vLLM's ExampleConnector, kvflow.
 
     python benchmarks/vllm_ttft.py [--doc-tokens 4096] [--repeat 3] [--workdir /dev/shm/kvflow-vllm-ttft]
+                                   [--cases kvflow-arena,example] [--flush]
     unshare -n bash -c 'ip link set lo up && python benchmarks/vllm_ttft.py --mooncake'
 
 A random-weight Llama (hidden 1024, 4 layers, 16 heads, 4 KV heads of 64, float32: big enough that a
@@ -29,26 +30,29 @@ The storing process asks one short question about the document. In each measurin
 warm-up request runs first, then ``--repeat`` short questions (under one block) and ``--repeat``
 long ones (several blocks), each after vLLM's prefix cache was reset so that it cannot hit vLLM's
 own cache (``llm.reset_prefix_cache()`` does nothing while a connector holds blocks: the harness
-runs one-token requests until it succeeds, and stops with an error if it never does). For kvflow
-the report breaks each question's time down by the connector's calls (lookup; the scheduler's
-other calls; load; store; finish; the rest: the forward and vLLM itself), the time Python's
-garbage collector ran, and counts the engine steps it took (more than one: the request waited for
-its load). Right after each measured question every engine asks a new question of the same kind
-that its own prefix cache answers (no reset): each case is also given as a ratio to that floor in
-its own process, because two engine processes differ by more than the 10% the target allows, as
-the ratio of the medians and question by question (the median of each question's ratio to the
-floor question asked right after it: one engine's speed drifts by more than 10% within a run, and a
-pair shares the drift). The report ends with
-the least any load can take: the document's KV copied once by the backends' copy loop (the
-faster of memmove and the streamed copy), caches cold. A question's TTFT is the wall
-time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine core). The report gives the median
-per case, the tokens each hit covered, and the ratios. Each case asks questions of its own (cases
-sharing a store would otherwise hit the question blocks an earlier case stored: engines store what
-they compute after a load), and every measured question must find cached exactly what a hit of the
-document alone gives (the run stops otherwise). The recompute engine also answers every other
-case's questions (the document in its prefix cache): the first generated token of every measured
-question of every case must agree with it (a load that changed the KV would show here). Stores go
-to ``--workdir`` (tmpfs by default), removed at the end.
+runs one-token requests until it succeeds, and stops with an error if it never does). For kvflow the
+report breaks each question's time down by the connector's calls (lookup; the scheduler's other
+calls; load; store; finish; the rest: the forward and vLLM itself), the time Python's garbage
+collector ran, and counts the engine steps it took (more than one: the request waited for its load).
+Right after each measured question every engine asks a new question of the same kind that its own
+prefix cache answers (no reset): each case is also given as a ratio to that floor in its own
+process, because two engine processes differ by more than the 10% the target allows, as the ratio of
+the medians and question by question (the median of each question's ratio to the floor question
+asked right after it: one engine's speed drifts by more than 10% within a run, and a pair shares the
+drift). The report ends with the least any load can take: the document's KV copied once by the
+backends' copy loop (the faster of memmove and the streamed copy), caches cold. With ``--flush``
+every measured and floor question starts with the CPU's caches flushed (untimed), as ``kvflow
+bench`` times its calls: a floor question otherwise finds the document's KV in the caches, where the
+question before it left it, and a loaded one in memory, where a load writing with streaming stores
+leaves it; an engine serving other requests between two of the same document finds it in memory
+either way. A question's TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` (in-process
+engine core). The report gives the median per case, the tokens each hit covered, and the ratios.
+Each case asks questions of its own (cases sharing a store would otherwise hit the question blocks
+an earlier case stored: engines store what they compute after a load), and every measured question
+must find cached exactly what a hit of the document alone gives (the run stops otherwise). The
+recompute engine also answers every other case's questions (the document in its prefix cache): the
+first generated token of every measured question of every case must agree with it (a load that
+changed the KV would show here). Stores go to ``--workdir`` (tmpfs by default), removed at the end.
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    from kvflow.tools.baselines import CacheFlush
+
     kwargs: dict[str, Any] = {}
     phases = _Phases()
     phases.watch_gc()
@@ -173,9 +179,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         **kwargs,
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    flush = CacheFlush() if spec["flush"] else None
 
     def ask(seed: int, kind: str) -> dict[str, Any]:
         prompt = TokensPrompt(prompt_token_ids=doc + _question(seed, kind))
+        if flush is not None:
+            flush()
         before, steps, gc_before = phases.snapshot()
         started = time.perf_counter()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
@@ -349,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also vLLM's MooncakeStoreConnector and kvflow over Mooncake (private network namespace only)",
     )
     parser.add_argument("--cases", help="comma-separated subset of the cases (recompute always runs)")
+    parser.add_argument(
+        "--flush",
+        action="store_true",
+        help="flush the CPU's caches before every measured and floor question (untimed)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -372,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             model = scratch / "model"
             _write_model(model)
         doc = _tokens(0, args.doc_tokens)
-        base = {"model": str(model), "doc": doc, "repeat": args.repeat}
+        base = {"model": str(model), "doc": doc, "repeat": args.repeat, "flush": args.flush}
         rows: dict[str, dict[str, Any]] = {}
         cases = ["recompute", "example", "kvflow", "kvflow-async", "kvflow-arena", "kvflow-arena-async"]
         cases += ["kvflow-arena-layerwise"]
@@ -409,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"document {args.doc_tokens} tokens, block {BLOCK}, float32; per question kind: median TTFT "
         f"of {args.repeat}, tokens cached, speed-up over recompute"
+        + ("; the CPU's caches flushed before every question" if args.flush else "")
     )
     print(
         f"{'case':<20}" + "".join(f"{f'{kind} question ({n} tokens)':>36}" for kind, n in QUESTIONS.items())

