@@ -1,13 +1,19 @@
-"""Sharing the event loop while a backend copies in-process: a checkpoint every half millisecond.
+"""Sharing the event loop while a backend copies in-process: a checkpoint every half millisecond
+while other work waits to run, every :data:`HOLD_ALONE_S` when none does.
 
-The in-process backends (memory, local) copy bytes on the pool's loop. They copy in pieces of at
-most :data:`PIECE` bytes and call :meth:`Pacer.tick` between pieces, which yields to other tasks
-once the loop has been held :data:`YIELD_EVERY_S`, so one large batch never stalls the engine's
-other transfers (or vLLM's scheduler waiting on a lookup) for more than about a millisecond.
+The in-process backends (memory, local, arena) copy bytes on the pool's loop. They copy in pieces
+of at most :data:`PIECE` bytes and call :meth:`Pacer.tick` between pieces, which yields to other
+tasks once the loop has been held :data:`YIELD_EVERY_S` and another callback is ready to run on it
+(a task woken, a call handed over from another thread, as vLLM's scheduler hands over a lookup), so
+one large batch never stalls the engine's other transfers for more than about a millisecond. A
+call alone on the loop goes on: a checkpoint costs 45-55 us from the caches a copy leaves, seven of
+them in a load of 32 MiB (measured, docs/benchmarks.md, eleventh stop). Timers and sockets are seen
+only when the loop polls, so a call yields at least every :data:`HOLD_ALONE_S` all the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -16,6 +22,7 @@ import attrs
 
 __all__ = [
     "CALM_S",
+    "HOLD_ALONE_S",
     "MIN_PIECE",
     "PIECE",
     "PIECE_BUDGET_S",
@@ -24,11 +31,16 @@ __all__ = [
     "YIELD_EVERY_S",
     "Pacer",
     "PieceSize",
+    "others_ready",
     "run_end",
 ]
 
-#: The longest a call holds the event loop between checkpoints (plus one piece).
+#: The longest a call holds the event loop between checkpoints (plus one piece) while other work
+#: is ready to run on it.
 YIELD_EVERY_S = 0.0005
+#: The longest a call holds the event loop between checkpoints (plus one piece) when no other work
+#: is seen ready: a timer that fell due or a socket that became readable waits this long at most.
+HOLD_ALONE_S = 0.002
 #: The most bytes copied (or hashed) between two looks at the clock, within one object.
 PIECE = 1 << 20
 #: The smallest piece :class:`PieceSize` cuts a copy into, however slow the kernel is.
@@ -46,15 +58,28 @@ RUN_BYTES = 4 << 20
 RUN_OBJECTS = 256
 
 
+def others_ready() -> bool:
+    """Whether another callback waits to run on this thread's asyncio loop: a task woken, or a call
+    handed over from another thread (``call_soon_threadsafe``). True where that cannot be told (an
+    event loop without asyncio's ready queue), so such a loop is shared every half millisecond."""
+    try:
+        ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    except RuntimeError:  # on another kind of event loop (trio)
+        return True
+    return ready is None or len(ready) > 0
+
+
 @attrs.define
 class Pacer:
-    """Checkpoints when the loop has been held longer than :data:`YIELD_EVERY_S`."""
+    """Checkpoints when the loop has been held longer than :data:`YIELD_EVERY_S` and other work is
+    ready to run (:func:`others_ready`), or longer than :data:`HOLD_ALONE_S`."""
 
     last: float = attrs.field(factory=time.monotonic)
 
     def due(self) -> bool:
         """Whether the loop has been held long enough that the caller should :meth:`pause`."""
-        return time.monotonic() - self.last >= YIELD_EVERY_S
+        held = time.monotonic() - self.last
+        return held >= YIELD_EVERY_S and (held >= HOLD_ALONE_S or others_ready())
 
     async def pause(self) -> None:
         """Let the loop run other tasks now, and start counting again."""

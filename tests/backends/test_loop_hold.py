@@ -12,7 +12,9 @@ not fail the test; a call that holds the loop does so every time.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -20,6 +22,7 @@ from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -167,6 +170,66 @@ async def test_at_most_one_piece_is_copied_between_turns(
         assert 0 < most <= (size if isinstance(backend, ArenaBackend) else pacing.PIECE)
     else:  # runs of objects, one copy call each (the local backend copies each object apart)
         assert 0 < most <= (size if isinstance(backend, LocalBackend) else pacing.RUN_BYTES)
+
+
+async def test_others_ready_sees_a_woken_task_and_a_call_handed_over_from_another_thread() -> None:
+    assert not pacing.others_ready()  # alone on the loop
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.lowlevel.checkpoint)  # started, not run yet
+        assert pacing.others_ready()
+    assert not pacing.others_ready()
+    handed, loop = threading.Event(), asyncio.get_running_loop()
+
+    def hand_over() -> None:
+        loop.call_soon_threadsafe(lambda: None)
+        handed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, hand_over)
+        while not handed.wait(0.01) and not tg.cancel_scope.cancel_called:
+            await anyio.lowlevel.checkpoint()  # until the thread runs; then hold the loop
+        assert pacing.others_ready()  # the call handed over waits, unseen by the loop's poll
+
+
+@pytest.mark.parametrize(("count", "size"), [(16, MiB)])
+@pytest.mark.parametrize("beside", ["alone", "a ready task", "alone, past HOLD_ALONE_S"])
+async def test_a_call_alone_on_the_loop_yields_only_past_hold_alone(
+    backend: Backend, count: int, size: int, beside: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past YIELD_EVERY_S (zero here) a call yields when another task is ready to run, and when
+    none is, only past HOLD_ALONE_S: a checkpoint from the caches a copy leaves costs 45-55 us."""
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+    monkeypatch.setattr(pacing, "RUN_BYTES", 1)  # a run of one object per copy call
+    monkeypatch.setattr(pacing, "HOLD_ALONE_S", 0.0 if beside.endswith("HOLD_ALONE_S") else 60.0)
+    pauses = 0
+    pause = pacing.Pacer.pause
+
+    async def counted(self: pacing.Pacer) -> None:
+        nonlocal pauses
+        pauses += 1
+        await pause(self)
+
+    monkeypatch.setattr(pacing.Pacer, "pause", counted)
+    done = False
+
+    async def ticker() -> None:
+        while not done:
+            await anyio.lowlevel.checkpoint()
+
+    sources = [bytearray(os.urandom(size)) for _ in range(count)]
+    targets = [bytearray(size) for _ in range(count)]
+    async with anyio.create_task_group() as tg:
+        if beside == "a ready task":
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+        assert await backend.put(refs("p", sources)) == [PutStatus.STORED] * count
+        assert await backend.get(refs("p", targets)) == [GetStatus.HIT] * count
+        done = True
+    assert targets == sources
+    if beside == "alone":
+        assert pauses == 0
+    else:  # a pause between objects, or between 1 MiB pieces, each way
+        assert pauses >= 2 * (count - 1), pauses
 
 
 def spend(seconds: float) -> None:

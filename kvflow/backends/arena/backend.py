@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 import anyio
-import anyio.lowlevel
 import attrs
 import numpy as np
 
@@ -291,13 +290,13 @@ class ArenaBackend:
                 query = arena.query(self._hashes(keys_of(objects)), sizes)
                 while done < len(objects):
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
-                        started = time.monotonic()
+                        pacer = pacing.Pacer()
                         while True:  # runs until the loop has been held long enough
                             done = self._read(objects, sizes, query, done, results, now)
-                            if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
+                            if done == len(objects) or pacer.due():
                                 break
                     if done < len(objects):
-                        await anyio.lowlevel.checkpoint()
+                        await pacer.pause()
             except TimeoutError as exc:
                 logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
             finally:
