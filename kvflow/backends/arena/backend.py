@@ -9,8 +9,9 @@ and out of memory that every process has mapped already: no system call per obje
 checksum (a slot is only ever read while its row says it holds that key, whole).
 
 No lock is held across an await (:mod:`kvflow.backends.arena.lock`); a call lets the loop run
-between objects once it has held it for half a millisecond (:mod:`kvflow.backends.pacing`), so it
-holds the loop for at most that plus one object's copy. See docs/arena-backend.md.
+between objects once it has held it for half a millisecond while other work is ready to run (2 ms
+when none is: :mod:`kvflow.backends.pacing`), so it holds the loop for at most that plus one
+run's copy. See docs/arena-backend.md.
 """
 
 from __future__ import annotations
