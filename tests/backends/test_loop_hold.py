@@ -95,6 +95,23 @@ def refs(tag: str, bufs: list[bytearray]) -> list[ObjectRef]:
     return out
 
 
+async def put_and_get(
+    backend: Backend, count: int, size: int, beside: Callable[[], Awaitable[None]] | None
+) -> None:
+    """Put ``count`` random objects of ``size`` bytes and get them back whole, with ``beside``
+    running in another task (started first) until the get returned."""
+    sources = [bytearray(os.urandom(size)) for _ in range(count)]
+    targets = [bytearray(size) for _ in range(count)]
+    async with anyio.create_task_group() as tg:
+        if beside is not None:
+            tg.start_soon(beside)
+            await anyio.lowlevel.checkpoint()
+        assert await backend.put(refs("p", sources)) == [PutStatus.STORED] * count
+        assert await backend.get(refs("p", targets)) == [GetStatus.HIT] * count
+        tg.cancel_scope.cancel()
+    assert targets == sources
+
+
 @pytest.mark.parametrize(("count", "size"), [(64, MiB), (4, 16 * MiB)], ids=["64x1MiB", "4x16MiB"])
 async def test_no_call_holds_the_loop(backend: Backend, count: int, size: int) -> None:
     put_holds, get_holds = [], []
@@ -146,25 +163,16 @@ async def test_at_most_one_piece_is_copied_between_turns(
             real = getattr(local, name)
             monkeypatch.setattr(local, name, metered(real, lambda _fd, bufs, _at: sum(len(b) for b in bufs)))
     most = 0
-    done = False
 
     async def ticker() -> None:
         nonlocal most
         last = copied
-        while not done:
+        while True:
             await anyio.lowlevel.checkpoint()
             most = max(most, copied - last)
             last = copied
 
-    sources = [bytearray(os.urandom(size)) for _ in range(count)]
-    targets = [bytearray(size) for _ in range(count)]
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.lowlevel.checkpoint()
-        assert await backend.put(refs("p", sources)) == [PutStatus.STORED] * count
-        assert await backend.get(refs("p", targets)) == [GetStatus.HIT] * count
-        done = True
-    assert targets == sources
+    await put_and_get(backend, count, size, beside=ticker)
     assert copied >= 2 * count * size  # every byte went through the meter
     if size > pacing.PIECE:  # one object per copy call: whole in the arena, in pieces elsewhere
         assert 0 < most <= (size if isinstance(backend, ArenaBackend) else pacing.PIECE)
@@ -210,22 +218,12 @@ async def test_a_call_alone_on_the_loop_yields_only_past_hold_alone(
         await pause(self)
 
     monkeypatch.setattr(pacing.Pacer, "pause", counted)
-    done = False
 
     async def ticker() -> None:
-        while not done:
+        while True:
             await anyio.lowlevel.checkpoint()
 
-    sources = [bytearray(os.urandom(size)) for _ in range(count)]
-    targets = [bytearray(size) for _ in range(count)]
-    async with anyio.create_task_group() as tg:
-        if beside == "a ready task":
-            tg.start_soon(ticker)
-            await anyio.lowlevel.checkpoint()
-        assert await backend.put(refs("p", sources)) == [PutStatus.STORED] * count
-        assert await backend.get(refs("p", targets)) == [GetStatus.HIT] * count
-        done = True
-    assert targets == sources
+    await put_and_get(backend, count, size, beside=ticker if beside == "a ready task" else None)
     if beside == "alone":
         assert pauses == 0
     else:  # a pause between objects, or between 1 MiB pieces, each way
