@@ -3,7 +3,7 @@
 Objects live in uninitialised ``torch.uint8`` buffers owned by the backend (a ``bytearray`` would
 zero its memory first, which costs as much as the copy itself). Copies run on the event loop in
 pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
-a millisecond while other work is ready to run, or 2 ms when none is (:mod:`kvflow.backends.pacing`),
+a millisecond while other work waits to run, or 2 ms when none does (:mod:`kvflow.backends.pacing`),
 so no call keeps waiting work from the loop much longer than a millisecond.
 Objects of one piece are put or got whole between two checkpoints, a run of them (up to 4 MiB in
 all, :data:`~kvflow.backends.pacing.RUN_BYTES`) by one native copy call

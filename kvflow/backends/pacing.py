@@ -3,12 +3,17 @@ while other work waits to run, every :data:`HOLD_ALONE_S` when none does.
 
 The in-process backends (memory, local, arena) copy bytes on the pool's loop. They copy in pieces
 of at most :data:`PIECE` bytes and call :meth:`Pacer.tick` between pieces, which yields to other
-tasks once the loop has been held :data:`YIELD_EVERY_S` and another callback is ready to run on it
-(a task woken, a call handed over from another thread, as vLLM's scheduler hands over a lookup), so
-one large batch never stalls the engine's other transfers for more than about a millisecond. A
-call alone on the loop goes on: a checkpoint costs 45-55 us from the caches a copy leaves, seven of
-them in a load of 32 MiB (measured, docs/benchmarks.md, eleventh stop). Timers and sockets are seen
-only when the loop polls, so a call yields at least every :data:`HOLD_ALONE_S` all the same.
+tasks once the loop has been held :data:`YIELD_EVERY_S` and other work waits to run on it (a task
+woken, a call handed over from another thread, as vLLM's scheduler hands over a lookup, a timer
+due), so one large batch never stalls the engine's other transfers for more than about a
+millisecond. A call alone on the loop goes on: a checkpoint costs 45-55 us from the caches a copy
+leaves, seven of them in a load of 32 MiB (measured, docs/benchmarks.md, eleventh stop). Sockets
+are seen only when the loop polls, so a call yields at least every :data:`HOLD_ALONE_S` all the
+same.
+
+The arena backend's gets keep their own cadence: they release the store's lock every
+:data:`YIELD_EVERY_S` and yield, alone or not, because a put in another process can take the lock
+only between two holds (``flock`` is not fair).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ __all__ = [
 #: is ready to run on it.
 YIELD_EVERY_S = 0.0005
 #: The longest a call holds the event loop between checkpoints (plus one piece) when no other work
-#: is seen ready: a timer that fell due or a socket that became readable waits this long at most.
+#: is seen waiting (:func:`others_ready`): what a socket that became readable may wait.
 HOLD_ALONE_S = 0.002
 #: The most bytes copied (or hashed) between two looks at the clock, within one object.
 PIECE = 1 << 20
@@ -59,14 +64,19 @@ RUN_OBJECTS = 256
 
 
 def others_ready() -> bool:
-    """Whether another callback waits to run on this thread's asyncio loop: a task woken, or a call
-    handed over from another thread (``call_soon_threadsafe``). True where that cannot be told (an
-    event loop without asyncio's ready queue), so such a loop is shared every half millisecond."""
+    """Whether other work waits to run on this thread's asyncio loop: a callback ready (a task woken,
+    a call handed over from another thread with ``call_soon_threadsafe``) or a timer due (a task's
+    sleep or deadline). True where that cannot be told (an event loop without asyncio's queues), so
+    such a loop is shared every half millisecond. Sockets are seen only when the loop polls."""
     try:
-        ready = getattr(asyncio.get_running_loop(), "_ready", None)
+        loop = asyncio.get_running_loop()
     except RuntimeError:  # on another kind of event loop (trio)
         return True
-    return ready is None or len(ready) > 0
+    ready = getattr(loop, "_ready", None)
+    timers = getattr(loop, "_scheduled", None)
+    if ready is None or timers is None or ready:
+        return True
+    return bool(timers) and timers[0].when() <= loop.time()
 
 
 @attrs.define

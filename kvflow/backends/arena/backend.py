@@ -8,10 +8,11 @@ claim can take a slot while it is read. Copies are streamed (:mod:`kvflow.backen
 and out of memory that every process has mapped already: no system call per object, and no
 checksum (a slot is only ever read while its row says it holds that key, whole).
 
-No lock is held across an await (:mod:`kvflow.backends.arena.lock`); a call lets the loop run
-between objects once it has held it for half a millisecond while other work is ready to run (2 ms
-when none is: :mod:`kvflow.backends.pacing`), so it holds the loop for at most that plus one
-run's copy. See docs/arena-backend.md.
+No lock is held across an await (:mod:`kvflow.backends.arena.lock`). A get releases the lock and
+lets the loop run once it has held them for half a millisecond; a put, which copies without the
+lock, once it has held the loop that long while other work waits to run on it (2 ms when none
+does: :mod:`kvflow.backends.pacing`). So a call holds the loop for at most that plus one run's
+copy. See docs/arena-backend.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 import anyio
+import anyio.lowlevel
 import attrs
 import numpy as np
 
@@ -290,14 +292,16 @@ class ArenaBackend:
             try:
                 query = arena.query(self._hashes(keys_of(objects)), sizes)
                 while done < len(objects):
+                    # held for YIELD_EVERY_S at most, then released and the loop let run, alone or
+                    # not: a put in another process takes the lock only between two holds
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
-                        pacer = pacing.Pacer()
-                        while True:  # runs until the loop has been held long enough
+                        started = time.monotonic()
+                        while True:
                             done = self._read(objects, sizes, query, done, results, now)
-                            if done == len(objects) or pacer.due():
+                            if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
                                 break
                     if done < len(objects):
-                        await pacer.pause()
+                        await anyio.lowlevel.checkpoint()
             except TimeoutError as exc:
                 logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
             finally:

@@ -82,8 +82,9 @@ class LocalBackend:
     Use an instance from one event loop; do not share it across ``fork``. Construction is
     synchronous: it creates the directory if needed (no access for others), refuses one that is
     not safe to use, checks it is writable and supports hard links, and removes temp files that
-    dead processes left behind. No call holds the event loop for more than about a millisecond:
-    copies and checksums of large objects go in 1 MiB pieces with checkpoints between them.
+    dead processes left behind. No call keeps waiting work from the event loop for more than about
+    a millisecond (2 ms when none waits): copies and checksums of large objects go in 1 MiB pieces
+    with checkpoints between them (:mod:`kvflow.backends.pacing`).
     """
 
     config: LocalConfig = attrs.field(factory=LocalConfig)
