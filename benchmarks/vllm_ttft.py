@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import random
@@ -569,23 +568,10 @@ def _copy_s(nbytes: int, repeat: int = 5) -> float:
     loop (one thread, as a load copies), by memmove and streamed (as a load writes), whichever is
     faster, each from flushed caches (a load reads a store's memory and writes the engine's), as
     ``kvflow bench`` times its calls."""
-    import numpy as np
-    import torch
+    from kvflow.tools.baselines import CacheFlush, plain_and_streamed_gbps
 
-    from kvflow.regions import copy_rows
-    from kvflow.tools.baselines import CacheFlush, best_s
-
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.ones(nbytes, dtype=torch.uint8)
-    starts, rows = np.asarray([dst.data_ptr()]), np.asarray([[src.data_ptr()]])
-    sizes = np.asarray([nbytes])
-    flush = CacheFlush()
-
-    def copy(stream: bool) -> float:
-        call = functools.partial(copy_rows, starts, rows, sizes, into_regions=False, stream=stream)
-        return best_s(call, repeat, before=flush)
-
-    return min(copy(False), copy(True))
+    best_gbps = max(plain_and_streamed_gbps(nbytes, nbytes, repeat=repeat, before=CacheFlush()))
+    return nbytes / (best_gbps * 1e9)
 
 
 if __name__ == "__main__":
