@@ -14,6 +14,9 @@ same.
 The arena backend's gets keep their own cadence: they release the store's lock every
 :data:`YIELD_EVERY_S` and yield, alone or not, because a put in another process can take the lock
 only between two holds (``flock`` is not fair).
+
+Every put and get of the three backends also ends with a checkpoint, so that many small calls in a
+row from one task, each under the thresholds, do not hold the loop across them.
 """
 
 from __future__ import annotations

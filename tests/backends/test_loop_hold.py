@@ -130,6 +130,34 @@ async def test_no_call_holds_the_loop(backend: Backend, count: int, size: int) -
     assert min(get_holds) < LIMIT_S, f"get held the loop {[f'{h * 1e3:.1f} ms' for h in get_holds]}"
 
 
+@pytest.mark.parametrize(("count", "size"), [(40, 3 * MiB)], ids=["40x3MiB"])
+async def test_calls_in_a_row_from_one_task_do_not_hold_the_loop(
+    backend: Backend, count: int, size: int
+) -> None:
+    """Each put and get ends with a checkpoint: a task that stores and then loads objects one call
+    each, with nothing else to await between them, lets the loop run between its calls (each call
+    alone stays under the pacing threshold, so only the call's end yields)."""
+    sources = [bytearray(os.urandom(size)) for _ in range(count)]
+    targets = [bytearray(size) for _ in range(count)]
+
+    async def one_by_one(
+        call: Callable[[list[ObjectRef]], Awaitable[list[T]]], bufs: list[bytearray]
+    ) -> list[T]:
+        return [(await call(refs(f"o{i}", [buf])))[0] for i, buf in enumerate(bufs)]
+
+    put_holds, get_holds = [], []
+    for _ in range(REPEATS):
+        await backend.remove([f"o{i}-0" for i in range(count)])
+        held, stored = await longest_hold(partial(one_by_one, backend.put, sources))
+        put_holds.append(held)
+        held, got = await longest_hold(partial(one_by_one, backend.get, targets))
+        get_holds.append(held)
+        assert (stored, got) == ([PutStatus.STORED] * count, [GetStatus.HIT] * count)
+        assert targets == sources
+    assert min(put_holds) < LIMIT_S, f"puts held the loop {[f'{h * 1e3:.1f} ms' for h in put_holds]}"
+    assert min(get_holds) < LIMIT_S, f"gets held the loop {[f'{h * 1e3:.1f} ms' for h in get_holds]}"
+
+
 @pytest.mark.parametrize(("count", "size"), [(64, MiB), (3, 5 * MiB + 123)], ids=["64x1MiB", "3x5MiB"])
 async def test_at_most_one_piece_is_copied_between_turns(
     backend: Backend, count: int, size: int, monkeypatch: pytest.MonkeyPatch

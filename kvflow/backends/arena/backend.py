@@ -168,6 +168,7 @@ class ArenaBackend:
             if timed_out is not None:  # (counted once every repeat took its first's result)
                 failed, asked = results.count(PutStatus.FAILED), len(objects)
                 logger.error("arena backend: %d of a put's %d objects failed: %s", failed, asked, timed_out)
+            await anyio.lowlevel.checkpoint()  # calls in a row from one task let the loop run between them
             return results
 
     async def _publish(
@@ -306,6 +307,7 @@ class ArenaBackend:
                 logger.error("arena backend: get of %d objects failed: %s", len(objects), exc)
             finally:
                 self._stats.count_gets(objects, results)
+            await anyio.lowlevel.checkpoint()  # (after the last hold too, as after a put)
             return results
 
     def _read(
