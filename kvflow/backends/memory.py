@@ -178,8 +178,20 @@ class MemoryBackend:
                         start = end
             finally:
                 count(objects[: len(results)], results)
+                self._newest_first(keys[: len(results)])
             await anyio.lowlevel.checkpoint()
             return results
+
+    def _newest_first(self, keys: Sequence[str]) -> None:
+        """Make the call's first keys its most recently used (a request's blocks come in order, and
+        a block is useful only with those before it: eviction takes the last blocks of a prompt
+        first, never its head, which would leave the rest unreachable), as the local and arena
+        backends stamp them."""
+        stored = self._objects
+        use = stored.move_to_end
+        for key in reversed(keys):
+            if key in stored:
+                use(key)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         self._life.check_open()
@@ -223,11 +235,7 @@ class MemoryBackend:
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
         new = [i for i, key in enumerate(keys) if key not in stored]
-        every = len(new) == len(keys)
-        if not every:
-            for key in keys:
-                if key in stored:
-                    stored.move_to_end(key)  # a use, for LRU
+        every = len(new) == len(keys)  # (those present are used, for LRU, once the call ends)
         reserved = self._reserve(sizes if every else [sizes[i] for i in new])
         entries = [entry for entry in reserved if entry is not None]
         fits = len(entries) == len(new)
@@ -353,13 +361,9 @@ class MemoryBackend:
         """Gets of objects copied in one call, without a checkpoint (so they need no pin): each
         step over the whole run at once (a comprehension), not a call per object; the usual run
         (every object found, of its size) in one comprehension before its copy."""
-        stored = self._objects
-        entries = [stored.get(key) for key in keys]
-        use = stored.move_to_end  # a use, for LRU
+        entries = [self._objects.get(key) for key in keys]  # (used, for LRU, once the call ends)
         found = [0 if e is None or e.nbytes != n else e.addr for e, n in zip(entries, sizes)]
         if 0 not in found:  # (a buffer's address is never 0)
-            for key in keys:
-                use(key)
             scatter_objects(found, objects)
             return [GetStatus.HIT] * len(keys)
         results = [
@@ -367,8 +371,6 @@ class MemoryBackend:
             for entry, n in zip(entries, sizes)
         ]
         hits = [i for i, result in enumerate(results) if result is GetStatus.HIT]
-        for i in hits:
-            use(keys[i])
         addrs = [e.addr for e, result in zip(entries, results) if e is not None and result is GetStatus.HIT]
         scatter_objects(addrs, some_of(objects, hits))
         return results

@@ -94,8 +94,8 @@ async def test_a_batch_by_column_round_trips_in_runs_with_misses_between() -> No
 async def test_lru_eviction_keeps_within_capacity() -> None:
     backend = MemoryBackend(MemoryConfig(capacity_bytes=300))
     data = torch.zeros(100, dtype=torch.uint8)
-    await backend.put([obj(k, data) for k in "abc"])
-    await backend.get([obj("a", data)])  # a is now most recent
+    await backend.put([obj(k, data) for k in "abc"])  # a call's first key its newest: c, b, a
+    await backend.get([obj("c", data)])  # c is now most recent
     assert await backend.put([obj("d", data)]) == [PutStatus.STORED]
     assert await backend.exists(list("abcd")) == [True, False, True, True]
     stats = backend.stats()
@@ -107,6 +107,24 @@ async def test_lru_eviction_keeps_within_capacity() -> None:
     assert await backend.exists(list("acd")) == [False, True, True] and stats.used_bytes == 200
 
 
+@pytest.mark.parametrize("size", [100, 3 << 20], ids=["one run", "a run per object"])
+async def test_eviction_takes_a_prompts_last_blocks_first(size: int) -> None:
+    """A request's blocks are useful only with those before them: within a put or a get, the
+    first object is the most recently used, so eviction leaves a prompt's head (the blocks a
+    lookup reaches) and takes its tail, whether the call copies in one run or in several."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=6 * size))
+    data = torch.zeros(size, dtype=torch.uint8)
+    first, second = [f"a{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+    assert await backend.put([obj(k, data) for k in first]) == [PutStatus.STORED] * 4
+    assert backend.stored_keys() == first[::-1]  # least recently used first
+    assert await backend.put([obj(k, data) for k in second]) == [PutStatus.STORED] * 4
+    assert await backend.exists(first) == [True, True, False, False]
+    assert await backend.get([obj(k, data) for k in first]) == [GetStatus.HIT] * 2 + [GetStatus.MISS] * 2
+    assert backend.stored_keys()[-2:] == ["a1", "a0"]
+    assert await backend.put([obj(k, data) for k in ("c0", "c1")]) == [PutStatus.STORED] * 2
+    assert await backend.exists(first[:2] + second) == [True, True, True, True, False, False]
+
+
 def test_url_parsing() -> None:
     backend = open_backend("memory://?capacity=1MiB")
     assert isinstance(backend, MemoryBackend) and backend.config.capacity_bytes == 1 << 20
@@ -115,7 +133,8 @@ def test_url_parsing() -> None:
 async def test_a_recycled_buffer_holds_only_the_new_object() -> None:
     backend = MemoryBackend(MemoryConfig(capacity_bytes=200))
     a, b, c = (torch.full((100,), v, dtype=torch.uint8) for v in (1, 2, 3))
-    await backend.put([obj("a", a), obj("b", b)])
+    await backend.put([obj("a", a)])
+    await backend.put([obj("b", b)])  # (in calls of their own: a is the older)
     assert await backend.put([obj("c", c)]) == [PutStatus.STORED]  # evicts a, reuses its buffer
     out_b, out_c = torch.zeros(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
     assert await backend.get([obj("a", out_b), obj("b", out_b), obj("c", out_c)]) == [
@@ -336,7 +355,8 @@ async def test_an_evicted_buffer_holds_the_next_object_of_its_size_whole() -> No
     stayed keeps its bytes."""
     backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * 4096))
     a, b, c = data("a", 4096), data("b", 4096), data("c", 4096)
-    assert await backend.put([obj("a", a), obj("b", b)]) == [PutStatus.STORED] * 2
+    assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
+    assert await backend.put([obj("b", b)]) == [PutStatus.STORED]  # (a call of its own: a is the older)
     allocations = 0
     allocate = torch.empty
 
