@@ -512,8 +512,9 @@ async def test_together_runs_several_calls_at_once() -> None:
 
 
 async def test_together_raises_a_failing_calls_own_error_and_cancels_the_rest() -> None:
-    """Callers catch the same error whether the call ran inline or beside others; two failures
-    at once stay a group."""
+    """Callers catch the same error whether the call ran inline or beside others, or beside
+    another call that failed the same way (one fault met twice); failures of two classes at once
+    stay a group."""
     cancelled: list[bool] = []
 
     async def fails() -> None:
@@ -530,12 +531,18 @@ async def test_together_raises_a_failing_calls_own_error_and_cancels_the_rest() 
     async def also_fails() -> None:
         raise RequestError("malformed")
 
+    async def fails_alike() -> None:
+        raise BackendError("the store refused too")
+
     with anyio.fail_after(5):
         with pytest.raises(BackendError, match="refused"):
             await together([fails, waits])
         assert cancelled == [True]
         with pytest.raises(BackendError, match="refused"):
             await together([fails])
+        with pytest.raises(BackendError, match="refused") as one:
+            await together([fails, fails_alike])
+        assert not isinstance(one.value, ExceptionGroup)
         with pytest.raises(ExceptionGroup) as group:
             await together([fails, also_fails])
     assert sorted(type(e).__name__ for e in group.value.exceptions) == ["BackendError", "RequestError"]

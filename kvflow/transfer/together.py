@@ -22,7 +22,7 @@ __all__ = ["together", "unwrapped"]
 async def together(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> None:
     """Await every call concurrently; return when all ended. An error cancels the others and is
     raised as it is, whether the call ran inline (the only one) or in the task group, so callers
-    catch the same errors either way; errors of several calls at once stay an exception group."""
+    catch the same errors either way (:func:`unwrapped`)."""
     if len(calls) == 1:
         await calls[0]()
         return
@@ -34,10 +34,14 @@ async def together(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -
 
 @contextlib.contextmanager
 def unwrapped() -> Iterator[None]:
-    """Around a task group: its one error raised as it is (errors of several tasks stay a group)."""
+    """Around a task group: its one error raised as it is, and so are errors of several tasks at
+    once that are all of one class (one fault that several calls met, as two layers' gets of one
+    store that cannot answer: the callers' ``except`` of that class must catch them as it catches
+    one); errors of different classes stay an exception group."""
     try:
         yield
     except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
+        first = group.exceptions[0]
+        if all(type(exc) is type(first) for exc in group.exceptions):
+            raise first from None
         raise

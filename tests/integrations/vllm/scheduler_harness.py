@@ -66,6 +66,7 @@ from kvflow.backends import SCHEMES
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend
 from kvflow.backends.local.format import object_file_name
+from kvflow.errors import BackendError
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.keys import decode_key
@@ -161,6 +162,7 @@ class Faults:
     fail_gets_matching: str = ""  # only gets of keys containing this (e.g. "@h0-1@": KV head 0)
     fail_gets_left: int = -1  # fail only this many more get calls (-1: no limit)
     evict_gets_left: int = 0  # this many get calls first remove their objects (evicted meanwhile)
+    raise_calls: str = ""  # "gets" or "puts": those calls raise BackendError (a store that cannot answer)
     get_delay_s: float = 0.0
     put_delay_s: float = 0.0
     in_flight: InFlight = attrs.field(factory=InFlight)
@@ -201,6 +203,8 @@ class FaultyLocalBackend:
         FAULTS.keys.update((object_file_name(o.key), o.key) for o in objects)
         if _book(objects):  # the profile book's announcements are not KV: no faults
             return await self.inner.put(objects)
+        if FAULTS.raise_calls == "puts":  # at once, before any await: calls beside it raise too
+            raise BackendError("the harness's store cannot answer (puts)")
         token = FAULTS.in_flight.enter(objects, put=True)
         try:
             await anyio.sleep(FAULTS.put_delay_s)
@@ -211,6 +215,8 @@ class FaultyLocalBackend:
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         if _book(objects):
             return await self.inner.get(objects)
+        if FAULTS.raise_calls == "gets":
+            raise BackendError("the harness's store cannot answer (gets)")
         token = FAULTS.in_flight.enter(objects)
         try:
             await anyio.sleep(FAULTS.get_delay_s)

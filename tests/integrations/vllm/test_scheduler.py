@@ -90,7 +90,7 @@ def engines(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Engines]:
     scheduler_harness.FAULTS = faults  # a fresh fault plan for every test
     engines = Engines(tmp_path / "store", tiny_model_dir)
     yield engines
-    faults.fail_gets = False
+    faults.fail_gets, faults.raise_calls = False, ""
     try:
         for harness in engines.made:
             engines.check(harness)
@@ -289,6 +289,30 @@ def test_layerwise_transfers(engines: Engines) -> None:
     second = engines(extra={"layerwise": True})
     engines.serve(second, A_LONG)
     assert loaded(second) == [5] and second.wrong_inputs == []
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("calls", ["gets", "puts"])
+def test_a_store_that_raises_fails_a_layerwise_step_not_the_engine(
+    engines: Engines, calls: str, depth: int
+) -> None:
+    """A backend whose gets (or puts) raise BackendError: the step's loads are recomputed (its
+    stores dropped), whatever the depth. At depth 2 two layers' gets raise at once (their errors
+    must reach the connector as the one BackendError it handles, not as a group: the engine
+    died of that); two layers' puts do only when their calls start in one turn of the loop."""
+    extra = {"layerwise": True, "layerwise_depth": depth}
+    if calls == "gets":
+        engines.serve(engines(extra=dict(extra)), A)
+    scheduler_harness.FAULTS.raise_calls = calls
+    second = engines(extra=dict(extra))
+    engines.serve(second, A_LONG if calls == "gets" else A)  # outputs exact: computed, not loaded
+    scheduler_harness.FAULTS.raise_calls = ""
+    if calls == "gets":
+        assert second.workers[0].counters().load_failed_blocks > 0  # type: ignore[union-attr]
+        assert loaded(second) == [0]
+    else:
+        assert stored(second) == [0]
+        engines.prompts.clear()  # nothing was stored for the fixture's checks to read back
 
 
 def test_layerwise_transfers_are_refused_under_vllms_micro_batching(engines: Engines) -> None:
