@@ -230,8 +230,8 @@ class SyncPool:
         timeout_s: float | None,
     ) -> CallFuture[T]:
         """:meth:`_submit` a store, ``call(timeout, released)``: ``on_released`` is called once,
-        by the store on the loop, by the loop when it could not start it in time, or here, before
-        the error is raised, when it is refused at submission."""
+        by the store on the loop, by the loop when it could not start it before its caller stopped
+        waiting, or here, before the error is raised, when it is refused at submission."""
         released = _once(on_released)
         try:
             check_after(after)
@@ -247,8 +247,9 @@ class SyncPool:
         timeout_s: float | None,
         on_unstarted: Callable[[], None] | None = None,
     ) -> CallFuture[T]:
-        """Run ``call`` on the loop with what is left of ``timeout_s`` then; ``on_unstarted`` is
-        called (on the loop) when the timeout passed before the loop could start it."""
+        """Run ``call`` on the loop with what is left of ``timeout_s`` then (:func:`_by_deadline`);
+        ``on_unstarted`` is called (on the loop) when the caller stopped waiting before the loop
+        could start it."""
         check_timeout(timeout_s)
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
@@ -324,13 +325,23 @@ def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
     return once
 
 
+#: What a call is given when its timeout passed before the loop thread could start it: it runs at
+#: once and answers with what it did by then (its backend calls cut at their first pause).
+NO_TIME_LEFT_S = 1e-6
+
+
 async def _by_deadline(
     call: Callable[[float], Awaitable[T]], deadline: float, on_unstarted: Callable[[], None] | None
 ) -> T:
-    """Run ``call`` with what is left of its deadline, counted from when the caller made the call."""
-    left = deadline - time.monotonic()
-    if left <= 0:
+    """Run ``call`` with what is left of its deadline, counted from when the caller made the call.
+    A call whose timeout passed before the loop thread started it still answers (failed blocks, no
+    hit), as the wait rule promises, while its caller waits for that answer (``ANSWER_GRACE_S``
+    past the deadline); later than that it raises TimeoutError (``on_unstarted`` called first)."""
+    now = time.monotonic()
+    if now >= deadline + ANSWER_GRACE_S:
         if on_unstarted is not None:
             on_unstarted()
-        raise TimeoutError("the call's timeout passed before kvflow's loop thread could start it")
-    return await call(left)
+        raise TimeoutError(
+            "the call's timeout and its grace passed before kvflow's loop thread could start it"
+        )
+    return await call(max(deadline - now, NO_TIME_LEFT_S))

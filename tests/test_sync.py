@@ -4,7 +4,7 @@ import concurrent.futures
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
@@ -19,6 +19,7 @@ from kvflow import (
     MemoryBackend,
     PoolClosedError,
     PoolConfig,
+    RetrieveResult,
     SyncPool,
 )
 from kvflow.backends import ObjectRef
@@ -107,16 +108,17 @@ def test_a_timeout_counts_from_the_call_even_when_the_loop_thread_is_held() -> N
         assert not stalled.done()
         backend.release.set()
         assert stalled.result(10) == 0
-        with pytest.raises(TimeoutError, match="before kvflow's loop thread could start it"):
-            queued.result(10)  # its time was up before the loop could run it
+        with pytest.raises(TimeoutError, match="grace passed before kvflow's loop thread could start it"):
+            queued.result(10)  # its time and its grace were up before the loop could run it
     finally:
         pool.close(timeout_s=10)
 
 
-def test_a_store_the_loop_could_not_start_in_time_still_says_it_released_the_blocks() -> None:
-    """``on_released`` is called once also for a store that never started (its timeout passed
-    while the loop thread was held): an engine waiting for it to reuse its blocks is not left
-    waiting."""
+@pytest.mark.parametrize("held_s", [0.3, 0.3 + ANSWER_GRACE_S], ids=["within the grace", "past it"])
+def test_a_store_the_loop_could_not_start_in_time_still_says_it_released_the_blocks(held_s: float) -> None:
+    """``on_released`` is called once also for a store the loop thread could not start within its
+    timeout (the loop held): an engine waiting for it to reuse its blocks is not left waiting.
+    Within the grace the store still answers, with no time left; past it, TimeoutError."""
     src = LAYOUTS["vllm_cpu"]()
     backend = BlockingBackend()
     pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
@@ -127,12 +129,53 @@ def test_a_store_the_loop_could_not_start_in_time_still_says_it_released_the_blo
         queued = pool.submit_store_many(
             [KVRequest(block_ids=[0], tokens=TOKENS[:BLOCK])], on_released=released.set, timeout_s=0.2
         )
-        time.sleep(0.3)
+        time.sleep(held_s)
         backend.release.set()
         assert stalled.result(10) == 0
-        with pytest.raises(TimeoutError, match="before kvflow's loop thread could start it"):
-            queued.result(10)
+        if held_s > ANSWER_GRACE_S:
+            with pytest.raises(TimeoutError, match="grace passed before kvflow's loop thread could start it"):
+                queued.result(10)
+        else:
+            (result,) = queued.result(10)  # what it did with no time left: its answer says so
+            assert pool.lookup(KVRequest(tokens=TOKENS[:BLOCK])) == result.stored * BLOCK
         assert released.is_set()
+    finally:
+        pool.close(timeout_s=10)
+
+
+def test_blocking_calls_the_loop_starts_after_their_timeout_answer_instead_of_raising() -> None:
+    """The wait rule: a blocking call answers within its timeout (failed blocks, no hit), and
+    raises TimeoutError only when no answer came within the grace after it. A lookup and a
+    retrieve queued behind a held loop thread past their timeout, but not their grace, answer."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = BlockingBackend()
+    pool = SyncPool.open(layout=KVLayout.from_kv_caches(src), backend=backend)  # type: ignore[arg-type]
+    request = KVRequest(block_ids=[0, 1], tokens=TOKENS[: 2 * BLOCK])
+    try:
+        stalled = pool.submit_lookup(KVRequest(tokens=TOKENS))
+        assert backend.entered.wait(10)
+        got: dict[str, object] = {}
+
+        def call(name: str, fn: Callable[[], object]) -> None:
+            try:
+                got[name] = fn()
+            except TimeoutError as exc:
+                got[name] = exc
+
+        waiters = [
+            threading.Thread(target=call, args=("lookup", lambda: pool.lookup(request, timeout_s=0.05))),
+            threading.Thread(target=call, args=("retrieve", lambda: pool.retrieve(request, timeout_s=0.05))),
+        ]
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(0.3)  # past both timeouts, within their grace
+        backend.release.set()
+        for waiter in waiters:
+            waiter.join(10)
+        assert stalled.result(10) == 0
+        assert got["lookup"] == 0  # nothing stored: no hit, answered, not raised
+        retrieved = got["retrieve"]
+        assert isinstance(retrieved, RetrieveResult) and retrieved.failed_block_ids == (0, 1)
     finally:
         pool.close(timeout_s=10)
 
