@@ -44,6 +44,7 @@ from kvflow.cli import main
 from kvflow.keys import KeyScope, block_keys
 from kvflow.regions import buffer_address
 from kvflow.tools.store_admin import read_inventory
+from tests.helpers import bounded_shm
 
 BLOCK = 4
 MODELS = ("org/llama", "small")
@@ -141,6 +142,7 @@ def test_clear_of_one_model_leaves_the_others(
         "model": "org/llama",
         "removed": 4,
         "failed": 0,
+        "unnamed": 0,
     }
     left = _json(capsys, "store", "ls", url, "--json")
     assert isinstance(left, list) and {o["model"] for o in left} == {"small"} and len(left) == 4
@@ -229,6 +231,38 @@ def test_clear_by_model_reaches_a_model_whose_keys_are_too_long_for_a_file_name(
     assert _json(capsys, "store", "clear", url, "--model", long_model, "--json")["removed"] == 4  # type: ignore[index]
     left = anyio.run(read_inventory, url).objects
     assert {o.model for o in left} == {"small"} and all(o.kind != "other" for o in left)
+
+
+def test_clear_by_model_says_so_when_an_arena_kept_no_keys_that_long(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An arena keeps keys of up to 254 bytes for listing: a model named by a long path stores
+    KV that `--model` cannot find. The put warns once, and `clear --model` says what it left and
+    fails (exit 1), rather than report success with the model's KV still there."""
+    with bounded_shm("64m") as shm:
+        url = f"arena://{shm}/store?capacity=16MiB&slot=64KiB"
+        long_model = "/models/" + "x" * 220
+        caches = {"l0": torch.randn(8, 2, BLOCK, 16)}
+
+        async def fill() -> None:
+            async with KVPool.create(
+                PoolConfig(backend=url, model=long_model), layout=KVLayout.from_kv_caches(caches)
+            ) as pool:
+                for start in (0, 3):
+                    request = KVRequest(tokens=list(range(start, start + 3 * BLOCK)), block_ids=[1, 2, 3])
+                    assert (await pool.store(request)).stored == 3
+
+        with caplog.at_level("WARNING", logger="kvflow"):
+            anyio.run(fill)
+        warned = [r for r in caplog.records if "longer than the 254 a slot keeps" in r.getMessage()]
+        assert len(warned) == 1  # once per backend, not per put
+        assert main(["store", "clear", url, "--model", long_model, "--yes", "--json"]) == 1
+        out, err = capsys.readouterr()
+        outcome = json.loads(out)
+        assert outcome["removed"] == 0 and outcome["unnamed"] >= 6  # its KV: six blocks, left
+        assert "objects were left whose keys the store did not keep" in err
+        assert main(["store", "clear", url, "--yes", "--json"]) == 0  # every object: they go
+        assert json.loads(capsys.readouterr().out)["removed"] == outcome["unnamed"]
 
 
 @pytest.mark.parametrize("case", ["kept no key", "another key kept"])
@@ -434,7 +468,7 @@ def test_clear_of_one_model_removes_in_lock_sections_of_a_bounded_size(
     kept = {n for n in _file_names(tmp_path / "store") if "@small@" in n}
     sections.done.clear()
     outcome = _json(capsys, "store", "clear", url, "--model", "big", "--json")
-    assert outcome == {"url": url, "model": "big", "removed": 600, "failed": 0}
+    assert outcome == {"url": url, "model": "big", "removed": 600, "failed": 0, "unnamed": 0}
     removes = [section.count("remove") for section in sections.done]
     assert sum(removes) == 600 and max(removes) <= 256
     assert _file_names(tmp_path / "store") == kept and len(kept) == 5

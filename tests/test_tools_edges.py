@@ -228,7 +228,7 @@ def test_clear_refuses_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     assert main(["store", "clear", url]) == 2
     assert len(anyio.run(read_inventory, url).objects) == 6
-    assert anyio.run(clear_store, url) == {"removed": 6, "failed": 0}
+    assert anyio.run(clear_store, url) == {"removed": 6, "failed": 0, "unnamed": 0}
 
 
 # --- the CLI --------------------------------------------------------------------------------------

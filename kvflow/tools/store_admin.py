@@ -234,7 +234,9 @@ async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
     """Remove the store's kvflow objects (``model``: that model's KV and profile announcements).
 
     A local or arena store without ``model`` loses every object, unnamed ones included. A Mooncake cluster
-    keeps keys that are not kvflow's. Returns ``{"removed": n, "failed": n}`` (Mooncake refuses
+    keeps keys that are not kvflow's. Returns ``{"removed": n, "failed": n, "unnamed": n}``
+    (``unnamed``: with ``model``, the objects whose keys the store did not keep, an arena's keys
+    over 254 bytes, which may be that model's and were left; Mooncake refuses
     to remove an object a reader holds a lease on, for a few seconds after each read, including
     ``kvflow store ls`` and ``stats``: run it again). Removes 256 objects per call to the store;
     raises :class:`ClearStoppedError`, which says how many went, when the store stops answering
@@ -243,7 +245,7 @@ async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
     if _scheme(url) != "mooncake" and model is None:
         backend = _open_local(url)
         try:
-            return {"removed": await backend.clear(), "failed": 0}
+            return {"removed": await backend.clear(), "failed": 0, "unnamed": 0}
         except ClearStoppedError as exc:
             raise _stopped(url, None, exc.removed, exc.listed, exc) from exc
         finally:
@@ -261,7 +263,8 @@ async def clear_store(url: str, model: str | None = None) -> dict[str, int]:
             removed += sum(1 for ok in done if ok)
     finally:
         await backend.aclose()
-    return {"removed": removed, "failed": len(keys) - removed}
+    unnamed = sum(1 for o in inventory.objects if o.key is None)
+    return {"removed": removed, "failed": len(keys) - removed, "unnamed": unnamed}
 
 
 def _stopped(url: str, model: str | None, removed: int, listed: int, exc: Exception) -> ClearStoppedError:
@@ -392,7 +395,14 @@ def _clear_main(args: argparse.Namespace) -> int:
         print(f"removed {outcome['removed']} objects ({what}) from {args.url}")
         if outcome["failed"]:
             print(f"{outcome['failed']} could not be removed now (held by a reader?): run it again")
-    return 0 if not outcome["failed"] else 1
+    if outcome["unnamed"]:
+        print(
+            f"kvflow store: {outcome['unnamed']} objects were left whose keys the store did not keep "
+            "(an arena keeps keys of up to 254 bytes; a long model name makes longer ones): they may "
+            f"be this model's; `kvflow store clear {args.url} --yes` without --model removes every object",
+            file=sys.stderr,
+        )
+    return 0 if not outcome["failed"] and not outcome["unnamed"] else 1
 
 
 def _names(field: str, model: str) -> bool:

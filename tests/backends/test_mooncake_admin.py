@@ -64,10 +64,18 @@ async def test_store_admin_lists_and_clears_a_models_objects(
     assert sorted(p["model"] for p in stats["profiles"]) == ["b", "org/a"]
     assert stats["other"] == {"objects": 1, "bytes": 100}
 
-    assert await clear_store(url, "org/a") == {"removed": 4, "failed": 0}  # its KV and its profile
+    assert await clear_store(url, "org/a") == {
+        "removed": 4,
+        "failed": 0,
+        "unnamed": 0,
+    }  # its KV and its profile
     left = await read_inventory(url, sizes=False)
     assert {o.model for o in left.objects} == {"b", None}
-    assert await clear_store(url) == {"removed": 4, "failed": 0}  # every kvflow object, not others'
+    assert await clear_store(url) == {
+        "removed": 4,
+        "failed": 0,
+        "unnamed": 0,
+    }  # every kvflow object, not others'
     assert [o.key for o in (await read_inventory(url, sizes=False)).objects] == ["not-kvflow"]
     for pool in pools:
         await pool.aclose()

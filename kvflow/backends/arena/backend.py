@@ -32,6 +32,7 @@ from kvflow.backends import pacing
 from kvflow.backends.arena.config import ArenaConfig
 from kvflow.backends.arena.lock import EXCLUSIVE, SHARED
 from kvflow.backends.arena.store import (
+    KEPT_KEY_BYTES,
     ArenaFile,
     KeyHashes,
     Query,
@@ -80,6 +81,7 @@ class ArenaBackend:
     _arena: ArenaFile = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
     _too_large_logged: bool = attrs.field(default=False, init=False)
+    _long_key_logged: bool = attrs.field(default=False, init=False)
     _hashes: KeyHashes = attrs.field(factory=KeyHashes, init=False)
     _life: Lifetime = attrs.field(init=False)  # the calls running: the arena stays mapped for them
     # Rows claimed by puts that failed and could not give them back (the lock timed out): still
@@ -153,6 +155,8 @@ class ArenaBackend:
             timed_out: TimeoutError | None = None
             try:
                 keys = encode_keys(keys_of(objects))  # once: hashed for the claim, kept by the publish
+                if keys and len(keys[0]) > KEPT_KEY_BYTES:  # (a model's keys are alike: the first says)
+                    self._log_long_key(keys[0])
                 await self._claim(objects, keys, results, claimed, repeats)
                 if claimed:  # (none: every key present, or no room; nothing to copy or publish)
                     await self._write(objects, claimed)
@@ -270,6 +274,19 @@ class ArenaBackend:
         if self._stranded:
             self._arena.release(sorted(self._stranded))
             self._stranded.clear()
+
+    def _log_long_key(self, key: bytes) -> None:
+        if not self._long_key_logged:
+            self._long_key_logged = True
+            logger.warning(
+                "arena backend: keys of %d bytes (as %s...) are longer than the %d a slot keeps for "
+                "listing: their objects are stored and found, but `kvflow store ls/clear --model` "
+                "cannot tell whose they are (only `kvflow store clear` of every object removes them); "
+                "give the model a shorter name (PoolConfig.model, the connector's model_id)",
+                len(key),
+                key[:80].decode("utf-8", "replace"),
+                KEPT_KEY_BYTES,
+            )
 
     def _log_too_large(self, obj: ObjectRef) -> None:
         if not self._too_large_logged:

@@ -72,6 +72,7 @@ from kvflow.errors import BackendUnavailableError
 __all__ = [
     "ARENA_NAME",
     "FREE",
+    "KEPT_KEY_BYTES",
     "KEY_BYTES",
     "READY",
     "WAYS",
@@ -89,7 +90,8 @@ __all__ = [
 ]
 
 _ALLOCATE_BYTES_PER_S = 1 << 30  # posix_fallocate on tmpfs, a slow host's (12 GB/s measured here)
-_KEPT = KEY_BYTES - 2  # the most bytes of a key a slot keeps
+#: The most bytes of a key a slot keeps, for listing the store (a longer key is stored, unnamed).
+KEPT_KEY_BYTES = KEY_BYTES - 2
 _KEY_TOO_LONG = KEY_BYTES - 1  # a length no key is given: the key was not kept
 
 FREE, WRITING, READY = 0, 1, 2
@@ -370,11 +372,11 @@ class ArenaFile:
         at = np.asarray(rows, dtype=np.intp)
         self._table[_NBYTES, at] = sizes
         lengths = np.array(list(map(len, keys)), dtype=np.int64)
-        width = min(int(lengths.max()), _KEPT)
+        width = min(int(lengths.max()), KEPT_KEY_BYTES)
         if width:  # each key's bytes, padded with NULs (a key too long to keep: cut, and not kept)
             text = np.array(keys, dtype=f"S{width}").view(np.uint8).reshape(len(keys), width)
             self._key_rows[at, 2 : 2 + width] = text
-        lengths[lengths > _KEPT] = _KEY_TOO_LONG
+        lengths[lengths > KEPT_KEY_BYTES] = _KEY_TOO_LONG
         self._key_rows[at, :2] = lengths.astype("<u2").view(np.uint8).reshape(len(keys), 2)
         self._table[_STATE, at] = READY
 
@@ -384,7 +386,7 @@ class ArenaFile:
         for row in np.flatnonzero(table[_STATE] == READY).tolist():
             record = self._key_rows[row].tobytes()
             length = int.from_bytes(record[:2], "little")
-            key = None if length > _KEPT else record[2 : 2 + length].decode("utf-8", "surrogatepass")
+            key = None if length > KEPT_KEY_BYTES else record[2 : 2 + length].decode("utf-8", "surrogatepass")
             found.append((key, int(table[_NBYTES, row])))
         return found
 
