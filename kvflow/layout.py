@@ -237,6 +237,12 @@ class KVLayout:
         ``block_size`` (tokens per block), when given, is checked against the shapes. Every layer
         must share one kind, block size, block count, dtype, device and per-block geometry.
         """
+        if not isinstance(kv_caches, Mapping):  # (a tensor's truth value, a list's items: unclear)
+            raise LayoutError(
+                f"kv_caches must be a mapping of layer name to tensor (vLLM's registered caches), got "
+                f"{type(kv_caches).__name__}; name a list's layers: {{f'layer.{{i}}': t for i, t in "
+                "enumerate(caches)}"
+            )
         if not kv_caches:
             raise LayoutError("no KV caches given; register at least one layer")
         kinds: set[LayoutKind] = set()

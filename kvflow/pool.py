@@ -45,6 +45,24 @@ _CREATE = object()  # KVPool's constructor is private: make pools with KVPool.cr
 _UNNAMED = attrs.fields(PoolConfig).model.default  # PoolConfig's model when none is named
 
 
+def _check_create(config: object, layout: object, format: object, parallel: object, backend: object) -> None:
+    """TypeError, saying what to give, for an argument of :meth:`KVPool.create` of another type
+    (a URL where a backend goes, the caches where their layout goes)."""
+    if isinstance(config, str) or isinstance(backend, str):
+        raise TypeError(
+            "KVPool.create takes a backend's URL as PoolConfig(backend=url), and backend= an opened "
+            "backend (kvflow.backends.open_backend(url)); got a string"
+        )
+    expected = {"config": (config, PoolConfig), "layout": (layout, KVLayout)}
+    expected |= {"format": (format, KVFormat), "parallel": (parallel, ParallelConfig)}
+    for name, (value, kind) in expected.items():
+        if value is not None and not isinstance(value, kind):
+            hint = " (make it with KVLayout.from_kv_caches(kv_caches))" if name == "layout" else ""
+            raise TypeError(
+                f"KVPool.create: {name} must be a {kind.__name__}{hint}, got {type(value).__name__}"
+            )
+
+
 def check_timeout(timeout_s: float | None) -> None:
     """Refuse a timeout that is not a finite number of seconds > 0 (None: the pool's default)."""
     if timeout_s is None:
@@ -91,6 +109,7 @@ class KVPool:
         whose close has to wait is left open when this runs on an event loop (a warning says so). A
         ``backend`` passed in stays the caller's to close then.
         """
+        _check_create(config, layout, format, parallel, backend)
         config = config or PoolConfig()
         # Checked before a backend is opened: a refused configuration opens nothing.
         spec = TransferSpec.of(config, parallel=parallel or ParallelConfig(), layout=layout, format=format)

@@ -47,7 +47,7 @@ def as_index(value: object, what: str) -> int:
 
 
 def _block_ids(values: Iterable[object]) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise RequestError(f"block_ids must be a sequence of integers, got {values!r}")
     given = tuple(values)
     ids = cast("tuple[int, ...]", given) if set(map(type, given)) <= {int} else ()  # checked in C

@@ -200,6 +200,9 @@ def test_mixed_layers_and_wrong_block_size_are_rejected() -> None:
         KVLayout.from_kv_caches({"a": torch.zeros(4, 2, 16, 8)}, block_size=32)
     with pytest.raises(LayoutError, match=r"^no KV caches given; register at least one layer$"):
         KVLayout.from_kv_caches({})
+    for caches in ([one], one):  # a list of layers, a tensor: a mapping asked for, not a raw error
+        with pytest.raises(LayoutError, match=r"^kv_caches must be a mapping of layer name to tensor"):
+            KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
 
 
 def test_allocations_cover_shared_storage_once() -> None:

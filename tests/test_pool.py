@@ -869,6 +869,33 @@ def test_a_pool_its_config_refuses_opens_no_backend(face: str) -> None:
         assert not (root / "store").exists()
 
 
+def test_arguments_of_another_type_are_refused_with_what_to_give() -> None:
+    """A URL where a backend or a config goes, the caches where their layout goes, a bare number
+    where a backend's config goes: a TypeError that says what to give, not an AttributeError from
+    deep inside."""
+    caches = LAYOUTS["vllm_cpu"]()
+    layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
+    for call, match in [
+        (
+            lambda: KVPool.create(PoolConfig(), layout=layout, backend="memory://"),
+            r"PoolConfig\(backend=url\)",
+        ),
+        (lambda: KVPool.create("memory://", layout=layout), r"PoolConfig\(backend=url\)"),
+        (lambda: SyncPool.open(layout=layout, backend="memory://"), r"PoolConfig\(backend=url\)"),
+        (lambda: KVPool.create(PoolConfig(), layout=caches), r"layout must be a KVLayout \(make it with"),
+        (
+            lambda: MemoryBackend(1024),
+            r"MemoryBackend is made from its config, MemoryBackend\(MemoryConfig\(...\)\), or opened by URL, kvflow.backends.open_backend\('memory://",
+        ),
+        (
+            lambda: ArenaBackend("arena:///dev/shm/x"),
+            r"ArenaBackend is made from its config, ArenaBackend\(ArenaConfig",
+        ),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            call()  # type: ignore[no-untyped-call]
+
+
 def _refused_without_a_trace(face: str, config: PoolConfig, layout: KVLayout, match: str) -> None:
     """Create the pool three times through ``face``: refused each time (ConfigError matching
     ``match``), leaving no descriptor open."""

@@ -103,6 +103,10 @@ def test_a_plan_flattens_a_batch_in_order() -> None:
 def test_the_plans_errors_name_what_is_wrong() -> None:
     with pytest.raises(RequestError, match=r"^expected a kvflow.KVRequest, got list$"):
         BlockPlan.build([[0, 1]], FORMAT, 8)  # type: ignore[list-item]
+    with pytest.raises(RequestError, match=r"^expected a sequence of kvflow.KVRequest .*, got generator$"):
+        BlockPlan.build((KVRequest(tokens=TOKENS) for _ in range(2)), FORMAT, 8)  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"^block_ids must be a sequence of integers, got 3$"):
+        KVRequest(tokens=TOKENS, block_ids=3)  # type: ignore[arg-type]
     with pytest.raises(
         RequestError, match=r"block id 8 is out of range: the KV cache has 8 blocks \(0..7\)$"
     ):

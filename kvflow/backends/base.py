@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import sys
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from types import TracebackType
-from typing import Protocol, overload, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 import attrs
 import numpy as np
@@ -36,6 +36,7 @@ __all__ = [
     "nbytes_of",
     "repeats_of",
     "some_of",
+    "takes_config",
 ]
 
 
@@ -327,3 +328,18 @@ class Backend(Protocol):
     def stats(self) -> BackendStats: ...
 
     async def aclose(self) -> None: ...
+
+
+def takes_config(kind: type[Any], url: str) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator of a backend's ``config`` field: TypeError, saying what to give, for
+    anything but a ``kind`` (``url``: an example of the backend's URL)."""
+
+    def check(backend: Any, _: Any, value: Any) -> None:
+        if not isinstance(value, kind):
+            name = type(backend).__name__
+            raise TypeError(
+                f"{name} is made from its config, {name}({kind.__name__}(...)), or opened by URL, "
+                f"kvflow.backends.open_backend({url!r}); got {type(value).__name__}"
+            )
+
+    return check

@@ -45,6 +45,7 @@ from kvflow.backends.base import (
     keys_of,
     nbytes_of,
     some_of,
+    takes_config,
 )
 from kvflow.backends.copies import check_object, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
@@ -106,7 +107,9 @@ class _Entry:
 class MemoryBackend:
     """An in-process object store. Use it from one event loop only."""
 
-    config: MemoryConfig = attrs.field(factory=MemoryConfig)
+    config: MemoryConfig = attrs.field(
+        factory=MemoryConfig, validator=takes_config(MemoryConfig, "memory://?capacity=4GiB")
+    )
     _objects: OrderedDict[str, _Entry] = attrs.field(factory=OrderedDict, init=False)
     _stats: BackendStats = attrs.field(init=False)
     _life: Lifetime = attrs.field(init=False)  # the puts and gets running

@@ -87,6 +87,10 @@ class BlockPlan:
         origins: list[int] = []
         fine: list[list[bytes]] = []
         seen: set[str] = set()
+        if not isinstance(requests, Sequence):  # a generator, a set: several calls would differ
+            raise RequestError(
+                f"expected a sequence of kvflow.KVRequest (a list or a tuple), got {type(requests).__name__}"
+            )
         for r, request in enumerate(requests):
             if not isinstance(request, KVRequest):
                 raise RequestError(f"expected a kvflow.KVRequest, got {type(request).__name__}")

@@ -53,6 +53,7 @@ from kvflow.backends.base import (
     nbytes_of,
     repeats_of,
     some_of,
+    takes_config,
 )
 from kvflow.backends.copies import gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
@@ -77,7 +78,10 @@ class ArenaBackend:
     the first time, the arena, allocating all of its memory at once.
     """
 
-    config: ArenaConfig = attrs.field(factory=ArenaConfig)
+    config: ArenaConfig = attrs.field(
+        factory=ArenaConfig,
+        validator=takes_config(ArenaConfig, "arena:///dev/shm/kvflow-arena?capacity=1GiB"),
+    )
     _arena: ArenaFile = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
     _too_large_logged: bool = attrs.field(default=False, init=False)

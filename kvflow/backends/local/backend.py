@@ -27,7 +27,14 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import (
+    BackendCapabilities,
+    BackendStats,
+    GetStatus,
+    ObjectRef,
+    PutStatus,
+    takes_config,
+)
 from kvflow.backends.inflight import Lifetime
 from kvflow.backends.local.config import LocalConfig, default_path
 from kvflow.backends.local.format import (
@@ -87,7 +94,9 @@ class LocalBackend:
     with checkpoints between them (:mod:`kvflow.backends.pacing`).
     """
 
-    config: LocalConfig = attrs.field(factory=LocalConfig)
+    config: LocalConfig = attrs.field(
+        factory=LocalConfig, validator=takes_config(LocalConfig, "local:///dev/shm/kvflow?capacity=4GiB")
+    )
     _ledger: SpaceLedger = attrs.field(init=False)
     _stats: BackendStats = attrs.field(init=False)
     _presence: PresenceMemory = attrs.field(init=False)

@@ -37,7 +37,14 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
+from kvflow.backends.base import (
+    BackendCapabilities,
+    BackendStats,
+    GetStatus,
+    ObjectRef,
+    PutStatus,
+    takes_config,
+)
 from kvflow.backends.inflight import InFlight
 from kvflow.backends.mooncake.absent import RecentAbsence
 from kvflow.backends.mooncake.admin import ClusterUsage, fetch, parse_keys, parse_usage
@@ -86,7 +93,9 @@ class MooncakeBackend:
     reports ``FAILED`` from put/get and raises from exists).
     """
 
-    config: MooncakeConfig = attrs.field(factory=MooncakeConfig)
+    config: MooncakeConfig = attrs.field(
+        factory=MooncakeConfig, validator=takes_config(MooncakeConfig, "mooncake://127.0.0.1:50051")
+    )
     _module: StoreModule = attrs.field(init=False)
     _replicate: object = attrs.field(init=False)
     _store: NativeStore | None = attrs.field(default=None, init=False)
