@@ -20,11 +20,14 @@ async def main(url: str) -> int:
     target = {name: (torch.zeros_like(k), torch.zeros_like(v)) for name, (k, v) in source.items()}
     tokens = list(range(32 * 5))
 
-    async with kvflow.KVPool.create(layout=kvflow.KVLayout.from_kv_caches(source), backend=backend) as pool:
+    config = kvflow.PoolConfig(model="example-async-script")  # a shared store keeps models apart by name
+    async with kvflow.KVPool.create(
+        config, layout=kvflow.KVLayout.from_kv_caches(source), backend=backend
+    ) as pool:
         stored = await pool.store(kvflow.KVRequest(block_ids=[0, 1, 2, 3, 4], tokens=tokens))
         hit = await pool.lookup(kvflow.KVRequest(tokens=tokens))
         print("stored", stored.stored, "blocks; lookup says", hit, "tokens")
-        reader = kvflow.KVPool.create(layout=kvflow.KVLayout.from_kv_caches(target), backend=backend)
+        reader = kvflow.KVPool.create(config, layout=kvflow.KVLayout.from_kv_caches(target), backend=backend)
         got = await reader.retrieve(kvflow.KVRequest(block_ids=[10, 11, 12, 13, 14], tokens=tokens))
         if "--keep" not in sys.argv:  # on a store that outlives the run, leave nothing behind
             await pool.remove(kvflow.KVRequest(tokens=tokens))

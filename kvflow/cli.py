@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         help="loading KV an engine split differently stored (TP, layout) beside the matched load",
     )
     bench.add_argument(
-        "--device", default="cpu", help="with --staged: where the caches live (cpu, cuda, npu)"
+        "--device", default=None, help="with --staged: where the caches live (cpu, cuda, npu; default: cpu)"
     )
 
     from kvflow.tools.store_admin import add_store_parser  # no torch: `kvflow --help` stays fast
@@ -113,10 +113,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             from kvflow.tools.bench_topology import topology_main
 
             return topology_main(as_json=args.json, quick=args.quick)
+        if args.device is not None and not args.staged:
+            parser.error(
+                "--device says where --staged's caches live: add --staged (the other benches run on cpu)"
+            )
         if args.staged:
             from kvflow.tools.bench_staged import staged_main
 
-            return staged_main(as_json=args.json, quick=args.quick, device=args.device)
+            return staged_main(as_json=args.json, quick=args.quick, device=args.device or "cpu")
         from kvflow.tools.bench import bench_main
 
         return int(

@@ -293,6 +293,16 @@ def test_a_device_the_tools_cannot_use_is_a_one_line_error_before_anything_runs(
     assert device in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--quick", "--device", "cpu"]])
+def test_bench_refuses_a_device_without_staged(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`--device` says where `--staged`'s caches live; given to another bench it would be ignored
+    (the bench runs on the CPU), so it is refused with what to add, before anything runs."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *argv])
+    assert exited.value.code == 2
+    assert "--device says where --staged's caches live: add --staged" in capsys.readouterr().err
+
+
 def test_cuda_on_a_machine_without_cuda_says_to_use_the_cpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -255,7 +255,8 @@ async def _lookup_ms(url: str, blocks: int) -> tuple[float, float]:
 
 async def _pipeline_us(blocks: int) -> dict[str, float]:
     caches = _caches(256, blocks)  # the null backend copies nothing: the size does not matter
-    pool = KVPool.create(PoolConfig(), layout=KVLayout.from_kv_caches(caches), backend=NullBackend())
+    config = PoolConfig(model="kvflow-bench-pipeline")
+    pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=NullBackend())
     hashes = hash_blocks(list(range(16 * blocks)), 16)
     ids = range(blocks)
     out: dict[str, float] = {}
