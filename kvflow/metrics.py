@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -442,8 +443,20 @@ class LabelledMetrics:
 RESERVED_LABELS: frozenset[str] = frozenset({"le", *(spec.label for spec in CATALOGUE if spec.label)})
 
 
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_METRIC_PREFIX = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?")
+
+
 def _check_labelnames(labelnames: Iterable[str]) -> None:
-    """Refuse label names that are also kvflow's own (:data:`RESERVED_LABELS`), with ConfigError."""
+    """Refuse label names that Prometheus does not take (a client would rewrite them, and the
+    queries written for them would find nothing) or that are also kvflow's own
+    (:data:`RESERVED_LABELS`), with ConfigError."""
+    bad = sorted(n for n in labelnames if not _LABEL_NAME.fullmatch(n) or n.startswith("__"))
+    if bad:
+        raise ConfigError(
+            f"metric label name(s) {bad} are not Prometheus label names ([a-zA-Z_][a-zA-Z0-9_]*, not "
+            "starting with __): rename them"
+        )
     taken = sorted(RESERVED_LABELS.intersection(labelnames))
     if taken:
         raise ConfigError(
@@ -454,7 +467,13 @@ def _check_labelnames(labelnames: Iterable[str]) -> None:
 
 def create_parents(make: MetricFactory, prefix: str, labelnames: Sequence[str]) -> dict[str, Any]:
     """One parent metric per catalogue entry, named ``prefix + name``; ConfigError for a label
-    name that is kvflow's own (:data:`RESERVED_LABELS`)."""
+    name that is kvflow's own (:data:`RESERVED_LABELS`) or not a Prometheus name, and for a prefix
+    that does not make Prometheus metric names."""
+    if not _METRIC_PREFIX.fullmatch(prefix):
+        raise ConfigError(
+            f"metric prefix {prefix!r} does not make Prometheus metric names ([a-zA-Z_:][a-zA-Z0-9_:]*): "
+            "use letters, digits, _ and :"
+        )
     _check_labelnames(labelnames)
     parents = {}
     for spec in CATALOGUE:

@@ -211,6 +211,25 @@ def test_a_label_name_kvflow_uses_itself_is_refused_with_its_name(label: str) ->
     assert _value(registry, "kvflow_lookups_total", **{f"my_{label}": "x"}) == 1
 
 
+@pytest.mark.parametrize(
+    ("labels", "prefix", "match"),
+    [
+        ({"1bad": "x"}, "kvflow_", r"\['1bad'\] are not Prometheus label names"),
+        ({"a-b": "x"}, "kvflow_", r"\['a-b'\] are not Prometheus label names"),
+        ({"__meta": "x"}, "kvflow_", r"\['__meta'\] are not Prometheus label names"),
+        ({"engine": "0"}, "bad-prefix", r"prefix 'bad-prefix' does not make Prometheus metric names"),
+    ],
+)
+def test_a_name_prometheus_would_rewrite_is_refused(labels: dict[str, str], prefix: str, match: str) -> None:
+    """prometheus_client rewrites a label name or metric name Prometheus does not take (``1bad``
+    into ``_bad``), so a dashboard's queries would silently find nothing: refused, nothing
+    registered."""
+    registry = CollectorRegistry()
+    with pytest.raises(ConfigError, match=match):
+        PoolMetrics(labels=labels, registry=registry, prefix=prefix)
+    assert list(registry.collect()) == []
+
+
 def test_other_label_names_in_one_registry_and_prefix_say_to_match_or_use_another() -> None:
     """PoolMetrics with other label names than an earlier one of the same registry and prefix
     cannot share its metrics: a ConfigError says the names must match or to pass another
