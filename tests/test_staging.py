@@ -1297,6 +1297,63 @@ def test_a_step_stores_nothing_computed_on_a_layer_the_device_reports_failed_aft
         assert kv.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK  # only the blocks stored before
 
 
+def test_a_layer_whose_failed_copy_another_layer_finished_is_not_taken_as_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Staging short of chunks: layer 1's get, waiting for a chunk, finishes layer 0's oldest copy
+    into the cache itself, and the device reports that copy failed. Layer 0's settle must wait for
+    it and see the failure: before, it found none of its copies left, called the layer whole, and
+    the step put layer 0 of the new blocks computed on the failed load, which a later correct
+    store then skipped as present and a later load returned."""
+    from kvflow import SyncLayerwisePool
+
+    monkeypatch.setattr(staging_module, "MAX_CHUNK_BYTES", 4096)  # chunks of a few objects
+    src = LAYOUTS["vllm_cpu"]()
+    src_ids, dst_ids, new = SRC_IDS[:8], [10, 11, 7, 8, 0, 1, 2, 3], [4, 5]
+    backend = FaultyBackend()
+    anyio.run(
+        lambda: pool(src, backend, staged(layerwise=True)).store(
+            KVRequest(block_ids=src_ids, tokens=TOKENS[: 8 * BLOCK])
+        )
+    )
+    before = {k for k in backend.inner.stored_keys() if not is_book_key(k)}
+    layer0_gets = 0
+
+    async def second_get_of_layer_0_slow(objects: Sequence[ObjectRef]) -> None:
+        nonlocal layer0_gets
+        if "@l0-1@" in objects[0].key:
+            layer0_gets += 1
+            if layer0_gets == 2:  # layer 1 runs short of chunks meanwhile, and takes layer 0's copy
+                await anyio.sleep(0.1)
+
+    backend.get_hook = second_get_of_layer_0_slow
+    engine = zeros_like_caches(src)
+    names = list(engine)
+    device = FailsLateOnTheDevice(torch.device("cpu"), max_delay_s=0.0)
+    config = staged(layerwise=True, staging_bytes=3 * 4096)
+    with SyncLayerwisePool.open(
+        config, layout=KVLayout.from_kv_caches(engine), backend=backend, device=device, depth=2
+    ) as kv:
+        kv.start_load([KVRequest(request_id="r", block_ids=dst_ids, tokens=TOKENS)])
+        kv.start_store([KVRequest(request_id="r", block_ids=new, tokens=TOKENS, block_offset=8)])
+        for layer in range(kv.num_layers):
+            kv.wait_for_layer_load(layer)
+            for b in new:  # computed on what loaded: junk where a copy failed
+                engine[names[layer]][b].fill_(1.0)
+            kv.save_layer(layer)
+        result = kv.wait_for_save()
+        assert result.failed_block_ids and result.stored["r"].stored == 0
+        added = {k for k in backend.inner.stored_keys() if not is_book_key(k)} - before
+        assert added == set()  # no layer's objects: every layer rests on a load that failed
+        for name in names:  # the engine recomputes the blocks and stores them whole
+            for b in new:
+                engine[name][b].fill_(2.0)
+        assert kv.store(KVRequest(block_ids=new, tokens=TOKENS, block_offset=8)).stored == 2
+        got = kv.retrieve(KVRequest(block_ids=[6, 7], tokens=TOKENS, block_offset=8))
+        assert got.hit_blocks == 2
+        assert all(bool((engine[name][b] == 2.0).all()) for name in names for b in (6, 7))
+
+
 @attrs.define(eq=False)
 class SerialCopies(CancellingDevice):
     """Copies on one copy stream: each completes ``delay_s`` after the one before it."""

@@ -298,6 +298,9 @@ class LoadJob:
     # chunks whose copies into the cache may still run, oldest first, with the pool they go back to
     # and the flat blocks they fill
     _copying: list[tuple[Unit, Chunk, StagingPool, list[int]]] = attrs.field(init=False, factory=list)
+    # copies taken out of ``_copying`` by another unit short of chunks (:meth:`_take`), by the unit
+    # they fill, until :meth:`settle` of that unit has seen them end
+    _taken: dict[Unit, list[_Finishing]] = attrs.field(init=False, factory=dict)
     # the events after each unit's copies into the cache, kept apart from the chunks: another unit
     # short of chunks may finish and reuse one before this unit is handed out
     _events: dict[Unit, list[DeviceEvent]] = attrs.field(init=False, factory=dict)
@@ -382,7 +385,13 @@ class LoadJob:
         chunk = pool.try_take()
         while chunk is None and time.monotonic() < deadline:
             if self._copying:  # every chunk in use: finish this job's oldest copy instead
-                await self._finish_copy(*self._copying.pop(0), deadline)
+                entry = self._copying.pop(0)  # (perhaps another unit's: its settle waits for this)
+                finishing = _Finishing()
+                self._taken.setdefault(entry[0], []).append(finishing)
+                try:
+                    finishing.whole = await self._finish_copy(*entry, deadline)
+                finally:
+                    finishing.ended.set()
             else:  # another unit of this job, or another job, gives one back soon
                 await anyio.sleep(_CHUNK_POLL_S)
             chunk = pool.try_take()
@@ -636,18 +645,24 @@ class LoadJob:
 
     async def settle(self, unit: Unit, deadline: float) -> bool:
         """Wait until ``unit``'s copies into the cache completed, and give their chunks back; False
-        when the device reported one failed (its blocks are failed)."""
+        when the device reported one failed (its blocks are failed), including a copy another
+        unit short of chunks took to finish (waited for here: until it ended, the layer's bytes
+        may still be wrong)."""
         mine = [entry for entry in self._copying if entry[0] == unit]
         self._copying = [entry for entry in self._copying if entry[0] != unit]
         whole = True
         for entry in mine:
             whole = await self._finish_copy(*entry, deadline) and whole
+        for finishing in self._taken.pop(unit, ()):
+            with anyio.CancelScope(shield=True):  # (its copy's own wait is shielded: it ends)
+                await finishing.ended.wait()
+            whole = finishing.whole and whole
         return whole
 
     async def settle_all(self, deadline: float) -> None:
         """:meth:`settle` every unit with copies left: a face's cleanup, safe in a cancelled scope
         (every wait for a copy is shielded)."""
-        for unit in {entry[0] for entry in self._copying}:
+        for unit in {entry[0] for entry in self._copying} | set(self._taken):
             await self.settle(unit, deadline)
 
     async def _finish_copy(
@@ -675,6 +690,14 @@ class LoadJob:
             RetrieveResult(tuple(self.plan.block_ids[a:b]), tuple(status[a:b]), block_size)
             for a, b in self.plan.spans
         ]
+
+
+@attrs.define(eq=False)
+class _Finishing:
+    """A unit's copy into the cache that another unit's task finishes (:meth:`LoadJob._take`)."""
+
+    ended: anyio.Event = attrs.field(factory=anyio.Event)
+    whole: bool = False  # the device reported it complete (False until then, and if it raised)
 
 
 def _failures(statuses: list[PutStatus]) -> int:
