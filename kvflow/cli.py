@@ -105,6 +105,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--{in_memory[0]} runs on an in-process store of its own; drop --backend")
         if args.plot and (in_memory or args.scale):
             parser.error("--plot draws the default bench's sizes only: drop the other mode")
+        if args.device is not None and not args.staged:
+            parser.error(
+                "--device says where --staged's caches live: add --staged (the other benches run on cpu)"
+            )
         if args.scale:
             from kvflow.tools.bench_scale import scale_main
 
@@ -113,10 +117,6 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             from kvflow.tools.bench_topology import topology_main
 
             return topology_main(as_json=args.json, quick=args.quick)
-        if args.device is not None and not args.staged:
-            parser.error(
-                "--device says where --staged's caches live: add --staged (the other benches run on cpu)"
-            )
         if args.staged:
             from kvflow.tools.bench_staged import staged_main
 

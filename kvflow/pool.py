@@ -45,9 +45,12 @@ _CREATE = object()  # KVPool's constructor is private: make pools with KVPool.cr
 _UNNAMED = attrs.fields(PoolConfig).model.default  # PoolConfig's model when none is named
 
 
-def _check_create(config: object, layout: object, format: object, parallel: object, backend: object) -> None:
+def check_create_arguments(
+    config: object, layout: object, format: object, parallel: object, backend: object
+) -> None:
     """TypeError, saying what to give, for an argument of :meth:`KVPool.create` of another type
-    (a URL where a backend goes, the caches where their layout goes)."""
+    (a URL where a backend goes, the caches where their layout goes); also checked by the
+    synchronous faces before they start their loop thread."""
     if isinstance(config, str) or isinstance(backend, str):
         raise TypeError(
             "KVPool.create takes a backend's URL as PoolConfig(backend=url), and backend= an opened "
@@ -109,7 +112,7 @@ class KVPool:
         whose close has to wait is left open when this runs on an event loop (a warning says so). A
         ``backend`` passed in stays the caller's to close then.
         """
-        _check_create(config, layout, format, parallel, backend)
+        check_create_arguments(config, layout, format, parallel, backend)
         config = config or PoolConfig()
         # Checked before a backend is opened: a refused configuration opens nothing.
         spec = TransferSpec.of(config, parallel=parallel or ParallelConfig(), layout=layout, format=format)

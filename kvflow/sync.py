@@ -27,7 +27,7 @@ from kvflow.events import DeviceEvent, check_after
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.loop import ANSWER_GRACE_S, CallFuture, LoopThread, wait_answer
 from kvflow.ownership import ParallelConfig
-from kvflow.pool import KVPool, check_timeout
+from kvflow.pool import KVPool, check_create_arguments, check_timeout
 from kvflow.profiles import Profile
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
@@ -268,6 +268,7 @@ def start_pool(
     device: Device | None = None,
 ) -> tuple[LoopThread, KVPool]:
     """Start a loop thread and create a :class:`KVPool` on it (arguments as :meth:`KVPool.create`)."""
+    check_create_arguments(config, layout, format, parallel, backend)
     config = config or PoolConfig()
     loop = LoopThread().start()
 

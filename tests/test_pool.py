@@ -882,6 +882,7 @@ def test_arguments_of_another_type_are_refused_with_what_to_give() -> None:
         ),
         (lambda: KVPool.create("memory://", layout=layout), r"PoolConfig\(backend=url\)"),
         (lambda: SyncPool.open(layout=layout, backend="memory://"), r"PoolConfig\(backend=url\)"),
+        (lambda: SyncPool.open("memory://", layout=layout), r"PoolConfig\(backend=url\)"),
         (lambda: KVPool.create(PoolConfig(), layout=caches), r"layout must be a KVLayout \(make it with"),
         (
             lambda: MemoryBackend(1024),

@@ -103,8 +103,10 @@ def test_a_plan_flattens_a_batch_in_order() -> None:
 def test_the_plans_errors_name_what_is_wrong() -> None:
     with pytest.raises(RequestError, match=r"^expected a kvflow.KVRequest, got list$"):
         BlockPlan.build([[0, 1]], FORMAT, 8)  # type: ignore[list-item]
-    with pytest.raises(RequestError, match=r"^expected a sequence of kvflow.KVRequest .*, got generator$"):
-        BlockPlan.build((KVRequest(tokens=TOKENS) for _ in range(2)), FORMAT, 8)  # type: ignore[arg-type]
+    with pytest.raises(
+        RequestError, match=r"^expected a sequence of kvflow.KVRequest \(a list\), got KVRequest$"
+    ):
+        BlockPlan.build(KVRequest(tokens=TOKENS), FORMAT, 8)  # type: ignore[arg-type]
     with pytest.raises(RequestError, match=r"^block_ids must be a sequence of integers, got 3$"):
         KVRequest(tokens=TOKENS, block_ids=3)  # type: ignore[arg-type]
     with pytest.raises(
@@ -113,6 +115,18 @@ def test_the_plans_errors_name_what_is_wrong() -> None:
         BlockPlan.build([KVRequest(block_ids=[8], tokens=TOKENS)], FORMAT, 8)
     with pytest.raises(RequestError, match=r"^4 block hashes but 80 tokens make 5 full blocks of 16$"):
         BlockPlan.build([KVRequest(tokens=TOKENS, block_hashes=hash_blocks(TOKENS, 16)[:4])], FORMAT, 8)
+
+
+def test_requests_read_once_from_any_iterable_plan_as_from_a_list() -> None:
+    """A generator or a dict's values are read once, as a list would be."""
+    requests = {
+        "a": KVRequest(block_ids=[7, 6], tokens=TOKENS, request_id="a"),
+        "b": KVRequest(block_ids=[1], tokens=TOKENS[:16], request_id="b"),
+    }
+    listed = BlockPlan.build(list(requests.values()), FORMAT, 8)
+    for given in (requests.values(), (r for r in requests.values())):
+        plan = BlockPlan.build(given, FORMAT, 8)  # type: ignore[arg-type]
+        assert (plan.spans, plan.hashes, plan.block_ids) == (listed.spans, listed.hashes, listed.block_ids)
 
 
 def test_given_hashes_may_come_with_a_partial_block_of_tokens() -> None:

@@ -293,7 +293,15 @@ def test_a_device_the_tools_cannot_use_is_a_one_line_error_before_anything_runs(
     assert device in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--quick", "--device", "cpu"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--device", "cuda"],
+        ["--quick", "--device", "cpu"],
+        ["--scale", "--device", "cuda"],
+        ["--topology", "--device", "cpu"],
+    ],
+)
 def test_bench_refuses_a_device_without_staged(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """`--device` says where `--staged`'s caches live; given to another bench it would be ignored
     (the bench runs on the CPU), so it is refused with what to add, before anything runs."""

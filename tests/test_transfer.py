@@ -39,7 +39,7 @@ from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, Re
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
 from kvflow.transfer import ByteBudget, run_batches
-from kvflow.transfer.together import together
+from kvflow.transfer.together import together, unwrapped
 from tests.helpers import BLOCK, LAYOUTS, FaultyBackend, block_bytes, kv_keys, zeros_like_caches
 
 if sys.version_info < (3, 11):
@@ -546,6 +546,15 @@ async def test_together_raises_a_failing_calls_own_error_and_cancels_the_rest() 
         with pytest.raises(ExceptionGroup) as group:
             await together([fails, also_fails])
     assert sorted(type(e).__name__ for e in group.value.exceptions) == ["BackendError", "RequestError"]
+
+
+def test_groups_in_a_group_are_all_kept() -> None:
+    """``unwrapped`` raises errors all of one class as the first; groups in a group are not one
+    fault met twice: every one is kept, so no error vanishes."""
+    inner = [ExceptionGroup("a", [BackendError("1"), TypeError("bug")]), ExceptionGroup("b", [KeyError("k")])]
+    with pytest.raises(ExceptionGroup) as caught, unwrapped():
+        raise ExceptionGroup("outer", inner)
+    assert list(caught.value.exceptions) == inner
 
 
 # --- a custom backend that answers outside the protocol ---------------------------------------------

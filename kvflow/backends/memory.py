@@ -189,7 +189,9 @@ class MemoryBackend:
         """Make the call's first keys its most recently used (a request's blocks come in order, and
         a block is useful only with those before it: eviction takes the last blocks of a prompt
         first, never its head, which would leave the rest unreachable), as the local and arena
-        backends stamp them."""
+        backends stamp them. (Each run also uses its keys as it goes, in order, so that a later
+        run's evictions, or a put beside a paused call, take neither a key it found present nor
+        one it read.)"""
         stored = self._objects
         use = stored.move_to_end
         for key in reversed(keys):
@@ -238,7 +240,11 @@ class MemoryBackend:
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
         new = [i for i, key in enumerate(keys) if key not in stored]
-        every = len(new) == len(keys)  # (those present are used, for LRU, once the call ends)
+        every = len(new) == len(keys)
+        if not every:
+            for key in keys:
+                if key in stored:
+                    stored.move_to_end(key)  # a use, for LRU, before anything is evicted for the rest
         reserved = self._reserve(sizes if every else [sizes[i] for i in new])
         entries = [entry for entry in reserved if entry is not None]
         fits = len(entries) == len(new)
@@ -364,9 +370,13 @@ class MemoryBackend:
         """Gets of objects copied in one call, without a checkpoint (so they need no pin): each
         step over the whole run at once (a comprehension), not a call per object; the usual run
         (every object found, of its size) in one comprehension before its copy."""
-        entries = [self._objects.get(key) for key in keys]  # (used, for LRU, once the call ends)
+        stored = self._objects
+        entries = [stored.get(key) for key in keys]
+        use = stored.move_to_end  # a use, for LRU, now: a put beside this get evicts others first
         found = [0 if e is None or e.nbytes != n else e.addr for e, n in zip(entries, sizes)]
         if 0 not in found:  # (a buffer's address is never 0)
+            for key in keys:
+                use(key)
             scatter_objects(found, objects)
             return [GetStatus.HIT] * len(keys)
         results = [
@@ -374,6 +384,8 @@ class MemoryBackend:
             for entry, n in zip(entries, sizes)
         ]
         hits = [i for i, result in enumerate(results) if result is GetStatus.HIT]
+        for i in hits:
+            use(keys[i])
         addrs = [e.addr for e, result in zip(entries, results) if e is not None and result is GetStatus.HIT]
         scatter_objects(addrs, some_of(objects, hits))
         return results

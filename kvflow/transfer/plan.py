@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NoReturn
 
 import attrs
@@ -87,10 +87,12 @@ class BlockPlan:
         origins: list[int] = []
         fine: list[list[bytes]] = []
         seen: set[str] = set()
-        if not isinstance(requests, Sequence):  # a generator, a set: several calls would differ
-            raise RequestError(
-                f"expected a sequence of kvflow.KVRequest (a list or a tuple), got {type(requests).__name__}"
-            )
+        if not isinstance(requests, Sequence):  # a generator, a dict's values: read once, here
+            if not isinstance(requests, Iterable):  # (one KVRequest given to a *_many call, say)
+                raise RequestError(
+                    f"expected a sequence of kvflow.KVRequest (a list), got {type(requests).__name__}"
+                )
+            requests = list(requests)
         for r, request in enumerate(requests):
             if not isinstance(request, KVRequest):
                 raise RequestError(f"expected a kvflow.KVRequest, got {type(request).__name__}")

@@ -42,6 +42,7 @@ def unwrapped() -> Iterator[None]:
         yield
     except BaseExceptionGroup as group:
         first = group.exceptions[0]
-        if all(type(exc) is type(first) for exc in group.exceptions):
+        alike = all(type(exc) is type(first) for exc in group.exceptions)
+        if alike and not isinstance(first, BaseExceptionGroup):  # (groups in a group: all kept)
             raise first from None
         raise

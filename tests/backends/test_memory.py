@@ -107,6 +107,18 @@ async def test_lru_eviction_keeps_within_capacity() -> None:
     assert await backend.exists(list("acd")) == [False, True, True] and stats.used_bytes == 200
 
 
+async def test_a_key_a_put_finds_present_is_used_before_the_put_evicts_for_the_rest() -> None:
+    """A put of a present key and a new one into a full store: the present key counts as used
+    before room is made for the new one, so the eviction takes the least recently used other key,
+    never the one the put just answered PRESENT for (a prompt's head, kept by a longer prompt)."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=400))
+    data = torch.zeros(100, dtype=torch.uint8)
+    for key in "abcd":
+        assert await backend.put([obj(key, data)]) == [PutStatus.STORED]
+    assert await backend.put([obj("a", data), obj("e", data)]) == [PutStatus.PRESENT, PutStatus.STORED]
+    assert await backend.exists(list("abcde")) == [True, False, True, True, True]
+
+
 @pytest.mark.parametrize("size", [100, 3 << 20], ids=["one run", "a run per object"])
 async def test_eviction_takes_a_prompts_last_blocks_first(size: int) -> None:
     """A request's blocks are useful only with those before them: within a put or a get, the
