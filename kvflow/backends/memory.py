@@ -181,22 +181,24 @@ class MemoryBackend:
                         start = end
             finally:
                 count(objects[: len(results)], results)
-                self._newest_first(keys[: len(results)])
+                self._newest_first(keys, results)
             await anyio.lowlevel.checkpoint()
             return results
 
-    def _newest_first(self, keys: Sequence[str]) -> None:
-        """Make the call's first keys its most recently used (a request's blocks come in order, and
-        a block is useful only with those before it: eviction takes the last blocks of a prompt
-        first, never its head, which would leave the rest unreachable), as the local and arena
-        backends stamp them. (Each run also uses its keys as it goes, in order, so that a later
-        run's evictions, or a put beside a paused call, take neither a key it found present nor
-        one it read.)"""
+    def _newest_first(self, keys: Sequence[str], results: Sequence[object]) -> None:
+        """Make the call's first keys that it stored, found present or read its most recently used
+        (a request's blocks come in order, and a block is useful only with those before it: a
+        later eviction takes the last blocks of a prompt first, not its head, which would leave the
+        rest unreachable), as the local and arena backends stamp them; ``results``: those of the
+        objects that ran, first. (Each run also uses its keys as it goes, in order, so that a later
+        run's evictions, or a put beside a paused call, take neither a key it found present nor one
+        it read. A single call larger than the store still evicts its own first objects to make
+        room for its last.)"""
         stored = self._objects
         use = stored.move_to_end
-        for key in reversed(keys):
-            if key in stored:
-                use(key)
+        for i in range(len(results) - 1, -1, -1):
+            if results[i] in _USED and keys[i] in stored:
+                use(keys[i])
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         self._life.check_open()
@@ -402,6 +404,11 @@ class MemoryBackend:
         finally:
             entry.readers -= 1
         return GetStatus.HIT
+
+
+#: The results :meth:`MemoryBackend._newest_first` counts as a use (not a miss, nor a get of
+#: another size, nor a put that found no room).
+_USED = frozenset({PutStatus.STORED, PutStatus.PRESENT, GetStatus.HIT})
 
 
 async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:

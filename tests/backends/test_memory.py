@@ -119,6 +119,19 @@ async def test_a_key_a_put_finds_present_is_used_before_the_put_evicts_for_the_r
     assert await backend.exists(list("abcde")) == [True, False, True, True, True]
 
 
+async def test_a_get_of_another_size_or_a_miss_is_not_a_use() -> None:
+    """A get that finds a key stored at another size (FAILED) leaves it where it was in the LRU:
+    the next eviction takes it, not an object the reader can use."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=300))
+    data = torch.zeros(100, dtype=torch.uint8)
+    for key in "abc":
+        assert await backend.put([obj(key, data)]) == [PutStatus.STORED]
+    wrong = torch.zeros(50, dtype=torch.uint8)
+    assert await backend.get([obj("a", wrong), obj("zz", data)]) == [GetStatus.FAILED, GetStatus.MISS]
+    assert await backend.put([obj("d", data)]) == [PutStatus.STORED]
+    assert await backend.exists(list("abcd")) == [False, True, True, True]
+
+
 @pytest.mark.parametrize("size", [100, 3 << 20], ids=["one run", "a run per object"])
 async def test_eviction_takes_a_prompts_last_blocks_first(size: int) -> None:
     """A request's blocks are useful only with those before them: within a put or a get, the
