@@ -3,10 +3,13 @@ make kvflow look slower beside it than it is."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -23,6 +26,7 @@ from kvflow.tools.baselines import (
     memcpy_gbps,
     plain_and_streamed_gbps,
     region_copy_gbps,
+    shared_call_s,
 )
 
 
@@ -43,6 +47,55 @@ def test_the_bare_call_moves_every_block_from_source_to_target() -> None:
         assert torch.equal(dst[name][ids], src[name][ids])
         untouched = [b for b in range(8) if b not in ids]
         assert not dst[name][untouched].any()  # only the blocks asked for
+
+
+def test_the_bare_call_sharing_the_loop_moves_every_block_in_runs_and_lets_other_work_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shared baseline copies what the bare call copies, in runs of at most ``RUN_BYTES`` (one
+    copy call each), and a task waiting on the loop runs between its runs once the loop has been
+    held long enough (here: at once), as between a backend's runs; without it the baseline would
+    not stand for a call on a shared loop."""
+    src, dst = caches(8, fill=True), caches(8, fill=False)
+    ids = [6, 1, 4, 0, 7]
+    source = KVLayout.from_kv_caches(src)
+    run = 2  # blocks a run: RUN_BYTES made two blocks' worth
+    monkeypatch.setattr(baselines, "RUN_BYTES", run * source.block_nbytes)
+    monkeypatch.setattr("kvflow.backends.pacing.YIELD_EVERY_S", 0.0)
+    copies: list[int] = []
+    real = baselines.copy_rows
+
+    def recorded(starts, addrs, sizes, *, into_regions, stream=False):  # type: ignore[no-untyped-def]
+        copies.append(len(starts))
+        real(starts, addrs, sizes, into_regions=into_regions, stream=stream)
+
+    monkeypatch.setattr(baselines, "copy_rows", recorded)
+    ran_between: list[int] = []
+
+    async def main() -> tuple[float, float]:
+        async with anyio.create_task_group() as tg:
+
+            async def beside() -> None:
+                while True:
+                    ran_between.append(len(copies))
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(beside)
+            await anyio.lowlevel.checkpoint()
+            times = await shared_call_s(
+                source, KVLayout.from_kv_caches(dst), ids, list(range(16 * len(ids))), repeat=1
+            )
+            tg.cancel_scope.cancel()
+        return times
+
+    store_s, retrieve_s = anyio.run(main)
+    assert store_s > 0 and retrieve_s > 0
+    assert copies == [2, 2, 1] * 4  # a store and a retrieve untimed, then each timed once
+    # the waiting task ran between the runs of a call, not only between calls
+    assert {1, 2, 4, 5} <= set(ran_between), ran_between
+    for name in src:
+        assert torch.equal(dst[name][ids], src[name][ids])
+        assert not dst[name][[2, 3, 5]].any()  # only the blocks asked for
 
 
 def test_the_memcpy_baselines_copy_every_byte_plain_and_streamed() -> None:
@@ -106,6 +159,12 @@ BASELINES: dict[str, tuple[int, Callable[[KVLayout, KVLayout, Callable[[], objec
     "bare store and retrieve": (
         4,
         lambda s, t, before: bare_call_s(s, t, [0, 3], range(32), repeat=2, before=before),
+    ),
+    "bare store and retrieve sharing the loop": (
+        4,
+        lambda s, t, before: anyio.run(
+            functools.partial(shared_call_s, s, t, [0, 3], range(32), repeat=2, before=before)
+        ),
     ),
 }
 

@@ -507,13 +507,14 @@ def test_bench_flushes_the_caches_before_each_timed_call_and_outside_its_timing(
     assert events.count("put 16") == 2 and events.count("get 16") == 4  # each store read back, 2 retrieves
     assert all(events[i - 1] == "flush" for i in batches), events
     # one per kvflow call (2 stores, their 2 read-backs, 2 retrieves) and per timed baseline call:
-    # memmove and the streamed copy 4 each, the hash chain 2, the regions 2 each way, the bare calls 2 each
-    assert events.count("flush") == 6 + 8 + 2 + 4 + 4
+    # memmove and the streamed copy 4 each, the hash chain 2, the regions 2 each way, the bare calls
+    # 2 each, the bare calls sharing the loop 2 each
+    assert events.count("flush") == 6 + 8 + 2 + 4 + 4 + 4
     # A flush timed with a call would hold it at least flush_s: 1 MiB a call, so under 0.021 GB/s.
     slowest = 2 * (16 * (64 << 10)) / flush_s / 1e9
     for name in ("store", "retrieve", "memcpy", "streamed_memcpy", "regions", "retrieve_regions"):
         assert row[f"{name}_gbps"] > slowest, name
-    for name in ("floor", "retrieve_floor", "bare_store", "bare_retrieve"):
+    for name in ("floor", "retrieve_floor", "bare_store", "bare_retrieve", "shared_store", "shared_retrieve"):
         assert row[f"{name}_gbps"] > slowest, name
 
 
@@ -528,6 +529,10 @@ def test_bench_compares_stores_and_retrieves_with_the_faster_memcpy() -> None:
     assert row["floor_vs_memcpy"] == pytest.approx(row["floor_gbps"] / best)
     assert row["retrieve_vs_memcpy"] == pytest.approx(row["retrieve_gbps"] / best)
     assert row["bare_retrieve_vs_memcpy"] == pytest.approx(row["bare_retrieve_gbps"] / best)
+    assert row["shared_store_vs_memcpy"] == pytest.approx(row["shared_store_gbps"] / best)
+    assert row["shared_retrieve_vs_memcpy"] == pytest.approx(row["shared_retrieve_gbps"] / best)
+    assert row["store_vs_shared"] == pytest.approx(row["store_gbps"] / row["shared_store_gbps"])
+    assert row["retrieve_vs_shared"] == pytest.approx(row["retrieve_gbps"] / row["shared_retrieve_gbps"])
     assert row["retrieve_floor_vs_memcpy"] == pytest.approx(row["retrieve_floor_gbps"] / best)
     assert row["retrieve_vs_regions"] == pytest.approx(row["retrieve_gbps"] / row["retrieve_regions_gbps"])
     assert row["retrieve_vs_floor"] == pytest.approx(row["retrieve_gbps"] / row["retrieve_floor_gbps"])

@@ -12,7 +12,11 @@
 - :func:`bare_call_s`: the least a call that keys each object by text can do in Python: the hash
   chain, the key text, one dict operation per object, the addresses and one copy call, with no
   checks, deadline, budget, eviction, counters or results per request. Its ratio to memcpy is the
-  most a Python store keyed per object reaches on this machine at that object size and batch.
+  most a Python store keyed per object reaches on this machine at that object size and batch;
+- :func:`shared_call_s`: the bare call as it must run on an event loop that it shares as kvflow's
+  in-process backends share theirs: its copies in runs of 4 MiB, the loop let run between runs
+  once it has been held long enough (:mod:`kvflow.backends.pacing`). Its ratio to memcpy is the
+  most such a call reaches here: what sharing the loop costs, measured.
 
 Every copy is one call of the compiled copy loop the backends use (:func:`kvflow.regions.copy_rows`),
 so no Python call per chunk weighs on a baseline.
@@ -27,14 +31,17 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio.lowlevel
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
+from kvflow.backends.pacing import RUN_BYTES, RUN_OBJECTS, Pacer
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.regions import copy_rows
@@ -52,6 +59,7 @@ __all__ = [
     "memcpy_gbps",
     "plain_and_streamed_gbps",
     "region_copy_gbps",
+    "shared_call_s",
 ]
 
 #: A call made ahead of each timed call, outside its timing (a :class:`CacheFlush`), or None.
@@ -207,6 +215,68 @@ def hash_chain_s(tokens: Sequence[int], block_size: int, *, repeat: int = 3, bef
     return best_s(lambda: hash_blocks(tokens, block_size), repeat, before=before)
 
 
+@attrs.define
+class _BareCalls:
+    """The bare store and retrieve of :func:`bare_call_s`: the hash chain of ``tokens``, a key text
+    per block (a prefix and the hash in hex, as kvflow's), one dict insert or look-up per key, the
+    blocks' addresses and the copies between the cache and pre-faulted slots, streamed both ways as
+    the backends' puts and gets copy (:mod:`kvflow.backends.copies`). Each call is a generator
+    that copies ``run`` blocks a step, in one call of the copy loop each (one step for them all
+    by default), so that :func:`shared_call_s` can share the loop between them."""
+
+    source: KVLayout
+    target: KVLayout
+    block_ids: Sequence[int]
+    tokens: Sequence[int]
+    _sizes: npt.NDArray[np.int64] = attrs.field(init=False)
+    _slots: torch.Tensor = attrs.field(init=False)
+    _index: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self._sizes = np.asarray(self.source.unit_sizes(None), dtype=np.int64)
+        # written: its pages are faulted in
+        self._slots = torch.ones(int(self._sizes.sum()) * len(self.block_ids), dtype=torch.uint8)
+
+    def _keys(self) -> list[str]:
+        prefix = "bare@model@meaning@order@b16@l0-1@h0-1@d0.1@p0.1@"
+        return [prefix + h.hex() for h in hash_blocks(self.tokens, self.source.block_size)]
+
+    def store(self, run: int | None = None) -> Iterator[None]:
+        named, sizes, index = self._keys(), self._sizes, self._index
+        nbytes, base = int(sizes.sum()), self._slots.data_ptr()
+        starts = [base + i * nbytes for i in range(len(named))]
+        rows = self.source.addr_rows(self.block_ids)
+        step = run or len(named)
+        for first in range(0, len(named), step):
+            end = first + step
+            for key, start in zip(named[first:end], starts[first:end]):
+                index[key] = start
+            copy_rows(
+                np.asarray(starts[first:end], dtype=np.int64),
+                rows[first:end],
+                sizes,
+                into_regions=False,
+                stream=True,
+            )
+            yield
+
+    def retrieve(self, run: int | None = None) -> Iterator[None]:
+        index = self._index
+        starts = [index[key] for key in self._keys()]
+        rows = self.target.addr_rows(self.block_ids)
+        step = run or len(starts)
+        for first in range(0, len(starts), step):
+            end = first + step
+            copy_rows(
+                np.asarray(starts[first:end], dtype=np.int64),
+                rows[first:end],
+                self._sizes,
+                into_regions=True,
+                stream=True,
+            )
+            yield
+
+
 def bare_call_s(
     source: KVLayout,
     target: KVLayout,
@@ -218,36 +288,53 @@ def bare_call_s(
 ) -> tuple[float, float]:
     """Best-of-``repeat`` seconds of a bare store of ``block_ids`` from ``source``'s caches and a
     bare retrieve of them into ``target``'s (the same geometry), named by ``tokens``: the hash
-    chain, a key text per block (a prefix and the hash in hex, as kvflow's), one dict insert or
-    look-up per key, the blocks' addresses and one call of the copy loop between the cache and
-    pre-faulted slots, streamed both ways as the backends' puts and gets (:mod:`kvflow.backends.copies`).
-    Nothing is checked or counted and the call never yields to a loop; what kvflow adds over it is
+    chain, a key text per block, one dict insert or look-up per key, the blocks' addresses and one
+    call of the copy loop between the cache and pre-faulted slots (:class:`_BareCalls`). Nothing
+    is checked or counted and the call never yields to a loop; what kvflow adds over it is
     everything a library does beyond that."""
-    sizes = np.asarray(source.unit_sizes(None), dtype=np.int64)
-    nbytes = int(sizes.sum())
-    slots = torch.ones(nbytes * len(block_ids), dtype=torch.uint8)  # written: its pages are faulted in
-    base = slots.data_ptr()
-    index: dict[str, int] = {}
-    prefix = "bare@model@meaning@order@b16@l0-1@h0-1@d0.1@p0.1@"
-    block_size = source.block_size
+    calls = _BareCalls(source, target, block_ids, tokens)
+    store_s = best_s(lambda: list(calls.store()), repeat, before=before)
+    return store_s, best_s(lambda: list(calls.retrieve()), repeat, before=before)
 
-    def keys() -> list[str]:
-        return [prefix + h.hex() for h in hash_blocks(tokens, block_size)]
 
-    def store() -> None:
-        named = keys()
-        starts = [base + i * nbytes for i in range(len(named))]
-        for key, start in zip(named, starts):
-            index[key] = start
-        rows = source.addr_rows(block_ids)
-        copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=False, stream=True)
+async def shared_call_s(
+    source: KVLayout,
+    target: KVLayout,
+    block_ids: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    repeat: int = 3,
+    before: Before = None,
+) -> tuple[float, float]:
+    """:func:`bare_call_s` as a call on an event loop must make it when it shares the loop as
+    kvflow's in-process backends do (:mod:`kvflow.backends.pacing`): the copies in runs of at most
+    :data:`~kvflow.backends.pacing.RUN_BYTES` (and :data:`~kvflow.backends.pacing.RUN_OBJECTS`
+    blocks), a :class:`~kvflow.backends.pacing.Pacer` between runs, a checkpoint at the end. Its
+    ratio to memcpy is the most a call keyed per object reaches here while it keeps the loop's
+    other work waiting no longer than kvflow's calls may."""
+    calls = _BareCalls(source, target, block_ids, tokens)
+    nbytes = max(1, source.block_nbytes)
+    run = max(1, min(RUN_OBJECTS, RUN_BYTES // nbytes))
 
-    def retrieve() -> None:
-        starts = [index[key] for key in keys()]
-        rows = target.addr_rows(block_ids)
-        copy_rows(np.asarray(starts, dtype=np.int64), rows, sizes, into_regions=True, stream=True)
+    async def shared(steps: Callable[[int | None], Iterator[None]]) -> None:
+        pacer = Pacer()
+        for _ in steps(run):
+            if pacer.due():
+                await pacer.pause()
+        await anyio.lowlevel.checkpoint()
 
-    return best_s(store, repeat, before=before), best_s(retrieve, repeat, before=before)
+    async def best(steps: Callable[[int | None], Iterator[None]]) -> float:
+        await shared(steps)  # untimed, as best_s's first call
+        fastest = float("inf")
+        for _ in range(repeat):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            await shared(steps)
+            fastest = min(fastest, time.perf_counter() - start)
+        return fastest
+
+    return await best(calls.store), await best(calls.retrieve)
 
 
 def best_s(call: Callable[[], object], repeat: int, *, warm: bool = True, before: Before = None) -> float:
