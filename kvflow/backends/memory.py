@@ -25,6 +25,7 @@ What stays true across the checkpoints of larger objects:
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -88,13 +89,15 @@ class MemoryConfig:
 @attrs.define(eq=False)
 class _Entry:
     """An object's buffer (its address and size kept as ints: a copy reads them without a call
-    into torch) and how many gets are reading it (pinned while > 0). An entry evicted to make room
-    for a put is given, whole, to an object of its size in that put."""
+    into torch), how many gets are reading it (pinned while > 0), and the last put that stored it
+    or found it present (``put``, a number per put call: a put never evicts its own). An entry
+    evicted to make room for a put is given, whole, to an object of its size in that put."""
 
     buf: torch.Tensor
     addr: int
     nbytes: int
     readers: int = 0
+    put: int = 0
 
     @classmethod
     def new(cls, nbytes: int) -> _Entry:
@@ -113,6 +116,7 @@ class MemoryBackend:
     _objects: OrderedDict[str, _Entry] = attrs.field(factory=OrderedDict, init=False)
     _stats: BackendStats = attrs.field(init=False)
     _life: Lifetime = attrs.field(init=False)  # the puts and gets running
+    _puts: int = attrs.field(default=0, init=False)  # put calls made: each stamps what it stores
 
     def __attrs_post_init__(self) -> None:
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes)
@@ -145,7 +149,14 @@ class MemoryBackend:
         return list(self._objects)
 
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
-        return await self._each(objects, self._put_section, self._put_one, self._stats.count_puts)
+        self._puts += 1
+        call = self._puts
+        return await self._each(
+            objects,
+            functools.partial(self._put_section, call=call),
+            functools.partial(self._put_one, call=call),
+            self._stats.count_puts,
+        )
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         return await self._each(objects, self._get_section, self._get_one, self._stats.count_gets)
@@ -192,8 +203,8 @@ class MemoryBackend:
         rest unreachable), as the local and arena backends stamp them; ``results``: those of the
         objects that ran, first. (Each run also uses its keys as it goes, in order, so that a later
         run's evictions, or a put beside a paused call, take neither a key it found present nor one
-        it read. A single call larger than the store still evicts its own first objects to make
-        room for its last.)"""
+        it read. A put never evicts what it stored or found present itself: one larger than the
+        store keeps its first objects and answers ``NO_SPACE`` for the rest.)"""
         stored = self._objects
         use = stored.move_to_end
         for i in range(len(results) - 1, -1, -1):
@@ -221,23 +232,25 @@ class MemoryBackend:
         self._objects.clear()
         self._stats.used_bytes = 0
 
-    def _room(self, key: str, nbytes: int) -> _Entry | PutStatus:
-        """A reserved entry for a put of ``nbytes`` under ``key``; PRESENT (a use, for LRU) or
-        NO_SPACE instead."""
-        if key in self._objects:
+    def _room(self, key: str, nbytes: int, call: int) -> _Entry | PutStatus:
+        """A reserved entry for put ``call`` of ``nbytes`` under ``key``; PRESENT (a use, for LRU)
+        or NO_SPACE instead."""
+        present = self._objects.get(key)
+        if present is not None:
             self._objects.move_to_end(key)
+            present.put = call
             return PutStatus.PRESENT
-        entry = self._reserve([nbytes])[0]
+        entry = self._reserve([nbytes], call)[0]
         return PutStatus.NO_SPACE if entry is None else entry
 
     def _put_section(
-        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int]
+        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int], *, call: int
     ) -> list[PutStatus]:
-        """Puts of objects copied in one call, without a checkpoint: those not yet stored reserved
-        together, all copied, each published (the second of one key twice is PRESENT). Each step
-        runs over the whole run at once, not as a call per object, and the usual run (every key
-        new and distinct, every object fitting) is published with one update of the index. Once
-        closed: nothing."""
+        """Puts (of put ``call``) of objects copied in one call, without a checkpoint: those not
+        yet stored reserved together, all copied, each published (the second of one key twice is
+        PRESENT). Each step runs over the whole run at once, not as a call per object, and the
+        usual run (every key new and distinct, every object fitting) is published with one update
+        of the index. Once closed: nothing."""
         if self._life.closed:  # a put that was running when aclose began: nothing more is stored
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
@@ -245,9 +258,11 @@ class MemoryBackend:
         every = len(new) == len(keys)
         if not every:
             for key in keys:
-                if key in stored:
+                present = stored.get(key)
+                if present is not None:
                     stored.move_to_end(key)  # a use, for LRU, before anything is evicted for the rest
-        reserved = self._reserve(sizes if every else [sizes[i] for i in new])
+                    present.put = call  # (and this put's: it evicts others first)
+        reserved = self._reserve(sizes if every else [sizes[i] for i in new], call)
         entries = [entry for entry in reserved if entry is not None]
         fits = len(entries) == len(new)
         room = new if fits else [i for i, entry in zip(new, reserved) if entry is not None]
@@ -270,11 +285,12 @@ class MemoryBackend:
                 stored[keys[i]] = entry
         return results
 
-    async def _put_one(self, obj: ObjectRef, pacer: Pacer) -> PutStatus:
-        """A put of an object larger than one piece: reserved, copied with checkpoints, published."""
+    async def _put_one(self, obj: ObjectRef, pacer: Pacer, *, call: int) -> PutStatus:
+        """A put (of put ``call``) of an object larger than one piece: reserved, copied with
+        checkpoints, published."""
         check_object(obj)  # (as a run's copy checks each of its objects)
         objects = self._objects
-        entry = self._room(obj.key, obj.nbytes)
+        entry = self._room(obj.key, obj.nbytes, call)
         if isinstance(entry, PutStatus):
             return entry
         published = False
@@ -291,21 +307,22 @@ class MemoryBackend:
             if not published and not self._life.closed:
                 self._stats.used_bytes -= obj.nbytes
 
-    def _reserve(self, sizes: Sequence[int]) -> list[_Entry | None]:
-        """Make room for objects of ``sizes`` (evicting unpinned LRU objects, as many as all of
-        them need) and count those that fit as used.
+    def _reserve(self, sizes: Sequence[int], call: int) -> list[_Entry | None]:
+        """Make room for objects of ``sizes`` that put ``call`` stores (evicting unpinned LRU
+        objects, as many as all of them need, but none that ``call`` stored or found present) and
+        count those that fit as used.
 
-        Returns an entry per size, in order: a recycled victim where one of that size was evicted
-        for this call, the oldest first (its pages are faulted in already: a fresh buffer costs a
-        page fault per 4 KiB), else a fresh buffer; None for an object that cannot fit (too large,
-        or the rest of the budget is pinned or being written).
+        Returns an entry per size, in order, stamped with ``call``: a recycled victim where one of
+        that size was evicted for this call, the oldest first (its pages are faulted in already: a
+        fresh buffer costs a page fault per 4 KiB), else a fresh buffer; None for an object that
+        cannot fit (too large, or the rest of the budget is pinned, being written, or this put's).
         """
         capacity, stats = self.config.capacity_bytes, self._stats
         if not sizes:
             return []
         if sizes.count(sizes[0]) == len(sizes):  # one size (a batch's): counted, not walked
-            return self._reserve_same(sizes[0], len(sizes))
-        victims = self._evict(stats.used_bytes + sum(n for n in sizes if n <= capacity) - capacity)
+            return self._reserve_same(sizes[0], len(sizes), call)
+        victims = self._evict(stats.used_bytes + sum(n for n in sizes if n <= capacity) - capacity, call)
         spare: dict[int, list[_Entry]] = {}
         for victim in reversed(victims):  # popped from the end: the oldest first, as they were stored
             spare.setdefault(victim.nbytes, []).append(victim)
@@ -316,38 +333,47 @@ class MemoryBackend:
                     entries.append(None)
                     continue
                 recycled = spare.get(nbytes)
-                entries.append(recycled.pop() if recycled else _Entry.new(nbytes))
+                entry = recycled.pop() if recycled else _Entry.new(nbytes)
+                entry.put = call
+                entries.append(entry)
                 stats.used_bytes += nbytes  # counted once allocated: a failed allocation reserves nothing
         except BaseException:
             stats.used_bytes -= sum(entry.nbytes for entry in entries if entry is not None)
             raise
         return entries
 
-    def _reserve_same(self, nbytes: int, count: int) -> list[_Entry | None]:
+    def _reserve_same(self, nbytes: int, count: int, call: int) -> list[_Entry | None]:
         """:meth:`_reserve` of ``count`` objects of ``nbytes`` each: the first that fit get
         entries, the rest None."""
         capacity, stats = self.config.capacity_bytes, self._stats
         if nbytes > capacity:
             return [None] * count
-        victims = self._evict(stats.used_bytes + count * nbytes - capacity)
+        victims = self._evict(stats.used_bytes + count * nbytes - capacity, call)
         fit = min(count, (capacity - stats.used_bytes) // nbytes) if nbytes else count
         recycled = [victim for victim in victims if victim.nbytes == nbytes][:fit]
-        entries: list[_Entry | None] = [*recycled, *(_Entry.new(nbytes) for _ in range(fit - len(recycled)))]
+        entries = [*recycled, *(_Entry.new(nbytes) for _ in range(fit - len(recycled)))]
+        for entry in entries:
+            entry.put = call
         stats.used_bytes += fit * nbytes  # counted once allocated: a failed allocation reserves nothing
-        return entries + [None] * (count - fit)
+        return [*entries, *([None] * (count - fit))]
 
-    def _evict(self, excess: int) -> list[_Entry]:
-        """Evict unpinned objects, least recently used first, until ``excess`` bytes are freed or
-        none is left; the evicted entries, in that order."""
-        objects, evicted, pinned, freed = self._objects, [], [], 0
+    def _evict(self, excess: int, call: int) -> list[_Entry]:
+        """Evict unpinned objects, least recently used first, until ``excess`` bytes are freed,
+        or none is left before the first that put ``call`` (the one making room) stored or found
+        present: a put never evicts its own (its objects are the newest once it has used them, so
+        it stops there rather than walk past them each run); the evicted entries, in that order."""
+        objects, evicted, kept, freed = self._objects, [], [], 0
         while freed < excess and objects:
             key, entry = objects.popitem(last=False)
+            if entry.put == call:
+                kept.append((key, entry))
+                break
             if entry.readers:  # (pinned entries were moved to the end when pinned: rare here)
-                pinned.append((key, entry))
+                kept.append((key, entry))
             else:
                 evicted.append(entry)
                 freed += entry.nbytes
-        for key, entry in reversed(pinned):  # back in front, in their order
+        for key, entry in reversed(kept):  # back in front, in their order
             objects[key] = entry
             objects.move_to_end(key, last=False)
         stats = self._stats

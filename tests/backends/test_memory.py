@@ -413,6 +413,39 @@ async def test_a_put_of_a_present_key_into_a_full_store_is_a_use_and_evicts_noth
     assert backend.stored_keys() == ["a", "c"]  # b was the least recently used
 
 
+@pytest.mark.parametrize("size", [100, 1 << 20, 3 << 20], ids=["one run", "runs of four", "a run per object"])
+async def test_a_put_larger_than_the_store_keeps_its_first_objects(size: int) -> None:
+    """A put of six objects into a store with room for four, two of them held by older keys: the
+    older keys go, the put's first four objects are stored whole and its last two answer NO_SPACE.
+    A put never evicts what it stored itself: its first objects are a prompt's head, the blocks a
+    lookup reaches, and evicting them for its tail would leave nothing of the prompt usable."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=4 * size))
+    old = {key: data(key, size) for key in "xy"}
+    assert await backend.put([obj(k, t) for k, t in old.items()]) == [PutStatus.STORED] * 2
+    new = {f"p{i}": data(f"p{i}", size) for i in range(6)}
+    results = await backend.put([obj(k, t) for k, t in new.items()])
+    assert results == [PutStatus.STORED] * 4 + [PutStatus.NO_SPACE] * 2
+    assert await backend.exists([*old, *new]) == [False, False] + [True] * 4 + [False] * 2
+    outs = {key: torch.zeros(size, dtype=torch.uint8) for key in list(new)[:4]}
+    assert await backend.get([obj(k, out) for k, out in outs.items()]) == [GetStatus.HIT] * 4
+    assert all(torch.equal(out, new[k]) for k, out in outs.items())
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.evictions, stats.no_space) == (4 * size, 2, 2)
+
+
+async def test_a_put_never_evicts_a_key_it_found_present() -> None:
+    """A full store, and a put of a key it holds and four new ones: room is made from the other
+    key only; the key found present stays (a prompt's head, which a longer prompt shares), and
+    the new object that no longer fits answers NO_SPACE."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=4 * 100))
+    one = torch.zeros(100, dtype=torch.uint8)
+    for key in "xy":
+        assert await backend.put([obj(key, one)]) == [PutStatus.STORED]
+    results = await backend.put([obj(key, one) for key in ("y", "a", "b", "c", "d")])
+    assert results == [PutStatus.PRESENT] + [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE]
+    assert await backend.exists(["x", "y", "a", "b", "c", "d"]) == [False] + [True] * 4 + [False]
+
+
 async def test_the_same_key_twice_in_one_put_is_stored_once_and_counted_once() -> None:
     """Both copies are reserved and copied in one run; the second to publish finds the first and
     reports PRESENT, and its reservation is given back: the store counts one object's bytes."""
