@@ -98,6 +98,16 @@ def test_the_bare_call_sharing_the_loop_moves_every_block_in_runs_and_lets_other
         assert not dst[name][[2, 3, 5]].any()  # only the blocks asked for
 
 
+def test_the_bare_calls_refuse_tokens_that_name_other_blocks_than_asked_for() -> None:
+    """Tokens for two full blocks and three block ids: no baseline times a copy of fewer blocks
+    than kvflow's calls move beside it."""
+    src, dst = KVLayout.from_kv_caches(caches(4, fill=True)), KVLayout.from_kv_caches(caches(4, fill=False))
+    with pytest.raises(ValueError, match="name 2 full blocks for 3 block ids"):
+        bare_call_s(src, dst, [0, 1, 2], range(32), repeat=1)
+    with pytest.raises(ValueError, match="name 2 full blocks for 3 block ids"):
+        anyio.run(functools.partial(shared_call_s, src, dst, [0, 1, 2], range(32), repeat=1))
+
+
 def test_the_memcpy_baselines_copy_every_byte_plain_and_streamed() -> None:
     for stream in (False, True):
         call = memcpy_call((1 << 20) + 100, 64 << 10, stream=stream)  # whole chunks: 16 of 64 KiB

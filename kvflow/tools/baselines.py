@@ -221,8 +221,8 @@ class _BareCalls:
     per block (a prefix and the hash in hex, as kvflow's), one dict insert or look-up per key, the
     blocks' addresses and the copies between the cache and pre-faulted slots, streamed both ways as
     the backends' puts and gets copy (:mod:`kvflow.backends.copies`). Each call is a generator
-    that copies ``run`` blocks a step, in one call of the copy loop each (one step for them all
-    by default), so that :func:`shared_call_s` can share the loop between them."""
+    that copies ``run`` blocks a call of the copy loop (all in one by default) and yields between
+    those calls, so that :func:`shared_call_s` can share the loop there."""
 
     source: KVLayout
     target: KVLayout
@@ -242,39 +242,36 @@ class _BareCalls:
         return [prefix + h.hex() for h in hash_blocks(self.tokens, self.source.block_size)]
 
     def store(self, run: int | None = None) -> Iterator[None]:
-        named, sizes, index = self._keys(), self._sizes, self._index
-        nbytes, base = int(sizes.sum()), self._slots.data_ptr()
+        named = self._keys()
+        nbytes, base = int(self._sizes.sum()), self._slots.data_ptr()
         starts = [base + i * nbytes for i in range(len(named))]
-        rows = self.source.addr_rows(self.block_ids)
-        step = run or len(named)
-        for first in range(0, len(named), step):
-            end = first + step
-            for key, start in zip(named[first:end], starts[first:end]):
-                index[key] = start
-            copy_rows(
-                np.asarray(starts[first:end], dtype=np.int64),
-                rows[first:end],
-                sizes,
-                into_regions=False,
-                stream=True,
-            )
-            yield
+        for key, start in zip(named, starts):
+            self._index[key] = start
+        yield from self._copies(starts, self.source, run, into_regions=False)
 
     def retrieve(self, run: int | None = None) -> Iterator[None]:
         index = self._index
-        starts = [index[key] for key in self._keys()]
-        rows = self.target.addr_rows(self.block_ids)
-        step = run or len(starts)
+        yield from self._copies([index[key] for key in self._keys()], self.target, run, into_regions=True)
+
+    def _copies(
+        self, starts: list[int], layout: KVLayout, run: int | None, *, into_regions: bool
+    ) -> Iterator[None]:
+        """The copies between the slots at ``starts`` and the blocks' regions in ``layout``, ``run``
+        blocks a call of the copy loop (all in one by default), yielding between calls."""
+        rows = layout.addr_rows(self.block_ids)
+        if len(rows) != len(starts):
+            raise ValueError(f"the tokens name {len(starts)} full blocks for {len(rows)} block ids")
+        step = max(1, run or len(starts))
         for first in range(0, len(starts), step):
-            end = first + step
+            if first:
+                yield
             copy_rows(
-                np.asarray(starts[first:end], dtype=np.int64),
-                rows[first:end],
+                np.asarray(starts[first : first + step], dtype=np.int64),
+                rows[first : first + step],
                 self._sizes,
-                into_regions=True,
+                into_regions=into_regions,
                 stream=True,
             )
-            yield
 
 
 def bare_call_s(
@@ -309,9 +306,13 @@ async def shared_call_s(
     """:func:`bare_call_s` as a call on an event loop must make it when it shares the loop as
     kvflow's in-process backends do (:mod:`kvflow.backends.pacing`): the copies in runs of at most
     :data:`~kvflow.backends.pacing.RUN_BYTES` (and :data:`~kvflow.backends.pacing.RUN_OBJECTS`
-    blocks), a :class:`~kvflow.backends.pacing.Pacer` between runs, a checkpoint at the end. Its
-    ratio to memcpy is the most a call keyed per object reaches here while it keeps the loop's
-    other work waiting no longer than kvflow's calls may."""
+    blocks), a :class:`~kvflow.backends.pacing.Pacer` checked before each run but the first, a
+    checkpoint at the end, as the memory backend runs a put or a get of objects of up to
+    :data:`~kvflow.backends.pacing.PIECE` bytes. Its ratio to memcpy is the most a call keyed per
+    object reaches here while it keeps the loop's other work waiting no longer than kvflow's calls
+    may. (The backends copy a larger object a piece at a time with a look at the clock between
+    pieces; this call copies it whole, in runs of up to ``RUN_BYTES`` or alone, so above ``PIECE``
+    it is a little quicker than a call at kvflow's cadence can be.)"""
     calls = _BareCalls(source, target, block_ids, tokens)
     nbytes = max(1, source.block_nbytes)
     run = max(1, min(RUN_OBJECTS, RUN_BYTES // nbytes))
