@@ -298,7 +298,10 @@ class MemoryBackend:
             await _copy(entry.addr, obj, pacer, into_buffer=True)
             if self._life.closed:
                 return PutStatus.FAILED
-            if obj.key in objects:  # another put published it while this one copied
+            present = objects.get(obj.key)
+            if present is not None:  # another put published it while this one copied: a use
+                objects.move_to_end(obj.key)
+                present.put = call
                 return PutStatus.PRESENT
             objects[obj.key] = entry
             published = True
@@ -308,9 +311,9 @@ class MemoryBackend:
                 self._stats.used_bytes -= obj.nbytes
 
     def _reserve(self, sizes: Sequence[int], call: int) -> list[_Entry | None]:
-        """Make room for objects of ``sizes`` that put ``call`` stores (evicting unpinned LRU
-        objects, as many as all of them need, but none that ``call`` stored or found present) and
-        count those that fit as used.
+        """Make room for objects of ``sizes`` that put ``call`` stores and count those that fit
+        as used: each object in turn fits if the room left, counting what can be evicted, holds
+        it; only as many objects are evicted as those that fit need (:meth:`_evictable`).
 
         Returns an entry per size, in order, stamped with ``call``: a recycled victim where one of
         that size was evicted for this call, the oldest first (its pages are faulted in already: a
@@ -322,14 +325,22 @@ class MemoryBackend:
             return []
         if sizes.count(sizes[0]) == len(sizes):  # one size (a batch's): counted, not walked
             return self._reserve_same(sizes[0], len(sizes), call)
-        victims = self._evict(stats.used_bytes + sum(n for n in sizes if n <= capacity) - capacity, call)
+        candidates = self._evictable(
+            stats.used_bytes + sum(n for n in sizes if n <= capacity) - capacity, call
+        )
+        room = capacity - stats.used_bytes + sum(entry.nbytes for _, entry in candidates)
+        fits, taken = [], 0
+        for nbytes in sizes:
+            fits.append(taken + nbytes <= room)
+            taken += nbytes if fits[-1] else 0
+        victims = self._evict(candidates, stats.used_bytes + taken - capacity)
         spare: dict[int, list[_Entry]] = {}
         for victim in reversed(victims):  # popped from the end: the oldest first, as they were stored
             spare.setdefault(victim.nbytes, []).append(victim)
         entries: list[_Entry | None] = []
         try:
-            for nbytes in sizes:
-                if stats.used_bytes + nbytes > capacity:
+            for nbytes, fit in zip(sizes, fits):
+                if not fit:
                     entries.append(None)
                     continue
                 recycled = spare.get(nbytes)
@@ -348,8 +359,10 @@ class MemoryBackend:
         capacity, stats = self.config.capacity_bytes, self._stats
         if nbytes > capacity:
             return [None] * count
-        victims = self._evict(stats.used_bytes + count * nbytes - capacity, call)
-        fit = min(count, (capacity - stats.used_bytes) // nbytes) if nbytes else count
+        candidates = self._evictable(stats.used_bytes + count * nbytes - capacity, call)
+        room = capacity - stats.used_bytes + sum(entry.nbytes for _, entry in candidates)
+        fit = min(count, room // nbytes) if nbytes else count
+        victims = self._evict(candidates, stats.used_bytes + fit * nbytes - capacity)
         recycled = [victim for victim in victims if victim.nbytes == nbytes][:fit]
         entries = [*recycled, *(_Entry.new(nbytes) for _ in range(fit - len(recycled)))]
         for entry in entries:
@@ -357,25 +370,34 @@ class MemoryBackend:
         stats.used_bytes += fit * nbytes  # counted once allocated: a failed allocation reserves nothing
         return [*entries, *([None] * (count - fit))]
 
-    def _evict(self, excess: int, call: int) -> list[_Entry]:
-        """Evict unpinned objects, least recently used first, until ``excess`` bytes are freed,
-        or none is left before the first that put ``call`` (the one making room) stored or found
-        present: a put never evicts its own (its objects are the newest once it has used them, so
-        it stops there rather than walk past them each run); the evicted entries, in that order."""
-        objects, evicted, kept, freed = self._objects, [], [], 0
-        while freed < excess and objects:
-            key, entry = objects.popitem(last=False)
-            if entry.put == call:
-                kept.append((key, entry))
+    def _evictable(self, excess: int, call: int) -> list[tuple[str, _Entry]]:
+        """The objects that may be evicted to free ``excess`` bytes, least recently used first,
+        until they free that much or none is left: neither pinned (a get reads them) nor stored or
+        found present by put ``call`` (the one making room: a put never evicts its own, which
+        would give a prompt's head for its tail). Nothing is evicted yet."""
+        found: list[tuple[str, _Entry]] = []
+        freed = 0
+        if excess <= 0:
+            return found
+        for key, entry in self._objects.items():
+            if entry.readers or entry.put == call:
+                continue
+            found.append((key, entry))
+            freed += entry.nbytes
+            if freed >= excess:
                 break
-            if entry.readers:  # (pinned entries were moved to the end when pinned: rare here)
-                kept.append((key, entry))
-            else:
-                evicted.append(entry)
-                freed += entry.nbytes
-        for key, entry in reversed(kept):  # back in front, in their order
-            objects[key] = entry
-            objects.move_to_end(key, last=False)
+        return found
+
+    def _evict(self, candidates: Sequence[tuple[str, _Entry]], excess: int) -> list[_Entry]:
+        """Evict the first of ``candidates`` (from :meth:`_evictable`, nothing changed since)
+        until ``excess`` bytes are freed; the evicted entries, in that order."""
+        objects, evicted, freed = self._objects, [], 0
+        for key, entry in candidates:
+            if freed >= excess:
+                break
+            del objects[key]
+            evicted.append(entry)
+            freed += entry.nbytes
         stats = self._stats
         stats.used_bytes -= freed
         stats.evictions += len(evicted)

@@ -446,6 +446,46 @@ async def test_a_put_never_evicts_a_key_it_found_present() -> None:
     assert await backend.exists(["x", "y", "a", "b", "c", "d"]) == [False] + [True] * 4 + [False]
 
 
+async def test_a_put_evicts_nothing_for_an_object_that_would_not_fit_anyway() -> None:
+    """Room for four units, one held by another key; a put of three units and then one of two:
+    the three fit beside the other key and the last cannot fit even if it went, so it answers
+    NO_SPACE and the other key stays (it is not evicted for nothing)."""
+    unit = 100
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=4 * unit))
+    one, two = torch.zeros(unit, dtype=torch.uint8), torch.zeros(2 * unit, dtype=torch.uint8)
+    assert await backend.put([obj("o", one)]) == [PutStatus.STORED]
+    results = await backend.put([obj("a", one), obj("b", one), obj("c", one), obj("d", two)])
+    assert results == [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE]
+    assert await backend.exists(list("oabcd")) == [True] * 4 + [False]
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.evictions) == (4 * unit, 0)
+
+
+async def test_a_put_makes_room_from_keys_a_get_used_after_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full store of x and o; a put of x (present) and z, objects larger than a piece, between
+    which the loop runs: a get that reads o there makes o newer than x (done here as the get does
+    it, :meth:`MemoryBackend._found`, at the moment the put turns to z). The put still makes room
+    from o, not from x, which it found present, and does not refuse z while o can go."""
+    size = 2 << 20
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * size))
+    tensors = {key: data(key, size) for key in "xoz"}
+    for key in "xo":
+        assert await backend.put([obj(key, tensors[key])]) == [PutStatus.STORED]
+    room = MemoryBackend._room
+
+    def o_read_first(self: MemoryBackend, key: str, nbytes: int, call: int) -> object:
+        if key == "z":
+            assert self.stored_keys() == ["o", "x"]  # x found present: the newest
+            assert not isinstance(self._found("o", size), GetStatus)  # a get of o, here
+        return room(self, key, nbytes, call)
+
+    monkeypatch.setattr(MemoryBackend, "_room", o_read_first)
+    assert await backend.put([obj(k, tensors[k]) for k in "xz"]) == [PutStatus.PRESENT, PutStatus.STORED]
+    assert await backend.exists(list("xoz")) == [True, False, True]
+    out = torch.zeros(size, dtype=torch.uint8)
+    assert await backend.get([obj("x", out)]) == [GetStatus.HIT] and torch.equal(out, tensors["x"])
+
+
 async def test_the_same_key_twice_in_one_put_is_stored_once_and_counted_once() -> None:
     """Both copies are reserved and copied in one run; the second to publish finds the first and
     reports PRESENT, and its reservation is given back: the store counts one object's bytes."""
