@@ -45,6 +45,7 @@ from kvflow.backends.base import (
     PutStatus,
     keys_of,
     nbytes_of,
+    repeats_of,
     some_of,
     takes_config,
 )
@@ -247,14 +248,16 @@ class MemoryBackend:
         self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int], *, call: int
     ) -> list[PutStatus]:
         """Puts (of put ``call``) of objects copied in one call, without a checkpoint: those not
-        yet stored reserved together, all copied, each published (the second of one key twice is
-        PRESENT). Each step runs over the whole run at once, not as a call per object, and the
-        usual run (every key new and distinct, every object fitting) is published with one update
-        of the index. Once closed: nothing."""
+        yet stored reserved together (a key twice: its first copy only), all copied, each
+        published (the second copy of a key is PRESENT, or the first's NO_SPACE). Each step runs
+        over the whole run at once, not as a call per object, and the usual run (every key new
+        and distinct, every object fitting) is published with one update of the index. Once
+        closed: nothing."""
         if self._life.closed:  # a put that was running when aclose began: nothing more is stored
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
-        new = [i for i, key in enumerate(keys) if key not in stored]
+        repeats = repeats_of(keys)  # a key twice in the run: copied once (cheap when none is)
+        new = [i for i, key in enumerate(keys) if key not in stored and i not in repeats]
         every = len(new) == len(keys)
         if not every:
             for key in keys:
@@ -271,18 +274,16 @@ class MemoryBackend:
         except BaseException:
             self._stats.used_bytes -= sum(sizes[i] for i in room)
             raise
-        if every and fits and len(set(keys)) == len(keys):  # the usual run: one update of the index
+        if every and fits:  # the usual run: one update of the index
             stored.update(zip(keys, entries))
             return [PutStatus.STORED] * len(keys)
         results = [PutStatus.PRESENT] * len(keys)
         for i, entry in zip(new, reserved):
             results[i] = PutStatus.NO_SPACE if entry is None else PutStatus.STORED
         for i, entry in zip(room, entries):
-            if keys[i] in stored:  # the same key earlier in this run
-                results[i] = PutStatus.PRESENT
-                self._stats.used_bytes -= sizes[i]
-            else:
-                stored[keys[i]] = entry
+            stored[keys[i]] = entry
+        for i, first in repeats.items():  # after its first copy: PRESENT, or the first's failure
+            results[i] = results[first].repeated()
         return results
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer, *, call: int) -> PutStatus:

@@ -486,6 +486,26 @@ async def test_a_put_makes_room_from_keys_a_get_used_after_its_own(monkeypatch: 
     assert await backend.get([obj("x", out)]) == [GetStatus.HIT] and torch.equal(out, tensors["x"])
 
 
+async def test_a_key_repeated_in_a_put_takes_the_room_of_one_copy() -> None:
+    """A key three times in one put reserves room for its first copy only: into a store with
+    room for three, the key after it fits (it was refused for room the repeats held); into a
+    full store, one object is evicted for each object stored, not one per copy."""
+    one = torch.zeros(100, dtype=torch.uint8)
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=3 * 100))
+    results = await backend.put([obj(key, one) for key in "aaab"])
+    assert results == [PutStatus.STORED] + [PutStatus.PRESENT] * 2 + [PutStatus.STORED]
+    assert await backend.exists(["a", "b"]) == [True, True] and backend.stats().used_bytes == 200
+
+    full = MemoryBackend(MemoryConfig(capacity_bytes=4 * 100))
+    assert await full.put([obj(key, one) for key in ("o1", "o2", "o3", "o4")]) == [PutStatus.STORED] * 4
+    assert await full.put([obj(key, one) for key in "aaab"]) == [PutStatus.STORED] + [
+        PutStatus.PRESENT
+    ] * 2 + [PutStatus.STORED]
+    assert full.stats().evictions == 2 and full.stats().used_bytes == 400
+    # a call's first object its newest: o4 and o3 were the least recently used
+    assert await full.exists(["o1", "o2", "o3", "o4", "a", "b"]) == [True, True, False, False, True, True]
+
+
 async def test_the_same_key_twice_in_one_put_is_stored_once_and_counted_once() -> None:
     """Both copies are reserved and copied in one run; the second to publish finds the first and
     reports PRESENT, and its reservation is given back: the store counts one object's bytes."""
