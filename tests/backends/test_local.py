@@ -1051,6 +1051,76 @@ async def test_a_batch_of_present_objects_is_used_head_first(tmp_path: Path, how
     await backend.aclose()
 
 
+@pytest.mark.parametrize("old", [0, 3])
+async def test_a_put_larger_than_the_store_keeps_its_first_objects(tmp_path: Path, old: int) -> None:
+    """A put of more objects than the store holds, over several lock sections: it evicts what
+    others stored, never its own objects, so it keeps its first ones (a prompt's head, which
+    lookups reach) and answers NO_SPACE for the rest (it evicted its head for its tail before)."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=6 * (HEADER_SIZE + size))
+    for i in range(old):
+        assert await backend.put([ref(f"old{i}", payload(f"old{i}", size))]) == [PutStatus.STORED]
+    keys = [f"k{i}" for i in range(3 * local._RESERVE_GROUP)]
+    results = await backend.put([ref(k, payload(k, size)) for k in keys])
+    assert results == [PutStatus.STORED] * 6 + [PutStatus.NO_SPACE] * (len(keys) - 6)
+    assert await backend.exists(keys) == [True] * 6 + [False] * (len(keys) - 6)
+    assert backend.stats().evictions == old
+    for key in keys[:6]:
+        buf = bytearray(size)
+        assert await backend.get([ref(key, buf)]) == [GetStatus.HIT] and buf == payload(key, size)
+    await backend.aclose()
+
+
+async def test_a_put_never_evicts_an_object_it_found_present(tmp_path: Path) -> None:
+    """A put whose first key is present in a full store: that key is used, and the put's new
+    objects evict the others, never it, though it would be next once they are gone."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=4 * (HEADER_SIZE + size))
+    olds = [f"old{i}" for i in range(4)]
+    for key in olds:  # old0 the least recently used
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    news = [f"new{i}" for i in range(5)]
+    results = await backend.put([ref(k, payload(k, size)) for k in ["old0", *news]])
+    assert results == [PutStatus.PRESENT] + [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE] * 2
+    assert await backend.exists(["old0", *news]) == [True] * 4 + [False] * 2
+    assert await backend.exists(olds[1:]) == [False] * 3
+    await backend.aclose()
+
+
+async def test_a_put_evicts_nothing_for_an_object_that_cannot_fit(tmp_path: Path) -> None:
+    """An object that would fit only if the put's own objects went: nothing is evicted for it (the
+    others would be lost for nothing), and the next object of the same lock section still finds
+    the least recently used one to evict."""
+    size = 4 * KiB
+    unit = HEADER_SIZE + size
+    backend = open_store(tmp_path, capacity=4 * unit)
+    for key in ("o1", "o2"):  # o1 the least recently used
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    big = 3 * unit + unit // 2 - HEADER_SIZE  # its file takes 3.5 units: it fits only without "a"
+    sizes = {"a": size, "big": big, "d": 2 * size}  # d needs one unit evicted, a has none to spare
+    results = await backend.put([ref(k, payload(k, n)) for k, n in sizes.items()])
+    assert results == [PutStatus.STORED, PutStatus.NO_SPACE, PutStatus.STORED]
+    assert await backend.exists(["a", "big", "d", "o1", "o2"]) == [True, False, True, False, True]
+    assert backend.stats().evictions == 1
+    await backend.aclose()
+
+
+async def test_a_key_repeated_in_a_put_is_written_once_and_takes_the_room_of_one_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=2 * (HEADER_SIZE + size))
+    writes: list[int] = []
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: writes.append(fd) or real(fd, bufs, offset))
+    results = await backend.put([ref(k, payload(k, size)) for k in ["a", "a", "b", "a"]])
+    assert results == [PutStatus.STORED, PutStatus.PRESENT, PutStatus.STORED, PutStatus.PRESENT]
+    assert await backend.exists(["a", "b"]) == [True, True]
+    assert len(writes) == 2
+    assert backend.stats().evictions == 0
+    await backend.aclose()
+
+
 async def test_a_present_object_is_not_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = open_store(tmp_path)
     assert await backend.put([ref("k", payload("k", 100 * KiB))]) == [PutStatus.STORED]

@@ -33,6 +33,7 @@ from kvflow.backends.base import (
     GetStatus,
     ObjectRef,
     PutStatus,
+    repeats_of,
     takes_config,
 )
 from kvflow.backends.inflight import Lifetime
@@ -65,6 +66,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RESERVE_GROUP = 16  # objects reserved per lock section (a section never awaits)
+#: What a put's object ends as when the store holds it for that put (stored, or another writer's
+#: copy found in its place): later reservations of the put evict none of those.
+_OURS = frozenset({PutStatus.STORED, PutStatus.PRESENT})
 _LIST_GROUP = 256  # directory entries listed (or removed, under the lock) between checkpoints
 _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
@@ -168,16 +172,25 @@ class LocalBackend:
         results = [PutStatus.FAILED] * len(objects)
         stamp = time.time_ns()
         pacer = Pacer()
+        names = [object_file_name(obj.key) for obj in objects]
+        repeats = repeats_of(names)  # a key twice: written once, its repeats answer as the first
+        mine: set[str] = set()  # what this put stored or found present: it never evicts those
         todo: list[int] = []
-        for i, obj in enumerate(objects):
+        for i, (obj, name) in enumerate(zip(objects, names)):
+            if i in repeats:
+                continue
             # Earlier objects of a batch (a prefix's head) get newer stamps, so LRU evicts tails first.
-            found = self._touch(obj.key, stamp - i)
+            found = self._touch(obj.key, name, stamp - i)
             if found is None:
                 todo.append(i)
             else:
                 results[i] = found
+                if found is PutStatus.PRESENT:
+                    mine.add(name)
         if todo:
-            await self._put_new(objects, todo, results, stamp, pacer)
+            await self._put_new(objects, names, todo, results, stamp, pacer, mine)
+        for i, first in repeats.items():
+            results[i] = results[first].repeated()
         self._stats.count_puts(objects, results)
         await anyio.lowlevel.checkpoint()
         return results
@@ -335,13 +348,13 @@ class LocalBackend:
                 f"the local store {self.root} cannot {what} now: {exc}; then try again"
             ) from exc
 
-    def _touch(self, key: str, stamp: int) -> PutStatus | None:
-        """Mark the object of ``key`` used: PRESENT; None when there is none (the put writes it).
+    def _touch(self, key: str, name: str, stamp: int) -> PutStatus | None:
+        """Mark the object of ``key`` (file ``name``) used: PRESENT; None when there is none (the
+        put writes it).
 
         An entry at its name that is not kvflow's (:meth:`_foreign`) is not an object: FAILED,
         and it is neither touched, replaced nor removed (lookups and gets miss it too).
         """
-        name = object_file_name(key)
         fd = self._ledger.objects_fd
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -385,30 +398,35 @@ class LocalBackend:
     async def _put_new(
         self,
         objects: Sequence[ObjectRef],
+        names: Sequence[str],
         todo: list[int],
         results: list[PutStatus],
         stamp: int,
         pacer: Pacer,
+        mine: set[str],
     ) -> None:
-        """Reserve and write ``todo`` in groups, so that no lock section holds the loop long."""
+        """Reserve and write ``todo`` (the objects' file ``names``) in groups, so that no lock
+        section holds the loop long; ``mine``: the names this put stored or found present, which
+        its reservations never evict (it adds those it stores or finds taken)."""
         for start in range(0, len(todo), _RESERVE_GROUP):
             group = todo[start : start + _RESERVE_GROUP]
-            names = [object_file_name(objects[i].key) for i in group]
-            kept = [kept_key(objects[i].key, name) for i, name in zip(group, names)]
+            kept = [kept_key(objects[i].key, names[i]) for i in group]
             sizes = [HEADER_SIZE + objects[i].nbytes + len(k) for i, k in zip(group, kept)]
             try:
                 async with self._ledger.locked(self.config.lock_timeout_s):
-                    plan = self._ledger.reserve(sizes)
+                    plan = self._ledger.reserve(sizes, keep=mine)
             except (TimeoutError, OSError) as exc:
                 logger.warning("local backend: a put of %d objects failed: %s", len(todo) - start, exc)
                 return  # the rest stay FAILED
             try:
-                for i, name, key, res in zip(group, names, kept, plan):
+                for i, key, res in zip(group, kept, plan):
                     await pacer.tick()
                     if isinstance(res, PutStatus):
                         results[i] = res
                         continue
-                    results[i] = await self._write_one(objects[i], name, key, res, stamp - i, pacer)
+                    results[i] = await self._write_one(objects[i], names[i], key, res, stamp - i, pacer)
+                    if results[i] in _OURS:
+                        mine.add(names[i])
             finally:
                 leftovers = [r for r in plan if isinstance(r, Reservation) and not r.settled]
                 if leftovers:

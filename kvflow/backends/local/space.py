@@ -40,7 +40,7 @@ import secrets
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 
 import anyio
 import attrs
@@ -262,8 +262,11 @@ class SpaceLedger:
 
     # --- sections -------------------------------------------------------------------------------
 
-    def reserve(self, sizes: Sequence[int]) -> list[Reservation | PutStatus]:
-        """Reserve ``sizes[i]`` bytes for each object, evicting LRU objects to make room.
+    def reserve(self, sizes: Sequence[int], keep: Container[str] = ()) -> list[Reservation | PutStatus]:
+        """Reserve ``sizes[i]`` bytes for each object, evicting LRU objects to make room, but none
+        named in ``keep`` (the objects the put making room stored or found present: a put never
+        evicts its own, which would give a prompt's head for its tail), and none for an object
+        that cannot fit anyway.
 
         Each result is a reservation, or the status to report (``NO_SPACE``, ``FAILED``). The first
         victim evicted for an object becomes that object's temp file.
@@ -271,7 +274,7 @@ class SpaceLedger:
         results: list[Reservation | PutStatus] = []
         for nbytes in sizes:
             try:
-                results.append(self._reserve_one(nbytes))
+                results.append(self._reserve_one(nbytes, keep))
             except OSError as exc:
                 logger.debug("cannot reserve %d bytes in %s: %s", nbytes, self.root, exc)
                 no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -282,27 +285,28 @@ class SpaceLedger:
                 self._pending.clear()
         return results
 
-    def _reserve_one(self, nbytes: int) -> Reservation | PutStatus:
+    def _reserve_one(self, nbytes: int, keep: Container[str]) -> Reservation | PutStatus:
         if nbytes > self.capacity:
             return PutStatus.NO_SPACE
         recycled: _Candidate | None = None
         while self.used + nbytes > self.capacity:
-            victim = self._next_victim()
-            if victim is None:
+            victims = self._victims(self.used + nbytes - self.capacity, keep)
+            if not victims:
                 break
-            if recycled is None:
-                name = self._new_temp_name(nbytes)
-                try:
-                    os.rename(victim.name, name, src_dir_fd=self.objects_fd, dst_dir_fd=self.tmp_fd)
-                except FileNotFoundError:
-                    continue
-                self._pending.add(name)
-                recycled = attrs.evolve(victim, name=name)
-            else:
-                self._unlink(self.objects_fd, victim.name)
-            self._gone.append(victim.name)
-            self.evictions += 1
-            self.used -= victim.size
+            for victim in victims:
+                if recycled is None:
+                    name = self._new_temp_name(nbytes)
+                    try:
+                        os.rename(victim.name, name, src_dir_fd=self.objects_fd, dst_dir_fd=self.tmp_fd)
+                    except FileNotFoundError:
+                        continue
+                    self._pending.add(name)
+                    recycled = attrs.evolve(victim, name=name)
+                else:
+                    self._unlink(self.objects_fd, victim.name)
+                self._gone.append(victim.name)
+                self.evictions += 1
+                self.used -= victim.size
         if self.used + nbytes > self.capacity:
             return PutStatus.NO_SPACE  # a recycled victim is removed by the caller
         reservation = self._open_reservation(nbytes, recycled)
@@ -429,7 +433,27 @@ class SpaceLedger:
             problem,
         )
 
-    def _next_victim(self) -> _Candidate | None:
+    def _victims(self, excess: int, keep: Container[str]) -> list[_Candidate]:
+        """The least recently used objects that free ``excess`` bytes together, none named in
+        ``keep``; nothing evicted yet. Empty when they cannot free that much: then every one looked
+        at stays a candidate, in its place."""
+        found: list[_Candidate] = []
+        chosen: set[str] = set()
+        freed = 0
+        while freed < excess:
+            victim = self._next_victim(keep, chosen)
+            if victim is None:  # (every candidate was looked at: the list is empty)
+                self._candidates.extend(found)
+                return []
+            found.append(victim)
+            chosen.add(victim.name)
+            freed += victim.size
+        return found
+
+    def _next_victim(self, keep: Container[str], chosen: Container[str]) -> _Candidate | None:
+        """The least recently used object not in ``keep`` (dropped from the candidates: the put
+        keeping it has just used it, so it is not least recently used; the next scan lists it
+        again) nor in ``chosen`` (picked already), its size read again; None when none is left."""
         while True:
             if not self._candidates:
                 if self._rescanned:
@@ -437,6 +461,8 @@ class SpaceLedger:
                 self.scan()
                 continue
             candidate = self._candidates.popleft()
+            if candidate.name in keep or candidate.name in chosen:
+                continue
             try:
                 st = os.stat(candidate.name, dir_fd=self.objects_fd, follow_symlinks=False)
             except FileNotFoundError:
