@@ -1105,6 +1105,77 @@ async def test_a_put_evicts_nothing_for_an_object_that_cannot_fit(tmp_path: Path
     await backend.aclose()
 
 
+async def test_a_put_larger_than_the_store_looks_for_room_once_per_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the store has no room for an object of a put that keeps its own, larger objects and
+    those of its size answer NO_SPACE without walking the candidates again, in that lock section
+    and the put's later ones (a put larger than a store of 20,000 objects rescanned it every 16
+    objects); a smaller one still looks."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=6 * (HEADER_SIZE + size))
+    tried: list[int] = []
+    real = SpaceLedger._reserve_one
+    monkeypatch.setattr(
+        SpaceLedger, "_reserve_one", lambda self, n, keep: tried.append(n) or real(self, n, keep)
+    )
+    keys = [f"k{i}" for i in range(4 * local._RESERVE_GROUP)]
+    sizes = [size] * (len(keys) - 1) + [size // 2]  # the last one smaller
+    results = await backend.put([ref(k, payload(k, n)) for k, n in zip(keys, sizes)])
+    assert results == [PutStatus.STORED] * 6 + [PutStatus.NO_SPACE] * (len(keys) - 6)
+    assert tried == [HEADER_SIZE + size] * 7 + [HEADER_SIZE + size // 2]
+    await backend.aclose()
+
+
+async def test_a_scan_that_finds_the_counter_too_high_evicts_only_what_is_needed(tmp_path: Path) -> None:
+    """The shared counter still counts objects removed outside kvflow (or a killed writer's
+    reservation): the scan an eviction starts with recounts it, and no object is evicted where
+    the recount shows room (before, victims were picked to free what the old count lacked)."""
+    size = 4 * KiB
+    unit = HEADER_SIZE + size
+    backend = open_store(tmp_path, capacity=8 * unit)
+    keys = [f"o{i}" for i in range(8)]
+    for key in keys:
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    for key in keys[4:]:
+        (tmp_path / "objects" / object_file_name(key)).unlink()
+    assert await backend.usage(recount=False) == 8 * unit
+    assert await backend.put([ref("x", payload("x", 3 * unit - HEADER_SIZE))]) == [PutStatus.STORED]
+    assert await backend.exists(keys[:4]) == [True] * 4
+    assert backend.stats().evictions == 0
+    assert await backend.usage(recount=False) == await backend.usage() == 7 * unit
+    await backend.aclose()
+
+
+async def test_objects_a_put_passes_over_as_its_own_keep_their_place_in_the_lru_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scan inside a put lists the put's own objects (stamped older than those others used
+    meanwhile); its reservations pass over them, and they stay candidates in their places, so
+    the next put evicts the oldest of them, not the object used most recently (before, they were
+    dropped from the list and the next put took the newest object left in it)."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=19 * (HEADER_SIZE + size))
+    for key in ("q0", "q1", "q2"):
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    used: list[list[GetStatus]] = []
+
+    async def use_q1_and_q2(_: str) -> None:  # another task reads them while the put writes
+        if not used:
+            used.append(await backend.get([ref("q1", bytearray(size)), ref("q2", bytearray(size))]))
+
+    monkeypatch.setattr(local, "_published_hook", use_q1_and_q2)
+    own = [f"p{i:02d}" for i in range(local._RESERVE_GROUP)]  # fit: the second section scans
+    objects = [ref(k, payload(k, size)) for k in own] + [ref("p16", payload("p16", 2 * size + HEADER_SIZE))]
+    assert await backend.put(objects) == [PutStatus.STORED] * (len(own) + 1)
+    monkeypatch.setattr(local, "_published_hook", None)
+    assert used == [[GetStatus.HIT, GetStatus.HIT]]
+    assert await backend.exists(["q0", "q1", "q2"]) == [False, True, False]  # q1 used last, kept
+    assert await backend.put([ref("r", payload("r", size))]) == [PutStatus.STORED]
+    assert await backend.exists(["q1", own[-1], own[0]]) == [True, False, True]  # the put's tail went
+    await backend.aclose()
+
+
 async def test_a_key_repeated_in_a_put_is_written_once_and_takes_the_room_of_one_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -408,16 +408,19 @@ class LocalBackend:
         """Reserve and write ``todo`` (the objects' file ``names``) in groups, so that no lock
         section holds the loop long; ``mine``: the names this put stored or found present, which
         its reservations never evict (it adds those it stores or finds taken)."""
+        refused: int | None = None  # the smallest object the store found no room for
         for start in range(0, len(todo), _RESERVE_GROUP):
             group = todo[start : start + _RESERVE_GROUP]
             kept = [kept_key(objects[i].key, names[i]) for i in group]
             sizes = [HEADER_SIZE + objects[i].nbytes + len(k) for i, k in zip(group, kept)]
             try:
                 async with self._ledger.locked(self.config.lock_timeout_s):
-                    plan = self._ledger.reserve(sizes, keep=mine)
+                    plan = self._ledger.reserve(sizes, keep=mine, refused=refused)
             except (TimeoutError, OSError) as exc:
                 logger.warning("local backend: a put of %d objects failed: %s", len(todo) - start, exc)
                 return  # the rest stay FAILED
+            no_room = [n for n, res in zip(sizes, plan) if res is PutStatus.NO_SPACE]
+            refused = min([*no_room, refused]) if refused is not None else min(no_room, default=None)
             try:
                 for i, key, res in zip(group, kept, plan):
                     await pacer.tick()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import heapq
 import logging
 import os
 import secrets
@@ -106,6 +107,8 @@ class SpaceLedger:
     _seq: int = 0
     _reported: set[str] = attrs.field(factory=set)
     _gone: list[str] = attrs.field(factory=list)  # objects removed in this section, for the journal
+    # candidates that the reservations of a put passed over, being its own (:meth:`reserve`)
+    _passed: list[_Candidate] = attrs.field(factory=list)
 
     @property
     def root(self) -> str:
@@ -262,27 +265,43 @@ class SpaceLedger:
 
     # --- sections -------------------------------------------------------------------------------
 
-    def reserve(self, sizes: Sequence[int], keep: Container[str] = ()) -> list[Reservation | PutStatus]:
+    def reserve(
+        self, sizes: Sequence[int], keep: Container[str] = (), refused: int | None = None
+    ) -> list[Reservation | PutStatus]:
         """Reserve ``sizes[i]`` bytes for each object, evicting LRU objects to make room, but none
         named in ``keep`` (the objects the put making room stored or found present: a put never
         evicts its own, which would give a prompt's head for its tail), and none for an object
-        that cannot fit anyway.
+        that cannot fit anyway. Once an object finds no room, larger ones and those of its size
+        answer NO_SPACE without looking again, as do those from ``refused`` bytes (the smallest
+        an earlier section of the put found no room for): a put larger than the store would
+        otherwise walk every candidate again for each of its objects.
 
         Each result is a reservation, or the status to report (``NO_SPACE``, ``FAILED``). The first
         victim evicted for an object becomes that object's temp file.
         """
         results: list[Reservation | PutStatus] = []
-        for nbytes in sizes:
-            try:
-                results.append(self._reserve_one(nbytes, keep))
-            except OSError as exc:
-                logger.debug("cannot reserve %d bytes in %s: %s", nbytes, self.root, exc)
-                no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                results.append(PutStatus.NO_SPACE if no_space else PutStatus.FAILED)
-            finally:
-                for name in self._pending:  # a temp file that did not become a reservation
-                    self._unlink(self.tmp_fd, name)
-                self._pending.clear()
+        refused = self.capacity + 1 if refused is None else refused
+        try:
+            for nbytes in sizes:
+                if nbytes >= refused:
+                    results.append(PutStatus.NO_SPACE)
+                    continue
+                try:
+                    results.append(self._reserve_one(nbytes, keep))
+                except OSError as exc:
+                    logger.debug("cannot reserve %d bytes in %s: %s", nbytes, self.root, exc)
+                    no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    results.append(PutStatus.NO_SPACE if no_space else PutStatus.FAILED)
+                finally:
+                    for name in self._pending:  # a temp file that did not become a reservation
+                        self._unlink(self.tmp_fd, name)
+                    self._pending.clear()
+                if results[-1] is PutStatus.NO_SPACE:
+                    refused = nbytes
+        finally:
+            if self._passed:  # back in their places, for the next put
+                self._candidates = deque(heapq.merge(sorted(self._passed), self._candidates))
+                self._passed.clear()
         return results
 
     def _reserve_one(self, nbytes: int, keep: Container[str]) -> Reservation | PutStatus:
@@ -290,7 +309,7 @@ class SpaceLedger:
             return PutStatus.NO_SPACE
         recycled: _Candidate | None = None
         while self.used + nbytes > self.capacity:
-            victims = self._victims(self.used + nbytes - self.capacity, keep)
+            victims = self._victims(nbytes, keep)
             if not victims:
                 break
             for victim in victims:
@@ -298,7 +317,9 @@ class SpaceLedger:
                     name = self._new_temp_name(nbytes)
                     try:
                         os.rename(victim.name, name, src_dir_fd=self.objects_fd, dst_dir_fd=self.tmp_fd)
-                    except FileNotFoundError:
+                    except FileNotFoundError:  # removed outside kvflow since its stat: its bytes are free
+                        self._gone.append(victim.name)
+                        self.used -= victim.size
                         continue
                     self._pending.add(name)
                     recycled = attrs.evolve(victim, name=name)
@@ -348,6 +369,7 @@ class SpaceLedger:
         """Recount usage from the files, drop dead writers' temp files, rebuild the candidates."""
         started = time.monotonic()
         self._rescanned = True
+        self._passed.clear()  # (listed again)
         # Temp files first, so that a write published meanwhile is seen in one list or both, and by
         # inode, so that it is counted once: a published object keeps its temp name until its writer
         # unlinks that, outside the lock.
@@ -433,27 +455,31 @@ class SpaceLedger:
             problem,
         )
 
-    def _victims(self, excess: int, keep: Container[str]) -> list[_Candidate]:
-        """The least recently used objects that free ``excess`` bytes together, none named in
-        ``keep``; nothing evicted yet. Empty when they cannot free that much: then every one looked
-        at stays a candidate, in its place."""
+    def _victims(self, nbytes: int, keep: Container[str]) -> list[_Candidate]:
+        """The least recently used objects whose eviction makes room for ``nbytes``, none named in
+        ``keep``; nothing evicted yet (a scan meanwhile recounts what is used: it is read again
+        after each). Empty when they cannot make that room: then every one looked at stays a
+        candidate, in its place."""
         found: list[_Candidate] = []
         chosen: set[str] = set()
         freed = 0
-        while freed < excess:
+        while self.used - freed + nbytes > self.capacity:
             victim = self._next_victim(keep, chosen)
             if victim is None:  # (every candidate was looked at: the list is empty)
                 self._candidates.extend(found)
                 return []
+            if self.used - freed + nbytes <= self.capacity:  # a scan found the room: not needed
+                self._candidates.appendleft(victim)
+                break
             found.append(victim)
             chosen.add(victim.name)
             freed += victim.size
         return found
 
     def _next_victim(self, keep: Container[str], chosen: Container[str]) -> _Candidate | None:
-        """The least recently used object not in ``keep`` (dropped from the candidates: the put
-        keeping it has just used it, so it is not least recently used; the next scan lists it
-        again) nor in ``chosen`` (picked already), its size read again; None when none is left."""
+        """The least recently used object neither in ``keep`` (set aside, to go back in its place
+        once the reservations end: :meth:`reserve`) nor in ``chosen`` (picked already), its size
+        read again; None when none is left."""
         while True:
             if not self._candidates:
                 if self._rescanned:
@@ -461,7 +487,10 @@ class SpaceLedger:
                 self.scan()
                 continue
             candidate = self._candidates.popleft()
-            if candidate.name in keep or candidate.name in chosen:
+            if candidate.name in chosen:
+                continue
+            if candidate.name in keep:
+                self._passed.append(candidate)
                 continue
             try:
                 st = os.stat(candidate.name, dir_fd=self.objects_fd, follow_symlinks=False)
