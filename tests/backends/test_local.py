@@ -1127,6 +1127,63 @@ async def test_a_put_larger_than_the_store_looks_for_room_once_per_size(
     await backend.aclose()
 
 
+async def test_a_later_section_looks_again_once_another_writer_freed_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put's first lock section finds no room for x (the store holds the put's own present
+    object); while it writes, another instance removes that object: the put's next section looks
+    for room for y, of x's size, again and stores it."""
+    size = 4 * KiB
+    unit = HEADER_SIZE + size
+    backend = open_store(tmp_path, capacity=6 * unit)
+    other = open_store(tmp_path, capacity=6 * unit)
+    big = ref("big", payload("big", 4 * unit - HEADER_SIZE))
+    assert await backend.put([big]) == [PutStatus.STORED]
+    removed: list[list[bool]] = []
+
+    async def remove_big(_: str) -> None:
+        if not removed:
+            removed.append(await other.remove(["big"]))
+
+    monkeypatch.setattr(local, "_published_hook", remove_big)
+    three = 3 * unit - HEADER_SIZE
+    smalls = [ref(f"s{i:02d}", payload(f"s{i:02d}", 1)) for i in range(local._RESERVE_GROUP - 1)]
+    objects = [big, ref("x", payload("x", three)), *smalls, ref("y", payload("y", three))]
+    results = await backend.put(objects)
+    monkeypatch.setattr(local, "_published_hook", None)
+    assert removed == [[True]]
+    assert results == [PutStatus.PRESENT, PutStatus.NO_SPACE] + [PutStatus.STORED] * len(smalls) + [
+        PutStatus.STORED
+    ]
+    assert await backend.exists(["y"]) == [True]
+    await backend.aclose()
+    await other.aclose()
+
+
+async def test_a_put_whose_own_objects_are_all_its_candidates_left_recounts_and_looks_again(
+    tmp_path: Path,
+) -> None:
+    """The counter is too high (objects removed outside kvflow) and the only candidates left in
+    the list besides the least recently used one are the put's own present objects: the put lists
+    the store again, finds the recount's room, and evicts that one object only (before, it gave up
+    with the list: NO_SPACE)."""
+    size = 4 * KiB
+    unit = HEADER_SIZE + size
+    backend = open_store(tmp_path, capacity=8 * unit)
+    keys = ["a", "k1", "k2", "k3", "d1", "d2", "d3", "d4"]
+    for key in keys:  # a the least recently used
+        assert await backend.put([ref(key, payload(key, size))]) == [PutStatus.STORED]
+    await backend.usage()  # a scan: every object is a candidate, in that order
+    for key in keys[4:]:
+        (tmp_path / "objects" / object_file_name(key)).unlink()
+    objects = [ref(k, payload(k, size)) for k in keys[1:4]] + [ref("x", payload("x", 5 * unit - HEADER_SIZE))]
+    assert await backend.put(objects) == [PutStatus.PRESENT] * 3 + [PutStatus.STORED]
+    assert await backend.exists(["a", "k1", "k2", "k3", "x"]) == [False, True, True, True, True]
+    assert backend.stats().evictions == 1
+    assert await backend.usage(recount=False) == await backend.usage() == 8 * unit
+    await backend.aclose()
+
+
 async def test_a_scan_that_finds_the_counter_too_high_evicts_only_what_is_needed(tmp_path: Path) -> None:
     """The shared counter still counts objects removed outside kvflow (or a killed writer's
     reservation): the scan an eviction starts with recounts it, and no object is evicted where

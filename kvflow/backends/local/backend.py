@@ -55,7 +55,7 @@ from kvflow.backends.local.format import (
 )
 from kvflow.backends.local.presence import PresenceMemory
 from kvflow.backends.local.safety import LOCK_NAME, Access
-from kvflow.backends.local.space import Reservation, SpaceLedger
+from kvflow.backends.local.space import Refusal, Reservation, SpaceLedger
 from kvflow.backends.pacing import MIN_PIECE, PIECE, Pacer, PieceSize
 from kvflow.errors import BackendError, BackendUnavailableError, ClearStoppedError
 
@@ -408,7 +408,7 @@ class LocalBackend:
         """Reserve and write ``todo`` (the objects' file ``names``) in groups, so that no lock
         section holds the loop long; ``mine``: the names this put stored or found present, which
         its reservations never evict (it adds those it stores or finds taken)."""
-        refused: int | None = None  # the smallest object the store found no room for
+        refused: Refusal | None = None  # what later sections may refuse without looking
         for start in range(0, len(todo), _RESERVE_GROUP):
             group = todo[start : start + _RESERVE_GROUP]
             kept = [kept_key(objects[i].key, names[i]) for i in group]
@@ -416,11 +416,10 @@ class LocalBackend:
             try:
                 async with self._ledger.locked(self.config.lock_timeout_s):
                     plan = self._ledger.reserve(sizes, keep=mine, refused=refused)
+                    refused = self._ledger.refusal(sizes, plan, refused)
             except (TimeoutError, OSError) as exc:
                 logger.warning("local backend: a put of %d objects failed: %s", len(todo) - start, exc)
                 return  # the rest stay FAILED
-            no_room = [n for n, res in zip(sizes, plan) if res is PutStatus.NO_SPACE]
-            refused = min([*no_room, refused]) if refused is not None else min(no_room, default=None)
             try:
                 for i, key, res in zip(group, kept, plan):
                     await pacer.tick()

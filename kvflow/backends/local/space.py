@@ -52,7 +52,7 @@ from kvflow.backends.local.presence import JOURNAL_END, append_removed, read_jou
 from kvflow.backends.local.safety import LOCK_NAME, Access, StoreDirs, unusable_message
 from kvflow.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["Reservation", "SpaceLedger"]
+__all__ = ["Refusal", "Reservation", "SpaceLedger"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,19 @@ class Reservation:
     nbytes: int
     fd: int
     settled: bool = False
+
+
+@attrs.frozen
+class Refusal:
+    """A put's section found no room for an object of ``nbytes`` with ``used`` bytes in use and
+    ``removals`` objects removed from the store (its journal's count): while both stay as they
+    are (no writer reserved, released or removed anything since: no room freed, nothing new to
+    evict but objects other writers were writing then, newer than the put's own), its later
+    sections need not look for objects of that size or larger."""
+
+    nbytes: int
+    used: int
+    removals: int
 
 
 @attrs.frozen(slots=True, order=True)
@@ -266,24 +279,24 @@ class SpaceLedger:
     # --- sections -------------------------------------------------------------------------------
 
     def reserve(
-        self, sizes: Sequence[int], keep: Container[str] = (), refused: int | None = None
+        self, sizes: Sequence[int], keep: Container[str] = (), refused: Refusal | None = None
     ) -> list[Reservation | PutStatus]:
         """Reserve ``sizes[i]`` bytes for each object, evicting LRU objects to make room, but none
         named in ``keep`` (the objects the put making room stored or found present: a put never
         evicts its own, which would give a prompt's head for its tail), and none for an object
         that cannot fit anyway. Once an object finds no room, larger ones and those of its size
-        answer NO_SPACE without looking again, as do those from ``refused`` bytes (the smallest
-        an earlier section of the put found no room for): a put larger than the store would
+        answer NO_SPACE without looking again, as do those that ``refused`` (from an earlier
+        section of the put: :meth:`refusal`) still holds for: a put larger than the store would
         otherwise walk every candidate again for each of its objects.
 
         Each result is a reservation, or the status to report (``NO_SPACE``, ``FAILED``). The first
         victim evicted for an object becomes that object's temp file.
         """
         results: list[Reservation | PutStatus] = []
-        refused = self.capacity + 1 if refused is None else refused
+        limit = refused.nbytes if refused is not None and self._holds(refused) else self.capacity + 1
         try:
             for nbytes in sizes:
-                if nbytes >= refused:
+                if nbytes >= limit:
                     results.append(PutStatus.NO_SPACE)
                     continue
                 try:
@@ -297,12 +310,33 @@ class SpaceLedger:
                         self._unlink(self.tmp_fd, name)
                     self._pending.clear()
                 if results[-1] is PutStatus.NO_SPACE:
-                    refused = nbytes
+                    limit = nbytes
         finally:
             if self._passed:  # back in their places, for the next put
                 self._candidates = deque(heapq.merge(sorted(self._passed), self._candidates))
                 self._passed.clear()
         return results
+
+    def refusal(
+        self, sizes: Sequence[int], plan: Sequence[Reservation | PutStatus], earlier: Refusal | None
+    ) -> Refusal | None:
+        """What a put's next section may refuse without looking, after one that reserved ``plan``
+        for ``sizes`` (``earlier``: what the section before it passed on): the smallest object
+        found no room for, while the store stays as it is now."""
+        no_room = [n for n, res in zip(sizes, plan) if res is PutStatus.NO_SPACE]
+        if earlier is not None and self._holds(earlier):
+            no_room.append(earlier.nbytes)
+        if not no_room:
+            return None
+        return Refusal(min(no_room), self.used, self._removals())
+
+    def _holds(self, refused: Refusal) -> bool:
+        """Whether ``refused`` still holds: the store as it was when it was made."""
+        return self.used == refused.used and self._removals() == refused.removals
+
+    def _removals(self) -> int:
+        """The objects removed from the store, this section's among them (journaled as it ends)."""
+        return read_journal_count(self.dirs.lock_fd) + len(self._gone)
 
     def _reserve_one(self, nbytes: int, keep: Container[str]) -> Reservation | PutStatus:
         if nbytes > self.capacity:
@@ -457,38 +491,32 @@ class SpaceLedger:
 
     def _victims(self, nbytes: int, keep: Container[str]) -> list[_Candidate]:
         """The least recently used objects whose eviction makes room for ``nbytes``, none named in
-        ``keep``; nothing evicted yet (a scan meanwhile recounts what is used: it is read again
-        after each). Empty when they cannot make that room: then every one looked at stays a
+        ``keep``; nothing evicted yet. Empty when none is needed (a scan recounted what is used
+        and found the room) or when they cannot make it: then every one looked at stays a
         candidate, in its place."""
         found: list[_Candidate] = []
-        chosen: set[str] = set()
         freed = 0
         while self.used - freed + nbytes > self.capacity:
-            victim = self._next_victim(keep, chosen)
-            if victim is None:  # (every candidate was looked at: the list is empty)
+            victim = self._next_victim(keep)
+            if victim is not None:
+                found.append(victim)
+                freed += victim.size
+            elif not self._rescanned:
+                # The list ran out: list every object again, in order (those found so far too,
+                # still there), and recount what is used; then pick again from the start.
+                self.scan()
+                found, freed = [], 0
+            else:  # every candidate was looked at: the list is empty
                 self._candidates.extend(found)
                 return []
-            if self.used - freed + nbytes <= self.capacity:  # a scan found the room: not needed
-                self._candidates.appendleft(victim)
-                break
-            found.append(victim)
-            chosen.add(victim.name)
-            freed += victim.size
         return found
 
-    def _next_victim(self, keep: Container[str], chosen: Container[str]) -> _Candidate | None:
-        """The least recently used object neither in ``keep`` (set aside, to go back in its place
-        once the reservations end: :meth:`reserve`) nor in ``chosen`` (picked already), its size
-        read again; None when none is left."""
-        while True:
-            if not self._candidates:
-                if self._rescanned:
-                    return None
-                self.scan()
-                continue
+    def _next_victim(self, keep: Container[str]) -> _Candidate | None:
+        """The least recently used object of the list not in ``keep`` (set aside, to go back in its
+        place once the reservations end: :meth:`reserve`), its size read again; None when the
+        list is empty."""
+        while self._candidates:
             candidate = self._candidates.popleft()
-            if candidate.name in chosen:
-                continue
             if candidate.name in keep:
                 self._passed.append(candidate)
                 continue
@@ -498,6 +526,7 @@ class SpaceLedger:
                 continue
             if st.st_ino == candidate.ino and st.st_mtime_ns == candidate.mtime_ns:
                 return attrs.evolve(candidate, size=st.st_size)
+        return None
 
     def _open_reservation(self, nbytes: int, recycled: _Candidate | None) -> Reservation:
         """Open the temp file of a reservation, sized to it: a recycled victim, else a new file."""
