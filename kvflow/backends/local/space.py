@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import heapq
 import logging
 import os
 import secrets
@@ -312,9 +311,10 @@ class SpaceLedger:
                 if results[-1] is PutStatus.NO_SPACE:
                     limit = nbytes
         finally:
-            if self._passed:  # back in their places, for the next put
-                self._candidates = deque(heapq.merge(sorted(self._passed), self._candidates))
-                self._passed.clear()
+            # Back in their places, for the next put: taken from the front of the list (sorted), they
+            # are older than all it holds (those in it on failure: :meth:`_victims`).
+            self._candidates.extendleft(reversed(self._passed))
+            self._passed.clear()
         return results
 
     def refusal(
@@ -506,8 +506,9 @@ class SpaceLedger:
                 # still there), and recount what is used; then pick again from the start.
                 self.scan()
                 found, freed = [], 0
-            else:  # every candidate was looked at: the list is empty
-                self._candidates.extend(found)
+            else:  # every candidate was looked at: the list is empty, and holds them again
+                self._candidates.extend(sorted([*found, *self._passed]))
+                self._passed.clear()
                 return []
         return found
 
