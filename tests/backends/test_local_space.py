@@ -302,6 +302,35 @@ def test_a_victim_removed_outside_kvflow_before_its_eviction_is_passed_over(
             ledger.release([res])
 
 
+def test_a_second_victim_removed_outside_kvflow_is_freed_but_not_counted_as_evicted(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object needs two victims; the second is deleted by someone else just before kvflow
+    removes it: its bytes count as freed (they are), and it is not counted as an eviction."""
+    with ledger_at(root, capacity=2000) as ledger:
+        for key in ("a", "b"):
+            plant(root / "objects", object_file_name(key), 1000)
+        os.utime(root / "objects" / object_file_name("a"), ns=(1, 1))  # a is the oldest
+        with section(ledger):
+            ledger.scan()
+        real_unlink = os.unlink
+
+        def removed_first(name: str, **kwargs: Any) -> None:
+            if name == object_file_name("b"):
+                real_unlink(name, **kwargs)  # someone else's
+            real_unlink(name, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", removed_first)
+        with section(ledger):
+            [res] = ledger.reserve([2000])
+        monkeypatch.undo()
+        assert isinstance(res, Reservation)
+        assert os.listdir(root / "objects") == [] and ledger.evictions == 1
+        assert ledger.used == 2000
+        with section(ledger):
+            ledger.release([res])
+
+
 def test_an_eviction_that_rescans_counts_live_writers_but_not_its_own_victim_twice(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -409,3 +438,48 @@ async def test_removing_a_key_whose_file_is_a_planted_link_leaves_the_link_and_i
     assert (root / "objects" / object_file_name("k")).is_symlink() and target.exists()
     assert backend.stats().used_bytes == 0
     await backend.aclose()
+
+
+# --- a put that found no room ----------------------------------------------------------------------
+
+
+def test_a_refusal_is_made_only_with_no_other_write_in_flight_and_holds_while_the_store_stays(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A section that found no room passes on a refusal (later sections of the put answer
+    NO_SPACE for objects that large without looking) only when no other write is in flight: such
+    a write would publish an object the put could evict. The refusal lapses once another writer
+    reserves, releases or removes something."""
+    own = object_file_name("own")
+    looked: list[int] = []
+    real = SpaceLedger._reserve_one
+    monkeypatch.setattr(
+        SpaceLedger, "_reserve_one", lambda self, n, keep: looked.append(n) or real(self, n, keep)
+    )
+    with ledger_at(root, capacity=2000) as ledger, ledger_at(root, capacity=2000) as other:
+        plant(root / "objects", own, 1500)  # the put's own object: never its victim
+        with section(ledger):
+            ledger.scan()
+        with section(other):
+            [writing] = other.reserve([100])  # another writer's object, not yet published
+        with section(ledger):
+            plan = ledger.reserve([1000], keep={own})
+            assert plan == [PutStatus.NO_SPACE]
+            assert ledger.refusal([1000], plan, None) is None
+        with section(other):
+            other.release([writing])
+        with section(ledger):
+            plan = ledger.reserve([1000], keep={own})
+            refused = ledger.refusal([1000], plan, None)
+        assert refused is not None and refused.nbytes == 1000
+        looked.clear()
+        with section(ledger):
+            assert ledger.reserve([1000, 2000], keep={own}, refused=refused) == [PutStatus.NO_SPACE] * 2
+        assert looked == []  # the store as it was: no look
+        plant(root / "objects", object_file_name("other"), 100)
+        with section(other):
+            other.scan()
+            assert other.remove_if(object_file_name("other"), lambda *_: True)
+        with section(ledger):
+            assert ledger.reserve([1000], keep={own}, refused=refused) == [PutStatus.NO_SPACE]
+        assert looked == [1000]  # an object removed since: it looks again

@@ -81,10 +81,11 @@ class Reservation:
 @attrs.frozen
 class Refusal:
     """A put's section found no room for an object of ``nbytes`` with ``used`` bytes in use and
-    ``removals`` objects removed from the store (its journal's count): while both stay as they
-    are (no writer reserved, released or removed anything since: no room freed, nothing new to
-    evict but objects other writers were writing then, newer than the put's own), its later
-    sections need not look for objects of that size or larger."""
+    ``removals`` objects removed from the store (its journal's count), while no other write was
+    in flight (one would publish an object that could be evicted): while both stay as they are
+    (no writer reserved, released or removed anything since: no room freed, nothing new to
+    evict), its later sections need not look for objects of that size or larger. (A reservation
+    and a release of the same size, by others, between two sections would go unseen.)"""
 
     nbytes: int
     used: int
@@ -328,6 +329,9 @@ class SpaceLedger:
             no_room.append(earlier.nbytes)
         if not no_room:
             return None
+        own = {res.name for res in plan if isinstance(res, Reservation)}
+        if any(name not in own for name in os.listdir(self.tmp_fd)):  # another write in flight
+            return None
         return Refusal(min(no_room), self.used, self._removals())
 
     def _holds(self, refused: Refusal) -> bool:
@@ -357,8 +361,10 @@ class SpaceLedger:
                         continue
                     self._pending.add(name)
                     recycled = attrs.evolve(victim, name=name)
-                else:
-                    self._unlink(self.objects_fd, victim.name)
+                elif not self._unlink(self.objects_fd, victim.name):  # (removed outside kvflow: freed)
+                    self._gone.append(victim.name)
+                    self.used -= victim.size
+                    continue
                 self._gone.append(victim.name)
                 self.evictions += 1
                 self.used -= victim.size
@@ -564,13 +570,15 @@ class SpaceLedger:
         self._seq += 1
         return TempName(self.writer, nbytes, f"{self._token}{self._seq:x}").format()
 
-    def _unlink(self, dir_fd: int, name: str) -> None:
+    def _unlink(self, dir_fd: int, name: str) -> bool:
+        """Remove ``name``; False when it was not there (a failure to remove it is logged)."""
         try:
             os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
-            pass
+            return False
         except OSError as exc:
             logger.warning("could not remove %s from %s: %s", name, self.root, exc)
+        return True
 
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
