@@ -458,6 +458,7 @@ def test_a_refusal_is_made_only_with_no_other_write_in_flight_and_holds_while_th
     )
     with ledger_at(root, capacity=2000) as ledger, ledger_at(root, capacity=2000) as other:
         plant(root / "objects", own, 1500)  # the put's own object: never its victim
+        plant(root / "tmp", "stray.txt", 10)  # not kvflow's: no write in flight
         with section(ledger):
             ledger.scan()
         with section(other):
@@ -483,3 +484,22 @@ def test_a_refusal_is_made_only_with_no_other_write_in_flight_and_holds_while_th
         with section(ledger):
             assert ledger.reserve([1000], keep={own}, refused=refused) == [PutStatus.NO_SPACE]
         assert looked == [1000]  # an object removed since: it looks again
+
+
+def test_a_write_that_publishes_during_the_section_that_found_no_room_makes_no_refusal(root: Path) -> None:
+    """Another writer's write, in flight when the section's scan listed the store, publishes
+    before the section ends (a link and an unlink, without the lock): the scan did not list its
+    object, which the put could evict, so the section passes on no refusal."""
+    own = object_file_name("own")
+    with ledger_at(root, capacity=2000) as ledger, ledger_at(root, capacity=2000) as other:
+        plant(root / "objects", own, 1500)
+        with section(other):
+            [writing] = other.reserve([100])
+        with section(ledger):
+            ledger.scan()  # lists the other's temp file, not yet an object
+            os.link(writing.name, object_file_name("w"), src_dir_fd=other.tmp_fd, dst_dir_fd=other.objects_fd)
+            os.unlink(writing.name, dir_fd=other.tmp_fd)  # published
+            plan = ledger.reserve([1000], keep={own})
+            assert plan == [PutStatus.NO_SPACE]
+            assert ledger.refusal([1000], plan, None) is None
+        os.close(writing.fd)

@@ -84,8 +84,9 @@ class Refusal:
     ``removals`` objects removed from the store (its journal's count), while no other write was
     in flight (one would publish an object that could be evicted): while both stay as they are
     (no writer reserved, released or removed anything since: no room freed, nothing new to
-    evict), its later sections need not look for objects of that size or larger. (A reservation
-    and a release of the same size, by others, between two sections would go unseen.)"""
+    evict), its later sections need not look for objects of that size or larger. (Unseen until
+    the put ends: a file removed by hand, or a reservation and a release of the same size, by
+    others, between two sections.)"""
 
     nbytes: int
     used: int
@@ -122,6 +123,8 @@ class SpaceLedger:
     _gone: list[str] = attrs.field(factory=list)  # objects removed in this section, for the journal
     # candidates that the reservations of a put passed over, being its own (:meth:`reserve`)
     _passed: list[_Candidate] = attrs.field(factory=list)
+    # the live writers' temp files a scan in this section saw: writes that may publish during it
+    _writing: set[str] = attrs.field(factory=set)
 
     @property
     def root(self) -> str:
@@ -220,6 +223,7 @@ class SpaceLedger:
             self._rescanned = False
             self._pending.clear()
             self._gone.clear()
+            self._writing.clear()
             if len(data) == _COUNTER.size:
                 magic, used = _COUNTER.unpack(data)
                 if magic == _COUNTER_MAGIC:
@@ -330,9 +334,23 @@ class SpaceLedger:
         if not no_room:
             return None
         own = {res.name for res in plan if isinstance(res, Reservation)}
-        if any(name not in own for name in os.listdir(self.tmp_fd)):  # another write in flight
+        if (self._writing | self._writing_now()) - own:  # another write in flight, or one then
             return None
         return Refusal(min(no_room), self.used, self._removals())
+
+    def _writing_now(self) -> set[str]:
+        """The temp files of live writers in tmp/ now (those a scan counts; others are ignored)."""
+        alive: dict[WriterId, bool] = {}
+        found = set()
+        for name in os.listdir(self.tmp_fd):
+            temp = TempName.parse(name)
+            if temp is None:
+                continue
+            if temp.writer not in alive:
+                alive[temp.writer] = temp.writer.is_alive(self.writer)
+            if alive[temp.writer]:
+                found.add(name)
+        return found
 
     def _holds(self, refused: Refusal) -> bool:
         """Whether ``refused`` still holds: the store as it was when it was made."""
@@ -471,6 +489,7 @@ class SpaceLedger:
                 if alive[temp.writer]:
                     live += st.st_size
                     inodes.add(st.st_ino)
+                    self._writing.add(entry.name)
                     continue
                 self._unlink(self.tmp_fd, entry.name)
                 removed += 1
@@ -571,7 +590,8 @@ class SpaceLedger:
         return TempName(self.writer, nbytes, f"{self._token}{self._seq:x}").format()
 
     def _unlink(self, dir_fd: int, name: str) -> bool:
-        """Remove ``name``; False when it was not there (a failure to remove it is logged)."""
+        """Remove ``name``; False when it was not there (a failure to remove it is logged, and
+        counts as removed, as it always did)."""
         try:
             os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
