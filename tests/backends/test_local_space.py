@@ -272,6 +272,15 @@ def test_a_temp_file_whose_mode_cannot_be_set_fails_that_object_and_leaves_nothi
         assert os.listdir(root / "tmp") == [] and ledger.used == 0
 
 
+def a_then_b(root: Path, ledger: SpaceLedger) -> None:
+    """Objects a and b of 1000 bytes, a the older, listed by a scan as the eviction candidates."""
+    for key in ("a", "b"):
+        plant(root / "objects", object_file_name(key), 1000)
+    os.utime(root / "objects" / object_file_name("a"), ns=(1, 1))
+    with section(ledger):
+        ledger.scan()
+
+
 def test_a_victim_removed_outside_kvflow_before_its_eviction_is_passed_over(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -279,11 +288,7 @@ def test_a_victim_removed_outside_kvflow_before_its_eviction_is_passed_over(
     ledger counts its bytes free (they are) and makes the reservation, evicting nothing else for
     it (it evicted the next candidate before, and kept counting the deleted bytes)."""
     with ledger_at(root, capacity=2000) as ledger:
-        for key in ("a", "b"):
-            plant(root / "objects", object_file_name(key), 1000)
-        os.utime(root / "objects" / object_file_name("a"), ns=(1, 1))  # a is the oldest
-        with section(ledger):
-            ledger.scan()
+        a_then_b(root, ledger)
         real_rename = os.rename
 
         def removed_first(src: str, dst: str, **kwargs: Any) -> None:
@@ -308,11 +313,7 @@ def test_a_second_victim_removed_outside_kvflow_is_freed_but_not_counted_as_evic
     """An object needs two victims; the second is deleted by someone else just before kvflow
     removes it: its bytes count as freed (they are), and it is not counted as an eviction."""
     with ledger_at(root, capacity=2000) as ledger:
-        for key in ("a", "b"):
-            plant(root / "objects", object_file_name(key), 1000)
-        os.utime(root / "objects" / object_file_name("a"), ns=(1, 1))  # a is the oldest
-        with section(ledger):
-            ledger.scan()
+        a_then_b(root, ledger)
         real_unlink = os.unlink
 
         def removed_first(name: str, **kwargs: Any) -> None:
