@@ -1184,6 +1184,32 @@ async def test_a_put_whose_own_objects_are_all_its_candidates_left_recounts_and_
     await backend.aclose()
 
 
+async def test_a_put_whose_look_at_writes_in_flight_fails_keeps_its_reservations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing tmp/ for writes in flight fails after a section found no room for an object: the
+    section's reservations stand (written and published, nothing leaked), and later sections
+    look for room themselves."""
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=6 * (HEADER_SIZE + size))
+    real = os.listdir
+
+    def failing(path: Any = ".") -> list[str]:
+        if isinstance(path, int):
+            raise OSError(errno.EIO, "listing failed")
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", failing)
+    keys = [f"k{i}" for i in range(2 * local._RESERVE_GROUP)]
+    results = await backend.put([ref(k, payload(k, size)) for k in keys])
+    monkeypatch.undo()
+    assert results == [PutStatus.STORED] * 6 + [PutStatus.NO_SPACE] * (len(keys) - 6)
+    assert await backend.exists(keys[:6]) == [True] * 6
+    assert os.listdir(tmp_path / "tmp") == []
+    assert await backend.usage(recount=False) == await backend.usage() == 6 * (HEADER_SIZE + size)
+    await backend.aclose()
+
+
 async def test_a_scan_that_finds_the_counter_too_high_evicts_only_what_is_needed(tmp_path: Path) -> None:
     """The shared counter still counts objects removed outside kvflow (or a killed writer's
     reservation): the scan an eviction starts with recounts it, and no object is evicted where

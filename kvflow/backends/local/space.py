@@ -327,16 +327,21 @@ class SpaceLedger:
     ) -> Refusal | None:
         """What a put's next section may refuse without looking, after one that reserved ``plan``
         for ``sizes`` (``earlier``: what the section before it passed on): the smallest object
-        found no room for, while the store stays as it is now."""
+        found no room for, while the store stays as it is now. None also when the store cannot
+        be read (the section's reservations stand: this never raises)."""
         no_room = [n for n, res in zip(sizes, plan) if res is PutStatus.NO_SPACE]
-        if earlier is not None and self._holds(earlier):
-            no_room.append(earlier.nbytes)
-        if not no_room:
+        try:
+            if earlier is not None and self._holds(earlier):
+                no_room.append(earlier.nbytes)
+            if not no_room:
+                return None
+            own = {res.name for res in plan if isinstance(res, Reservation)}
+            if (self._writing | self._writing_now()) - own:  # another write in flight, or one then
+                return None
+            return Refusal(min(no_room), self.used, self._removals())
+        except OSError as exc:
+            logger.debug("%s: a put's sections look for room each: %s", self.root, exc)
             return None
-        own = {res.name for res in plan if isinstance(res, Reservation)}
-        if (self._writing | self._writing_now()) - own:  # another write in flight, or one then
-            return None
-        return Refusal(min(no_room), self.used, self._removals())
 
     def _writing_now(self) -> set[str]:
         """The temp files of live writers in tmp/ now (those a scan counts; others are ignored)."""
