@@ -227,6 +227,7 @@ def test_temp_names_that_are_not_a_writers_are_refused() -> None:
         "1.2.3.tok.tmp",
         "1.2.3.4.5.tok.tmp",
         "-1.2.3.4.t.tmp",
+        "1.\u00b2.3.4.tok.tmp",  # a digit to str.isdigit, not to int
     ):
         assert TempName.parse(name) is None, name
 
@@ -1207,6 +1208,22 @@ async def test_a_put_whose_look_at_writes_in_flight_fails_keeps_its_reservations
     assert await backend.exists(keys[:6]) == [True] * 6
     assert os.listdir(tmp_path / "tmp") == []
     assert await backend.usage(recount=False) == await backend.usage() == 6 * (HEADER_SIZE + size)
+    await backend.aclose()
+
+
+async def test_a_temp_name_with_a_digit_int_refuses_is_left_alone(tmp_path: Path) -> None:
+    """A file in tmp/ whose name has a digit that is not ASCII ("²") is not a writer's temp
+    file: the store opens, and a put that looks at the writes in flight ignores it (it raised
+    there, and leaked the section's reservations)."""
+    odd = "0.\u00b2.0.0.x.tmp"
+    (tmp_path / "tmp").mkdir(parents=True)
+    (tmp_path / "tmp" / odd).write_bytes(b"")
+    size = 4 * KiB
+    backend = open_store(tmp_path, capacity=6 * (HEADER_SIZE + size))
+    keys = [f"k{i}" for i in range(2 * local._RESERVE_GROUP)]
+    results = await backend.put([ref(k, payload(k, size)) for k in keys])
+    assert results == [PutStatus.STORED] * 6 + [PutStatus.NO_SPACE] * (len(keys) - 6)
+    assert os.listdir(tmp_path / "tmp") == [odd]
     await backend.aclose()
 
 

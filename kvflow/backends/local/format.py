@@ -409,7 +409,7 @@ class TempName:
     @classmethod
     def parse(cls, name: str) -> TempName | None:
         parts = name.split(".")
-        if len(parts) != 6 or parts[5] != "tmp" or not all(p.isdigit() for p in parts[:4]):
+        if len(parts) != 6 or parts[5] != "tmp" or not all(p.isascii() and p.isdigit() for p in parts[:4]):
             return None
         ns, pid, start, reserved = (int(p) for p in parts[:4])
         return cls(WriterId(ns, pid, start), reserved, parts[4])

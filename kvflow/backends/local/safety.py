@@ -190,7 +190,7 @@ def _resolve_group(group: str) -> int:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         pass
-    if group.isdigit():
+    if group.isascii() and group.isdigit():  # (str.isdigit takes "²" too, which int refuses)
         return int(group)
     raise ConfigError(f"group={group!r}: there is no such group; give a group name or a numeric gid")
 

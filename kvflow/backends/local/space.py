@@ -328,7 +328,7 @@ class SpaceLedger:
         """What a put's next section may refuse without looking, after one that reserved ``plan``
         for ``sizes`` (``earlier``: what the section before it passed on): the smallest object
         found no room for, while the store stays as it is now. None also when the store cannot
-        be read (the section's reservations stand: this never raises)."""
+        be read, or anything else fails (the section's reservations stand: this never raises)."""
         no_room = [n for n, res in zip(sizes, plan) if res is PutStatus.NO_SPACE]
         try:
             if earlier is not None and self._holds(earlier):
@@ -341,6 +341,9 @@ class SpaceLedger:
             return Refusal(min(no_room), self.used, self._removals())
         except OSError as exc:
             logger.debug("%s: a put's sections look for room each: %s", self.root, exc)
+            return None
+        except Exception:  # a shortcut only: the put goes on, each section looking for room
+            logger.warning("%s: a put's sections look for room each", self.root, exc_info=True)
             return None
 
     def _writing_now(self) -> set[str]:

@@ -193,7 +193,7 @@ def check_layer_names(names: list[str], stage: tuple[int, int]) -> None:
     """Check that the registered layers are the model layers ``stage`` ``(first, end)`` in order,
     where their names carry one layer number each (``model.layers.12.self_attn.attn``): keys name
     model layers, so a stage must know which ones it holds."""
-    numbers = [[int(part) for part in name.split(".") if part.isdigit()] for name in names]
+    numbers = [[int(part) for part in name.split(".") if part.isascii() and part.isdigit()] for name in names]
     if any(len(n) != 1 for n in numbers):
         return  # names without one layer number: trust vLLM's partition
     found = [n[0] for n in numbers]
