@@ -377,22 +377,21 @@ class SpaceLedger:
             if not victims:
                 break
             for victim in victims:
+                # A victim removed outside kvflow since its stat is no eviction, but its bytes are free.
                 if recycled is None:
                     name = self._new_temp_name(nbytes)
                     try:
                         os.rename(victim.name, name, src_dir_fd=self.objects_fd, dst_dir_fd=self.tmp_fd)
-                    except FileNotFoundError:  # removed outside kvflow since its stat: its bytes are free
-                        self._gone.append(victim.name)
-                        self.used -= victim.size
-                        continue
-                    self._pending.add(name)
-                    recycled = attrs.evolve(victim, name=name)
-                elif not self._unlink(self.objects_fd, victim.name):  # (removed outside kvflow: freed)
-                    self._gone.append(victim.name)
-                    self.used -= victim.size
-                    continue
+                    except FileNotFoundError:
+                        evicted = False
+                    else:
+                        self._pending.add(name)
+                        recycled = attrs.evolve(victim, name=name)
+                        evicted = True
+                else:
+                    evicted = self._unlink(self.objects_fd, victim.name)
                 self._gone.append(victim.name)
-                self.evictions += 1
+                self.evictions += evicted
                 self.used -= victim.size
         if self.used + nbytes > self.capacity:
             return PutStatus.NO_SPACE  # a recycled victim is removed by the caller
