@@ -31,6 +31,7 @@ from kvflow import (
 from kvflow.backends import ObjectRef
 from kvflow.backends.arena import ArenaBackend
 from kvflow.backends.base import BackendCapabilities
+from kvflow.errors import BackendUnavailableError
 from kvflow.events import CpuEvent, LayerEvents
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.ownership import owner
@@ -488,8 +489,28 @@ async def test_remove_past_its_deadline_raises_rather_than_waiting() -> None:
 
     pool = make_pool(LAYOUTS["vllm_cpu"](), Slow())
     await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))
-    with anyio.fail_after(10), pytest.raises(TimeoutError):
+    with anyio.fail_after(10), pytest.raises(TimeoutError, match="did not end by the call's deadline"):
         await pool.remove(KVRequest(tokens=TOKENS), timeout_s=0.2)
+
+
+async def test_a_remove_that_fails_in_the_store_raises_a_backend_error_that_says_so() -> None:
+    faulty = FaultyBackend(raise_on={"remove"})  # (a fault that is not a BackendError)
+    pool = make_pool(LAYOUTS["vllm_cpu"](), faulty)
+    await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))
+    with pytest.raises(BackendUnavailableError, match=r"removing 8 objects failed.*injected remove"):
+        await pool.remove(KVRequest(tokens=TOKENS))
+    assert len(kv_keys(faulty.inner)) == 8  # nothing removed, and the pool still answers
+    assert await pool.lookup(KVRequest(tokens=TOKENS)) == 8 * BLOCK
+
+
+async def test_an_exists_answer_that_is_no_sequence_is_a_type_error_that_says_what_to_return() -> None:
+    class NoAnswer(MemoryBackend):
+        async def exists(self, keys: Sequence[str]) -> list[bool]:
+            return None  # type: ignore[return-value]
+
+    pool = make_pool(LAYOUTS["vllm_cpu"](), NoAnswer())
+    with pytest.raises(TypeError, match="exists answered None: it must return a list of bools"):
+        await pool.lookup(KVRequest(tokens=TOKENS))
 
 
 async def test_a_block_of_several_hash_chunks_is_named_by_the_hash_at_its_last_token() -> None:

@@ -36,7 +36,14 @@ import torch
 from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, cancelled_as_fault
 from kvflow.config import PoolConfig
 from kvflow.device import Device
-from kvflow.errors import ConfigError, LayoutError, PoolClosedError, RequestError
+from kvflow.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    KVFlowError,
+    LayoutError,
+    PoolClosedError,
+    RequestError,
+)
 from kvflow.keys import KeyScope, block_keys
 from kvflow.layout import KVFormat, KVLayout
 from kvflow.ownership import ParallelConfig
@@ -317,7 +324,13 @@ class Transfer:
             log.warning("exists() of %d keys failed: %r", len(keys), exc)
             return None
         if not isinstance(found, list):  # a tuple, an array: what the protocol's list[bool] means
-            found = list(found)
+            try:
+                found = list(found)
+            except TypeError:
+                raise TypeError(
+                    f"the backend's exists answered {found!r}: it must return a list of bools, one "
+                    "per key (docs/api.md)"
+                ) from None
         if len(found) != len(keys):
             log.warning("exists() returned %d answers for %d keys", len(found), len(keys))
             return None
@@ -332,8 +345,19 @@ class Transfer:
         keys = [k for u in self.units for k in self.keys(hashes, u)]
         if not keys:
             return 0
-        with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
-            return sum(await self.backend.remove(keys))
+        try:
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
+                removed = await self.backend.remove(keys)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"removing {len(keys)} objects did not end by the call's deadline: the store is slow "
+                "or cannot be reached; try again, with a longer timeout_s"
+            ) from exc
+        except KVFlowError:
+            raise
+        except Exception as exc:  # a backend that broke the protocol's promise (BackendError only)
+            raise BackendUnavailableError(f"removing {len(keys)} objects failed: {exc!r}") from exc
+        return sum(map(bool, removed))
 
     # -- lookup ---------------------------------------------------------------------------------
 
