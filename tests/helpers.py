@@ -147,6 +147,9 @@ class FaultyBackend:
     #: declared as the inner backend's is (True), the pool puts without asking exists() first; off
     #: by default, so that a store's exists() can be faulted
     put_checks_present: bool = False
+    #: declared as the inner backend's is (True), a request's batches run one after another, the
+    #: last first; off by default, so that they run at once, as a network store's do
+    calls_in_turn: bool = False
 
     @property
     def max_batch(self) -> int:
@@ -154,7 +157,11 @@ class FaultyBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return attrs.evolve(self.inner.capabilities, put_checks_present=self.put_checks_present)
+        return attrs.evolve(
+            self.inner.capabilities,
+            put_checks_present=self.put_checks_present,
+            calls_in_turn=self.calls_in_turn,
+        )
 
     async def _fault(self, op: str) -> None:
         self.calls.append(op)

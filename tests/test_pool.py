@@ -373,8 +373,13 @@ async def test_aclose_gives_up_on_a_call_that_never_ends() -> None:
 def test_each_rank_loads_in_its_own_rotation_of_the_blocks(
     tp_rank: int, count: int, order: list[int]
 ) -> None:
-    pool = make_pool(LAYOUTS["mla"](), tp_rank=tp_rank, tp_size=4, use_mla=True)
+    # a store whose calls run at once (a network store): the ranks start at different blocks ...
+    pool = make_pool(LAYOUTS["mla"](), FaultyBackend(), tp_rank=tp_rank, tp_size=4, use_mla=True)
     assert pool._transfer.load_order(count) == order
+    # ... an in-process one, whose calls go in turn: every rank reads from the head, which its
+    # get makes the most recent use (a rotated get would leave block 0 the oldest)
+    pool = make_pool(LAYOUTS["mla"](), MemoryBackend(), tp_rank=tp_rank, tp_size=4, use_mla=True)
+    assert pool._transfer.load_order(count) == list(range(count))
 
 
 async def test_a_backend_that_pins_memory_gets_every_staging_chunk_registered() -> None:

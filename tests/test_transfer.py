@@ -193,20 +193,30 @@ def _bad_batch(backend: OneBadBatch, poisoned: int) -> list[int]:
     return batch
 
 
+@pytest.mark.parametrize("in_turn", [False, True])
 @pytest.mark.parametrize("fault", ["raise", "hang"])
 @pytest.mark.parametrize("tp_rank", [0, 1])
-async def test_a_failing_batch_fails_only_its_own_objects(fault: str, tp_rank: int) -> None:
+async def test_a_failing_batch_fails_only_its_own_objects(fault: str, tp_rank: int, in_turn: bool) -> None:
+    """Batches at once (a network store's): the poisoned one fails last, after two others
+    answered. In turn (an in-process store's): the last batch first, then the poisoned one; one
+    that hangs takes the deadline of the batch after it (the head), which then fails too."""
     src = mla_caches()
     poisoned = 5
-    backend = OneBadBatch(poisoned={HASHES[poisoned]}, fault=fault)
+    good = 1 if in_turn else 2
+    backend = OneBadBatch(poisoned={HASHES[poisoned]}, fault=fault, good=good, calls_in_turn=in_turn)
     writer = pool(src, backend, timeout_s=0.5)
     stored = await writer.store(KVRequest(tokens=TOKENS, block_ids=list(range(BLOCKS))))
     bad = _bad_batch(backend, poisoned)
-    assert len(bad) == 4 and len(backend.batches) == 3  # 12 objects in batches of 4
-    assert [s is PutStatus.FAILED for s in stored.statuses] == [i in bad for i in range(BLOCKS)]
-    assert all(s is PutStatus.STORED for i, s in enumerate(stored.statuses) if i not in bad)
+    assert len(bad) == 4  # 12 objects in batches of 4
+    if in_turn:  # one after another, the last first
+        assert backend.batches == [[8, 9, 10, 11], [4, 5, 6, 7]] + ([] if fault == "hang" else [[0, 1, 2, 3]])
+    else:
+        assert len(backend.batches) == 3
+    failed = set(bad) | ({0, 1, 2, 3} if in_turn and fault == "hang" else set())
+    assert [s is PutStatus.FAILED for s in stored.statuses] == [i in failed for i in range(BLOCKS)]
+    assert all(s is PutStatus.STORED for i, s in enumerate(stored.statuses) if i not in failed)
     assert sorted(block_index(k) for k in kv_keys(backend.inner)) == [
-        i for i in range(BLOCKS) if i not in bad
+        i for i in range(BLOCKS) if i not in failed
     ]
 
     # load: every block is in the store now, but the batch holding block 5 fails again
@@ -219,10 +229,13 @@ async def test_a_failing_batch_fails_only_its_own_objects(fault: str, tp_rank: i
     got = await reader.retrieve(KVRequest(tokens=TOKENS, block_ids=dst_ids))
     bad = _bad_batch(backend, poisoned)
     assert len(bad) == 4
-    assert [s is GetStatus.FAILED for s in got.statuses] == [i in bad for i in range(BLOCKS)]
-    assert set(got.failed_block_ids) == {dst_ids[i] for i in bad}
+    if in_turn:  # every rank reads from the head (no rotation), the last batch first
+        assert backend.batches[0] == [8, 9, 10, 11]
+    failed = set(bad) | ({0, 1, 2, 3} if in_turn and fault == "hang" else set())
+    assert [s is GetStatus.FAILED for s in got.statuses] == [i in failed for i in range(BLOCKS)]
+    assert set(got.failed_block_ids) == {dst_ids[i] for i in failed}
     for i in range(BLOCKS):
-        if i not in bad:
+        if i not in failed:
             assert all(block_bytes(dst[n], dst_ids[i]) == block_bytes(src[n], i) for n in src), i
 
 

@@ -227,6 +227,13 @@ class BackendCapabilities:
     object, as cheaply as :meth:`Backend.exists` would have answered (an in-process table); a pool
     then stores whole blocks with one backend call instead of an ``exists`` call and a put. A store
     whose put moves the bytes before it can tell (a network store) leaves it False.
+    ``calls_in_turn``: the backend's calls run on the pool's own thread (an in-process store) and
+    gain nothing from running at once; the pool then makes the calls of one request one after
+    another, its last objects first. So a request's first blocks are always its most recent use
+    (least recently used eviction takes a prompt from its tail, whatever the number of calls), and
+    a put of more than the store has room for keeps the request's head (each call keeps only what
+    it stored itself). A store whose calls run in parallel elsewhere (a network store) leaves it
+    False: the pool runs them at once, first objects first.
     """
 
     device_memory: bool = False
@@ -234,6 +241,7 @@ class BackendCapabilities:
     registers_memory: bool = False
     max_object_bytes: int | None = None
     put_checks_present: bool = False
+    calls_in_turn: bool = False
 
 
 @attrs.define

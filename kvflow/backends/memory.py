@@ -137,7 +137,7 @@ class MemoryBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(put_checks_present=True)
+        return BackendCapabilities(put_checks_present=True, calls_in_turn=True)
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Nothing to register: copies go straight between the caller's memory and the buffers."""

@@ -1,10 +1,12 @@
 """Batched backend calls: one result per object, in input order, faults turned into results.
 
 ``run_batches`` splits a request's objects into backend-sized batches and runs them concurrently
-(:func:`~kvflow.transfer.together.together`), holding the pool's byte budget so that the bytes in
-backend calls at once stay bounded. A batch whose call raises a store fault, or that has not
-finished by the deadline, gets the failure result for each of its objects; nothing is dropped, and
-no call starts once the deadline has passed.
+(:func:`~kvflow.transfer.together.together`), or one after another, the last batch first, for a
+backend whose calls gain nothing from running at once (``in_turn``: its request's head is then its
+most recent use, and a put that outgrows the store keeps it), holding the pool's byte budget so
+that the bytes in backend calls at once stay bounded. A batch whose call raises a store fault, or
+that has not finished by the deadline, gets the failure result for each of its objects; nothing is
+dropped, and no call starts once the deadline has passed.
 Programming errors (a misconfigured backend, a malformed request) are raised after every batch
 ended.
 """
@@ -47,12 +49,13 @@ async def run_batches(
     max_batch: int,
     budget: ByteBudget,
     deadline: float,
+    in_turn: bool = False,
 ) -> list[R]:
     """Run ``call`` over ``objects`` in batches; one result per object, in input order.
 
     A batch that raises, or that has not finished by ``deadline`` (``time.monotonic()`` seconds),
     gets ``failed`` for each of its objects. Returns when every batch finished or the deadline
-    cancelled the rest.
+    cancelled the rest. ``in_turn``: one batch at a time, the last first (else all at once).
     """
     results: list[R] = [failed] * len(objects)
     kind = type(failed)
@@ -95,8 +98,13 @@ async def run_batches(
         finally:
             budget.release(held)
 
+    starts = range(0, len(objects), step)
     with anyio.move_on_after(deadline - time.monotonic()) as scope:
-        await together([functools.partial(one, start) for start in range(0, len(objects), step)])
+        if in_turn:
+            for start in reversed(starts):
+                await one(start)
+        else:
+            await together([functools.partial(one, start) for start in starts])
     if scope.cancelled_caught:
         log.warning("backend calls for %d objects ran past their deadline", len(objects))
     if errors:

@@ -90,6 +90,10 @@ class Transfer:
     #: keys without copying them, and nothing is gained by knowing earlier (whole blocks read
     #: straight from the cache: no staging copy and no per-layer unit to skip)
     put_checks_present: bool = attrs.field(init=False)
+    #: a request's backend calls run one after another, its last objects first (the backend's
+    #: ``calls_in_turn``): its head is then the most recent use, and a put that outgrows the
+    #: store keeps it. Staged chunks go in that order too.
+    calls_in_turn: bool = attrs.field(init=False)
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -99,8 +103,10 @@ class Transfer:
     def __attrs_post_init__(self) -> None:
         self._budget = ByteBudget(self.config.max_inflight_bytes)
         self._lookup_scopes = list(self.profile.scopes())
-        capable = self.backend.capabilities.put_checks_present
+        capabilities = self.backend.capabilities
+        capable = capabilities.put_checks_present
         self.put_checks_present = capable and self.staging is None and not self.config.layerwise
+        self.calls_in_turn = capabilities.calls_in_turn
 
     @classmethod
     def open(cls, spec: TransferSpec, *, backend: Backend, device: Device | None = None) -> Transfer:
@@ -283,8 +289,10 @@ class Transfer:
 
     def load_order(self, count: int) -> list[int]:
         """Indices ``0..count-1`` rotated by rank, so that the members of a replica group do not
-        all read the same object first."""
-        shift = self.parallel.tp_rank % count if count else 0
+        all read the same object first; not rotated where the backend's calls go in turn (an
+        in-process store: nothing to spread, and a rotated get would make a block past the head
+        the prompt's most recent use)."""
+        shift = self.parallel.tp_rank % count if count and not self.calls_in_turn else 0
         return list(range(shift, count)) + list(range(shift))
 
     # -- backend calls --------------------------------------------------------------------------
@@ -298,6 +306,7 @@ class Transfer:
             max_batch=self.backend.max_batch,
             budget=self._budget,
             deadline=deadline,
+            in_turn=self.calls_in_turn,
         )
 
     async def get(self, objects: Sequence[ObjectRef], deadline: float) -> list[GetStatus]:
@@ -309,6 +318,7 @@ class Transfer:
             max_batch=self.backend.max_batch,
             budget=self._budget,
             deadline=deadline,
+            in_turn=self.calls_in_turn,
         )
 
     async def exists(self, keys: Sequence[str], deadline: float) -> list[bool] | None:

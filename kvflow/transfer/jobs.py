@@ -201,8 +201,9 @@ class StoreJob:
 
         if after is not None:  # on a device the copy stream waits (once: later copies queue behind)
             await staging.device.copies_wait_for(after, max(0.0, deadline - time.monotonic()))
+        starts, begun = range(0, len(todo), capacity), 0
         try:
-            for start in range(0, len(todo), capacity):
+            for start in reversed(starts) if transfer.calls_in_turn else starts:
                 part = todo[start : start + capacity]
                 chunk = staging.try_take()
                 if chunk is None and pending:  # none to spare: put the one copied out first
@@ -212,10 +213,10 @@ class StoreJob:
                     with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                         chunk = await staging.take()
                 if chunk is None:  # staging stayed full until the deadline: these objects fail
-                    log.warning(
-                        "no staging chunk came free in time; %d objects not stored", len(todo) - start
-                    )
+                    left = len(todo) - begun
+                    log.warning("no staging chunk came free in time; %d objects not stored", left)
                     break
+                begun += len(part)
                 try:
                     gather(
                         staging.device,
@@ -404,14 +405,16 @@ class LoadJob:
         staging = transfer.staging
         assert staging is not None
         shape, layout = transfer.shape(unit), transfer.require_layout()
-        results: list[GetStatus] = []
-        for start in range(0, len(todo), shape.capacity):
+        results = [GetStatus.FAILED] * len(todo)
+        asked = 0
+        starts = range(0, len(todo), shape.capacity)
+        for start in reversed(starts) if transfer.calls_in_turn else starts:  # (as the batches go)
             part = todo[start : start + shape.capacity]
             chunk = await self._take(staging, deadline)
             if chunk is None:  # staging stayed full until the deadline: these blocks fail
-                log.warning("no staging chunk came free in time; %d blocks not loaded", len(todo) - start)
-                results += [GetStatus.FAILED] * (len(todo) - start)
+                log.warning("no staging chunk came free in time; %d blocks not loaded", len(todo) - asked)
                 break
+            asked += len(part)
             try:
                 got = await transfer.get(
                     shape.objects(chunk.buffer, keys[start : start + len(part)]), deadline
@@ -430,7 +433,7 @@ class LoadJob:
                 log.warning("copying %d blocks into the KV cache failed: %r", len(rows), exc)
                 got = [GetStatus.FAILED] * len(part)
             self._issued(unit, chunk, staging, [part[i] for i in rows])
-            results += got
+            results[start : start + len(part)] = got
         return results
 
     async def _get_reshaped(self, unit: Unit, blocks: list[int], deadline: float) -> set[int]:

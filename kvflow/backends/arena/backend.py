@@ -131,7 +131,9 @@ class ArenaBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(max_object_bytes=self._arena.geometry.slot_bytes, put_checks_present=True)
+        return BackendCapabilities(
+            max_object_bytes=self._arena.geometry.slot_bytes, put_checks_present=True, calls_in_turn=True
+        )
 
     @property
     def root(self) -> str:

@@ -131,7 +131,7 @@ class LocalBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities()
+        return BackendCapabilities(calls_in_turn=True)
 
     @property
     def root(self) -> str:

@@ -1,0 +1,123 @@
+"""A prompt's head outlives its tail in every in-process store, however many backend calls a
+request takes: the pool makes a request's calls in turn, its last objects first (the backends'
+``calls_in_turn``), so the head is always the most recent use and a put that outgrows the store
+keeps the head. A block is useful only with every block before it: a store left holding a tail
+without its head holds nothing a lookup can reach.
+
+The memory backend's order is exact. The arena evicts the least recently used row of an object's
+set (a few rows each) and the local store from its last scan's list, so each holds a prompt's head
+to within a few blocks: at least 80% of what they hold of the prompt is its reachable head here
+(before the pool made its calls in turn, none to a third)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from kvflow import KVLayout, KVPool, KVRequest, MemoryBackend, ParallelConfig, PoolConfig, PutStatus
+from kvflow.backends import Backend, open_backend
+from kvflow.keys import hash_blocks
+from tests.helpers import BLOCK, FaultyBackend, bounded_shm
+
+OBJECT = 4096  # bytes of one block: 16 tokens x 64 floats
+KINDS = ["memory", "arena", "local", "memory, calls of 4", "memory, staged"]
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with bounded_shm("64m") as path:
+        yield path
+
+
+def _backend(kind: str, root: Path, room: int) -> Backend:
+    """A store of ``kind`` with room for about ``room`` blocks (the local store's files also hold a
+    header and the key: a few blocks fewer); "memory, calls of 4" takes 4 objects a call."""
+    if kind == "arena":
+        return open_backend(f"arena://{root}/arena?capacity={room * OBJECT}&slot={OBJECT}")
+    if kind == "local":
+        return open_backend(f"local://{root}/local?capacity={room * OBJECT}")
+    memory = MemoryBackend.from_url(f"memory://?capacity={room * OBJECT}")
+    if kind == "memory, calls of 4":
+        return FaultyBackend(inner=memory, calls_in_turn=True)  # type: ignore[return-value]
+    return memory
+
+
+def _pool(backend: Backend, blocks: int, tp_rank: int = 0, tp_size: int = 1, kind: str = "") -> KVPool:
+    """A pool of MLA caches: with ``tp_size`` 2 each block is stored by one rank and read by both.
+    Kind "memory, staged": through a host staging chunk of 64 blocks, a backend call each."""
+    caches = {"l0": torch.randn(blocks, BLOCK, 64)}
+    parallel = ParallelConfig(tp_rank=tp_rank, tp_size=tp_size, use_mla=True)
+    staging = "always" if kind.endswith("staged") else "auto"
+    config = PoolConfig(model="eviction-order", staging=staging, staging_bytes=64 * OBJECT)
+    return KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
+
+
+async def _held(pool: KVPool, hashes: list[bytes]) -> list[int]:
+    """The blocks of the prompt of ``hashes`` that the store holds, each asked alone."""
+    return [
+        j
+        for j in range(len(hashes))
+        if await pool.lookup(KVRequest(block_hashes=hashes[: j + 1], block_offset=j)) > j * BLOCK
+    ]
+
+
+async def _check_head_held(kind: str, pool: KVPool, hashes: list[bytes], least: int, most: int) -> None:
+    """The store holds ``least``..``most`` blocks of the prompt, and what a lookup reaches of them
+    (its head) is all of them (the memory backend) or at least 80%."""
+    held = await _held(pool, hashes)
+    head = await pool.lookup(KVRequest(block_hashes=hashes)) // BLOCK
+    assert least <= len(held) <= most
+    if kind.startswith("memory"):
+        assert held == list(range(head))
+    else:
+        assert head >= 0.8 * len(held), (head, len(held))
+
+
+def _prompt(blocks: int, first_token: int) -> list[bytes]:
+    return hash_blocks(list(range(first_token, first_token + blocks * BLOCK)), BLOCK)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_put_larger_than_the_store_keeps_the_requests_head(kind: str, root: Path) -> None:
+    backend = _backend(kind, root, room=200)
+    pool = _pool(backend, 600, kind=kind)
+    hashes = _prompt(600, 0)
+    try:
+        result = await pool.store(KVRequest(block_ids=range(600), block_hashes=hashes))
+        assert (
+            result.statuses[0] is PutStatus.STORED
+        )  # (later calls' objects may be evicted again by the head's)
+        await _check_head_held(kind, pool, hashes, 100, 200)
+    finally:
+        await pool.aclose()
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+@pytest.mark.parametrize("kind", KINDS)
+async def test_eviction_takes_a_prompt_of_several_calls_from_its_tail(
+    kind: str, tp_rank: int, root: Path
+) -> None:
+    """Stored by both ranks of an MLA engine (each its own blocks), then read whole by one rank
+    (rank 1 read from block 1 first, where its calls ran at once: it left block 0 the oldest),
+    then a second prompt evicts part of the first: what is left of the first is its head."""
+    backend = _backend(kind, root, room=420)
+    ranks = [_pool(backend, 300, tp_rank=r, tp_size=2, kind=kind) for r in range(2)]
+    other = _pool(backend, 200, kind=kind)
+    first, second = _prompt(300, 0), _prompt(200, 10**6)
+    try:
+        stored = [await p.store(KVRequest(block_ids=range(300), block_hashes=first)) for p in ranks]
+        assert sum(s.stored for s in stored) == 300
+        with anyio.fail_after(30):
+            got = await ranks[tp_rank].retrieve(KVRequest(block_ids=range(300), block_hashes=first))
+        assert got.hit_blocks == 300
+        await other.store(KVRequest(block_ids=range(200), block_hashes=second))
+        await _check_head_held(kind, ranks[0], first, 50, 299)
+    finally:
+        for p in [*ranks, other]:
+            await p.aclose()
+        await backend.aclose()
