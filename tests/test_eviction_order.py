@@ -20,7 +20,8 @@ import torch
 
 from kvflow import KVLayout, KVPool, KVRequest, MemoryBackend, ParallelConfig, PoolConfig, PutStatus
 from kvflow.backends import Backend, open_backend
-from kvflow.keys import hash_blocks
+from kvflow.keys import decode_key, hash_blocks
+from kvflow.profiles import is_book_key
 from tests.helpers import BLOCK, FaultyBackend, bounded_shm
 
 OBJECT = 4096  # bytes of one block: 16 tokens x 64 floats
@@ -121,3 +122,42 @@ async def test_eviction_takes_a_prompt_of_several_calls_from_its_tail(
         for p in [*ranks, other]:
             await p.aclose()
         await backend.aclose()
+
+
+async def test_a_load_from_an_engine_split_otherwise_reads_the_head_last() -> None:
+    """A reader of one rank loads what a writer of two ranks (one KV head each) stored, through
+    staging chunks of 8 blocks: the head's chunk goes last, so the store's least recently used
+    objects are the prompt's last blocks (before, its first chunk's)."""
+    blocks, dim = 40, 4
+
+    def caches(heads: int) -> dict[str, object]:
+        return {f"layers.{n}": (torch.randn(blocks, BLOCK, heads, dim),) * 2 for n in range(2)}
+
+    backend = MemoryBackend()
+    writers = [
+        KVPool.create(
+            PoolConfig(model="eviction-order"),
+            layout=KVLayout.from_kv_caches(caches(1)),  # type: ignore[arg-type]
+            backend=backend,
+            parallel=ParallelConfig(tp_rank=r, tp_size=2, num_kv_heads=2),
+        )
+        for r in range(2)
+    ]
+    writer_object = 2 * 2 * BLOCK * dim * 4  # (k, v) x 2 layers x 16 tokens x one head of 4 floats
+    reader = KVPool.create(
+        PoolConfig(model="eviction-order", staging_bytes=8 * 2 * writer_object),
+        layout=KVLayout.from_kv_caches(caches(2)),  # type: ignore[arg-type]
+        backend=backend,
+        parallel=ParallelConfig(num_kv_heads=2),
+    )
+    hashes = _prompt(blocks, 0)
+    for writer in writers:
+        await writer.store(KVRequest(block_ids=range(blocks), block_hashes=hashes))
+    assert (
+        await reader.retrieve(KVRequest(block_ids=range(blocks), block_hashes=hashes))
+    ).hit_blocks == blocks
+    index = {h: j for j, h in enumerate(hashes)}
+    oldest_first = [index[decode_key(k).block_hash] for k in backend.stored_keys() if not is_book_key(k)]
+    # the first evicted object of each block (a block needs both), block by block: the tail first
+    assert len(oldest_first) == 2 * blocks
+    assert list(dict.fromkeys(oldest_first)) == list(range(blocks - 1, -1, -1))

@@ -509,11 +509,13 @@ class LoadJob:
             batches[-1].append(j)
             used += need
             placed |= {s.key for s in found}
-        for batch in batches:
+        left = len(wanted)
+        for batch in reversed(batches) if self.transfer.calls_in_turn else batches:  # (as _get_staged)
             chunk = await self._take(pool, deadline)
             if chunk is None:
-                log.warning("no staging chunk came free in time; %d blocks not loaded", len(batch))
+                log.warning("no staging chunk came free in time; %d blocks not loaded", left)
                 break
+            left -= len(batch)
             offsets: dict[str, int] = {}
             refs: list[ObjectRef] = []
             base, at = chunk.buffer.data_ptr(), 0
@@ -560,12 +562,14 @@ class LoadJob:
         capacity = pool.chunk_bytes // sum(sizes)
         assert capacity >= 1, "checked by the caller: a chunk holds any one block"
         filled: set[int] = set()
-        for start in range(0, len(blocks), capacity):
+        starts, left = range(0, len(blocks), capacity), len(blocks)
+        for start in reversed(starts) if transfer.calls_in_turn else starts:  # (as _get_staged)
             batch = blocks[start : start + capacity]
             chunk = await self._take(pool, deadline)
             if chunk is None:
-                log.warning("no staging chunk came free in time; %d blocks not loaded", len(blocks) - start)
+                log.warning("no staging chunk came free in time; %d blocks not loaded", left)
                 break
+            left -= len(batch)
             base, offsets, refs = chunk.buffer.data_ptr(), [], []
             at = 0
             for nbytes in sizes:
