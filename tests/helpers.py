@@ -197,6 +197,9 @@ class FaultyBackend:
         await self._fault("remove")
         return await self.inner.remove(keys)
 
+    async def touch(self, keys: Sequence[str]) -> None:
+        await self.inner.touch(keys)  # (no fault: a touch only orders eviction)
+
     def register_memory(self, addr: int, nbytes: int) -> None:
         pass
 

@@ -11,15 +11,17 @@ to within a few blocks: at least 80% of what they hold of the prompt is its reac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio
+import attrs
 import pytest
 import torch
 
 from kvflow import KVLayout, KVPool, KVRequest, MemoryBackend, ParallelConfig, PoolConfig, PutStatus
 from kvflow.backends import Backend, open_backend
+from kvflow.errors import BackendUnavailableError
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
 from tests.helpers import BLOCK, FaultyBackend, bounded_shm
@@ -161,3 +163,100 @@ async def test_a_load_from_an_engine_split_otherwise_reads_the_head_last() -> No
     # the first evicted object of each block (a block needs both), block by block: the tail first
     assert len(oldest_first) == 2 * blocks
     assert list(dict.fromkeys(oldest_first)) == list(range(blocks - 1, -1, -1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_prompt_stored_in_chunks_ages_from_its_tail(kind: str, root: Path) -> None:
+    """Saved a chunk at a time (as an engine saves a long prompt step by step, or a conversation
+    turn by turn): each later chunk's store touches the blocks before it, so the head stays the
+    most recent use."""
+    backend = _backend(kind, root, room=420)
+    pool = _pool(backend, 300, kind=kind)
+    other = _pool(backend, 200, kind=kind)
+    first, second = _prompt(300, 0), _prompt(200, 10**6)
+    try:
+        for start in (0, 100, 200):
+            request = KVRequest(
+                block_ids=range(start, start + 100), block_hashes=first[: start + 100], block_offset=start
+            )
+            assert (await pool.store(request)).stored == 100
+        await other.store(KVRequest(block_ids=range(200), block_hashes=second))
+        await _check_head_held(kind, pool, first, 50, 299)
+    finally:
+        for p in (pool, other):
+            await p.aclose()
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_load_past_the_engines_own_hit_touches_the_blocks_before_it(kind: str, root: Path) -> None:
+    """The engine held the prompt's first 100 blocks itself and loads the rest: the load touches
+    the store's copies of those 100 after its own reads, so they stay the newest."""
+    backend = _backend(kind, root, room=420)
+    pool = _pool(backend, 300, kind=kind)
+    other = _pool(backend, 200, kind=kind)
+    first, second = _prompt(300, 0), _prompt(200, 10**6)
+    try:
+        assert (await pool.store(KVRequest(block_ids=range(300), block_hashes=first))).stored == 300
+        rest = KVRequest(block_ids=range(100, 300), block_hashes=first, block_offset=100)
+        assert (await pool.retrieve(rest)).hit_blocks == 200
+        await other.store(KVRequest(block_ids=range(200), block_hashes=second))
+        await _check_head_held(kind, pool, first, 50, 299)
+    finally:
+        for p in (pool, other):
+            await p.aclose()
+        await backend.aclose()
+
+
+@attrs.define(eq=False)
+class _Touches(MemoryBackend):
+    """A memory backend that records each touch, and fails them on demand."""
+
+    touched: list[list[str]] = attrs.field(factory=list)
+    fault: Exception | None = None
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        self.touched.append(list(keys))
+        if self.fault is not None:
+            raise self.fault
+        await super().touch(keys)
+
+
+async def test_earlier_blocks_are_touched_only_while_few_against_the_chunk() -> None:
+    backend = _Touches()
+    pool = _pool(backend, 300)  # type: ignore[arg-type]
+    hashes = _prompt(300, 0)
+    await pool.store(KVRequest(block_ids=range(16), block_hashes=hashes[:16]))
+    assert backend.touched == []  # nothing before the request
+    await pool.store(KVRequest(block_ids=[16], block_hashes=hashes[:17], block_offset=16))
+    (keys,) = backend.touched  # 16 blocks before one: touched, head first
+    assert [decode_key(k).block_hash for k in keys] == hashes[:16]
+    await pool.store(KVRequest(block_ids=[17], block_hashes=hashes[:18], block_offset=17))
+    assert len(backend.touched) == 1  # 17 blocks before one: more than 16 times it, not touched
+
+
+async def test_a_touch_that_fails_leaves_the_store_and_the_load_as_they_were(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = _Touches(fault=BackendUnavailableError("the store is gone"))
+    pool = _pool(backend, 300)  # type: ignore[arg-type]
+    hashes = _prompt(20, 0)
+    await pool.store(KVRequest(block_ids=range(10), block_hashes=hashes[:10]))
+    stored = await pool.store(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
+    assert stored.stored == 10 and len(backend.touched) == 1
+    got = await pool.retrieve(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
+    assert got.hit_blocks == 10 and len(backend.touched) == 2
+    assert "touch() of 10 keys failed" in caplog.text
+    backend.fault = TypeError("a touch that breaks the protocol")  # a programming error reaches the caller
+    with pytest.raises(TypeError, match="breaks the protocol"):
+        await pool.retrieve(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
+
+
+@pytest.mark.parametrize("kind", ["memory", "arena", "local"])
+async def test_a_touch_passes_over_keys_the_store_does_not_hold(kind: str, root: Path) -> None:
+    backend = _backend(kind, root, room=8)
+    try:
+        await backend.touch(["kvf2@absent", "kvf2@" + "x" * 300])  # type: ignore[attr-defined]
+        assert await backend.exists(["kvf2@absent"]) == [False]
+    finally:
+        await backend.aclose()

@@ -21,6 +21,7 @@ from kvflow.backends.base import (
     ObjectBatch,
     ObjectRef,
     PutStatus,
+    Touching,
 )
 from kvflow.config import split_url
 from kvflow.errors import ConfigError
@@ -34,6 +35,7 @@ __all__ = [
     "ObjectBatch",
     "ObjectRef",
     "PutStatus",
+    "Touching",
     "open_backend",
 ]
 

@@ -32,6 +32,7 @@ __all__ = [
     "ObjectBatch",
     "ObjectRef",
     "PutStatus",
+    "Touching",
     "keys_of",
     "nbytes_of",
     "repeats_of",
@@ -336,6 +337,20 @@ class Backend(Protocol):
     def stats(self) -> BackendStats: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Touching(Protocol):
+    """A backend that can mark objects used without reading them (optional: memory, local and
+    arena have it). The pool touches the blocks before a request's own, which it moved as a later
+    chunk of the prompt, so that they stay newer than it and eviction takes the prompt from its
+    tail (docs/architecture.md)."""
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        """Mark the objects of ``keys`` used now, the first the most recently (as a get's order
+        does); keys the store does not hold are passed over. Raises
+        :class:`~kvflow.errors.BackendError` when the store cannot be reached."""
+        ...
 
 
 def takes_config(kind: type[Any], url: str) -> Callable[[Any, Any, Any], None]:

@@ -217,6 +217,16 @@ class MemoryBackend:
         objects = self._objects
         return [key in objects for key in keys]
 
+    async def touch(self, keys: Sequence[str]) -> None:
+        """Mark the objects of ``keys`` used now, the first the most recently; keys not held are
+        passed over (:class:`~kvflow.backends.base.Touching`)."""
+        self._life.check_open()
+        stored = self._objects
+        use = stored.move_to_end
+        for key in reversed(keys):
+            if key in stored:
+                use(key)
+
     async def remove(self, keys: Sequence[str]) -> list[bool]:
         self._life.check_open()
         removed = []

@@ -33,10 +33,11 @@ import anyio
 import attrs
 import torch
 
-from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, cancelled_as_fault
+from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, Touching, cancelled_as_fault
 from kvflow.config import PoolConfig
 from kvflow.device import Device
 from kvflow.errors import (
+    BackendError,
     BackendUnavailableError,
     ConfigError,
     KVFlowError,
@@ -347,6 +348,21 @@ class Transfer:
         if found.count(True) + found.count(False) != len(found):  # None for False, say: as truth values
             found = [bool(answer) for answer in found]
         return found
+
+    async def touch(self, keys: Sequence[str], deadline: float) -> None:
+        """Mark ``keys`` used, the first the most recently, where the backend can
+        (:class:`~kvflow.backends.base.Touching`); a store that cannot is logged, not raised: only
+        the order of eviction depends on it."""
+        backend = self.backend
+        if not keys or not isinstance(backend, Touching) or time.monotonic() >= deadline:
+            return
+        try:
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
+                await backend.touch(keys)
+        except Exception as exc:
+            if is_programming_error(exc) and not isinstance(exc, BackendError):
+                raise
+            log.warning("touch() of %d keys failed: %r", len(keys), exc)
 
     async def remove(self, request: KVRequest, deadline: float) -> int:
         """Delete this rank's objects of the prompt's blocks from ``block_offset`` on (every unit);

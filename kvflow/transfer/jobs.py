@@ -167,6 +167,8 @@ class StoreJob:
                     statuses[k] = statuses[first].repeated()
             self._statuses[unit] = statuses
             self._released(unit)
+        if todo:  # (after the release: the engine need not wait for it)
+            await touch_heads(self.transfer, self.plan, unit, deadline)
         return _failures(statuses)
 
     async def _put_staged(
@@ -347,6 +349,7 @@ class LoadJob:
                 if result is not GetStatus.HIT and j not in filled:
                     status[j] = result
         self._done.add(unit)
+        await touch_heads(self.transfer, self.plan, unit, deadline)
         return len(status) - status.count(GetStatus.HIT)
 
     async def _writable(self, device: Device | None, deadline: float) -> bool:
@@ -705,6 +708,25 @@ class _Finishing:
 
     ended: anyio.Event = attrs.field(factory=anyio.Event)
     whole: bool = False  # the device reported it complete (False until then, and if it raised)
+
+
+#: a request's earlier blocks are touched when they are at most this many times its own: a
+#: chunked prompt's saves then cost at most this many touches a block stored, and a decode block's
+#: save on a long prompt none
+TOUCH_RATIO = 16
+
+
+async def touch_heads(transfer: Transfer, plan: BlockPlan, unit: Unit, deadline: float) -> None:
+    """Touch ``unit`` of the blocks before each request's own (its ``block_offset``), head first:
+    a later chunk of a prompt, put or read after them, must not stay newer than they are, or
+    eviction would take the end of the earlier ones first and leave the rest unreachable. Every
+    rank touches them all, after its own calls, so the last use of the prompt is a touch."""
+    keys: list[str] = []
+    for request, fine, (first, end) in zip(plan.requests, plan.fine, plan.spans):
+        offset = request.block_offset
+        if 0 < offset <= TOUCH_RATIO * (end - first):
+            keys += transfer.keys(transfer.hashing.blocks(fine)[:offset], unit)
+    await transfer.touch(keys, deadline)
 
 
 def _failures(statuses: list[PutStatus]) -> int:

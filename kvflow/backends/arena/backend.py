@@ -369,6 +369,13 @@ class ArenaBackend:
         async with self._locked(SHARED) as arena:
             return arena.present(hashes)
 
+    async def touch(self, keys: Sequence[str]) -> None:
+        """Mark the objects of ``keys`` used now, the first the most recently (as a get stamps
+        them); keys not held are passed over (:class:`~kvflow.backends.base.Touching`)."""
+        hashes = self._hashes(keys)
+        async with self._locked(SHARED) as arena:
+            arena.use(hashes, time.monotonic_ns())
+
     async def remove(self, keys: Sequence[str]) -> list[bool]:
         hashes = self._hashes(keys)
         async with self._locked(EXCLUSIVE) as arena:

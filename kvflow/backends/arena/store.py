@@ -252,6 +252,14 @@ class ArenaFile:
         result: list[bool] = (self._find(hashes) >= 0).tolist()
         return result
 
+    def use(self, hashes: Hashes, now: int) -> None:
+        """Mark the published objects of ``hashes`` used, the ``i``-th at ``now - i`` (as
+        :meth:`locate` stamps a get's): a benign race under the shared lock, as there."""
+        rows = self._find(hashes)
+        found = rows >= 0
+        ages = np.arange(len(rows), dtype=np.uint64)[found]
+        self._columns[_USED][rows[found]] = np.uint64(now) - ages
+
     def find(self, hashes: Hashes) -> list[int]:
         """For each hash, the row of its published object, or -1."""
         result: list[int] = self._find(hashes).tolist()

@@ -195,6 +195,16 @@ class LocalBackend:
         await anyio.lowlevel.checkpoint()
         return results
 
+    async def touch(self, keys: Sequence[str]) -> None:
+        """Mark the objects of ``keys`` used now, the first the most recently (their files' times,
+        as a get sets them); keys not held are passed over (:class:`~kvflow.backends.base.Touching`)."""
+        with self._life.call():
+            stamp = time.time_ns()
+            for i, key in enumerate(keys):
+                self._touch(key, object_file_name(key), stamp - i)
+                if i % 256 == 255:  # (two system calls an object: let the loop run now and then)
+                    await anyio.lowlevel.checkpoint()
+
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
         """Fill each object's regions. A corrupt object is a ``MISS`` and is removed."""
         with self._life.call(copies=True):
