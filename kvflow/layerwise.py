@@ -302,6 +302,7 @@ class LayerwiseRetriever(_LayerTasks):
             self._finish(layer, failed, self._job.ready(layer))  # handed out: the engine may wait on it
             copied = await self._job.settle(layer, deadline)  # then the staging chunks go back
             self._whole[layer] = failed == 0 and copied
+            await self._job.touch(layer, deadline)  # (the layer is the engine's already)
         finally:
             self._settled[layer].set()
 

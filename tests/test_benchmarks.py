@@ -641,3 +641,46 @@ def test_vllm_ttft_compares_every_questions_first_token_with_the_recompute_engin
     assert vllm_ttft._differing_tokens(rows) == []
     rows["kvflow"]["long"] = [rows["kvflow"]["long"][0], {**rows["kvflow"]["long"][1], "token": 9}]
     assert vllm_ttft._differing_tokens(rows) == ["kvflow long question 1 (seed 100101): 9, recompute 8"]
+
+
+def test_chunked_store_bench_times_a_prompts_stores_with_and_without_the_touches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = load_benchmark("chunked_store")
+    touched: list[int] = []
+
+    class Counting(MemoryBackend):
+        async def touch(self, keys: Sequence[str]) -> None:
+            touched.append(len(keys))
+            await super().touch(keys)
+
+    monkeypatch.setattr(module, "open_backend", lambda url: Counting())
+    out = anyio.run(module.run, "memory://", 64, 16, 4096, 2)
+    assert sum(touched) == 2 * (16 + 32 + 48)  # the touched runs only: each chunk past the first
+    assert out["touches_per_block"] == 96 / 64 and module.jobs.TOUCH_RATIO == 16  # (put back)
+    assert positive(out["touched_ms"]) and positive(out["untouched_ms"])
+    assert out["ratio"] == pytest.approx(out["touched_ms"] / out["untouched_ms"])
+    row = json.loads(
+        ok(
+            run(
+                "benchmarks/chunked_store.py",
+                "--blocks",
+                "32",
+                "--chunk",
+                "8",
+                "--object",
+                "4KiB",
+                "--repeat",
+                "1",
+                "--json",
+            )
+        )
+    )
+    assert row["blocks"] == 32 and positive(row["ratio"])
+
+
+def test_chunked_store_bench_fails_when_a_chunk_was_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_benchmark("chunked_store")
+    lying(monkeypatch, module, drop_put=lambda i: i == 2)
+    with pytest.raises(RuntimeError, match="the store holds 32 of the prompt's 64 blocks"):
+        anyio.run(module.run, "memory://", 64, 16, 4096, 1)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvflow import KVLayout, KVPool, KVRequest, MemoryBackend, ParallelConfig, PoolConfig, PutStatus
-from kvflow.backends import Backend, open_backend
+from kvflow.backends import Backend, ObjectRef, open_backend
 from kvflow.errors import BackendUnavailableError
 from kvflow.keys import decode_key, hash_blocks
 from kvflow.profiles import is_book_key
@@ -233,6 +233,13 @@ async def test_earlier_blocks_are_touched_only_while_few_against_the_chunk() -> 
     assert [decode_key(k).block_hash for k in keys] == hashes[:16]
     await pool.store(KVRequest(block_ids=[17], block_hashes=hashes[:18], block_offset=17))
     assert len(backend.touched) == 1  # 17 blocks before one: more than 16 times it, not touched
+    # a load (waited for) touches them while they are at most as many as its own blocks
+    await pool.store(KVRequest(block_ids=range(18, 40), block_hashes=hashes[:40], block_offset=18))
+    assert len(backend.touched) == 2
+    await pool.retrieve(KVRequest(block_ids=range(20, 40), block_hashes=hashes[:40], block_offset=20))
+    assert len(backend.touched) == 3 and len(backend.touched[-1]) == 20
+    await pool.retrieve(KVRequest(block_ids=range(21, 40), block_hashes=hashes[:40], block_offset=21))
+    assert len(backend.touched) == 3  # 21 before 19: not touched
 
 
 async def test_a_touch_that_fails_leaves_the_store_and_the_load_as_they_were(
@@ -260,3 +267,52 @@ async def test_a_touch_passes_over_keys_the_store_does_not_hold(kind: str, root:
         assert await backend.exists(["kvf2@absent"]) == [False]
     finally:
         await backend.aclose()
+
+
+@pytest.mark.parametrize("kind", ["memory", "arena", "local"])
+async def test_a_key_touched_twice_keeps_its_first_place(kind: str, root: Path) -> None:
+    """touch([a, b, a]): ``a`` is the most recent use (the arena's row and the local file took
+    their last place's time, older than ``b``'s), so a put that needs room takes ``b``."""
+    backend = _backend(kind, root, room=2)
+    if kind == "local":  # room for two objects of OBJECT bytes and their headers
+        backend = open_backend(f"local://{root}/local2?capacity={2 * OBJECT + 1024}")
+    buffers = torch.zeros(3, OBJECT, dtype=torch.uint8)
+    objects = [
+        ObjectRef.of(f"kvf2@{name}", [buffers[i].data_ptr()], [OBJECT]) for i, name in enumerate("abc")
+    ]
+    try:
+        assert await backend.put(objects[:2]) == [PutStatus.STORED] * 2
+        await backend.touch(["kvf2@a", "kvf2@b", "kvf2@a"])  # type: ignore[attr-defined]
+        assert await backend.put(objects[2:]) == [PutStatus.STORED]
+        assert await backend.exists(["kvf2@a", "kvf2@b", "kvf2@c"]) == [True, False, True]
+    finally:
+        await backend.aclose()
+
+
+async def test_a_layerwise_load_touches_each_layers_earlier_blocks_after_handing_it_out() -> None:
+    """Each layer's touch waits here until the engine holds that layer: were a layer handed out
+    only after its touch, the load would never end."""
+    handed = [anyio.Event() for _ in range(3)]
+
+    @attrs.define(eq=False)
+    class Gated(_Touches):
+        async def touch(self, keys: Sequence[str]) -> None:
+            await handed[len(self.touched)].wait()
+            await super().touch(keys)
+
+    backend = Gated()
+    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
+    config = PoolConfig(model="eviction-order", layerwise=True)
+    parallel = ParallelConfig(use_mla=True)
+    pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
+    hashes = _prompt(40, 0)
+    await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
+    request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
+    with anyio.fail_after(10):
+        async with pool.layerwise_retrieve([request]) as loader:
+            async for outcome in loader:
+                assert outcome.ok
+                handed[outcome.layer].set()
+    assert loader.results()[0].hit_blocks == 20
+    assert [len(keys) for keys in backend.touched] == [20, 20, 20]
+    assert len({tuple(keys) for keys in backend.touched}) == 3  # each layer's own objects

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import attrs
@@ -95,6 +95,7 @@ class Transfer:
     #: ``calls_in_turn``): its head is then the most recent use, and a put that outgrows the
     #: store keeps it. Staged chunks go in that order too.
     calls_in_turn: bool = attrs.field(init=False)
+    _touch: Callable[[Sequence[str]], Awaitable[None]] | None = attrs.field(init=False)  # Touching's
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -108,6 +109,7 @@ class Transfer:
         capable = capabilities.put_checks_present
         self.put_checks_present = capable and self.staging is None and not self.config.layerwise
         self.calls_in_turn = capabilities.calls_in_turn
+        self._touch = self.backend.touch if isinstance(self.backend, Touching) else None
 
     @classmethod
     def open(cls, spec: TransferSpec, *, backend: Backend, device: Device | None = None) -> Transfer:
@@ -353,12 +355,12 @@ class Transfer:
         """Mark ``keys`` used, the first the most recently, where the backend can
         (:class:`~kvflow.backends.base.Touching`); a store that cannot is logged, not raised: only
         the order of eviction depends on it."""
-        backend = self.backend
-        if not keys or not isinstance(backend, Touching) or time.monotonic() >= deadline:
+        touch = self._touch
+        if not keys or touch is None or time.monotonic() >= deadline:
             return
         try:
             with anyio.fail_after(max(0.0, deadline - time.monotonic())), cancelled_as_fault():
-                await backend.touch(keys)
+                await touch(keys)
         except Exception as exc:
             if is_programming_error(exc) and not isinstance(exc, BackendError):
                 raise

@@ -168,7 +168,7 @@ class StoreJob:
             self._statuses[unit] = statuses
             self._released(unit)
         if todo:  # (after the release: the engine need not wait for it)
-            await touch_heads(self.transfer, self.plan, unit, deadline)
+            await touch_heads(self.transfer, self.plan, unit, deadline, TOUCH_RATIO)
         return _failures(statuses)
 
     async def _put_staged(
@@ -349,8 +349,12 @@ class LoadJob:
                 if result is not GetStatus.HIT and j not in filled:
                     status[j] = result
         self._done.add(unit)
-        await touch_heads(self.transfer, self.plan, unit, deadline)
         return len(status) - status.count(GetStatus.HIT)
+
+    async def touch(self, unit: Unit, deadline: float) -> None:
+        """After :meth:`get` of ``unit`` (and once its blocks are handed out, where a face hands
+        them out a unit at a time): touch the blocks before each request's own (:func:`touch_heads`)."""
+        await touch_heads(self.transfer, self.plan, unit, deadline, LOAD_TOUCH_RATIO)
 
     async def _writable(self, device: Device | None, deadline: float) -> bool:
         """Whether the cache may be written now, after ``after``. ``device``: the copies into the
@@ -710,23 +714,28 @@ class _Finishing:
     whole: bool = False  # the device reported it complete (False until then, and if it raised)
 
 
-#: a request's earlier blocks are touched when they are at most this many times its own: a
+#: a store touches a request's earlier blocks when they are at most this many times its own: a
 #: chunked prompt's saves then cost at most this many touches a block stored, and a decode block's
 #: save on a long prompt none
 TOUCH_RATIO = 16
+#: a load touches them when they are at most as many as its own (a load is waited for: its touches
+#: cost at most one a block loaded; the engine holds those blocks itself meanwhile)
+LOAD_TOUCH_RATIO = 1
 
 
-async def touch_heads(transfer: Transfer, plan: BlockPlan, unit: Unit, deadline: float) -> None:
-    """Touch ``unit`` of the blocks before each request's own (its ``block_offset``), head first:
-    a later chunk of a prompt, put or read after them, must not stay newer than they are, or
-    eviction would take the end of the earlier ones first and leave the rest unreachable. Every
-    rank touches them all, after its own calls, so the last use of the prompt is a touch."""
+async def touch_heads(transfer: Transfer, plan: BlockPlan, unit: Unit, deadline: float, ratio: int) -> None:
+    """Touch ``unit`` of the blocks before each request's own (its ``block_offset``), head first,
+    where they are at most ``ratio`` times the request's own: a later chunk of a prompt, put or
+    read after them, must not stay newer than they are, or eviction would take the end of the
+    earlier ones first and leave the rest unreachable. Every rank touches them all, after its own
+    calls, so the last use of the prompt is a touch."""
     keys: list[str] = []
     for request, fine, (first, end) in zip(plan.requests, plan.fine, plan.spans):
         offset = request.block_offset
-        if 0 < offset <= TOUCH_RATIO * (end - first):
+        if 0 < offset <= ratio * (end - first):
             keys += transfer.keys(transfer.hashing.blocks(fine)[:offset], unit)
-    await transfer.touch(keys, deadline)
+    # a key twice (two requests of one prompt): its first place, where it is the most recent
+    await transfer.touch(list(dict.fromkeys(keys)), deadline)
 
 
 def _failures(statuses: list[PutStatus]) -> int:

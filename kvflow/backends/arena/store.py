@@ -254,11 +254,13 @@ class ArenaFile:
 
     def use(self, hashes: Hashes, now: int) -> None:
         """Mark the published objects of ``hashes`` used, the ``i``-th at ``now - i`` (as
-        :meth:`locate` stamps a get's): a benign race under the shared lock, as there."""
+        :meth:`locate` stamps a get's; a hash named twice at its first place): a benign race under
+        the shared lock, as there."""
         rows = self._find(hashes)
         found = rows >= 0
         ages = np.arange(len(rows), dtype=np.uint64)[found]
-        self._columns[_USED][rows[found]] = np.uint64(now) - ages
+        # last first: a row named twice keeps its first place's time (the later write wins)
+        self._columns[_USED][rows[found][::-1]] = (np.uint64(now) - ages)[::-1]
 
     def find(self, hashes: Hashes) -> list[int]:
         """For each hash, the row of its published object, or -1."""
