@@ -302,7 +302,6 @@ class LayerwiseRetriever(_LayerTasks):
             self._finish(layer, failed, self._job.ready(layer))  # handed out: the engine may wait on it
             copied = await self._job.settle(layer, deadline)  # then the staging chunks go back
             self._whole[layer] = failed == 0 and copied
-            await self._job.touch(layer, deadline)  # (the layer is the engine's already)
         finally:
             self._settled[layer].set()
 
@@ -310,6 +309,9 @@ class LayerwiseRetriever(_LayerTasks):
         await self._job.settle_all(self._deadline())
         for settled in self._settled:  # layers never fetched: not whole
             settled.set()
+        # Every layer is the engine's now: touch what they follow, for every layer got, in one
+        # call (not each layer's fetch: the task group is cancelled once the last layer is out).
+        await self._job.touch(self._deadline())
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every layer of it was

@@ -34,7 +34,7 @@ from kvflow.ownership import ParallelConfig
 from kvflow.profiles import Profile
 from kvflow.request import KVRequest
 from kvflow.results import RetrieveResult, StoreResult
-from kvflow.transfer import LoadJob, StoreJob, Transfer, TransferSpec, Unit
+from kvflow.transfer import LoadJob, StoreJob, Transfer, TransferSpec
 from kvflow.transfer.together import together
 
 __all__ = ["KVPool", "check_timeout"]
@@ -305,13 +305,9 @@ class KVPool:
         deadline = transfer.deadline(timeout_s)  # from the call: the plan's hashing counts
         job = LoadJob(transfer, transfer.plan(requests, loads=True), after)
         transfer.begin()
-
-        async def load(unit: Unit) -> None:
-            await job.get(unit, deadline)
-            await job.touch(unit, deadline)
-
         try:
-            await together([functools.partial(load, unit) for unit in transfer.units])
+            await together([functools.partial(job.get, unit, deadline) for unit in transfer.units])
+            await job.touch(deadline)
         finally:
             try:
                 await job.settle_all(deadline)  # staged: the copies into the cache are done

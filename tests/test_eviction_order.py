@@ -289,30 +289,75 @@ async def test_a_key_touched_twice_keeps_its_first_place(kind: str, root: Path) 
         await backend.aclose()
 
 
-async def test_a_layerwise_load_touches_each_layers_earlier_blocks_after_handing_it_out() -> None:
-    """Each layer's touch waits here until the engine holds that layer: were a layer handed out
-    only after its touch, the load would never end."""
-    handed = [anyio.Event() for _ in range(3)]
-
-    @attrs.define(eq=False)
-    class Gated(_Touches):
-        async def touch(self, keys: Sequence[str]) -> None:
-            await handed[len(self.touched)].wait()
-            await super().touch(keys)
-
-    backend = Gated()
-    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
+async def test_a_layerwise_load_touches_what_it_follows_once_every_layer_is_out(root: Path) -> None:
+    """A layerwise load past the engine's hit touches the blocks before it, every layer's objects
+    block by block, after the last layer was handed out and the retriever closed (a touch inside a
+    layer's fetch was cut short there, leaving the last layer's head the oldest)."""
+    backend = open_backend(f"local://{root}/local?capacity={3 << 20}")
+    caches = {f"l{n}": torch.randn(640, BLOCK, 32) for n in range(2)}  # 2 KiB a layer of a block
     config = PoolConfig(model="eviction-order", layerwise=True)
     parallel = ParallelConfig(use_mla=True)
+    pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
+    first, second = _prompt(640, 0), _prompt(320, 10**6)
+    try:
+        assert (await pool.store(KVRequest(block_ids=range(640), block_hashes=first))).stored == 640
+        request = KVRequest(block_ids=range(320, 640), block_hashes=first, block_offset=320)
+        async with pool.layerwise_retrieve([request]) as loader:
+            assert [outcome.ok async for outcome in loader] == [True, True]
+        assert loader.results()[0].hit_blocks == 320
+        await pool.store(KVRequest(block_ids=range(320), block_hashes=second))  # evicts part of the first
+        await _check_head_held("local", pool, first, 100, 639)
+    finally:
+        await pool.aclose()
+        await backend.aclose()
+
+
+async def test_a_load_touches_every_units_earlier_objects_in_one_call_block_by_block() -> None:
+    backend = _Touches()
+    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
+    for layerwise in (False, True):
+        backend.touched.clear()
+        config = PoolConfig(model=f"eviction-order-{layerwise}", layerwise=layerwise)
+        parallel = ParallelConfig(use_mla=True)
+        pool = KVPool.create(
+            config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel
+        )
+        hashes = _prompt(40, 0)
+        await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
+        request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
+        if layerwise:
+            async with pool.layerwise_retrieve([request]) as loader:
+                assert [outcome.ok async for outcome in loader] == [True] * 3
+        else:
+            assert (await pool.retrieve(request)).hit_blocks == 20
+        (keys,) = backend.touched
+        blocks = [decode_key(k).block_hash for k in keys]
+        units = 3 if layerwise else 1
+        assert blocks == [h for h in hashes[:20] for _ in range(units)], layerwise  # block by block
+        assert len(set(keys)) == 20 * units
+
+
+async def test_a_layerwise_loads_layers_arrive_whole_without_waiting_for_its_touch() -> None:
+    """The storer of the same step waits for the loader's layers to arrive whole before it puts
+    them (`arrived_whole`): that must not wait for a touch, which only orders eviction."""
+    arrived = anyio.Event()
+
+    @attrs.define(eq=False)
+    class Held(_Touches):
+        async def touch(self, keys: Sequence[str]) -> None:
+            await arrived.wait()
+            await super().touch(keys)
+
+    backend = Held()
+    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
+    config, parallel = PoolConfig(model="eviction-order", layerwise=True), ParallelConfig(use_mla=True)
     pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
     hashes = _prompt(40, 0)
     await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
     request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
     with anyio.fail_after(10):
-        async with pool.layerwise_retrieve([request]) as loader:
-            async for outcome in loader:
-                assert outcome.ok
-                handed[outcome.layer].set()
-    assert loader.results()[0].hit_blocks == 20
-    assert [len(keys) for keys in backend.touched] == [20, 20, 20]
-    assert len({tuple(keys) for keys in backend.touched}) == 3  # each layer's own objects
+        async with pool.layerwise_retrieve([request], depth=3) as loader:
+            assert await loader.arrived_whole(2)
+            arrived.set()
+            assert [outcome.ok async for outcome in loader] == [True] * 3
+    assert len(backend.touched) == 1

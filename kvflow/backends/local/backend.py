@@ -200,13 +200,14 @@ class LocalBackend:
         as a get sets them); keys not held are passed over (:class:`~kvflow.backends.base.Touching`)."""
         with self._life.call():
             stamp = time.time_ns()
-            places: dict[str, int] = {}
+            seen: set[str] = set()
+            # Head first, so that a touch cut short (cancelled) has touched the head; a key twice
+            # keeps its first place.
             for i, key in enumerate(keys):
-                places.setdefault(key, i)  # a key twice: its first place
-            # Last first: where only "now" can be set (another group member's file), the head's is latest.
-            for n, (key, i) in enumerate(reversed(places.items())):
-                self._touch(key, object_file_name(key), stamp - i)
-                if n % 256 == 255:  # (two system calls an object: let the loop run now and then)
+                if key not in seen:
+                    seen.add(key)
+                    self._touch(key, object_file_name(key), stamp - i)
+                if i % 256 == 255:  # (two system calls an object: let the loop run now and then)
                     await anyio.lowlevel.checkpoint()
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
