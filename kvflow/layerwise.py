@@ -123,8 +123,10 @@ class _LayerTasks:
             with unwrapped():  # a layer's error reaches the caller as it is, as a whole-block call's
                 return await tg.__aexit__(exc_type, exc, tb)
         finally:
-            await self._cleanup()
-            self.transfer.end()
+            try:
+                await self._cleanup()  # (a retriever's touch may be cancelled there)
+            finally:
+                self.transfer.end()
 
     async def _cleanup(self) -> None:
         """After the task group ended (shielded if it must wait)."""

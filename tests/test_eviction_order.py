@@ -361,3 +361,24 @@ async def test_a_layerwise_loads_layers_arrive_whole_without_waiting_for_its_tou
             arrived.set()
             assert [outcome.ok async for outcome in loader] == [True] * 3
     assert len(backend.touched) == 1
+
+
+async def test_a_layerwise_load_cancelled_in_its_touch_still_ends_its_call() -> None:
+    @attrs.define(eq=False)
+    class Hung(_Touches):
+        async def touch(self, keys: Sequence[str]) -> None:
+            await anyio.sleep_forever()
+
+    backend = Hung()
+    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
+    config, parallel = PoolConfig(model="eviction-order", layerwise=True), ParallelConfig(use_mla=True)
+    pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
+    hashes = _prompt(40, 0)
+    await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
+    request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
+    with anyio.move_on_after(0.5) as scope:
+        async with pool.layerwise_retrieve([request]) as loader:
+            assert [outcome.ok async for outcome in loader] == [True] * 3
+    assert scope.cancelled_caught  # in the touch, after every layer was handed out
+    assert loader.results()[0].hit_blocks == 20
+    assert await pool.aclose(timeout_s=2.0)  # the retriever's call ended: nothing in flight
