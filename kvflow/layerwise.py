@@ -123,10 +123,8 @@ class _LayerTasks:
             with unwrapped():  # a layer's error reaches the caller as it is, as a whole-block call's
                 return await tg.__aexit__(exc_type, exc, tb)
         finally:
-            try:
-                await self._cleanup()  # (a retriever's touch may be cancelled there)
-            finally:
-                self.transfer.end()
+            await self._cleanup()
+            self.transfer.end()
 
     async def _cleanup(self) -> None:
         """After the task group ended (shielded if it must wait)."""
@@ -311,9 +309,6 @@ class LayerwiseRetriever(_LayerTasks):
         await self._job.settle_all(self._deadline())
         for settled in self._settled:  # layers never fetched: not whole
             settled.set()
-        # Every layer is the engine's now: touch what they follow, for every layer got, in one
-        # call (not each layer's fetch: the task group is cancelled once the last layer is out).
-        await self._job.touch(self._deadline())
 
     def results(self) -> list[RetrieveResult]:
         """One :class:`RetrieveResult` per request: a block is a HIT only if every layer of it was

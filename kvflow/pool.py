@@ -307,7 +307,6 @@ class KVPool:
         transfer.begin()
         try:
             await together([functools.partial(job.get, unit, deadline) for unit in transfer.units])
-            await job.touch(deadline)
         finally:
             try:
                 await job.settle_all(deadline)  # staged: the copies into the cache are done

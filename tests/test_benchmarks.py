@@ -564,11 +564,11 @@ def test_layerwise_hidden_share_is_of_the_layerwise_load_and_clamped(
 
 
 def test_scale_bench_fails_when_the_store_did_not_hold_what_was_filled() -> None:
-    """A store with room for 1,500 of the 2,000 blocks filled evicts (the first request's leading
-    blocks, so a lookup of each finds none): "blocks held" would be false."""
+    """A store with room for 1,500 of the 2,000 blocks filled evicts (the first request's last
+    blocks, so a lookup finds fewer than were filled): "blocks held" would be false."""
     url = f"memory://?capacity={1500 * bench_scale._OBJECT_BYTES}"
     with pytest.raises(
-        RuntimeError, match=r"found 0 of the 2000 blocks filled \(the store evicted\): give it room"
+        RuntimeError, match=r"found \d+ of the 2000 blocks filled \(the store evicted\): give it room"
     ):
         anyio.run(bench_scale._per_block_us, url, 2000)
 

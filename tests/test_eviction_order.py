@@ -189,19 +189,24 @@ async def test_a_prompt_stored_in_chunks_ages_from_its_tail(kind: str, root: Pat
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_a_load_past_the_engines_own_hit_touches_the_blocks_before_it(kind: str, root: Path) -> None:
-    """The engine held the prompt's first 100 blocks itself and loads the rest: the load touches
-    the store's copies of those 100 after its own reads, so they stay the newest."""
+async def test_a_load_past_the_engines_own_hit_is_ordered_by_the_requests_next_save(
+    kind: str, root: Path
+) -> None:
+    """The engine held the prompt's first 100 blocks itself and loads the next 200, which leaves
+    them newer than the store's copies of those 100 (a load touches nothing: the engine waits for
+    it); the request then computes 20 blocks more and saves them, which touches all 300."""
     backend = _backend(kind, root, room=420)
-    pool = _pool(backend, 300, kind=kind)
+    pool = _pool(backend, 320, kind=kind)
     other = _pool(backend, 200, kind=kind)
-    first, second = _prompt(300, 0), _prompt(200, 10**6)
+    first, second = _prompt(320, 0), _prompt(200, 10**6)
     try:
-        assert (await pool.store(KVRequest(block_ids=range(300), block_hashes=first))).stored == 300
-        rest = KVRequest(block_ids=range(100, 300), block_hashes=first, block_offset=100)
+        assert (await pool.store(KVRequest(block_ids=range(300), block_hashes=first[:300]))).stored == 300
+        rest = KVRequest(block_ids=range(100, 300), block_hashes=first[:300], block_offset=100)
         assert (await pool.retrieve(rest)).hit_blocks == 200
+        saved = await pool.store(KVRequest(block_ids=range(300, 320), block_hashes=first, block_offset=300))
+        assert saved.stored == 20
         await other.store(KVRequest(block_ids=range(200), block_hashes=second))
-        await _check_head_held(kind, pool, first, 50, 299)
+        await _check_head_held(kind, pool, first, 50, 319)
     finally:
         for p in (pool, other):
             await p.aclose()
@@ -233,16 +238,14 @@ async def test_earlier_blocks_are_touched_only_while_few_against_the_chunk() -> 
     assert [decode_key(k).block_hash for k in keys] == hashes[:16]
     await pool.store(KVRequest(block_ids=[17], block_hashes=hashes[:18], block_offset=17))
     assert len(backend.touched) == 1  # 17 blocks before one: more than 16 times it, not touched
-    # a load (waited for) touches them while they are at most as many as its own blocks
+    # a load touches nothing (the engine waits for it; the request's next save does)
     await pool.store(KVRequest(block_ids=range(18, 40), block_hashes=hashes[:40], block_offset=18))
     assert len(backend.touched) == 2
     await pool.retrieve(KVRequest(block_ids=range(20, 40), block_hashes=hashes[:40], block_offset=20))
-    assert len(backend.touched) == 3 and len(backend.touched[-1]) == 20
-    await pool.retrieve(KVRequest(block_ids=range(21, 40), block_hashes=hashes[:40], block_offset=21))
-    assert len(backend.touched) == 3  # 21 before 19: not touched
+    assert len(backend.touched) == 2
 
 
-async def test_a_touch_that_fails_leaves_the_store_and_the_load_as_they_were(
+async def test_a_touch_that_fails_leaves_the_store_as_it_was(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     backend = _Touches(fault=BackendUnavailableError("the store is gone"))
@@ -251,12 +254,13 @@ async def test_a_touch_that_fails_leaves_the_store_and_the_load_as_they_were(
     await pool.store(KVRequest(block_ids=range(10), block_hashes=hashes[:10]))
     stored = await pool.store(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
     assert stored.stored == 10 and len(backend.touched) == 1
-    got = await pool.retrieve(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
-    assert got.hit_blocks == 10 and len(backend.touched) == 2
     assert "touch() of 10 keys failed" in caplog.text
+    got = await pool.retrieve(KVRequest(block_ids=range(20), block_hashes=hashes))
+    assert got.hit_blocks == 20
     backend.fault = TypeError("a touch that breaks the protocol")  # a programming error reaches the caller
+    await pool.remove(KVRequest(block_hashes=hashes, block_offset=10))
     with pytest.raises(TypeError, match="breaks the protocol"):
-        await pool.retrieve(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
+        await pool.store(KVRequest(block_ids=range(10, 20), block_hashes=hashes, block_offset=10))
 
 
 @pytest.mark.parametrize("kind", ["memory", "arena", "local"])
@@ -289,96 +293,18 @@ async def test_a_key_touched_twice_keeps_its_first_place(kind: str, root: Path) 
         await backend.aclose()
 
 
-async def test_a_layerwise_load_touches_what_it_follows_once_every_layer_is_out(root: Path) -> None:
-    """A layerwise load past the engine's hit touches the blocks before it, every layer's objects
-    block by block, after the last layer was handed out and the retriever closed (a touch inside a
-    layer's fetch was cut short there, leaving the last layer's head the oldest)."""
-    backend = open_backend(f"local://{root}/local?capacity={3 << 20}")
-    caches = {f"l{n}": torch.randn(640, BLOCK, 32) for n in range(2)}  # 2 KiB a layer of a block
-    config = PoolConfig(model="eviction-order", layerwise=True)
-    parallel = ParallelConfig(use_mla=True)
-    pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
-    first, second = _prompt(640, 0), _prompt(320, 10**6)
-    try:
-        assert (await pool.store(KVRequest(block_ids=range(640), block_hashes=first))).stored == 640
-        request = KVRequest(block_ids=range(320, 640), block_hashes=first, block_offset=320)
-        async with pool.layerwise_retrieve([request]) as loader:
-            assert [outcome.ok async for outcome in loader] == [True, True]
-        assert loader.results()[0].hit_blocks == 320
-        await pool.store(KVRequest(block_ids=range(320), block_hashes=second))  # evicts part of the first
-        await _check_head_held("local", pool, first, 100, 639)
-    finally:
-        await pool.aclose()
-        await backend.aclose()
-
-
-async def test_a_load_touches_every_units_earlier_objects_in_one_call_block_by_block() -> None:
+async def test_a_layerwise_store_touches_each_layers_earlier_objects_after_its_put() -> None:
     backend = _Touches()
     caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
-    for layerwise in (False, True):
-        backend.touched.clear()
-        config = PoolConfig(model=f"eviction-order-{layerwise}", layerwise=layerwise)
-        parallel = ParallelConfig(use_mla=True)
-        pool = KVPool.create(
-            config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel
-        )
-        hashes = _prompt(40, 0)
-        await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
-        request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
-        if layerwise:
-            async with pool.layerwise_retrieve([request]) as loader:
-                assert [outcome.ok async for outcome in loader] == [True] * 3
-        else:
-            assert (await pool.retrieve(request)).hit_blocks == 20
-        (keys,) = backend.touched
-        blocks = [decode_key(k).block_hash for k in keys]
-        units = 3 if layerwise else 1
-        assert blocks == [h for h in hashes[:20] for _ in range(units)], layerwise  # block by block
-        assert len(set(keys)) == 20 * units
-
-
-async def test_a_layerwise_loads_layers_arrive_whole_without_waiting_for_its_touch() -> None:
-    """The storer of the same step waits for the loader's layers to arrive whole before it puts
-    them (`arrived_whole`): that must not wait for a touch, which only orders eviction."""
-    arrived = anyio.Event()
-
-    @attrs.define(eq=False)
-    class Held(_Touches):
-        async def touch(self, keys: Sequence[str]) -> None:
-            await arrived.wait()
-            await super().touch(keys)
-
-    backend = Held()
-    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
     config, parallel = PoolConfig(model="eviction-order", layerwise=True), ParallelConfig(use_mla=True)
     pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
     hashes = _prompt(40, 0)
-    await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
-    request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
-    with anyio.fail_after(10):
-        async with pool.layerwise_retrieve([request], depth=3) as loader:
-            assert await loader.arrived_whole(2)
-            arrived.set()
-            assert [outcome.ok async for outcome in loader] == [True] * 3
-    assert len(backend.touched) == 1
-
-
-async def test_a_layerwise_load_cancelled_in_its_touch_still_ends_its_call() -> None:
-    @attrs.define(eq=False)
-    class Hung(_Touches):
-        async def touch(self, keys: Sequence[str]) -> None:
-            await anyio.sleep_forever()
-
-    backend = Hung()
-    caches = {f"l{n}": torch.randn(40, BLOCK, 64) for n in range(3)}
-    config, parallel = PoolConfig(model="eviction-order", layerwise=True), ParallelConfig(use_mla=True)
-    pool = KVPool.create(config, layout=KVLayout.from_kv_caches(caches), backend=backend, parallel=parallel)
-    hashes = _prompt(40, 0)
-    await pool.store(KVRequest(block_ids=range(40), block_hashes=hashes))
-    request = KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20)
-    with anyio.move_on_after(0.5) as scope:
-        async with pool.layerwise_retrieve([request]) as loader:
-            assert [outcome.ok async for outcome in loader] == [True] * 3
-    assert scope.cancelled_caught  # in the touch, after every layer was handed out
-    assert loader.results()[0].hit_blocks == 20
-    assert await pool.aclose(timeout_s=2.0)  # the retriever's call ended: nothing in flight
+    await pool.store(KVRequest(block_ids=range(20), block_hashes=hashes[:20]))
+    before = set(backend.stored_keys())
+    assert (
+        await pool.store(KVRequest(block_ids=range(20, 40), block_hashes=hashes, block_offset=20))
+    ).stored == 20
+    assert [len(keys) for keys in backend.touched] == [20, 20, 20]  # each layer's, after its put
+    assert all([decode_key(k).block_hash for k in keys] == hashes[:20] for keys in backend.touched)
+    assert set().union(*backend.touched) <= before and len(set().union(*backend.touched)) == 60
+    assert backend.stored_keys()[-20:] == backend.touched[-1][::-1]  # the last layer's head is the newest

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import attrs
@@ -168,7 +168,7 @@ class StoreJob:
             self._statuses[unit] = statuses
             self._released(unit)
         if todo:  # (after the release: the engine need not wait for it)
-            await touch_heads(self.transfer, self.plan, [unit], deadline, TOUCH_RATIO)
+            await touch_heads(self.transfer, self.plan, unit, deadline)
         return _failures(statuses)
 
     async def _put_staged(
@@ -350,13 +350,6 @@ class LoadJob:
                     status[j] = result
         self._done.add(unit)
         return len(status) - status.count(GetStatus.HIT)
-
-    async def touch(self, deadline: float) -> None:
-        """Once the gets ended (and their blocks are the engine's): touch the blocks before each
-        request's own, of every unit got (:func:`touch_heads`), in one call."""
-        units = [u for u in self.transfer.units if u in self._done]
-        if units:
-            await touch_heads(self.transfer, self.plan, units, deadline, LOAD_TOUCH_RATIO)
 
     async def _writable(self, device: Device | None, deadline: float) -> bool:
         """Whether the cache may be written now, after ``after``. ``device``: the copies into the
@@ -718,28 +711,22 @@ class _Finishing:
 
 #: a store touches a request's earlier blocks when they are at most this many times its own: a
 #: chunked prompt's saves then cost at most this many touches a block stored, and a decode block's
-#: save on a long prompt none
+#: save on a long prompt none. A load touches nothing: the engine waits for it, and the request's
+#: next save (the blocks it computes after the loaded ones) touches the loaded blocks too.
 TOUCH_RATIO = 16
-#: a load touches them when they are at most as many as its own (a load is waited for: its touches
-#: cost at most one a block loaded; the engine holds those blocks itself meanwhile)
-LOAD_TOUCH_RATIO = 1
 
 
-async def touch_heads(
-    transfer: Transfer, plan: BlockPlan, units: Sequence[Unit], deadline: float, ratio: int
-) -> None:
-    """Touch ``units`` of the blocks before each request's own (its ``block_offset``), head first,
-    where they are at most ``ratio`` times the request's own: a later chunk of a prompt, put or
-    read after them, must not stay newer than they are, or eviction would take the end of the
+async def touch_heads(transfer: Transfer, plan: BlockPlan, unit: Unit, deadline: float) -> None:
+    """Touch ``unit`` of the blocks before each request's own (its ``block_offset``), head first,
+    where they are at most :data:`TOUCH_RATIO` times the request's own: a later chunk of a prompt,
+    stored after them, must not stay newer than they are, or eviction would take the end of the
     earlier ones first and leave the rest unreachable. Every rank touches them all, after its own
-    calls, so the last use of the prompt is a touch. Block by block, every unit of a block
-    together (a block is whole only with all of them)."""
+    put, so the last use of the prompt is a touch."""
     keys: list[str] = []
     for request, fine, (first, end) in zip(plan.requests, plan.fine, plan.spans):
         offset = request.block_offset
-        if 0 < offset <= ratio * (end - first):
-            hashes = transfer.hashing.blocks(fine)[:offset]
-            keys += [k for block in zip(*(transfer.keys(hashes, u) for u in units)) for k in block]
+        if 0 < offset <= TOUCH_RATIO * (end - first):
+            keys += transfer.keys(transfer.hashing.blocks(fine)[:offset], unit)
     # a key twice (two requests of one prompt): its first place, where it is the most recent
     await transfer.touch(list(dict.fromkeys(keys)), deadline)
 
