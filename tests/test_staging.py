@@ -516,11 +516,13 @@ async def test_a_copy_that_outlives_the_deadline_is_waited_for_and_reported(
 
 
 async def test_a_device_error_in_one_chunk_fails_only_that_chunks_blocks() -> None:
-    """Chunks of two blocks, one plane per layer: the second chunk's copies fail (out of the cache
-    on the store, into it on the load); its two blocks fail, every other block moves."""
+    """Chunks of two blocks, one plane per layer: the copies of the chunk of blocks 2 and 3 fail
+    (out of the cache on the store, into it on the load); its two blocks fail, every other block
+    moves. (The memory backend's calls go in turn, so a request's chunks go last first: blocks 8-9,
+    6-7, 4-5, then 2-3, the fourth chunk.)"""
     src = LAYOUTS["vllm_cpu"]()  # three layers: three copies per chunk
     backend = MemoryBackend()
-    device = LateDevice(torch.device("cpu"), fail_gather_calls={3})  # chunk 1, first layer
+    device = LateDevice(torch.device("cpu"), fail_gather_calls={9})  # the fourth chunk, first layer
     writer = pool(src, backend, staged(staging_bytes=2 * 4096), device)
     released: list[int] = []
     stored = await writer.store(
@@ -533,7 +535,7 @@ async def test_a_device_error_in_one_chunk_fails_only_that_chunks_blocks() -> No
     )
 
     dst = zeros_like_caches(src)
-    reader_device = LateDevice(torch.device("cpu"), fail_scatter_calls={3})
+    reader_device = LateDevice(torch.device("cpu"), fail_scatter_calls={9})
     reader = pool(dst, backend, staged(staging_bytes=2 * 4096), reader_device)
     got = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
     assert got.failed_block_ids == tuple(DST_IDS[2:4])
@@ -997,20 +999,21 @@ class FailsFirstCopy(LateDevice):
 async def test_a_copy_the_device_reports_failed_fails_its_blocks_and_gives_its_chunk_back() -> None:
     """docs/device.md, faults: a copy the device reports failed at its event fails its chunk's
     blocks (never a HIT, never a put of the chunk's bytes), the chunk goes back, and the pool
-    keeps working. Chunks of one block: the load's and the store's first block fail, the rest move."""
+    keeps working. Chunks of one block: the first copied of the load and of the store fails, the
+    rest move (the request's last block: the memory backend's calls go in turn, last first)."""
     src = LAYOUTS["vllm_cpu"]()
     backend = MemoryBackend()
     writer = pool(
         src, backend, staged(staging_bytes=4096), FailsFirstCopy(torch.device("cpu"), kind="gather")
     )
     stored = await writer.store(KVRequest(block_ids=SRC_IDS[:3], tokens=TOKENS[: 3 * BLOCK]))
-    assert stored.statuses == (PutStatus.FAILED, PutStatus.STORED, PutStatus.STORED)
+    assert stored.statuses == (PutStatus.STORED, PutStatus.STORED, PutStatus.FAILED)
     assert writer._transfer.staging.in_use == 0  # type: ignore[union-attr]
-    await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))  # block 0 this time
+    await writer.store(KVRequest(block_ids=SRC_IDS, tokens=TOKENS))  # block 2 this time
     dst = zeros_like_caches(src)
     reader = pool(dst, backend, staged(staging_bytes=4096), FailsFirstCopy(torch.device("cpu")))
     loaded = await reader.retrieve(KVRequest(block_ids=DST_IDS[:3], tokens=TOKENS[: 3 * BLOCK]))
-    assert loaded.statuses == (GetStatus.FAILED, GetStatus.HIT, GetStatus.HIT)
+    assert loaded.statuses == (GetStatus.HIT, GetStatus.HIT, GetStatus.FAILED)
     assert reader._transfer.staging.in_use == 0  # type: ignore[union-attr]
     again = await reader.retrieve(KVRequest(block_ids=DST_IDS, tokens=TOKENS))
     assert again.hit_blocks == len(DST_IDS)
@@ -1290,7 +1293,7 @@ def test_a_step_stores_nothing_computed_on_a_layer_the_device_reports_failed_aft
             assert kv.wait_for_layer_load(layer) is True  # the host cannot know yet
             kv.save_layer(layer)
         result = kv.wait_for_save()
-        assert result.failed_block_ids == {DST_IDS[0]}  # the one block of the failed copy
+        assert result.failed_block_ids == {DST_IDS[5]}  # the one block of the failed (first) copy: the last
         assert result.stored["r"].stored == 0
         added = {k for k in backend.stored_keys() if not is_book_key(k)} - before
         assert added == set()  # no layer's objects either (layer 0's rests on its own load too)
