@@ -80,6 +80,17 @@ async def _check_head_held(kind: str, pool: KVPool, hashes: list[bytes], least: 
         assert head >= 0.8 * len(held), (head, len(held))
 
 
+async def _then_evict_part(kind: str, pool: KVPool, first: list[bytes], backend: Backend) -> None:
+    """Another prompt of 200 blocks stored by a pool of its own (evicting part of ``first``,
+    stored by ``pool``): what is left of ``first`` is its head."""
+    other = _pool(backend, 200, kind=kind)
+    try:
+        await other.store(KVRequest(block_ids=range(200), block_hashes=_prompt(200, 10**6)))
+        await _check_head_held(kind, pool, first, 50, len(first) - 1)
+    finally:
+        await other.aclose()
+
+
 def _prompt(blocks: int, first_token: int) -> list[bytes]:
     return hash_blocks(list(range(first_token, first_token + blocks * BLOCK)), BLOCK)
 
@@ -110,18 +121,16 @@ async def test_eviction_takes_a_prompt_of_several_calls_from_its_tail(
     then a second prompt evicts part of the first: what is left of the first is its head."""
     backend = _backend(kind, root, room=420)
     ranks = [_pool(backend, 300, tp_rank=r, tp_size=2, kind=kind) for r in range(2)]
-    other = _pool(backend, 200, kind=kind)
-    first, second = _prompt(300, 0), _prompt(200, 10**6)
+    first = _prompt(300, 0)
     try:
         stored = [await p.store(KVRequest(block_ids=range(300), block_hashes=first)) for p in ranks]
         assert sum(s.stored for s in stored) == 300
         with anyio.fail_after(30):
             got = await ranks[tp_rank].retrieve(KVRequest(block_ids=range(300), block_hashes=first))
         assert got.hit_blocks == 300
-        await other.store(KVRequest(block_ids=range(200), block_hashes=second))
-        await _check_head_held(kind, ranks[0], first, 50, 299)
+        await _then_evict_part(kind, ranks[0], first, backend)
     finally:
-        for p in [*ranks, other]:
+        for p in ranks:
             await p.aclose()
         await backend.aclose()
 
@@ -172,19 +181,16 @@ async def test_a_prompt_stored_in_chunks_ages_from_its_tail(kind: str, root: Pat
     most recent use."""
     backend = _backend(kind, root, room=420)
     pool = _pool(backend, 300, kind=kind)
-    other = _pool(backend, 200, kind=kind)
-    first, second = _prompt(300, 0), _prompt(200, 10**6)
+    first = _prompt(300, 0)
     try:
         for start in (0, 100, 200):
             request = KVRequest(
                 block_ids=range(start, start + 100), block_hashes=first[: start + 100], block_offset=start
             )
             assert (await pool.store(request)).stored == 100
-        await other.store(KVRequest(block_ids=range(200), block_hashes=second))
-        await _check_head_held(kind, pool, first, 50, 299)
+        await _then_evict_part(kind, pool, first, backend)
     finally:
-        for p in (pool, other):
-            await p.aclose()
+        await pool.aclose()
         await backend.aclose()
 
 
@@ -197,19 +203,16 @@ async def test_a_load_past_the_engines_own_hit_is_ordered_by_the_requests_next_s
     it); the request then computes 20 blocks more and saves them, which touches all 300."""
     backend = _backend(kind, root, room=420)
     pool = _pool(backend, 320, kind=kind)
-    other = _pool(backend, 200, kind=kind)
-    first, second = _prompt(320, 0), _prompt(200, 10**6)
+    first = _prompt(320, 0)
     try:
         assert (await pool.store(KVRequest(block_ids=range(300), block_hashes=first[:300]))).stored == 300
         rest = KVRequest(block_ids=range(100, 300), block_hashes=first[:300], block_offset=100)
         assert (await pool.retrieve(rest)).hit_blocks == 200
         saved = await pool.store(KVRequest(block_ids=range(300, 320), block_hashes=first, block_offset=300))
         assert saved.stored == 20
-        await other.store(KVRequest(block_ids=range(200), block_hashes=second))
-        await _check_head_held(kind, pool, first, 50, 319)
+        await _then_evict_part(kind, pool, first, backend)
     finally:
-        for p in (pool, other):
-            await p.aclose()
+        await pool.aclose()
         await backend.aclose()
 
 
