@@ -342,9 +342,9 @@ class Backend(Protocol):
 @runtime_checkable
 class Touching(Protocol):
     """A backend that can mark objects used without reading them (optional: memory, local and
-    arena have it). The pool touches the blocks before a request's own, which it moved as a later
-    chunk of the prompt, so that they stay newer than it and eviction takes the prompt from its
-    tail (docs/architecture.md)."""
+    arena have it). After storing a later chunk of a prompt, the pool touches the blocks before
+    it, so that they stay newer than it and eviction takes the prompt from its tail
+    (docs/architecture.md)."""
 
     async def touch(self, keys: Sequence[str]) -> None:
         """Mark the objects of ``keys`` used now, the first the most recently (as a get's order
