@@ -348,7 +348,7 @@ class Touching(Protocol):
 
     async def touch(self, keys: Sequence[str]) -> None:
         """Mark the objects of ``keys`` used now, the first the most recently (as a get's order
-        does); keys the store does not hold are passed over. Raises
+        does; a key named twice at its first place); keys the store does not hold are passed over. Raises
         :class:`~kvflow.errors.BackendError` when the store cannot be reached."""
         ...
 

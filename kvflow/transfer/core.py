@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TypeVar
 
 import anyio
 import attrs
@@ -61,6 +62,8 @@ from kvflow.transfer.staging import StagingPool, UnitShape
 __all__ = ["Transfer", "Unit"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: What one object holds of a block: a layer index (layerwise pools) or ``None``, every layer.
 Unit = int | None
@@ -289,6 +292,12 @@ class Transfer:
             assert self.staging is not None
             shape = self._shapes[unit] = UnitShape.of(self.require_layout(), unit, self.staging.chunk_bytes)
         return shape
+
+    def in_call_order(self, items: Sequence[T]) -> Iterable[T]:
+        """A request's chunks (staging chunks, batches; head first) in the order their backend
+        calls go: the last first where the calls go in turn (``calls_in_turn``), so that the
+        request's head is its most recent use."""
+        return reversed(items) if self.calls_in_turn else items
 
     def load_order(self, count: int) -> list[int]:
         """Indices ``0..count-1`` rotated by rank, so that the members of a replica group do not

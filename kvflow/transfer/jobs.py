@@ -205,7 +205,7 @@ class StoreJob:
             await staging.device.copies_wait_for(after, max(0.0, deadline - time.monotonic()))
         starts, begun = range(0, len(todo), capacity), 0
         try:
-            for start in reversed(starts) if transfer.calls_in_turn else starts:
+            for start in transfer.in_call_order(starts):
                 part = todo[start : start + capacity]
                 chunk = staging.try_take()
                 if chunk is None and pending:  # none to spare: put the one copied out first
@@ -410,7 +410,7 @@ class LoadJob:
         results = [GetStatus.FAILED] * len(todo)
         asked = 0
         starts = range(0, len(todo), shape.capacity)
-        for start in reversed(starts) if transfer.calls_in_turn else starts:  # (as the batches go)
+        for start in transfer.in_call_order(starts):
             part = todo[start : start + shape.capacity]
             chunk = await self._take(staging, deadline)
             if chunk is None:  # staging stayed full until the deadline: these blocks fail
@@ -512,7 +512,7 @@ class LoadJob:
             used += need
             placed |= {s.key for s in found}
         left = len(wanted)
-        for batch in reversed(batches) if self.transfer.calls_in_turn else batches:  # (as _get_staged)
+        for batch in self.transfer.in_call_order(batches):
             chunk = await self._take(pool, deadline)
             if chunk is None:
                 log.warning("no staging chunk came free in time; %d blocks not loaded", left)
@@ -565,7 +565,7 @@ class LoadJob:
         assert capacity >= 1, "checked by the caller: a chunk holds any one block"
         filled: set[int] = set()
         starts, left = range(0, len(blocks), capacity), len(blocks)
-        for start in reversed(starts) if transfer.calls_in_turn else starts:  # (as _get_staged)
+        for start in transfer.in_call_order(starts):
             batch = blocks[start : start + capacity]
             chunk = await self._take(pool, deadline)
             if chunk is None:
@@ -727,8 +727,7 @@ async def touch_heads(transfer: Transfer, plan: BlockPlan, unit: Unit, deadline:
         offset = request.block_offset
         if 0 < offset <= TOUCH_RATIO * (end - first):
             keys += transfer.keys(transfer.hashing.blocks(fine)[:offset], unit)
-    # a key twice (two requests of one prompt): its first place, where it is the most recent
-    await transfer.touch(list(dict.fromkeys(keys)), deadline)
+    await transfer.touch(keys, deadline)  # (a key twice, two requests of one prompt: its first place counts)
 
 
 def _failures(statuses: list[PutStatus]) -> int:
