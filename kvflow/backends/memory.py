@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeGuard, TypeVar, cast
 
 import anyio.lowlevel
 import attrs
@@ -51,7 +51,7 @@ from kvflow.backends.base import (
 )
 from kvflow.backends.copies import check_object, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
-from kvflow.backends.pacing import PIECE, Pacer, run_end
+from kvflow.backends.pacing import PIECE, RUN_BYTES, RUN_OBJECTS, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query, split_url
 from kvflow.errors import ConfigError
 
@@ -152,6 +152,8 @@ class MemoryBackend:
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         self._puts += 1
         call = self._puts
+        if _whole_runs(objects) and len(set(objects.keys)) == len(objects):
+            return await self._put_batch(objects, call)
         return await self._each(
             objects,
             functools.partial(self._put_section, call=call),
@@ -160,7 +162,100 @@ class MemoryBackend:
         )
 
     async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if _whole_runs(objects):
+            results = await self._get_batch(objects)
+            if results is not None:
+                return results
         return await self._each(objects, self._get_section, self._get_one, self._stats.count_gets)
+
+    async def _put_batch(self, batch: ObjectBatch, call: int) -> list[PutStatus]:
+        """A put (of put ``call``) of a batch of distinct keys whose objects each fit in one piece:
+        the keys held already are a use (``PRESENT``), room is made for the rest at once (those that
+        do not fit: ``NO_SPACE``), and their objects are copied in runs, the loop let run between
+        them, then published together (:meth:`_publish`). A call that fails or is cancelled while
+        copying publishes nothing and gives its reservation back."""
+        keys, nbytes = batch.keys, batch.nbytes
+        with self._life.call(copies=True):
+            stored = self._objects
+            held = not stored.keys().isdisjoint(keys)
+            if held:
+                for key in keys:
+                    if key in stored:
+                        stored[key].put = call  # found present: a use, which this put never evicts
+            new = [i for i, key in enumerate(keys) if key not in stored] if held else range(len(keys))
+            reserved = self._reserve_same(nbytes, len(new), call)
+            entries = cast("list[_Entry]", reserved[: len(new) - reserved.count(None)])
+            rows = batch.addrs if len(entries) == len(keys) else batch.addrs[list(new[: len(entries)])]
+            starts = np.fromiter((entry.addr for entry in entries), dtype=np.int64, count=len(entries))
+            try:
+                paused = await _in_runs(starts, rows, batch.sizes, nbytes, into_regions=False)
+            except BaseException:
+                if not self._life.closed:
+                    self._stats.used_bytes -= len(entries) * nbytes
+                raise
+            raced = paused and not stored.keys().isdisjoint(keys)
+            results = self._publish(keys, new, entries, call, check=held or raced)
+            self._stats.count_puts(batch, results)
+        await anyio.lowlevel.checkpoint()
+        return results
+
+    def _publish(
+        self, keys: Sequence[str], new: Sequence[int], entries: Sequence[_Entry], call: int, *, check: bool
+    ) -> list[PutStatus]:
+        """Publish the copied ``entries`` of the objects at ``new`` (the rest of ``new``: no
+        room), the first key the most recently used; ``check``: a key may be in the store already
+        (found present by put ``call``, or published by another put while this one copied: a use,
+        and this copy is dropped). Once closed, the copies are ``FAILED`` and nothing is stored."""
+        stored = self._objects
+        if not check and len(entries) == len(keys):  # the usual call: every key new, every object fits
+            if self._life.closed:
+                return [PutStatus.FAILED] * len(keys)
+            stored.update(zip(reversed(keys), reversed(entries)))
+            return [PutStatus.STORED] * len(keys)
+        results = [PutStatus.PRESENT] * len(keys)
+        for i in new[len(entries) :]:
+            results[i] = PutStatus.NO_SPACE
+        for i, entry in zip(new, entries):
+            if self._life.closed:
+                results[i] = PutStatus.FAILED
+            elif keys[i] in stored:
+                stored[keys[i]].put = call
+                self._stats.used_bytes -= entry.nbytes
+            else:
+                results[i] = PutStatus.STORED
+                stored[keys[i]] = entry
+        self._newest_first(keys, results)
+        return results
+
+    async def _get_batch(self, batch: ObjectBatch) -> list[GetStatus] | None:
+        """A get of a batch whose objects each fit in one piece, when every key is held at its
+        size (else None, and nothing done: :meth:`_each` sorts the misses out). Each is a use now,
+        the first key the most recently used; their buffers are pinned while they are copied in
+        runs, the loop let run between them."""
+        keys, nbytes = batch.keys, batch.nbytes
+        with self._life.call(copies=True):
+            stored = self._objects
+            entries = [stored.get(key) for key in keys]
+            starts = [0 if e is None or e.nbytes != nbytes else e.addr for e in entries]
+            if 0 in starts:  # (a buffer's address is never 0)
+                return None
+            pinned = cast("list[_Entry]", entries)
+            use = stored.move_to_end
+            for key in reversed(keys):
+                use(key)
+            for entry in pinned:
+                entry.readers += 1
+            try:
+                await _in_runs(
+                    np.asarray(starts, dtype=np.int64), batch.addrs, batch.sizes, nbytes, into_regions=True
+                )
+            finally:
+                for entry in pinned:
+                    entry.readers -= 1
+            results = [GetStatus.HIT] * len(keys)
+            self._stats.count_gets(batch, results)
+        await anyio.lowlevel.checkpoint()
+        return results
 
     async def _each(
         self,
@@ -468,6 +563,33 @@ class MemoryBackend:
 #: The results :meth:`MemoryBackend._newest_first` counts as a use (not a miss, nor a get of
 #: another size, nor a put that found no room).
 _USED = frozenset({PutStatus.STORED, PutStatus.PRESENT, GetStatus.HIT})
+
+
+def _whole_runs(objects: Sequence[ObjectRef]) -> TypeGuard[ObjectBatch]:
+    """Whether ``objects`` is a batch of objects that each fit in one piece (copied whole, a run of
+    them a call: :meth:`MemoryBackend._put_batch`, :meth:`MemoryBackend._get_batch`)."""
+    return isinstance(objects, ObjectBatch) and len(objects) > 0 and 0 < objects.nbytes <= PIECE
+
+
+async def _in_runs(
+    starts: np.ndarray, rows: np.ndarray, sizes: Sequence[int], nbytes: int, *, into_regions: bool
+) -> bool:
+    """Copy between the buffer at ``starts[i]`` and the regions at ``rows[i]`` (of ``sizes``,
+    ``nbytes`` in all) for every ``i``, streamed: into the regions when ``into_regions``. Runs of
+    at most :data:`~kvflow.backends.pacing.RUN_BYTES` are one compiled call each, the loop let run
+    between them once held long enough; whether it was."""
+    step = max(1, min(RUN_OBJECTS, RUN_BYTES // nbytes))
+    sizes_of = np.asarray(sizes, dtype=np.int64)
+    pacer, paused = Pacer(), False
+    for start in range(0, len(starts), step):
+        if pacer.due():
+            await pacer.pause()
+            paused = True
+        end = start + step
+        regions.copy_rows(
+            starts[start:end], rows[start:end], sizes_of, into_regions=into_regions, stream=True
+        )
+    return paused
 
 
 async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:

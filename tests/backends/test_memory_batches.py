@@ -1,0 +1,228 @@
+"""The memory backend's calls on a batch by column (what the transfer layer sends): room made for
+the whole batch at once, its objects copied in runs with the loop let run between them, a put's
+objects published together at its end, a get's buffers pinned while it copies."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+import kvflow.backends.memory as memory
+from kvflow import GetStatus, MemoryBackend, PutStatus, regions
+from kvflow.backends import pacing
+from kvflow.backends.memory import MemoryConfig
+from tests.backends.test_memory import batch, data, obj
+
+LAYERS, SIZE = 4, 4096  # objects of 16 KiB, in runs of two (below)
+OBJECT = LAYERS * SIZE
+
+
+@pytest.fixture(autouse=True)
+def runs_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of two objects, and a call that lets the loop run between any two of them whenever
+    another task is ready."""
+    monkeypatch.setattr(memory, "RUN_BYTES", 2 * OBJECT)
+    monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+
+
+def blocks(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (LAYERS, n, SIZE), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def keys(n: int, prefix: str = "k") -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def after_runs(monkeypatch: pytest.MonkeyPatch, runs: int) -> anyio.Event:
+    """An event set once the backend has made ``runs`` copy calls (of the batch paths)."""
+    done = anyio.Event()
+    real, made = regions.copy_rows, 0
+
+    def counted(*args: object, **kwargs: object) -> None:
+        nonlocal made
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        made += 1
+        if made == runs:
+            done.set()
+
+    monkeypatch.setattr(regions, "copy_rows", counted)
+    return done
+
+
+async def read_all(backend: MemoryBackend, names: list[str]) -> tuple[list[GetStatus], torch.Tensor]:
+    target = torch.zeros(LAYERS, len(names), SIZE, dtype=torch.uint8)
+    return await backend.get(batch(target, names, list(range(len(names))))), target
+
+
+async def test_a_batch_is_put_in_runs_and_published_whole_at_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get while the put copies finds none of its objects (none half-written, none published
+    early), one after it all of them, and the bytes are counted from the start; every object
+    reads back whole, the first key the most recently used."""
+    source, names = blocks(7), keys(7)
+    backend = MemoryBackend()
+    started = after_runs(monkeypatch, 1)
+    seen: list[list[GetStatus]] = []
+    results: list[PutStatus] = []
+
+    async def put() -> None:
+        results.extend(await backend.put(batch(source, names, list(range(7)))))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        await started.wait()
+        while not results:
+            got, _ = await read_all(backend, names)
+            seen.append(got)
+            assert backend.stats().used_bytes == 7 * OBJECT
+    assert results == [PutStatus.STORED] * 7
+    assert seen[0] == [GetStatus.MISS] * 7  # (a get ran while it copied)
+    assert all(got in ([GetStatus.MISS] * 7, [GetStatus.HIT] * 7) for got in seen)
+    got, target = await read_all(backend, names)
+    assert got == [GetStatus.HIT] * 7 and torch.equal(target, source)
+    assert backend.stored_keys() == names[::-1]
+    stats = backend.stats()
+    reads = 1 + seen.count([GetStatus.HIT] * 7)
+    assert (stats.puts, stats.put_bytes, stats.hits, stats.hit_bytes) == (
+        7,
+        7 * OBJECT,
+        7 * reads,
+        7 * OBJECT * reads,
+    )
+
+
+async def test_a_key_another_put_publishes_while_a_batch_copies_is_present(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first publisher wins: the batch's copy of that key is dropped, its room given back."""
+    source, names = blocks(6), keys(6)
+    other = data("other", OBJECT)
+    backend = MemoryBackend()
+    started = after_runs(monkeypatch, 1)
+    results: list[PutStatus] = []
+
+    async def put() -> None:
+        results.extend(await backend.put(batch(source, names, list(range(6)))))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        await started.wait()
+        assert not results
+        assert await backend.put([obj("k4", other)]) == [PutStatus.STORED]
+    assert results == [PutStatus.STORED] * 4 + [PutStatus.PRESENT, PutStatus.STORED]
+    got, target = await read_all(backend, names)
+    assert got == [GetStatus.HIT] * 6
+    assert torch.equal(target[:, 4].reshape(-1), other) and torch.equal(target[:, :4], source[:, :4])
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.puts, stats.present) == (6 * OBJECT, 6, 1)
+    assert backend.stored_keys()[-1] == "k0"
+
+
+async def test_a_batch_put_cancelled_or_failed_while_copying_publishes_nothing_and_gives_its_room_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source, names = blocks(6), keys(6)
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=6 * OBJECT))
+    started = after_runs(monkeypatch, 1)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(backend.put, batch(source, names, list(range(6))))
+            await started.wait()
+            assert backend.stats().used_bytes == 6 * OBJECT
+            scope.cancel()
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.puts, stats.put_failures) == (0, 0, 0)
+    assert await backend.exists(names) == [False] * 6
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(regions, "copy_rows", broken)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        await backend.put(batch(source, names, list(range(6))))
+    assert backend.stats().used_bytes == 0 and await backend.exists(names) == [False] * 6
+    monkeypatch.undo()
+    assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
+
+
+async def test_a_batch_put_closed_while_copying_stores_nothing_and_counts_failures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source, names = blocks(6), keys(6)
+    backend = MemoryBackend()
+    started = after_runs(monkeypatch, 1)
+    results: list[PutStatus] = []
+
+    async def put() -> None:
+        results.extend(await backend.put(batch(source, names, list(range(6)))))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        await started.wait()
+        await backend.aclose()  # (returns once the put's copies are over)
+    assert results == [PutStatus.FAILED] * 6
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.puts, stats.put_failures) == (0, 0, 6)
+
+
+async def test_a_batch_put_of_held_keys_and_more_than_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for five: two older keys, one of which the batch holds; of the batch's six objects the
+    held one is PRESENT (a use, never evicted for the rest), the other older key goes, four new
+    ones fit and the last answers NO_SPACE. The batch's first key is the most recently used."""
+    source, names = blocks(6), keys(6)
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=5 * OBJECT))
+    assert await backend.put(batch(source, ["old", "k1"], [0, 1])) == [PutStatus.STORED] * 2
+    results = await backend.put(batch(source, names, list(range(6))))
+    assert results == [PutStatus.STORED, PutStatus.PRESENT] + [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE]
+    assert backend.stored_keys() == ["k4", "k3", "k2", "k1", "k0"]
+    got, target = await read_all(backend, names[:5])
+    assert got == [GetStatus.HIT] * 5 and torch.equal(target, source[:, :5])
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.evictions, stats.puts, stats.present, stats.no_space) == (
+        5 * OBJECT,
+        1,
+        2 + 4,
+        1,
+        1,
+    )
+
+
+@pytest.mark.parametrize("change", ["evicted", "removed"])
+async def test_a_batch_get_keeps_reading_what_it_found(monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    """A get's buffers are pinned while it copies: a put that needs the room finds none (evicting
+    them would hand a buffer being read to a writer), and a key removed meanwhile is still read
+    whole from the buffer the get holds."""
+    source, names = blocks(6), keys(6)
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=6 * OBJECT))
+    assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
+    started = after_runs(monkeypatch, 1)
+    reads: list[tuple[list[GetStatus], torch.Tensor]] = []
+
+    async def get() -> None:
+        reads.append(await read_all(backend, names))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(get)
+        await started.wait()
+        if change == "evicted":
+            assert await backend.put([obj("new", data("new", OBJECT))]) == [PutStatus.NO_SPACE]
+        else:
+            assert await backend.remove(names) == [True] * 6
+        assert not reads
+    got, target = reads[0]
+    assert got == [GetStatus.HIT] * 6 and torch.equal(target, source)
+    assert await backend.exists(names) == [change == "evicted"] * 6
+    assert all(entry.readers == 0 for entry in backend._objects.values())  # unpinned
+
+
+async def test_a_batch_get_makes_its_first_key_the_most_recently_used() -> None:
+    source, names = blocks(6), keys(6)
+    backend = MemoryBackend()
+    assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
+    assert await backend.put([obj("x", data("x", 8))]) == [PutStatus.STORED]
+    assert backend.stored_keys() == [*names[::-1], "x"]
+    assert (await read_all(backend, names))[0] == [GetStatus.HIT] * 6
+    assert backend.stored_keys() == ["x", *names[::-1]]
