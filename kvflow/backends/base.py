@@ -200,6 +200,14 @@ def nbytes_of(objects: Sequence[ObjectRef]) -> Sequence[int]:
     return [obj.nbytes for obj in objects]
 
 
+@overload
+def some_of(objects: ObjectBatch, indices: Sequence[int]) -> ObjectBatch: ...
+
+
+@overload
+def some_of(objects: Sequence[ObjectRef], indices: Sequence[int]) -> Sequence[ObjectRef]: ...
+
+
 def some_of(objects: Sequence[ObjectRef], indices: Sequence[int]) -> Sequence[ObjectRef]:
     """The objects at ``indices`` (increasing), in order; of an :class:`ObjectBatch`, a batch again."""
     if len(indices) == len(objects):  # every one, in order: indices only grow

@@ -15,14 +15,16 @@ a list of objects of any shapes is first laid out flat.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
+from kvflow import regions
+from kvflow.backends import pacing
 from kvflow.backends.base import ObjectBatch, ObjectRef
-from kvflow.regions import copy_ragged, copy_rows
 
-__all__ = ["check_object", "gather_objects", "scatter_objects"]
+__all__ = ["check_object", "copy_in_runs", "gather_objects", "scatter_objects"]
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
@@ -33,6 +35,35 @@ def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None
 def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
     """Copy the buffer at ``buffers[i]`` into object ``i``'s regions, in order (streamed)."""
     _copy(buffers, objects, into_regions=True)
+
+
+async def copy_in_runs(
+    buffers: npt.NDArray[np.int64],
+    batch: ObjectBatch,
+    *,
+    into_regions: bool,
+    after_run: Callable[[int], None] | None = None,
+) -> bool:
+    """Copy between the buffer at ``buffers[i]`` and object ``i`` of ``batch``'s regions, for every
+    ``i``, streamed: into the regions when ``into_regions``, else out of them. A run of objects
+    (:func:`~kvflow.backends.pacing.run_length`) is one compiled call, on the columns as they are
+    (no Python per run beyond the call); the loop runs between two runs once it has been held long
+    enough (:class:`~kvflow.backends.pacing.Pacer`). ``after_run(start)`` is called after the copy
+    of the run from object ``start``. Returns whether the loop ran (other tasks may have changed
+    what the caller looked at before)."""
+    step = pacing.run_length(batch.nbytes)
+    sizes = np.asarray(batch.sizes, dtype=np.int64)
+    rows = batch.addrs
+    pacer, paused = pacing.Pacer(), False
+    for start in range(0, len(buffers), step):
+        if pacer.due():
+            await pacer.pause()
+            paused = True
+        end = start + step
+        regions.copy_rows(buffers[start:end], rows[start:end], sizes, into_regions=into_regions, stream=True)
+        if after_run is not None:
+            after_run(start)
+    return paused
 
 
 def check_object(obj: ObjectRef) -> None:
@@ -51,7 +82,7 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
     starts = np.asarray(buffers, dtype=np.int64)
     if isinstance(objects, ObjectBatch):
         sizes = np.asarray(objects.sizes)
-        copy_rows(starts, objects.addrs, sizes, into_regions=into_regions, stream=True)
+        regions.copy_rows(starts, objects.addrs, sizes, into_regions=into_regions, stream=True)
         return
     addrs: list[int] = []
     sizes_of: list[int] = []
@@ -60,6 +91,6 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
         addrs.extend(obj.addrs)
         sizes_of.extend(obj.sizes)
     counts = np.fromiter((len(obj.sizes) for obj in objects), dtype=np.int64, count=len(objects))
-    copy_ragged(
+    regions.copy_ragged(
         starts, counts, np.asarray(addrs), np.asarray(sizes_of), into_regions=into_regions, stream=True
     )

@@ -49,9 +49,9 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import check_object, gather_objects, scatter_objects
+from kvflow.backends.copies import check_object, copy_in_runs, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
-from kvflow.backends.pacing import PIECE, RUN_BYTES, RUN_OBJECTS, Pacer, run_end
+from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query, split_url
 from kvflow.errors import ConfigError
 
@@ -185,10 +185,10 @@ class MemoryBackend:
             new = [i for i, key in enumerate(keys) if key not in stored] if held else range(len(keys))
             reserved = self._reserve_same(nbytes, len(new), call)
             entries = cast("list[_Entry]", reserved[: len(new) - reserved.count(None)])
-            rows = batch.addrs if len(entries) == len(keys) else batch.addrs[list(new[: len(entries)])]
+            copied = batch if len(entries) == len(keys) else some_of(batch, new[: len(entries)])
             starts = np.fromiter((entry.addr for entry in entries), dtype=np.int64, count=len(entries))
             try:
-                paused = await _in_runs(starts, rows, batch.sizes, nbytes, into_regions=False)
+                paused = await copy_in_runs(starts, copied, into_regions=False)
             except BaseException:
                 if not self._life.closed:
                     self._stats.used_bytes -= len(entries) * nbytes
@@ -246,9 +246,7 @@ class MemoryBackend:
             for entry in pinned:
                 entry.readers += 1
             try:
-                await _in_runs(
-                    np.asarray(starts, dtype=np.int64), batch.addrs, batch.sizes, nbytes, into_regions=True
-                )
+                await copy_in_runs(np.asarray(starts, dtype=np.int64), batch, into_regions=True)
             finally:
                 for entry in pinned:
                     entry.readers -= 1
@@ -569,27 +567,6 @@ def _whole_runs(objects: Sequence[ObjectRef]) -> TypeGuard[ObjectBatch]:
     """Whether ``objects`` is a batch of objects that each fit in one piece (copied whole, a run of
     them a call: :meth:`MemoryBackend._put_batch`, :meth:`MemoryBackend._get_batch`)."""
     return isinstance(objects, ObjectBatch) and len(objects) > 0 and 0 < objects.nbytes <= PIECE
-
-
-async def _in_runs(
-    starts: np.ndarray, rows: np.ndarray, sizes: Sequence[int], nbytes: int, *, into_regions: bool
-) -> bool:
-    """Copy between the buffer at ``starts[i]`` and the regions at ``rows[i]`` (of ``sizes``,
-    ``nbytes`` in all) for every ``i``, streamed: into the regions when ``into_regions``. Runs of
-    at most :data:`~kvflow.backends.pacing.RUN_BYTES` are one compiled call each, the loop let run
-    between them once held long enough; whether it was."""
-    step = max(1, min(RUN_OBJECTS, RUN_BYTES // nbytes))
-    sizes_of = np.asarray(sizes, dtype=np.int64)
-    pacer, paused = Pacer(), False
-    for start in range(0, len(starts), step):
-        if pacer.due():
-            await pacer.pause()
-            paused = True
-        end = start + step
-        regions.copy_rows(
-            starts[start:end], rows[start:end], sizes_of, into_regions=into_regions, stream=True
-        )
-    return paused
 
 
 async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "PieceSize",
     "others_ready",
     "run_end",
+    "run_length",
 ]
 
 #: The longest a call holds the event loop between checkpoints (plus one piece) while other work
@@ -149,10 +150,16 @@ def run_end(sizes: Sequence[int], start: int, *, uniform: bool = False) -> int:
     larger than that runs alone). ``uniform``: every size is the same (an
     :class:`~kvflow.backends.base.ObjectBatch`'s), so the run's length is one division."""
     if uniform:
-        return min(len(sizes), start + max(1, min(RUN_OBJECTS, RUN_BYTES // max(1, sizes[start]))))
+        return min(len(sizes), start + run_length(sizes[start]))
     end, total = start + 1, sizes[start]
     last = min(len(sizes), start + RUN_OBJECTS)
     while end < last and total + sizes[end] <= RUN_BYTES:
         total += sizes[end]
         end += 1
     return end
+
+
+def run_length(nbytes: int) -> int:
+    """How many objects of ``nbytes`` each one copy call takes: as many as fit in
+    :data:`RUN_BYTES`, at most :data:`RUN_OBJECTS`, at least one."""
+    return max(1, min(RUN_OBJECTS, RUN_BYTES // max(1, nbytes)))

@@ -55,7 +55,7 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.copies import copy_in_runs, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
 from kvflow.errors import BackendError, ConfigError
 
@@ -67,6 +67,17 @@ logger = logging.getLogger(__name__)
 # run: the first object, or up to 1 MiB of them), before it publishes them (a test process exits
 # there, as a writer killed mid-put would).
 _mid_write_hook: Callable[[int], None] | None = None
+
+
+def _hook(rows: Sequence[int]) -> Callable[[int], None]:
+    """:data:`_mid_write_hook` (as it is then) after the run of a put's copy from object ``start``,
+    given the row of that object's slot."""
+
+    def after_run(start: int) -> None:
+        if _mid_write_hook is not None:
+            _mid_write_hook(rows[start])
+
+    return after_run
 
 
 @attrs.define
@@ -208,12 +219,16 @@ class ArenaBackend:
         """Copy the claimed objects into their slots (without the lock: the slots are this put's),
         a run of them (:func:`kvflow.backends.pacing.run_end`) per copy call."""
         order, rows = list(claimed), list(claimed.values())
+        arena = self._arena
+        slots_of = arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes
+        if isinstance(objects, ObjectBatch) and len(order) == len(objects):  # the usual put
+            await copy_in_runs(slots_of, objects, into_regions=False, after_run=_hook(rows))
+            return
         sizes = nbytes_of(objects)
         if len(order) < len(objects):  # (else every object, in order)
             sizes = [sizes[i] for i in order]
         uniform = isinstance(objects, ObjectBatch)
-        arena, pacer, start = self._arena, pacing.Pacer(), 0
-        slots = (arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes).tolist()
+        pacer, start, slots = pacing.Pacer(), 0, slots_of.tolist()
         while start < len(order):
             end = pacing.run_end(sizes, start, uniform=uniform)
             gather_objects(slots[start:end], some_of(objects, order[start:end]))
