@@ -277,17 +277,17 @@ def test_a_streamed_scatter_writes_what_memmove_writes_and_nothing_around_it(
 def test_a_backend_call_copies_streamed_both_ways(monkeypatch: pytest.MonkeyPatch, as_batch: bool) -> None:
     """A put's gather and a get's scatter both ask the copy loop for streaming stores, for objects
     by column and for a list (:mod:`kvflow.backends.copies`); the bytes round-trip."""
-    from kvflow.backends import copies
+    from kvflow import regions
 
     seen: list[tuple[bool, bool]] = []  # (into the regions, streamed)
     for name in ("copy_rows", "copy_ragged"):
-        real = getattr(copies, name)
+        real = getattr(regions, name)
 
         def recorded(*args, into_regions, stream=False, _real=real):  # type: ignore[no-untyped-def]
             seen.append((into_regions, stream))
             _real(*args, into_regions=into_regions, stream=stream)
 
-        monkeypatch.setattr(copies, name, recorded)
+        monkeypatch.setattr(regions, name, recorded)
     cache = torch.randint(0, 255, (2, 300), dtype=torch.uint8)
     expected = cache.clone()
     buffers = torch.zeros(2, 300, dtype=torch.uint8)

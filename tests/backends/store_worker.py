@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.backends.base import Backend, GetStatus, ObjectRef
+import numpy as np
+
+from kvflow.backends.base import Backend, GetStatus, ObjectBatch, ObjectRef
 from kvflow.regions import buffer_address
 
 
@@ -38,6 +40,13 @@ def regions(addr: int, size: int) -> tuple[list[int], list[int]]:
     """Three regions of a ``size``-byte buffer at ``addr``, listed out of memory order."""
     a, b = size // 4, size // 2
     return [addr + b, addr, addr + a], [size - b, a, b - a]
+
+
+def _by_column(refs: list[ObjectRef]) -> ObjectBatch:
+    """The objects (of one shape) as a batch by column, as the transfer layer sends them."""
+    return ObjectBatch(
+        [r.key for r in refs], np.asarray([r.addrs for r in refs]), refs[0].sizes, refs[0].nbytes
+    )
 
 
 def _flatten(buf: bytearray) -> bytes:
@@ -95,11 +104,12 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
             batch = keys[start : start + spec.get("batch", 8)]
             sources = [_unflatten(content(key, writer, size)) for key in batch]
             refs = [ObjectRef.of(k, *regions(buffer_address(s), size)) for k, s in zip(batch, sources)]
-            for put_status in await backend.put(refs):
+            for put_status in await backend.put(_by_column(refs) if spec.get("by_column") else refs):
                 report["put"][put_status.value] = report["put"].get(put_status.value, 0) + 1
             targets = [bytearray(size) for _ in batch]
             refs = [ObjectRef.of(k, *regions(buffer_address(t), size)) for k, t in zip(batch, targets)]
-            for key, target, status in zip(batch, targets, await backend.get(refs)):
+            got = await backend.get(_by_column(refs) if spec.get("by_column") else refs)
+            for key, target, status in zip(batch, targets, got):
                 report["get"][status.value] = report["get"].get(status.value, 0) + 1
                 if status is GetStatus.HIT:
                     data = _flatten(target)

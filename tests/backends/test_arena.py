@@ -628,11 +628,12 @@ async def test_processes_share_whole_objects_and_the_first_writer_wins(store_dir
 
 
 async def test_processes_evicting_each_other_never_see_a_torn_object(store_dir: Path) -> None:
+    """Writer 1 puts and gets batches by column (the arena's usual put), the others lists."""
     size, writers = SLOT, 3
     url = f"arena://{store_dir}?capacity={12 * SLOT}&slot={SLOT}"
     specs = [
         {"url": url, "writer": w, "writers": writers, "keys": [f"s{i}" for i in range(10)]
-         + [f"w{w}-{i}" for i in range(30)], "size": size, "rounds": 3, "batch": 6}
+         + [f"w{w}-{i}" for i in range(30)], "size": size, "rounds": 3, "batch": 6, "by_column": w == 1}
         for w in range(writers)
     ]  # fmt: skip
     open_arena(store_dir, slots=12)
@@ -642,12 +643,14 @@ async def test_processes_evicting_each_other_never_see_a_torn_object(store_dir: 
     assert sum(r["get"].get("hit", 0) for r in reports) > 0
 
 
-@pytest.mark.parametrize("proc", ["readable", "hidden"])
+@pytest.mark.parametrize(("proc", "by_column"), [("readable", False), ("hidden", False), ("readable", True)])
 async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_back(
-    store_dir: Path, proc: str, monkeypatch: pytest.MonkeyPatch
+    store_dir: Path, proc: str, by_column: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``hidden``: this process cannot read the writer's /proc entry (``/proc`` mounted with
-    ``hidepid``, or no descriptor left to open it): the live writer's slots are still not taken."""
+    ``hidepid``, or no descriptor left to open it): the live writer's slots are still not taken.
+    ``by_column``: its put is a batch by column, as the transfer layer sends (copied in runs by
+    :func:`kvflow.backends.copies.copy_in_runs`)."""
     if proc == "hidden":
         real_open = open
 
@@ -660,7 +663,15 @@ async def test_a_writer_killed_mid_put_leaves_no_object_and_its_slot_is_taken_ba
 
         monkeypatch.setattr(local_format, "open", hiding_open, raising=False)
     url = f"arena://{store_dir}?capacity={4 * SLOT}&slot={SLOT}"
-    workers = Workers([{"url": url, "writer": 1, "keys": ["dying", "dying-2"], "size": SLOT, "pause": True}])
+    spec = {
+        "url": url,
+        "writer": 1,
+        "keys": ["dying", "dying-2"],
+        "size": SLOT,
+        "pause": True,
+        "by_column": by_column,
+    }
+    workers = Workers([spec])
     try:
         proc = workers.procs[0]
         workers.go()
