@@ -5,17 +5,24 @@ zero its memory first, which costs as much as the copy itself). Copies run on th
 pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
 a millisecond while other work waits to run, or 2 ms when none does (:mod:`kvflow.backends.pacing`),
 so no call keeps waiting work from the loop much longer than a millisecond.
-Objects of one piece are put or got whole between two checkpoints, a run of them (up to 4 MiB in
-all, :data:`~kvflow.backends.pacing.RUN_BYTES`) by one native copy call
-(:func:`kvflow.backends.copies.gather_objects`): nothing else runs meanwhile, so they need neither
-a reservation held across a pause nor a pin (most KV objects are this size, and a coroutine, or a
-``memmove`` call per region, cost more than their copy).
+Objects of one piece are copied a run at a time (up to 4 MiB in all,
+:data:`~kvflow.backends.pacing.RUN_BYTES`), each run by one native copy call, the loop let run
+between runs (most KV objects are this size, and a coroutine, or a ``memmove`` call per region,
+cost more than their copy). A batch by column (:class:`~kvflow.backends.base.ObjectBatch`, what the
+transfer layer sends) of such objects and distinct keys is handled in one pass: a put makes room
+for all of them at once, copies its runs (:func:`kvflow.backends.copies.copy_in_runs`) and
+publishes them together at its end; a get whose keys are all held pins their buffers and copies
+its runs. Every other call (a list of objects, a key twice, a get with a miss) goes run by run:
+each run looked up, reserved, copied and published between two checkpoints, so that it needs
+neither a reservation held across a pause nor a pin. (The one pass saves each run's Python, which
+from cold caches cost 0.6-0.9 us an object of 64 KiB: docs/benchmarks.md, sixteenth stop.)
 
-What stays true across the checkpoints of larger objects:
+What stays true across the checkpoints (in a larger object's copy, or between a batch's runs):
 
 - A put copies into a buffer nobody else can see and publishes it only when the copy is complete:
   a reader never sees a torn object. Two puts of one key may both copy; the first to publish wins,
-  the other reports ``PRESENT``.
+  the other reports ``PRESENT``. A put cancelled or failed while copying publishes nothing more
+  and gives back the room it reserved.
 - A get pins the buffer it reads; eviction never picks a pinned buffer, so a buffer is never
   recycled (or removed from the budget) while a get is still reading it. ``remove`` and ``aclose``
   drop a pinned buffer from the store at once; the get keeps its reference and finishes reading.
