@@ -42,15 +42,15 @@ async def copy_in_runs(
     batch: ObjectBatch,
     *,
     into_regions: bool,
-    after_run: Callable[[int], None] | None = None,
+    after_run: Callable[[int, int], None] | None = None,
 ) -> bool:
     """Copy between the buffer at ``buffers[i]`` and object ``i`` of ``batch``'s regions, for every
     ``i``, streamed: into the regions when ``into_regions``, else out of them. A run of objects
     (:func:`~kvflow.backends.pacing.run_length`) is one compiled call, on the columns as they are
     (no Python per run beyond the call); the loop runs between two runs once it has been held long
-    enough (:class:`~kvflow.backends.pacing.Pacer`). ``after_run(start)`` is called after the copy
-    of the run from object ``start``. Returns whether the loop ran (other tasks may have changed
-    what the caller looked at before)."""
+    enough (:class:`~kvflow.backends.pacing.Pacer`). ``after_run(start, end)`` is called after the
+    copy of the run of objects ``start`` to ``end``. Returns whether the loop ran (other tasks may
+    have changed what the caller looked at before)."""
     step = pacing.run_length(batch.nbytes)
     sizes = np.asarray(batch.sizes, dtype=np.int64)
     rows = batch.addrs
@@ -59,10 +59,10 @@ async def copy_in_runs(
         if pacer.due():
             await pacer.pause()
             paused = True
-        end = start + step
+        end = min(start + step, len(buffers))
         regions.copy_rows(buffers[start:end], rows[start:end], sizes, into_regions=into_regions, stream=True)
         if after_run is not None:
-            after_run(start)
+            after_run(start, end)
     return paused
 
 

@@ -159,7 +159,7 @@ class MemoryBackend:
     async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
         self._puts += 1
         call = self._puts
-        if _whole_runs(objects) and len(set(objects.keys)) == len(objects):
+        if _whole_runs(objects) and self._all_new(objects.keys):
             return await self._put_batch(objects, call)
         return await self._each(
             objects,
@@ -175,24 +175,24 @@ class MemoryBackend:
                 return results
         return await self._each(objects, self._get_section, self._get_one, self._stats.count_gets)
 
+    def _all_new(self, keys: Sequence[str]) -> bool:
+        """Whether ``keys`` are distinct and none is held. (A put that finds a key present goes run
+        by run, each run's present keys a use as it comes to them: a key found present later in a
+        put larger than the room left must not keep out a new object before it, nor be evicted by
+        another put while this one pauses.)"""
+        return len(set(keys)) == len(keys) and self._objects.keys().isdisjoint(keys)
+
     async def _put_batch(self, batch: ObjectBatch, call: int) -> list[PutStatus]:
-        """A put (of put ``call``) of a batch of distinct keys whose objects each fit in one piece:
-        the keys held already are a use (``PRESENT``), room is made for the rest at once (those that
-        do not fit: ``NO_SPACE``), and their objects are copied in runs, the loop let run between
-        them, then published together (:meth:`_publish`). A call that fails or is cancelled while
-        copying publishes nothing and gives its reservation back."""
+        """A put (of put ``call``) of a batch of distinct new keys whose objects each fit in one
+        piece: room is made for them at once (the first that fit; the rest ``NO_SPACE``), their
+        objects are copied in runs, the loop let run between them, then published together
+        (:meth:`_publish`). A call that fails or is cancelled while copying publishes nothing and
+        gives its reservation back."""
         keys, nbytes = batch.keys, batch.nbytes
         with self._life.call(copies=True):
-            stored = self._objects
-            held = not stored.keys().isdisjoint(keys)
-            if held:
-                for key in keys:
-                    if key in stored:
-                        stored[key].put = call  # found present: a use, which this put never evicts
-            new = [i for i, key in enumerate(keys) if key not in stored] if held else range(len(keys))
-            reserved = self._reserve_same(nbytes, len(new), call)
-            entries = cast("list[_Entry]", reserved[: len(new) - reserved.count(None)])
-            copied = batch if len(entries) == len(keys) else some_of(batch, new[: len(entries)])
+            reserved = self._reserve_same(nbytes, len(keys), call)
+            entries = cast("list[_Entry]", reserved[: len(keys) - reserved.count(None)])
+            copied = batch if len(entries) == len(keys) else batch[: len(entries)]
             starts = np.fromiter((entry.addr for entry in entries), dtype=np.int64, count=len(entries))
             try:
                 paused = await copy_in_runs(starts, copied, into_regions=False)
@@ -200,45 +200,42 @@ class MemoryBackend:
                 if not self._life.closed:
                     self._stats.used_bytes -= len(entries) * nbytes
                 raise
-            raced = paused and not stored.keys().isdisjoint(keys)
-            results = self._publish(keys, new, entries, call, check=held or raced)
+            results = self._publish(keys, entries, call, raced=paused and not self._all_new(keys))
             self._stats.count_puts(batch, results)
         await anyio.lowlevel.checkpoint()
         return results
 
     def _publish(
-        self, keys: Sequence[str], new: Sequence[int], entries: Sequence[_Entry], call: int, *, check: bool
+        self, keys: Sequence[str], entries: Sequence[_Entry], call: int, *, raced: bool
     ) -> list[PutStatus]:
-        """Publish the copied ``entries`` of the objects at ``new`` (the rest of ``new``: no
-        room), the first key the most recently used; ``check``: a key may be in the store already
-        (found present by put ``call``, or published by another put while this one copied: a use,
-        and this copy is dropped). Once closed, the copies are ``FAILED`` and nothing is stored."""
-        stored = self._objects
-        if not check and len(entries) == len(keys):  # the usual call: every key new, every object fits
-            if self._life.closed:
-                return [PutStatus.FAILED] * len(keys)
+        """Publish the copied ``entries`` of the first objects of a put (of put ``call``; the rest:
+        no room), the first key the most recently used. ``raced``: another put published some of
+        the keys while this one copied (a use: ``PRESENT``, and this copy dropped). Once closed,
+        the copies are ``FAILED`` and nothing is stored."""
+        stored, closed = self._objects, self._life.closed
+        if not raced and not closed and len(entries) == len(keys):  # the usual call
             stored.update(zip(reversed(keys), reversed(entries)))
             return [PutStatus.STORED] * len(keys)
-        results = [PutStatus.PRESENT] * len(keys)
-        for i in new[len(entries) :]:
-            results[i] = PutStatus.NO_SPACE
-        for i, entry in zip(new, entries):
-            if self._life.closed:
+        results = [PutStatus.NO_SPACE] * len(keys)
+        for i, (key, entry) in enumerate(zip(keys, entries)):
+            if closed:
                 results[i] = PutStatus.FAILED
-            elif keys[i] in stored:
-                stored[keys[i]].put = call
+            elif key in stored:
+                results[i] = PutStatus.PRESENT
+                stored[key].put = call
                 self._stats.used_bytes -= entry.nbytes
             else:
                 results[i] = PutStatus.STORED
-                stored[keys[i]] = entry
+                stored[key] = entry
         self._newest_first(keys, results)
         return results
 
     async def _get_batch(self, batch: ObjectBatch) -> list[GetStatus] | None:
         """A get of a batch whose objects each fit in one piece, when every key is held at its
         size (else None, and nothing done: :meth:`_each` sorts the misses out). Each is a use now,
-        the first key the most recently used; their buffers are pinned while they are copied in
-        runs, the loop let run between them."""
+        the first key the most recently used, and again at the end if another task used a key
+        while this one paused; their buffers are pinned while they are copied in runs, the loop let
+        run between them. A call cancelled part-way counts the objects it copied."""
         keys, nbytes = batch.keys, batch.nbytes
         with self._life.call(copies=True):
             stored = self._objects
@@ -252,13 +249,23 @@ class MemoryBackend:
                 use(key)
             for entry in pinned:
                 entry.readers += 1
+            copied = 0
+
+            def done(_: int, end: int) -> None:
+                nonlocal copied
+                copied = end
+
             try:
-                await copy_in_runs(np.asarray(starts, dtype=np.int64), batch, into_regions=True)
+                paused = await copy_in_runs(
+                    np.asarray(starts, dtype=np.int64), batch, into_regions=True, after_run=done
+                )
             finally:
                 for entry in pinned:
                     entry.readers -= 1
+                self._stats.count_gets(batch[:copied], [GetStatus.HIT] * copied)
+            if paused and next(reversed(stored), None) != keys[0]:  # another use came after it
+                self._newest_first(keys, [GetStatus.HIT] * len(keys))
             results = [GetStatus.HIT] * len(keys)
-            self._stats.count_gets(batch, results)
         await anyio.lowlevel.checkpoint()
         return results
 

@@ -219,3 +219,79 @@ async def test_a_batch_get_makes_its_first_key_the_most_recently_used() -> None:
     assert backend.stored_keys() == [*names[::-1], "x"]
     assert (await read_all(backend, names))[0] == [GetStatus.HIT] * 6
     assert backend.stored_keys() == ["x", *names[::-1]]
+
+
+async def test_a_put_that_finds_its_last_key_present_keeps_its_first_objects() -> None:
+    """Room for four, the store holding the put's last key: its first four objects are stored and
+    the held key, needed only after them, makes room for them and is refused (as the general
+    path comes to it run by run), not kept at the cost of an object before it."""
+    source, names = blocks(5), ["a", "b", "c", "d", "x"]
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=4 * OBJECT))
+    assert await backend.put(batch(source, ["x"], [4])) == [PutStatus.STORED]
+    results = await backend.put(batch(source, names, list(range(5))))
+    assert results == [PutStatus.STORED] * 4 + [PutStatus.NO_SPACE]
+    assert backend.stored_keys() == ["d", "c", "b", "a"]
+
+
+async def test_a_key_a_put_finds_present_is_not_evicted_by_another_put_while_it_pauses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P, the least recently used, is the put's first key: a use, made before the put pauses, so
+    another put that needs room meanwhile evicts others, and P stays with the put's stored
+    objects."""
+    source = blocks(12)
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=8 * OBJECT))
+    assert await backend.put(batch(source, ["P"], [0])) == [PutStatus.STORED]
+    assert await backend.put(batch(source, ["q1", "q2", "q3"], [1, 2, 3])) == [PutStatus.STORED] * 3
+    started = after_runs(monkeypatch, 1)
+    results: list[PutStatus] = []
+
+    async def put() -> None:
+        results.extend(await backend.put(batch(source, ["P", "n1", "n2", "n3", "n4"], [0, 4, 5, 6, 7])))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(put)
+        await started.wait()
+        other = await backend.put(batch(source, ["z1", "z2", "z3", "z4"], [8, 9, 10, 11]))
+    assert other == [PutStatus.STORED] * 4
+    assert results == [PutStatus.PRESENT] + [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE]
+    assert await backend.exists(["P", "n1", "n2", "n3"]) == [True] * 4
+
+
+async def test_a_batch_get_that_paused_ends_with_its_first_key_the_most_recently_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another task uses x while the get pauses between runs: the get's keys are used again at its
+    end, so that x, not the get's tail, is evicted first."""
+    source, names = blocks(7), keys(6)
+    backend = MemoryBackend()
+    assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
+    assert await backend.put(batch(source, ["x"], [6])) == [PutStatus.STORED]
+    started = after_runs(monkeypatch, 1)
+    reads: list[tuple[list[GetStatus], torch.Tensor]] = []
+
+    async def get() -> None:
+        reads.append(await read_all(backend, names))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(get)
+        await started.wait()
+        await backend.touch(["x"])
+    got, target = reads[0]
+    assert got == [GetStatus.HIT] * 6 and torch.equal(target, source[:, :6])
+    assert backend.stored_keys() == ["x", *names[::-1]]
+
+
+async def test_a_batch_get_cancelled_part_way_counts_what_it_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    source, names = blocks(6), keys(6)
+    backend = MemoryBackend()
+    assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
+    started = after_runs(monkeypatch, 1)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_all, backend, names)
+            await started.wait()
+            scope.cancel()
+    stats = backend.stats()
+    assert (stats.hits, stats.hit_bytes, stats.get_failures) == (2, 2 * OBJECT, 0)  # its first run
+    assert all(entry.readers == 0 for entry in backend._objects.values())  # unpinned

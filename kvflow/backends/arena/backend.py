@@ -69,11 +69,11 @@ logger = logging.getLogger(__name__)
 _mid_write_hook: Callable[[int], None] | None = None
 
 
-def _hook(rows: Sequence[int]) -> Callable[[int], None]:
+def _hook(rows: Sequence[int]) -> Callable[[int, int], None]:
     """:data:`_mid_write_hook` (as it is then) after the run of a put's copy from object ``start``,
     given the row of that object's slot."""
 
-    def after_run(start: int) -> None:
+    def after_run(start: int, _: int) -> None:
         if _mid_write_hook is not None:
             _mid_write_hook(rows[start])
 
