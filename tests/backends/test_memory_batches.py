@@ -4,6 +4,10 @@ objects published together at its end, a get's buffers pinned while it copies.""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
 import anyio
 import anyio.lowlevel
 import pytest
@@ -14,6 +18,7 @@ from kvflow.backends import pacing
 from kvflow.backends.memory import MemoryConfig
 from tests.backends.test_memory import batch, data, obj
 
+T = TypeVar("T")
 LAYERS, SIZE = 4, 4096  # objects of 16 KiB, in runs of two (below)
 OBJECT = LAYERS * SIZE
 
@@ -52,6 +57,22 @@ def after_runs(monkeypatch: pytest.MonkeyPatch, runs: int) -> anyio.Event:
     return done
 
 
+@contextlib.asynccontextmanager
+async def paused(monkeypatch: pytest.MonkeyPatch, call: Callable[[], Awaitable[T]]) -> AsyncIterator[list[T]]:
+    """``call`` run in a task: the block runs once it has copied its first run and let the loop
+    run; the list yielded holds its answer once the block has ended."""
+    started = after_runs(monkeypatch, 1)
+    answer: list[T] = []
+
+    async def run() -> None:
+        answer.append(await call())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await started.wait()
+        yield answer
+
+
 async def read_all(backend: MemoryBackend, names: list[str]) -> tuple[list[GetStatus], torch.Tensor]:
     target = torch.zeros(LAYERS, len(names), SIZE, dtype=torch.uint8)
     return await backend.get(batch(target, names, list(range(len(names))))), target
@@ -63,21 +84,13 @@ async def test_a_batch_is_put_in_runs_and_published_whole_at_its_end(monkeypatch
     of them are, every object reads back whole, and the first key is the most recently used."""
     source, names = blocks(7), keys(7)
     backend = MemoryBackend()
-    started = after_runs(monkeypatch, 1)
     seen: list[list[bool]] = []
-    results: list[PutStatus] = []
-
-    async def put() -> None:
-        results.extend(await backend.put(batch(source, names, list(range(7)))))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(put)
-        await started.wait()
-        while not results:
+    async with paused(monkeypatch, lambda: backend.put(batch(source, names, list(range(7))))) as put:
+        while not put:
             seen.append(await backend.exists(names))
             assert backend.stats().used_bytes == 7 * OBJECT
             await anyio.lowlevel.checkpoint()
-    assert results == [PutStatus.STORED] * 7
+    assert put == [[PutStatus.STORED] * 7]
     assert seen[0] == [False] * 7  # (looked while it copied)
     assert all(found in ([False] * 7, [True] * 7) for found in seen)
     got, target = await read_all(backend, names)
@@ -94,18 +107,10 @@ async def test_a_key_another_put_publishes_while_a_batch_copies_is_present(
     source, names = blocks(6), keys(6)
     other = data("other", OBJECT)
     backend = MemoryBackend()
-    started = after_runs(monkeypatch, 1)
-    results: list[PutStatus] = []
-
-    async def put() -> None:
-        results.extend(await backend.put(batch(source, names, list(range(6)))))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(put)
-        await started.wait()
-        assert not results
+    async with paused(monkeypatch, lambda: backend.put(batch(source, names, list(range(6))))) as put:
+        assert not put
         assert await backend.put([obj("k4", other)]) == [PutStatus.STORED]
-    assert results == [PutStatus.STORED] * 4 + [PutStatus.PRESENT, PutStatus.STORED]
+    assert put == [[PutStatus.STORED] * 4 + [PutStatus.PRESENT, PutStatus.STORED]]
     got, target = await read_all(backend, names)
     assert got == [GetStatus.HIT] * 6
     assert torch.equal(target[:, 4].reshape(-1), other) and torch.equal(target[:, :4], source[:, :4])
@@ -146,17 +151,9 @@ async def test_a_batch_put_closed_while_copying_stores_nothing_and_counts_failur
 ) -> None:
     source, names = blocks(6), keys(6)
     backend = MemoryBackend()
-    started = after_runs(monkeypatch, 1)
-    results: list[PutStatus] = []
-
-    async def put() -> None:
-        results.extend(await backend.put(batch(source, names, list(range(6)))))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(put)
-        await started.wait()
+    async with paused(monkeypatch, lambda: backend.put(batch(source, names, list(range(6))))) as put:
         await backend.aclose()  # (returns once the put's copies are over)
-    assert results == [PutStatus.FAILED] * 6
+    assert put == [[PutStatus.FAILED] * 6]
     stats = backend.stats()
     assert (stats.used_bytes, stats.puts, stats.put_failures) == (0, 0, 6)
 
@@ -191,15 +188,7 @@ async def test_a_batch_get_keeps_reading_what_it_found(monkeypatch: pytest.Monke
     source, names = blocks(6), keys(6)
     backend = MemoryBackend(MemoryConfig(capacity_bytes=6 * OBJECT))
     assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
-    started = after_runs(monkeypatch, 1)
-    reads: list[tuple[list[GetStatus], torch.Tensor]] = []
-
-    async def get() -> None:
-        reads.append(await read_all(backend, names))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(get)
-        await started.wait()
+    async with paused(monkeypatch, lambda: read_all(backend, names)) as reads:
         if change == "evicted":
             assert await backend.put([obj("new", data("new", OBJECT))]) == [PutStatus.NO_SPACE]
         else:
@@ -243,18 +232,11 @@ async def test_a_key_a_put_finds_present_is_not_evicted_by_another_put_while_it_
     backend = MemoryBackend(MemoryConfig(capacity_bytes=8 * OBJECT))
     assert await backend.put(batch(source, ["P"], [0])) == [PutStatus.STORED]
     assert await backend.put(batch(source, ["q1", "q2", "q3"], [1, 2, 3])) == [PutStatus.STORED] * 3
-    started = after_runs(monkeypatch, 1)
-    results: list[PutStatus] = []
-
-    async def put() -> None:
-        results.extend(await backend.put(batch(source, ["P", "n1", "n2", "n3", "n4"], [0, 4, 5, 6, 7])))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(put)
-        await started.wait()
+    head = batch(source, ["P", "n1", "n2", "n3", "n4"], [0, 4, 5, 6, 7])
+    async with paused(monkeypatch, lambda: backend.put(head)) as put:
         other = await backend.put(batch(source, ["z1", "z2", "z3", "z4"], [8, 9, 10, 11]))
     assert other == [PutStatus.STORED] * 4
-    assert results == [PutStatus.PRESENT] + [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE]
+    assert put == [[PutStatus.PRESENT] + [PutStatus.STORED] * 3 + [PutStatus.NO_SPACE]]
     assert await backend.exists(["P", "n1", "n2", "n3"]) == [True] * 4
 
 
@@ -267,15 +249,7 @@ async def test_a_batch_get_that_paused_ends_with_its_first_key_the_most_recently
     backend = MemoryBackend()
     assert await backend.put(batch(source, names, list(range(6)))) == [PutStatus.STORED] * 6
     assert await backend.put(batch(source, ["x"], [6])) == [PutStatus.STORED]
-    started = after_runs(monkeypatch, 1)
-    reads: list[tuple[list[GetStatus], torch.Tensor]] = []
-
-    async def get() -> None:
-        reads.append(await read_all(backend, names))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(get)
-        await started.wait()
+    async with paused(monkeypatch, lambda: read_all(backend, names)) as reads:
         await backend.touch(["x"])
     got, target = reads[0]
     assert got == [GetStatus.HIT] * 6 and torch.equal(target, source[:, :6])
