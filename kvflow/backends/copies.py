@@ -24,7 +24,7 @@ from kvflow import regions
 from kvflow.backends import pacing
 from kvflow.backends.base import ObjectBatch, ObjectRef
 
-__all__ = ["check_object", "copy_in_runs", "gather_objects", "scatter_objects"]
+__all__ = ["at", "check_object", "copy_in_runs", "gather_objects", "scatter_objects"]
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
@@ -38,32 +38,46 @@ def scatter_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> Non
 
 
 async def copy_in_runs(
-    buffers: npt.NDArray[np.int64],
     batch: ObjectBatch,
+    buffers: Callable[[int, int], npt.NDArray[np.int64]],
     *,
     into_regions: bool,
     after_run: Callable[[int, int], None] | None = None,
 ) -> bool:
-    """Copy between the buffer at ``buffers[i]`` and object ``i`` of ``batch``'s regions, for every
-    ``i``, streamed: into the regions when ``into_regions``, else out of them. A run of objects
+    """Copy between ``batch``'s objects' regions and one buffer each, streamed: into the regions
+    when ``into_regions``, else out of them. A run of objects
     (:func:`~kvflow.backends.pacing.run_length`) is one compiled call, on the columns as they are
     (no Python per run beyond the call); the loop runs between two runs once it has been held long
-    enough (:class:`~kvflow.backends.pacing.Pacer`). ``after_run(start, end)`` is called after the
-    copy of the run of objects ``start`` to ``end``. Returns whether the loop ran (other tasks may
-    have changed what the caller looked at before)."""
+    enough (:class:`~kvflow.backends.pacing.Pacer`).
+
+    ``buffers(start, end)`` gives the addresses of the buffers of objects ``start`` to ``end``,
+    asked as each run comes (after the loop ran, so a caller may reserve them then); fewer than
+    asked copies those and ends the copy. ``after_run(start, end)`` is called after the copy of
+    each run. Returns whether the loop ran (other tasks may have changed what the caller looked at
+    before)."""
     step = pacing.run_length(batch.nbytes)
     sizes = np.asarray(batch.sizes, dtype=np.int64)
     rows = batch.addrs
     pacer, paused = pacing.Pacer(), False
-    for start in range(0, len(buffers), step):
+    for start in range(0, len(batch), step):
         if pacer.due():
             await pacer.pause()
             paused = True
-        end = min(start + step, len(buffers))
-        regions.copy_rows(buffers[start:end], rows[start:end], sizes, into_regions=into_regions, stream=True)
+        end = min(start + step, len(batch))
+        starts = buffers(start, end)
+        got = start + len(starts)
+        regions.copy_rows(starts, rows[start:got], sizes, into_regions=into_regions, stream=True)
         if after_run is not None:
-            after_run(start, end)
+            after_run(start, got)
+        if got < end:
+            break
     return paused
+
+
+def at(addresses: npt.NDArray[np.int64]) -> Callable[[int, int], npt.NDArray[np.int64]]:
+    """:func:`copy_in_runs`'s ``buffers`` when every buffer is known before the copy: object ``i``'s
+    at ``addresses[i]``."""
+    return lambda start, end: addresses[start:end]
 
 
 def check_object(obj: ObjectRef) -> None:

@@ -9,10 +9,10 @@ Objects of one piece are copied a run at a time (up to 4 MiB in all,
 :data:`~kvflow.backends.pacing.RUN_BYTES`), each run by one native copy call, the loop let run
 between runs (most KV objects are this size, and a coroutine, or a ``memmove`` call per region,
 cost more than their copy). A batch by column (:class:`~kvflow.backends.base.ObjectBatch`, what the
-transfer layer sends) of such objects and distinct keys is handled in one pass: a put makes room
-for all of them at once, copies its runs (:func:`kvflow.backends.copies.copy_in_runs`) and
+transfer layer sends) of such objects and distinct new keys is handled in one pass: a put copies
+its runs (:func:`kvflow.backends.copies.copy_in_runs`), making room for each as it comes, and
 publishes them together at its end; a get whose keys are all held pins their buffers and copies
-its runs. Every other call (a list of objects, a key twice, a get with a miss) goes run by run:
+its runs. Every other call (a list of objects, a key twice or held, a get with a miss) goes run by run:
 each run looked up, reserved, copied and published between two checkpoints, so that it needs
 neither a reservation held across a pause nor a pin. (The one pass saves each run's Python, which
 from cold caches cost 0.6-0.9 us an object of 64 KiB: docs/benchmarks.md, sixteenth stop.)
@@ -40,6 +40,7 @@ from typing import TypeGuard, TypeVar, cast
 import anyio.lowlevel
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvflow import regions
@@ -56,7 +57,7 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import check_object, copy_in_runs, gather_objects, scatter_objects
+from kvflow.backends.copies import at, check_object, copy_in_runs, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query, split_url
@@ -184,18 +185,25 @@ class MemoryBackend:
 
     async def _put_batch(self, batch: ObjectBatch, call: int) -> list[PutStatus]:
         """A put (of put ``call``) of a batch of distinct new keys whose objects each fit in one
-        piece: room is made for them at once (the first that fit; the rest ``NO_SPACE``), their
-        objects are copied in runs, the loop let run between them, then published together
-        (:meth:`_publish`). A call that fails or is cancelled while copying publishes nothing and
-        gives its reservation back."""
+        piece: their objects are copied in runs, the loop let run between them, room made for
+        each run as it comes (so that no run's evictions and allocations hold the loop longer than
+        the general path's; the first object that does not fit ends the copy, it and the rest
+        ``NO_SPACE``), then published together (:meth:`_publish`). A call that fails or is
+        cancelled while copying publishes nothing and gives back the room it reserved."""
         keys, nbytes = batch.keys, batch.nbytes
+        entries: list[_Entry] = []
+
+        def room(start: int, end: int) -> npt.NDArray[np.int64]:
+            if self._life.closed:  # closed while the loop ran: nothing more is reserved
+                return np.empty(0, dtype=np.int64)
+            reserved = self._reserve_same(nbytes, end - start, call)
+            run = cast("list[_Entry]", reserved[: len(reserved) - reserved.count(None)])
+            entries.extend(run)
+            return np.fromiter((entry.addr for entry in run), dtype=np.int64, count=len(run))
+
         with self._life.call(copies=True):
-            reserved = self._reserve_same(nbytes, len(keys), call)
-            entries = cast("list[_Entry]", reserved[: len(keys) - reserved.count(None)])
-            copied = batch if len(entries) == len(keys) else batch[: len(entries)]
-            starts = np.fromiter((entry.addr for entry in entries), dtype=np.int64, count=len(entries))
             try:
-                paused = await copy_in_runs(starts, copied, into_regions=False)
+                paused = await copy_in_runs(batch, room, into_regions=False)
             except BaseException:
                 if not self._life.closed:
                     self._stats.used_bytes -= len(entries) * nbytes
@@ -211,16 +219,16 @@ class MemoryBackend:
         """Publish the copied ``entries`` of the first objects of a put (of put ``call``; the rest:
         no room), the first key the most recently used. ``raced``: another put published some of
         the keys while this one copied (a use: ``PRESENT``, and this copy dropped). Once closed,
-        the copies are ``FAILED`` and nothing is stored."""
-        stored, closed = self._objects, self._life.closed
-        if not raced and not closed and len(entries) == len(keys):  # the usual call
+        nothing is stored: every object ``FAILED``."""
+        stored = self._objects
+        if self._life.closed:  # (the close clears the store and its count once this call ends)
+            return [PutStatus.FAILED] * len(keys)
+        if not raced and len(entries) == len(keys):  # the usual call
             stored.update(zip(reversed(keys), reversed(entries)))
             return [PutStatus.STORED] * len(keys)
         results = [PutStatus.NO_SPACE] * len(keys)
         for i, (key, entry) in enumerate(zip(keys, entries)):
-            if closed:
-                results[i] = PutStatus.FAILED
-            elif key in stored:
+            if key in stored:
                 results[i] = PutStatus.PRESENT
                 stored[key].put = call
                 self._stats.used_bytes -= entry.nbytes
@@ -257,7 +265,7 @@ class MemoryBackend:
 
             try:
                 paused = await copy_in_runs(
-                    np.asarray(starts, dtype=np.int64), batch, into_regions=True, after_run=done
+                    batch, at(np.asarray(starts, dtype=np.int64)), into_regions=True, after_run=done
                 )
             finally:
                 for entry in pinned:

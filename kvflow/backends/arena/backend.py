@@ -55,7 +55,7 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import copy_in_runs, gather_objects, scatter_objects
+from kvflow.backends.copies import at, copy_in_runs, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
 from kvflow.errors import BackendError, ConfigError
 
@@ -222,7 +222,7 @@ class ArenaBackend:
         arena = self._arena
         slots_of = arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes
         if isinstance(objects, ObjectBatch) and len(order) == len(objects):  # the usual put
-            await copy_in_runs(slots_of, objects, into_regions=False, after_run=_hook(rows))
+            await copy_in_runs(objects, at(slots_of), into_regions=False, after_run=_hook(rows))
             return
         sizes = nbytes_of(objects)
         if len(order) < len(objects):  # (else every object, in order)
