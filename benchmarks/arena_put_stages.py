@@ -12,7 +12,7 @@ Reported in microseconds per put (medians):
 
 - claim: :meth:`ArenaFile.claim`, the compiled pass and its Python around it, under the lock;
 - claim section: the put's whole claim (hashing the keys, the lock, the claim);
-- copy: :func:`kvflow.backends.copies.gather_objects`, one run of objects (up to 4 MiB);
+- copy: :func:`kvflow.regions.copy_rows`, the compiled copy of one run of objects (up to 4 MiB);
 - write: every run of the put with its pacing;
 - publish: :meth:`ArenaFile.publish`, under the lock;
 - put: the backend's whole call.
@@ -37,7 +37,7 @@ import anyio
 import numpy as np
 import torch
 
-import kvflow.backends.arena.backend as arena_backend
+import kvflow.regions as copy_loops
 from kvflow.backends import ObjectBatch, PutStatus
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
 from kvflow.backends.arena.store import ArenaFile
@@ -84,7 +84,7 @@ async def measure(
         (ArenaBackend, "_claim", times["claim section"], True),
         (ArenaBackend, "_write", times["write"], True),
         (ArenaBackend, "put", times["put"], True),
-        (arena_backend, "gather_objects", times["copy"], False),
+        (copy_loops, "copy_rows", times["copy"], False),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     for owner, name, into, awaited in patches:
