@@ -208,7 +208,8 @@ class MemoryBackend:
                 if not self._life.closed:
                     self._stats.used_bytes -= len(entries) * nbytes
                 raise
-            results = self._publish(keys, entries, call, raced=paused and not self._all_new(keys))
+            raced = paused and not self._objects.keys().isdisjoint(keys)  # (distinct: known already)
+            results = self._publish(keys, entries, call, raced=raced)
             self._stats.count_puts(batch, results)
         await anyio.lowlevel.checkpoint()
         return results
@@ -270,7 +271,9 @@ class MemoryBackend:
             finally:
                 for entry in pinned:
                     entry.readers -= 1
-                self._stats.count_gets(batch[:copied], [GetStatus.HIT] * copied)
+                self._stats.count_gets(
+                    batch if copied == len(keys) else batch[:copied], [GetStatus.HIT] * copied
+                )
             if paused and next(reversed(stored), None) != keys[0]:  # another use came after it
                 self._newest_first(keys, [GetStatus.HIT] * len(keys))
             results = [GetStatus.HIT] * len(keys)
