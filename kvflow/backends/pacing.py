@@ -11,9 +11,11 @@ leaves, seven of them in a load of 32 MiB (measured, docs/benchmarks.md, elevent
 are seen only when the loop polls, so a call yields at least every :data:`HOLD_ALONE_S` all the
 same.
 
-The arena backend's gets keep their own cadence: they release the store's lock every
-:data:`YIELD_EVERY_S` and yield, alone or not, because a put in another process can take the lock
-only between two holds (``flock`` is not fair).
+The arena backend's gets hold the store's lock across their runs and let it go at each checkpoint
+(a section under the lock never awaits). They count a put waiting for the lock in another process
+as other work waiting (:meth:`Pacer.due`'s ``others``): such a put can take the lock only between
+two holds (``flock`` is not fair), and says it waits in the store
+(:class:`kvflow.backends.arena.lock.WaitMark`).
 
 Every put and get of the three backends also ends with a checkpoint, so that many small calls in a
 row from one task, each under the thresholds, do not hold the loop across them.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio.lowlevel
 import attrs
@@ -90,10 +92,13 @@ class Pacer:
 
     last: float = attrs.field(factory=time.monotonic)
 
-    def due(self) -> bool:
-        """Whether the loop has been held long enough that the caller should :meth:`pause`."""
+    def due(self, others: Callable[[], bool] | None = None) -> bool:
+        """Whether the loop has been held long enough that the caller should :meth:`pause`;
+        ``others``: whether work elsewhere waits for the caller too (asked after the loop's own)."""
         held = time.monotonic() - self.last
-        return held >= YIELD_EVERY_S and (held >= HOLD_ALONE_S or others_ready())
+        if held < YIELD_EVERY_S:
+            return False
+        return held >= HOLD_ALONE_S or others_ready() or (others is not None and others())
 
     async def pause(self) -> None:
         """Let the loop run other tasks now, and start counting again."""

@@ -152,8 +152,16 @@ class Workers:
 
     def go(self) -> None:
         """Once every worker has opened its store (READY), let them all start at once."""
+        self.ready()
+        self.start()
+
+    def ready(self) -> None:
+        """Wait until every worker has opened its store."""
         for proc in self.procs:
             self.wait_for(proc, "READY")
+
+    def start(self) -> None:
+        """Let every worker (all :meth:`ready`) start its rounds."""
         for proc in self.procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -161,6 +169,10 @@ class Workers:
 
     def run(self, timeout: float = 60) -> list[dict[str, Any]]:
         self.go()
+        return self.reports(timeout)
+
+    def reports(self, timeout: float = 60) -> list[dict[str, Any]]:
+        """Once :meth:`go` let them start, wait for every worker's report."""
         reports = []
         for proc in self.procs:
             out, _ = proc.communicate(timeout=timeout)

@@ -31,10 +31,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvflow.backends.arena.backend as arena
+import kvflow.backends.arena.lock as lock
 import kvflow.backends.local.format as local_format
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends import lockfiles, open_backend, pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
+from kvflow.backends.arena.lock import StoreLock
 from kvflow.backends.arena.store import WAYS, KeyHashes, key_hashes
 from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
@@ -563,6 +565,89 @@ async def test_a_get_never_reads_a_slot_that_a_put_takes_meanwhile(
     await writer.aclose()
 
 
+async def test_a_get_holds_the_lock_across_its_runs_unless_a_put_waits_for_it(
+    store_dir: Path, checkpoint_often: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alone on the loop a get holds the store's lock across its runs (each run one object here,
+    past YIELD_EVERY_S at once); while a put of another process waits for the lock (its mark in
+    the store) it lets go after every run, as it does for a task waiting beside it."""
+    monkeypatch.setattr(pacing, "HOLD_ALONE_S", 60.0)
+    monkeypatch.setattr(lock, "MARK_FRESH_NS", 60 * 10**9)  # (fresh however slow the machine)
+    reader, other = open_arena(store_dir), open_arena(store_dir)
+    keys = [f"k{i}" for i in range(8)]
+    assert await put_all(reader, keys) == [PutStatus.STORED] * len(keys)
+    holds, take = 0, StoreLock._try
+
+    def counted(self: StoreLock, mode: int) -> bool:
+        nonlocal holds
+        taken = take(self, mode)
+        holds += taken
+        return taken
+
+    monkeypatch.setattr(StoreLock, "_try", counted)
+
+    async def holds_of_a_get() -> int:
+        nonlocal holds
+        holds, outs = 0, [bytearray(SLOT) for _ in keys]
+        assert await reader.get([obj(k, out) for k, out in zip(keys, outs)]) == [GetStatus.HIT] * len(keys)
+        assert outs == [filled(k) for k in keys]
+        return holds
+
+    assert await holds_of_a_get() == 1
+    assert other._arena.lock.waits is not None
+    other._arena.lock.waits.mark()  # in the store both map, as a put waiting in another process
+    assert await holds_of_a_get() == len(keys)
+    other._arena.lock.waits.clear()
+    assert await holds_of_a_get() == 1
+    await reader.aclose()
+    await other.aclose()
+
+
+async def test_a_put_waiting_for_the_lock_in_another_process_marks_the_store_until_it_holds_it(
+    store_dir: Path,
+) -> None:
+    """A worker process's put finds the lock held shared (as by a get here): it marks the store
+    while it waits, and the mark is gone once the put took the lock."""
+    reader = open_arena(store_dir)
+    url = f"arena://{store_dir}?capacity={16 * SLOT}&slot={SLOT}"
+    workers = Workers([{"url": url, "writer": 0, "keys": ["w0", "w1"], "size": SLOT, "batch": 2}])
+    try:
+        workers.ready()  # (a worker opens the store under the exclusive lock)
+        assert not reader._arena.lock.writer_waiting()
+        fcntl.flock(reader._arena.lock.fd, fcntl.LOCK_SH)
+        try:
+            workers.start()
+            deadline = time.monotonic() + 30
+            while not reader._arena.lock.writer_waiting():
+                assert time.monotonic() < deadline, "the worker's put never marked the store"
+                await anyio.sleep(0.001)
+            assert workers.procs[0].poll() is None  # still waiting
+        finally:
+            fcntl.flock(reader._arena.lock.fd, fcntl.LOCK_UN)
+        [report] = workers.reports()
+    finally:
+        workers.kill_all()
+    assert report["put"] == {"stored": 2} and report["torn"] == []
+    assert not reader._arena.lock.writer_waiting()
+    assert await reader.exists(["w0", "w1"]) == [True, True]
+    await reader.aclose()
+
+
+async def test_a_waiters_mark_counts_only_while_fresh(store_dir: Path) -> None:
+    """A store made anew has no mark; one left by a waiter killed (older than MARK_FRESH_NS) is
+    not counted; a fresh one is, by every process's mapping."""
+    backend, other = open_arena(store_dir), open_arena(store_dir)
+    waits = backend._arena.lock.waits
+    assert waits is not None and not other._arena.lock.writer_waiting()
+    waits.word[0] = time.monotonic_ns() - lock.MARK_FRESH_NS - 1_000_000
+    assert not other._arena.lock.writer_waiting()
+    waits.mark()
+    assert other._arena.lock.writer_waiting()
+    await backend.aclose()
+    assert other._arena.lock.writer_waiting()  # (in the store, not in the instance that wrote it)
+    await other.aclose()
+
+
 async def test_a_cancelled_put_gives_its_slots_back(store_dir: Path, checkpoint_often: None) -> None:
     backend = open_arena(store_dir, slots=4)
     with anyio.CancelScope() as scope:
@@ -706,6 +791,7 @@ async def test_a_stuck_lock_holder_fails_calls_within_the_lock_timeout(store_dir
         with pytest.raises(BackendError):
             await backend.remove(["k"])
         assert time.monotonic() - started < 2
+        assert not stuck._arena.lock.writer_waiting()  # the waits that gave up left no mark
     assert await backend.exists(["k", "new"]) == [True, False]
     stats = backend.stats()
     assert (stats.put_failures, stats.get_failures) == (1, 1)

@@ -331,13 +331,13 @@ class ArenaBackend:
             try:
                 query = arena.query(self._hashes(keys_of(objects)), sizes)
                 while done < len(objects):
-                    # held for YIELD_EVERY_S at most, then released and the loop let run, alone or
-                    # not: a put in another process takes the lock only between two holds
+                    # let go at each checkpoint, as often as when other tasks wait where a put in
+                    # another process waits: it takes the lock only between two holds
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
-                        started = time.monotonic()
+                        pacer = pacing.Pacer()
                         while True:
                             done = self._read(objects, sizes, query, done, results, now)
-                            if done == len(objects) or time.monotonic() - started >= pacing.YIELD_EVERY_S:
+                            if done == len(objects) or pacer.due(arena.lock.writer_waiting):
                                 break
                     if done < len(objects):
                         await anyio.lowlevel.checkpoint()

@@ -5,7 +5,10 @@ exists: an arena of this format, cut as the URL asks (or as an earlier kvflow cu
 
 Header (little-endian, at offset 0): magic ``KVFARENA``, version (u32), ways (u32), slot bytes,
 sets, offset of the slots, and the rule that cut it (u64 each; 0 in a header an earlier kvflow
-wrote, which recorded none).
+wrote, which recorded none). At :data:`WAIT_MARK`, the one word of the header page that changes: the
+time a process waiting for the store's exclusive lock last tried for it, or 0
+(:class:`kvflow.backends.arena.lock.WaitMark`; 0 in a store an earlier kvflow made, which never
+writes it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "COLUMNS",
     "KEY_BYTES",
     "PAGE",
+    "WAIT_MARK",
     "WAYS",
     "Geometry",
     "check_room",
@@ -48,6 +52,7 @@ _WIDE_CUT = 1  # sets of WAYS slots or a few more (Geometry.of): every store mad
 PAGE = 4096
 WAYS = 64
 COLUMNS = 8  # the table's: one u64 array each (kvflow.backends.arena.store)
+WAIT_MARK = 64  # the header page's byte of the waiters' mark (u64), a cache line after the header
 KEY_BYTES = 256  # per slot: the key's length (u16), then the key (utf-8), for listing the store
 
 

@@ -4,6 +4,13 @@ A section under the lock never awaits: ``flock`` locks belong to the open file, 
 process would share one lock, and a task taking it exclusively while another of the same process
 held it shared would silently convert it. Sections are synchronous code between two awaits, which
 no other task of the loop can enter. Waiting for the lock polls with backoff, so the loop runs on.
+
+``flock`` cannot tell a holder that another process waits, nor is it fair: a put waiting for the
+exclusive lock gets it only between two holds of a get. So a process waiting for the exclusive lock
+says so in the store (:class:`WaitMark`, a word of the arena's header page that every process maps):
+it writes the time at each try that fails, and clears it once it holds the lock. A get holds the
+shared lock across its runs while no one waits (as a call alone on the loop holds the loop,
+:mod:`kvflow.backends.pacing`), and lets go every half millisecond while one does.
 """
 
 from __future__ import annotations
@@ -17,20 +24,50 @@ from types import TracebackType
 import anyio
 import attrs
 
-__all__ = ["EXCLUSIVE", "SHARED", "Held", "StoreLock"]
+__all__ = ["EXCLUSIVE", "SHARED", "Held", "StoreLock", "WaitMark"]
 
 SHARED = fcntl.LOCK_SH
 EXCLUSIVE = fcntl.LOCK_EX
 _BACKOFF_MIN_S = 20e-6
 _BACKOFF_MAX_S = 2e-3
+#: How long a waiter's mark counts: a waiter writes it again at every try, at most
+#: ``_BACKOFF_MAX_S`` apart, so an older mark is one a waiter killed (or stopped) left behind.
+MARK_FRESH_NS = 20_000_000
+
+
+@attrs.define
+class WaitMark:
+    """One word shared by every process of a store (``word``, a one-item ``Q`` view of it): 0, or the
+    ``CLOCK_MONOTONIC`` time (ns) of the last try of a process waiting for the exclusive lock. With
+    several waiters the first to take the lock clears it, and the others mark it again at their
+    next try. An aligned 8-byte store, so readers see one time or another, never a torn one."""
+
+    word: memoryview
+
+    def waiting(self) -> bool:
+        """Whether a process tried for the exclusive lock within :data:`MARK_FRESH_NS`."""
+        stamp = self.word[0]
+        return stamp != 0 and abs(time.monotonic_ns() - stamp) < MARK_FRESH_NS
+
+    def mark(self) -> None:
+        self.word[0] = time.monotonic_ns()
+
+    def clear(self) -> None:
+        self.word[0] = 0
 
 
 @attrs.define
 class StoreLock:
-    """``flock`` on ``fd`` (the file at ``path``), held for one synchronous section at a time."""
+    """``flock`` on ``fd`` (the file at ``path``), held for one synchronous section at a time;
+    ``waits``, once the store is mapped, the mark its exclusive waits write."""
 
     fd: int
     path: str
+    waits: WaitMark | None = None
+
+    def writer_waiting(self) -> bool:
+        """Whether another process waits for the exclusive lock (:class:`WaitMark`)."""
+        return self.waits is not None and self.waits.waiting()
 
     def _try(self, mode: int) -> bool:
         try:
@@ -52,14 +89,25 @@ class StoreLock:
         return Held(self, mode, timeout_s)
 
     async def _acquire(self, mode: int, timeout_s: float) -> None:
-        """Take the lock, polling with backoff while another holds it."""
+        """Take the lock, polling with backoff while another holds it (marking an exclusive wait)."""
+        if self._try(mode):
+            return
+        waits = self.waits if mode == EXCLUSIVE else None
         delay = _BACKOFF_MIN_S
         deadline = time.monotonic() + timeout_s
-        while not self._try(mode):
-            if time.monotonic() >= deadline:
-                raise self._timeout(mode, timeout_s)
-            await anyio.sleep(delay)
-            delay = min(delay * 2, _BACKOFF_MAX_S)
+        try:
+            while True:
+                if waits is not None:
+                    waits.mark()
+                if time.monotonic() >= deadline:
+                    raise self._timeout(mode, timeout_s)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                if self._try(mode):
+                    return
+        finally:
+            if waits is not None:
+                waits.clear()
 
     def _release(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -48,6 +48,7 @@ from kvflow.backends.arena.header import (
     COLUMNS,
     KEY_BYTES,
     PAGE,
+    WAIT_MARK,
     WAYS,
     Geometry,
     check_room,
@@ -55,7 +56,7 @@ from kvflow.backends.arena.header import (
     open_or_create,
     stored_geometry,
 )
-from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock
+from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock, WaitMark
 from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
 from kvflow.backends.filesystems import warn_unless_in_memory
@@ -193,6 +194,7 @@ class ArenaFile:
         self.base = ctypes.addressof(self._anchor) + self.geometry.data_offset
         self._columns = tuple(self._table[column] for column in range(COLUMNS))
         self._me_words = np.array([self.me.namespace, self.me.pid, self.me.start], dtype=np.uint64)
+        self.lock.waits = WaitMark(memoryview(self._map)[WAIT_MARK : WAIT_MARK + 8].cast("Q"))
 
     @classmethod
     def open(cls, config: ArenaConfig) -> ArenaFile:
@@ -238,6 +240,9 @@ class ArenaFile:
     def close(self) -> None:
         """Unmap the arena and close the descriptors (call once no copy is running)."""
         self._words.release()
+        if self.lock.waits is not None:
+            self.lock.waits.word.release()
+            self.lock.waits = None
         del self._table, self._tags, self._key_rows, self._anchor, self._columns
         self._map.close()
         lockfiles.closing(self.lock.fd)
