@@ -595,9 +595,9 @@ async def test_a_get_holds_the_lock_across_its_runs_unless_a_put_waits_for_it(
 
     assert await holds_of_a_get() == 1
     assert other._arena.lock.waits is not None
-    other._arena.lock.waits.mark()  # in the store both map, as a put waiting in another process
+    stamp = other._arena.lock.waits.mark()  # in the store both map, as a waiting put in another process
     assert await holds_of_a_get() == len(keys)
-    other._arena.lock.waits.clear()
+    other._arena.lock.waits.clear(stamp)
     assert await holds_of_a_get() == 1
     await reader.aclose()
     await other.aclose()
@@ -646,6 +646,35 @@ async def test_a_waiters_mark_counts_only_while_fresh(store_dir: Path) -> None:
     await backend.aclose()
     assert other._arena.lock.writer_waiting()  # (in the store, not in the instance that wrote it)
     await other.aclose()
+
+
+async def test_a_waiter_leaving_clears_only_its_own_mark(store_dir: Path) -> None:
+    """Two processes wait for the exclusive lock; the one that marked first takes it (or gives
+    up): the other's later mark stays, so gets go on letting go of the lock for it."""
+    first, second = open_arena(store_dir), open_arena(store_dir)
+    assert first._arena.lock.waits is not None and second._arena.lock.waits is not None
+    early = first._arena.lock.waits.mark()
+    while (late := second._arena.lock.waits.mark()) == early:  # (a coarse clock)
+        await anyio.sleep(0)
+    first._arena.lock.waits.clear(early)
+    assert first._arena.lock.writer_waiting()
+    second._arena.lock.waits.clear(late)
+    assert not first._arena.lock.writer_waiting()
+    await first.aclose()
+    await second.aclose()
+
+
+def test_opening_a_made_store_does_not_wait_for_other_processes_gets(store_dir: Path) -> None:
+    """A process opening a store already made only reads its header: it takes the lock shared, so
+    a get holding it in another process (held here on another descriptor) does not keep it out."""
+    reader = open_arena(store_dir)
+    fcntl.flock(reader._arena.lock.fd, fcntl.LOCK_SH)
+    try:
+        opened = open_arena(store_dir, lock_timeout_s=0.2)
+    finally:
+        fcntl.flock(reader._arena.lock.fd, fcntl.LOCK_UN)
+    anyio.run(opened.aclose)
+    anyio.run(reader.aclose)
 
 
 async def test_a_cancelled_put_gives_its_slots_back(store_dir: Path, checkpoint_often: None) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "Geometry",
     "check_room",
     "exists",
+    "open_made",
     "open_or_create",
     "stored_geometry",
 ]
@@ -154,18 +155,35 @@ def check_room(root_fd: int, root: str, geometry: Geometry) -> None:
         )
 
 
+def open_made(
+    root_fd: int, root: str, access: Access, geometry: Geometry, earlier: Geometry
+) -> tuple[int, Geometry] | None:
+    """The arena file's descriptor and how it is cut (``geometry``, or ``earlier`` for a store an
+    earlier kvflow made), or None where no arena is made. Under the lock, shared or exclusive: an
+    arena appears whole (:func:`open_or_create`), and nothing changes the header it reads."""
+    try:
+        fd = open_store_file(root_fd, ARENA_NAME, f"{root}/{ARENA_NAME}", access, create=False)
+    except FileNotFoundError:
+        return None
+    return fd, _checked(fd, f"{root}/{ARENA_NAME}", geometry, earlier)
+
+
 def open_or_create(
     root_fd: int, root: str, access: Access, geometry: Geometry, earlier: Geometry
 ) -> tuple[int, Geometry]:
-    """The arena file's descriptor, after creating it (allocated and zeroed) if missing, and how it
-    is cut: ``geometry``, or ``earlier`` for a store an earlier kvflow made. Under the lock."""
-    path = f"{root}/{ARENA_NAME}"
+    """:func:`open_made`, after creating the arena (allocated and zeroed, then renamed into place)
+    if missing. Under the exclusive lock."""
+    made = open_made(root_fd, root, access, geometry, earlier)
+    if made is not None:
+        return made
+    fd = _create(root_fd, root, access, geometry)
+    return fd, _checked(fd, f"{root}/{ARENA_NAME}", geometry, earlier)
+
+
+def _checked(fd: int, path: str, geometry: Geometry, earlier: Geometry) -> Geometry:
+    """:func:`_check_header`, closing ``fd`` when it raises."""
     try:
-        fd = open_store_file(root_fd, ARENA_NAME, path, access, create=False)
-    except FileNotFoundError:
-        fd = _create(root_fd, root, access, geometry)
-    try:
-        return fd, _check_header(fd, path, geometry, earlier)
+        return _check_header(fd, path, geometry, earlier)
     except BaseException:
         os.close(fd)
         raise

@@ -38,9 +38,11 @@ MARK_FRESH_NS = 20_000_000
 @attrs.define
 class WaitMark:
     """One word shared by every process of a store (``word``, a one-item ``Q`` view of it): 0, or the
-    ``CLOCK_MONOTONIC`` time (ns) of the last try of a process waiting for the exclusive lock. With
-    several waiters the first to take the lock clears it, and the others mark it again at their
-    next try. An aligned 8-byte store, so readers see one time or another, never a torn one."""
+    ``CLOCK_MONOTONIC`` time (ns) of the last try of a process waiting for the exclusive lock. A
+    waiter that takes the lock (or gives up) clears the mark if it is still its own: with several
+    waiters, a later try's mark stays (but for a race of a few instructions, after which the
+    others mark it again at their next try). An aligned 8-byte store, so readers see one time or
+    another, never a torn one."""
 
     word: memoryview
 
@@ -49,11 +51,15 @@ class WaitMark:
         stamp = self.word[0]
         return stamp != 0 and abs(time.monotonic_ns() - stamp) < MARK_FRESH_NS
 
-    def mark(self) -> None:
-        self.word[0] = time.monotonic_ns()
+    def mark(self) -> int:
+        """Mark a try now; return the mark, for :meth:`clear`."""
+        self.word[0] = stamp = time.monotonic_ns()
+        return stamp
 
-    def clear(self) -> None:
-        self.word[0] = 0
+    def clear(self, stamp: int) -> None:
+        """Clear the mark if it is still ``stamp`` (no later try marked it since)."""
+        if self.word[0] == stamp:
+            self.word[0] = 0
 
 
 @attrs.define
@@ -93,12 +99,12 @@ class StoreLock:
         if self._try(mode):
             return
         waits = self.waits if mode == EXCLUSIVE else None
-        delay = _BACKOFF_MIN_S
+        delay, stamp = _BACKOFF_MIN_S, 0
         deadline = time.monotonic() + timeout_s
         try:
             while True:
                 if waits is not None:
-                    waits.mark()
+                    stamp = waits.mark()
                 if time.monotonic() >= deadline:
                     raise self._timeout(mode, timeout_s)
                 await anyio.sleep(delay)
@@ -107,7 +113,7 @@ class StoreLock:
                     return
         finally:
             if waits is not None:
-                waits.clear()
+                waits.clear(stamp)
 
     def _release(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -53,10 +53,11 @@ from kvflow.backends.arena.header import (
     Geometry,
     check_room,
     exists,
+    open_made,
     open_or_create,
     stored_geometry,
 )
-from kvflow.backends.arena.lock import EXCLUSIVE, StoreLock, WaitMark
+from kvflow.backends.arena.lock import EXCLUSIVE, SHARED, StoreLock, WaitMark
 from kvflow.backends.arena.table import NO_SPACE, PRESENT, REPEAT, UNKNOWN, passes
 from kvflow.backends.base import PutStatus
 from kvflow.backends.filesystems import warn_unless_in_memory
@@ -214,15 +215,21 @@ class ArenaFile:
                 lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
                 wait = config.lock_timeout_s
                 warn_unless_in_memory(fds[0], root, "arena")
-                if not exists(fds[0], ARENA_NAME):  # it may be being made: wait as long as that takes
+                made = exists(fds[0], ARENA_NAME)
+                if not made:  # it may be being made: wait as long as that takes
                     check_room(fds[0], root, geometry)  # (not for one its filesystem cannot hold)
                     wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
+                earlier = Geometry.earlier_of(config)
                 try:
-                    with lock.held_blocking(EXCLUSIVE, wait):
-                        fd, geometry = open_or_create(
-                            fds[0], root, access, geometry, Geometry.earlier_of(config)
-                        )
-                        fds.append(fd)
+                    opened = None
+                    if made:  # only its header is read: shared, not waiting for others' gets
+                        with lock.held_blocking(SHARED, wait):
+                            opened = open_made(fds[0], root, access, geometry, earlier)
+                    if opened is None:  # (none, or removed meanwhile)
+                        with lock.held_blocking(EXCLUSIVE, wait):
+                            opened = open_or_create(fds[0], root, access, geometry, earlier)
+                    fds.append(opened[0])
+                    geometry = opened[1]
                 except TimeoutError as exc:
                     raise BackendUnavailableError(f"cannot open the arena at {root}: {exc}") from None
                 mapped = mmap.mmap(
