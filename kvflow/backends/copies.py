@@ -24,7 +24,7 @@ from kvflow import regions
 from kvflow.backends import pacing
 from kvflow.backends.base import ObjectBatch, ObjectRef
 
-__all__ = ["at", "check_object", "copy_in_runs", "gather_objects", "scatter_objects"]
+__all__ = ["at", "check_object", "copy_in_runs", "copy_run", "gather_objects", "scatter_objects"]
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
@@ -66,12 +66,21 @@ async def copy_in_runs(
         end = min(start + step, len(batch))
         starts = buffers(start, end)
         got = start + len(starts)
-        regions.copy_rows(starts, rows[start:got], sizes, into_regions=into_regions, stream=True)
+        copy_run(batch, start, starts, into_regions=into_regions)
         if after_run is not None:
             after_run(start, got)
         if got < end:
             break
     return paused
+
+
+def copy_run(batch: ObjectBatch, start: int, buffers: npt.NDArray[np.int64], *, into_regions: bool) -> None:
+    """Copy between objects ``start`` to ``start + len(buffers)`` of ``batch`` and the buffers at
+    ``buffers``, one each, streamed (as :func:`copy_in_runs`, for one run): one compiled call on
+    the batch's columns, no slice of it made."""
+    rows = batch.addrs[start : start + len(buffers)]
+    sizes = np.asarray(batch.sizes, dtype=np.int64)
+    regions.copy_rows(buffers, rows, sizes, into_regions=into_regions, stream=True)
 
 
 def at(addresses: npt.NDArray[np.int64]) -> Callable[[int, int], npt.NDArray[np.int64]]:

@@ -55,7 +55,7 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import at, copy_in_runs, gather_objects, scatter_objects
+from kvflow.backends.copies import at, copy_in_runs, copy_run, gather_objects, scatter_objects
 from kvflow.backends.inflight import Lifetime
 from kvflow.errors import BackendError, ConfigError
 
@@ -335,8 +335,9 @@ class ArenaBackend:
                     # another process waits: it takes the lock only between two holds
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
                         pacer = pacing.Pacer()
+                        arena.locate(query, done, len(objects), now)  # (no slot changes while held)
                         while True:
-                            done = self._read(objects, sizes, query, done, results, now)
+                            done = self._read(objects, sizes, query, done, results)
                             if done == len(objects) or pacer.due(arena.lock.writer_waiting):
                                 break
                     if done < len(objects):
@@ -355,20 +356,22 @@ class ArenaBackend:
         query: Query,
         done: int,
         results: list[GetStatus],
-        now: int,
     ) -> int:
         """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
-        one call, under the shared lock; return where the run ended. Slots found under an earlier
-        hold of the lock are checked again (:meth:`ArenaFile.locate`); a key found absent is a MISS:
-        it was absent when the get looked."""
+        one call, under the shared lock, their slots located under it (:meth:`ArenaFile.locate`:
+        slots found under an earlier hold are checked again); return where the run ended. A key
+        found absent is a MISS: it was absent when the get looked."""
         arena, end = self._arena, pacing.run_end(sizes, done, uniform=isinstance(objects, ObjectBatch))
-        arena.locate(query, done, end, now)
         rows, found = query.rows[done:end], query.found[done:end]
-        run = objects if end - done == len(objects) else objects[done:end]
         if found.all():  # the usual case: one copy call, no Python per object
-            scatter_objects((arena.base + rows * arena.geometry.slot_bytes).tolist(), run)
+            slots = arena.base + rows * arena.geometry.slot_bytes
+            if isinstance(objects, ObjectBatch):  # (on its columns: no slice of it made)
+                copy_run(objects, done, slots, into_regions=True)
+            else:
+                scatter_objects(slots.tolist(), objects[done:end])
             results[done:end] = [GetStatus.HIT] * (end - done)
             return end
+        run = objects if end - done == len(objects) else objects[done:end]
         hits = np.flatnonzero(found)
         for i, row in enumerate(rows.tolist(), done):
             if row < 0:
