@@ -351,6 +351,40 @@ def test_arena_put_stages_bench_calls_before_ahead_of_each_put() -> None:
     assert len(calls) == 12 and positive(stages["put"])
 
 
+def test_arena_get_holds_bench_reports_each_get_beside_the_bare_copy_and_removes_its_store() -> None:
+    """Each size's row has the bare copy, the get and the get with a put seen waiting, and their
+    ratios as the medians give them (the script fails if a get misses or returns other bytes);
+    its private store is gone at the end."""
+    before = set(Path("/dev/shm").glob("kvflow-arena-holds-*"))
+    args = ["--sizes", "64KiB,256KiB", "--batch", "4", "--repeat", "2", "--json"]
+    rows = json.loads(ok(run("benchmarks/arena_get_holds.py", *args)))
+    assert [(row["object_kib"], row["batch"]) for row in rows] == [(64, 4), (256, 4)]
+    for row in rows:
+        assert all(positive(row[f"{name}_ms"]) for name in ("bare", "get", "get_waited"))
+        assert row["get_vs_bare"] == pytest.approx(row["get_ms"] / row["bare_ms"])
+        assert row["waited_vs_get"] == pytest.approx(row["get_waited_ms"] / row["get_ms"])
+    assert set(Path("/dev/shm").glob("kvflow-arena-holds-*")) == before
+
+
+def test_arena_get_holds_bench_times_its_waited_gets_with_the_mark_fresh_and_the_others_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What each get saw in the store as it started: the waited ones a waiter's mark, the others
+    none (one untimed turn and two timed, one get of each kind a turn)."""
+    seen: list[bool] = []
+    get = ArenaBackend.get
+
+    async def watched(self: ArenaBackend, objects: Any) -> Any:
+        seen.append(self._arena.lock.writer_waiting())
+        return await get(self, objects)
+
+    monkeypatch.setattr(ArenaBackend, "get", watched)
+    module = load_benchmark("arena_get_holds")
+    monkeypatch.setattr(module.arena_lock, "MARK_FRESH_NS", 1 << 62)
+    row = anyio.run(module.measure, str(tmp_path), 64 << 10, 4, 2, lambda: None)
+    assert sorted(seen) == [False] * 3 + [True] * 3 and positive(row["get_waited_ms"])
+
+
 def test_local_backend_bench_measures_every_size_and_removes_its_store(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = ok(
