@@ -56,8 +56,6 @@ async def copy_in_runs(
     each run. Returns whether the loop ran (other tasks may have changed what the caller looked at
     before)."""
     step = pacing.run_length(batch.nbytes)
-    sizes = np.asarray(batch.sizes, dtype=np.int64)
-    rows = batch.addrs
     pacer, paused = pacing.Pacer(), False
     for start in range(0, len(batch), step):
         if pacer.due():

@@ -331,8 +331,8 @@ class ArenaBackend:
             try:
                 query = arena.query(self._hashes(keys_of(objects)), sizes)
                 while done < len(objects):
-                    # let go at each checkpoint, as often as when other tasks wait where a put in
-                    # another process waits: it takes the lock only between two holds
+                    # let go at each checkpoint; a put waiting in another process counts as work
+                    # waiting, as a task does: it takes the lock only between two holds
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
                         pacer = pacing.Pacer()
                         arena.locate(query, done, len(objects), now)  # (no slot changes while held)

@@ -8,9 +8,10 @@ no other task of the loop can enter. Waiting for the lock polls with backoff, so
 ``flock`` cannot tell a holder that another process waits, nor is it fair: a put waiting for the
 exclusive lock gets it only between two holds of a get. So a process waiting for the exclusive lock
 says so in the store (:class:`WaitMark`, a word of the arena's header page that every process maps):
-it writes the time at each try that fails, and clears it once it holds the lock. A get holds the
-shared lock across its runs while no one waits (as a call alone on the loop holds the loop,
-:mod:`kvflow.backends.pacing`), and lets go every half millisecond while one does.
+it writes the time at each try that fails, and clears it, if still its own, once it holds the lock
+or gives up. A get holds the shared lock across its runs while no one waits (as a call alone on the
+loop holds the loop, :mod:`kvflow.backends.pacing`), and lets go every half millisecond while one
+does.
 """
 
 from __future__ import annotations
