@@ -335,9 +335,8 @@ class ArenaBackend:
                     # waiting, as a task does: it takes the lock only between two holds
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
                         pacer = pacing.Pacer()
-                        arena.locate(query, done, len(objects), now)  # (no slot changes while held)
                         while True:
-                            done = self._read(objects, sizes, query, done, results)
+                            done = self._read(objects, sizes, query, done, results, now)
                             if done == len(objects) or pacer.due(arena.lock.writer_waiting):
                                 break
                     if done < len(objects):
@@ -356,12 +355,15 @@ class ArenaBackend:
         query: Query,
         done: int,
         results: list[GetStatus],
+        now: int,
     ) -> int:
         """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
-        one call, under the shared lock, their slots located under it (:meth:`ArenaFile.locate`:
-        slots found under an earlier hold are checked again); return where the run ended. A key
-        found absent is a MISS: it was absent when the get looked."""
+        one call, under the shared lock; return where the run ended. Slots found under an earlier
+        hold of the lock are checked again (:meth:`ArenaFile.locate`, for the run alone: the
+        whole rest of a large batch takes milliseconds); a key found absent is a MISS: it was
+        absent when the get looked."""
         arena, end = self._arena, pacing.run_end(sizes, done, uniform=isinstance(objects, ObjectBatch))
+        arena.locate(query, done, end, now)
         rows, found = query.rows[done:end], query.found[done:end]
         if found.all():  # the usual case: one copy call, no Python per object
             slots = arena.base + rows * arena.geometry.slot_bytes

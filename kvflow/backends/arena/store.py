@@ -215,17 +215,17 @@ class ArenaFile:
                 lock = StoreLock(fds[1], f"{root}/{LOCK_NAME}")
                 wait = config.lock_timeout_s
                 warn_unless_in_memory(fds[0], root, "arena")
-                made = exists(fds[0], ARENA_NAME)
-                if not made:  # it may be being made: wait as long as that takes
-                    check_room(fds[0], root, geometry)  # (not for one its filesystem cannot hold)
-                    wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
                 earlier = Geometry.earlier_of(config)
                 try:
                     opened = None
-                    if made:  # only its header is read: shared, not waiting for others' gets
+                    if exists(fds[0], ARENA_NAME):  # only its header is read: shared, not waiting for gets
                         with lock.held_blocking(SHARED, wait):
                             opened = open_made(fds[0], root, access, geometry, earlier)
-                    if opened is None:  # (none, or removed meanwhile)
+                    if opened is None:
+                        # none (or removed meanwhile): it may be being made, so wait as long as that
+                        # takes, but not for one its filesystem cannot hold
+                        check_room(fds[0], root, geometry)
+                        wait += geometry.file_bytes / _ALLOCATE_BYTES_PER_S
                         with lock.held_blocking(EXCLUSIVE, wait):
                             opened = open_or_create(fds[0], root, access, geometry, earlier)
                     fds.append(opened[0])
