@@ -101,9 +101,8 @@ def _copy(buffers: Sequence[int], objects: Sequence[ObjectRef], *, into_regions:
     if len(buffers) != len(objects):
         raise ValueError(f"{len(buffers)} buffers for {len(objects)} objects")
     starts = np.asarray(buffers, dtype=np.int64)
-    if isinstance(objects, ObjectBatch):
-        sizes = np.asarray(objects.sizes)
-        regions.copy_rows(starts, objects.addrs, sizes, into_regions=into_regions, stream=True)
+    if isinstance(objects, ObjectBatch):  # one run of all of it
+        copy_run(objects, 0, starts, into_regions=into_regions)
         return
     addrs: list[int] = []
     sizes_of: list[int] = []
