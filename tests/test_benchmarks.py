@@ -720,3 +720,23 @@ def test_chunked_store_bench_fails_when_a_chunk_was_not_kept(monkeypatch: pytest
     lying(monkeypatch, module, drop_put=lambda i: i == 2)
     with pytest.raises(RuntimeError, match="the store holds 32 of the prompt's 64 blocks"):
         anyio.run(module.run, "memory://", 64, 16, 4096, 1)
+
+
+def test_cold_costs_bench_reports_every_step_beside_the_retrieve() -> None:
+    """Each step's median from flushed caches, and its share of the pool retrieve timed beside it."""
+    out = json.loads(ok(run("benchmarks/cold_costs.py", "--repeat", "2", "--json")))
+    steps = {
+        "retrieve", "copy", "coroutine", "loop_iteration", "anyio_checkpoint", "deadline_scope",
+        "int_array", "compiled_copy", "handover_callback", "handover_coroutine", "handover_kvflow",
+    }  # fmt: skip
+    assert set(out["us"]) == set(out["share_of_retrieve"]) == steps
+    assert all(positive(value) for value in out["us"].values())
+    for name, share in out["share_of_retrieve"].items():
+        assert share == pytest.approx(out["us"][name] / out["us"]["retrieve"])
+
+
+def test_cold_costs_bench_fails_on_a_hollow_retrieve(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_benchmark("cold_costs")
+    lying(monkeypatch, module, hollow_get=lambda _: True)
+    with pytest.raises(RuntimeError, match="did not bring back every byte"):
+        module.measure(2, flush=lambda: None)
