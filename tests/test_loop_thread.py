@@ -4,10 +4,14 @@ other threads (kvflow/loop.py, kvflow/sync.py, kvflow/sync_layerwise.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import gc
 import logging
 import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import anyio
@@ -618,3 +622,101 @@ def test_a_cancellation_a_backend_raises_itself_is_an_error_of_the_call_not_the_
         pool.remove(KVRequest(tokens=TOKENS[:BLOCK]))
     assert pool._loop.running and pool.lookup(KVRequest(tokens=TOKENS[:BLOCK])) == 0
     assert pool.close(timeout_s=5) is True
+
+
+def test_a_call_goes_to_a_task_that_waits_idle_unless_a_call_changed_its_context() -> None:
+    """Calls one after another run on one task of the group, which waits idle between them (a
+    call handed over costs no new task); a call that set a context variable leaves its task, so
+    the next call does not see it."""
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="unset")
+    thread = LoopThread(name="test-idle").start()
+
+    async def task_and_marker(set_to: str | None) -> tuple[asyncio.Task[object] | None, str]:
+        seen = marker.get()
+        if set_to is not None:
+            marker.set(set_to)
+        return asyncio.current_task(), seen
+
+    try:
+        first, seen_first = thread.call(task_and_marker, None, timeout_s=5)
+        second, seen_second = thread.call(task_and_marker, "changed", timeout_s=5)
+        third, seen_third = thread.call(task_and_marker, None, timeout_s=5)
+    finally:
+        assert thread.stop()
+    assert first is second  # the task that ran the first call ran the second
+    assert third is not second and (seen_first, seen_second, seen_third) == ("unset", "unset", "unset")
+
+
+@pytest.mark.parametrize("handed", [True, False], ids=["handed a call", "idle"])
+def test_a_stray_cancellation_of_an_idle_task_ends_that_task_not_the_loop(handed: bool) -> None:
+    """A cancellation of a task waiting idle (one a finished call left behind) ends that task
+    only: a call handed to it in the same turn is still answered, and the loop goes on."""
+    thread = LoopThread(name="test-idle-cancel").start()
+
+    async def answer() -> str:
+        return "answered"
+
+    async def its_task() -> asyncio.Task[object] | None:
+        return asyncio.current_task()
+
+    try:
+        idle = thread.call(its_task, timeout_s=5)  # the task that ran it now waits idle
+        loop = thread._loop
+        assert idle is not None and loop is not None
+        handed_calls: list[CallFuture[str]] = []
+        done = threading.Event()
+
+        def cancel_in_one_turn() -> None:  # on the loop
+            if handed:
+                handed_calls.append(thread.submit(answer, answer_by=time.monotonic() + 3))
+                thread._notify()  # the idle task is handed the call...
+            idle.cancel()  # ...and cancelled before it runs again
+            done.set()
+
+        loop.call_soon_threadsafe(cancel_in_one_turn)
+        assert done.wait(5)
+        if handed:
+            started = time.monotonic()
+            assert wait_answer(handed_calls[0]) == "answered"
+            assert time.monotonic() - started < 2.5
+        assert thread.call(answer, timeout_s=5) == "answered"  # the loop goes on
+        assert thread.running
+    finally:
+        assert thread.stop()
+
+
+def test_a_call_that_cancelled_itself_leaves_its_task_and_an_idle_task_keeps_no_call_alive() -> None:
+    """After a call that cancelled its own task (a client's stray cancellation, an error of that
+    call), the next call runs on a fresh task with no cancellation pending; and a task waiting
+    idle holds no reference to the call it ran (its arguments, its result)."""
+    thread = LoopThread(name="test-idle-residue").start()
+
+    class Result:
+        pass
+
+    async def cancels_itself() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+
+    async def cancelling() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling() if sys.version_info >= (3, 11) else 0
+
+    async def result(argument: Result) -> Result:
+        return Result()
+
+    try:
+        with pytest.raises(BackendUnavailableError):
+            thread.call(cancels_itself, timeout_s=5)
+        assert thread.call(cancelling, timeout_s=5) == 0
+        argument = Result()
+        returned = thread.call(result, argument, timeout_s=5)
+        refs = weakref.ref(argument), weakref.ref(returned)
+        del argument, returned
+        gc.collect()
+        assert refs[0]() is None and refs[1]() is None
+    finally:
+        assert thread.stop()
