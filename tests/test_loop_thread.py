@@ -647,8 +647,8 @@ def test_a_call_goes_to_a_task_that_waits_idle_unless_a_call_changed_its_context
     assert third is not second and (seen_first, seen_second, seen_third) == ("unset", "unset", "unset")
 
 
-@pytest.mark.parametrize("handed", [True, False, "after"], ids=["handed a call", "idle", "handed after"])
-def test_a_stray_cancellation_of_an_idle_task_ends_that_task_not_the_loop(handed: bool | str) -> None:
+@pytest.mark.parametrize("call", ["handed before", "none", "arriving after"])
+def test_a_stray_cancellation_of_an_idle_task_ends_that_task_not_the_loop(call: str) -> None:
     """A cancellation of a task waiting idle (one a finished call left behind) ends that task
     only: a call handed to it in the same turn is still answered, one that arrives after the
     cancellation in that turn goes to another task, and the loop goes on."""
@@ -668,18 +668,18 @@ def test_a_stray_cancellation_of_an_idle_task_ends_that_task_not_the_loop(handed
         done = threading.Event()
 
         def cancel_in_one_turn() -> None:  # on the loop
-            if handed is True:
+            if call == "handed before":
                 handed_calls.append(thread.submit(answer, answer_by=time.monotonic() + 3))
                 thread._notify()  # the idle task is handed the call...
             idle.cancel()  # ...and cancelled before it runs again
-            if handed == "after":  # its waiter cancelled: the call must go to a new task
+            if call == "arriving after":  # its waiter cancelled: the call goes to a new task
                 handed_calls.append(thread.submit(answer, answer_by=time.monotonic() + 3))
                 thread._notify()
             done.set()
 
         loop.call_soon_threadsafe(cancel_in_one_turn)
         assert done.wait(5)
-        if handed:
+        if call != "none":
             started = time.monotonic()
             assert wait_answer(handed_calls[0]) == "answered"
             assert time.monotonic() - started < 2.5
