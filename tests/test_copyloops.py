@@ -124,9 +124,13 @@ def test_warming_calls_each_loop_once_on_nothing(monkeypatch: pytest.MonkeyPatch
 def test_each_loop_writes_with_non_temporal_stores_both_ways_and_fences() -> None:
     """Each compiled loop has the streamed body twice, one for a put's gather and one for a get's
     scatter (four vector stores per step each), and a store fence after them: a loop whose
-    scatter went back to memmove, or that lost its fence, has fewer."""
+    scatter went back to memmove, or that lost its fence, has fewer. LLVM may copy each body
+    alike when it unrolls the loops around them (twice, with a remainder, on an AMD Zen 4: six
+    blocks of four stores), so the blocks that stream come in pairs, four stores each."""
     loops = compile_loops(cache=False)
     for loop in (loops.rows, loops.ragged):
         (llvm,) = loop.inspect_llvm().values()
-        assert len(re.findall(r"store <4 x i64> .*!nontemporal", llvm)) == 8
+        blocks = re.split(r"\n(?=[\w.]+:)", llvm)  # (each basic block starts with its label)
+        streamed = [n for n in (len(re.findall(r"store <4 x i64> .*!nontemporal", b)) for b in blocks) if n]
+        assert streamed and all(n == 4 for n in streamed) and len(streamed) % 2 == 0, streamed
         assert "call void @llvm.x86.sse.sfence()" in llvm
