@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import json
 import statistics
 import threading
@@ -62,15 +63,25 @@ def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
 
-async def _timed(step: Callable[[], Awaitable[object]], repeat: int, flush: Callable[[], object]) -> float:
-    """The median microseconds of ``repeat`` awaits of ``step()``, each right after ``flush``."""
-    await step()  # untimed: the first call of anything pays for imports and compiles
+async def _timed(
+    step: Callable[[], Awaitable[object]],
+    repeat: int,
+    flush: Callable[[], object],
+    *,
+    prepare: Callable[[], object] = lambda: None,
+    check: Callable[[object], None] = lambda _: None,
+) -> float:
+    """The median microseconds of ``repeat`` awaits of ``step()``, each right after ``prepare``
+    and ``flush`` (untimed) and followed by ``check`` of what it returned (untimed)."""
     samples = []
-    for _ in range(repeat):
+    for i in range(repeat + 1):  # (the first untimed: the first call pays for imports, compiles)
+        prepare()
         flush()
         start = time.perf_counter_ns()
-        await step()
-        samples.append(time.perf_counter_ns() - start)
+        result = await step()
+        if i:
+            samples.append(time.perf_counter_ns() - start)
+        check(result)
     return _median_us(samples)
 
 
@@ -124,11 +135,11 @@ async def _in_loop(repeat: int, flush: Callable[[], object]) -> dict[str, float]
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     backend = open_backend(f"memory://?capacity={2 * OBJECT * BATCH + (2 << 20)}")
     model = f"cold-costs-{time.time_ns()}"
+    target = KVLayout.from_kv_caches(dst)
     writer = KVPool.create(PoolConfig(model=model), layout=KVLayout.from_kv_caches(src), backend=backend)
-    reader = KVPool.create(PoolConfig(model=model), layout=KVLayout.from_kv_caches(dst), backend=backend)
+    reader = KVPool.create(PoolConfig(model=model), layout=target, backend=backend)
     ids = list(range(BATCH))
     request = KVRequest(block_ids=ids, block_hashes=hash_blocks(range(BLOCK * BATCH), BLOCK))
-    target = KVLayout.from_kv_caches(dst)
     rows = target.addr_rows(ids)
     sizes = np.asarray(target.unit_sizes(None), dtype=np.int64)
     staged = torch.empty(OBJECT * BATCH, dtype=torch.uint8)
@@ -142,14 +153,12 @@ async def _in_loop(repeat: int, flush: Callable[[], object]) -> dict[str, float]
     )
     numbers = [1000 + i for i in range(BATCH)]  # (beyond the small ints Python keeps once)
 
-    async def retrieve() -> None:
-        for t in dst.values():  # untimed: each retrieve must bring every byte again
+    def zero() -> None:  # each retrieve must bring every byte again
+        for t in dst.values():
             t.zero_()
-        flush()
-        start = time.perf_counter_ns()
-        got = await reader.retrieve(request)
-        elapsed.append(time.perf_counter_ns() - start)
-        if got.hit_blocks != BATCH or not all(torch.equal(src[k], dst[k]) for k in src):
+
+    def retrieved(got: object) -> None:
+        if getattr(got, "hit_blocks", None) != BATCH or not all(torch.equal(src[k], dst[k]) for k in src):
             raise RuntimeError("the pool retrieve did not bring back every byte stored")
 
     async def nothing() -> None:
@@ -171,12 +180,8 @@ async def _in_loop(repeat: int, flush: Callable[[], object]) -> dict[str, float]
     try:
         if (await writer.store(request)).stored != BATCH:
             raise RuntimeError("the memory backend could not hold one batch")
-        elapsed: list[int] = []
-        await retrieve()
-        elapsed.clear()
-        for _ in range(repeat):
-            await retrieve()
-        out = {"retrieve": _median_us(elapsed)}
+        retrieve = functools.partial(reader.retrieve, request)
+        out = {"retrieve": await _timed(retrieve, repeat, flush, prepare=zero, check=retrieved)}
         steps: dict[str, Callable[[], Awaitable[object]]] = {
             "copy": copy,
             "coroutine": nothing,
