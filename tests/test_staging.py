@@ -1214,6 +1214,15 @@ def test_staging_bytes_are_split_into_chunks_that_use_them(total: int, unit: int
     assert held >= (total // biggest) * (biggest // unit)
 
 
+def test_chunks_filled_whole_are_taken_where_evening_them_out_would_hold_fewer_objects() -> None:
+    """1122 objects, 59 a chunk at most: 19 full chunks hold 1121, where 20 evened-out chunks of
+    56 would hold 1120 (the case the random search above found)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(staging_module, "MAX_CHUNK_BYTES", 59)
+        pool = StagingPool.create(Device.of("cpu"), 1122, 1)
+    assert (pool.allocations, pool.chunk_bytes) == (19, 59)
+
+
 def test_48_mib_of_staging_holds_48_mib_of_objects() -> None:
     pool = StagingPool.create(Device.of("cpu"), 48 << 20, 64 << 10)
     assert pool.allocations == 2 and pool.chunk_bytes == 24 << 20

@@ -110,7 +110,10 @@ class StagingPool:
             )
         objects = total_bytes // unit_nbytes
         most = max(1, MAX_CHUNK_BYTES // unit_nbytes)  # objects a chunk holds at most
-        per_chunk = objects // -(-objects // most)  # in the fewest chunks, evened out
+        evened = objects // -(-objects // most)  # the fewest chunks, evened out
+        # Evening out can leave more objects over than full chunks do (1122 objects, 59 a chunk:
+        # 20 of 56 hold 1120, 19 of 59 hold 1121): take whichever holds more, fewer chunks on a tie.
+        per_chunk = max((evened, most), key=lambda per: (objects // per * per, per))
         count = objects // per_chunk
         chunk_bytes = per_chunk * unit_nbytes
         pool = cls(device, chunk_bytes)
