@@ -24,7 +24,15 @@ from kvflow import regions
 from kvflow.backends import pacing
 from kvflow.backends.base import ObjectBatch, ObjectRef
 
-__all__ = ["at", "check_object", "copy_in_runs", "copy_run", "gather_objects", "scatter_objects"]
+__all__ = [
+    "at",
+    "check_object",
+    "copy_in_pieces",
+    "copy_in_runs",
+    "copy_run",
+    "gather_objects",
+    "scatter_objects",
+]
 
 
 def gather_objects(buffers: Sequence[int], objects: Sequence[ObjectRef]) -> None:
@@ -70,6 +78,51 @@ async def copy_in_runs(
         if got < end:
             break
     return paused
+
+
+async def copy_in_pieces(
+    buf: int, obj: ObjectRef, pacer: pacing.Pacer, *, into_buffer: bool, piece_bytes: int = pacing.PIECE
+) -> None:
+    """Copy between ``obj``'s regions and the buffer at ``buf``, streamed: into the buffer when
+    ``into_buffer``, else out of it. For an object that one copy call would copy whole, holding the
+    loop all that time: in pieces of at most ``piece_bytes`` (one call each), the loop let run
+    between two once it has been held long enough (``pacer``). Checks the clock after every piece
+    but the last (the caller does after it)."""
+    check_object(obj)
+    offset = 0
+    since_tick = 0
+    addrs: list[int] = []  # the regions' parts of the piece that starts in the buffer at ``piece``
+    lengths: list[int] = []
+    piece = buf
+    for addr, size in zip(obj.addrs, obj.sizes):
+        done = 0
+        while done < size:
+            if since_tick >= piece_bytes:
+                _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
+                piece, addrs, lengths = buf + offset, [], []
+                await pacer.tick()
+                since_tick = 0
+            n = min(size - done, piece_bytes - since_tick)
+            addrs.append(addr + done)
+            lengths.append(n)
+            done += n
+            offset += n
+            since_tick += n
+    if addrs:
+        _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
+
+
+def _copy_piece(at: int, addrs: list[int], lengths: list[int], *, into_buffer: bool) -> None:
+    """Copy between the regions ``(addrs[i], lengths[i])`` and the buffer at ``at``, back to back
+    there, streamed: into the buffer when ``into_buffer``, else out of it."""
+    regions.copy_ragged(
+        np.asarray([at], dtype=np.int64),
+        np.asarray([len(addrs)], dtype=np.int64),
+        np.asarray(addrs, dtype=np.int64),
+        np.asarray(lengths, dtype=np.int64),
+        into_regions=not into_buffer,
+        stream=True,
+    )
 
 
 def copy_run(batch: ObjectBatch, start: int, buffers: npt.NDArray[np.int64], *, into_regions: bool) -> None:

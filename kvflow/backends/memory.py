@@ -57,7 +57,14 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import at, check_object, copy_in_runs, gather_objects, scatter_objects
+from kvflow.backends.copies import (
+    at,
+    check_object,
+    copy_in_pieces,
+    copy_in_runs,
+    gather_objects,
+    scatter_objects,
+)
 from kvflow.backends.inflight import Lifetime
 from kvflow.backends.pacing import PIECE, Pacer, run_end
 from kvflow.config import parse_size, parse_url_query, split_url
@@ -424,7 +431,7 @@ class MemoryBackend:
             return entry
         published = False
         try:
-            await _copy(entry.addr, obj, pacer, into_buffer=True)
+            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=True)
             if self._life.closed:
                 return PutStatus.FAILED
             present = objects.get(obj.key)
@@ -577,7 +584,7 @@ class MemoryBackend:
             return entry
         entry.readers += 1
         try:
-            await _copy(entry.addr, obj, pacer, into_buffer=False)
+            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=False)
         finally:
             entry.readers -= 1
         return GetStatus.HIT
@@ -592,46 +599,3 @@ def _whole_runs(objects: Sequence[ObjectRef]) -> TypeGuard[ObjectBatch]:
     """Whether ``objects`` is a batch of objects that each fit in one piece (copied whole, a run of
     them a call: :meth:`MemoryBackend._put_batch`, :meth:`MemoryBackend._get_batch`)."""
     return isinstance(objects, ObjectBatch) and len(objects) > 0 and 0 < objects.nbytes <= PIECE
-
-
-async def _copy(buf: int, obj: ObjectRef, pacer: Pacer, *, into_buffer: bool) -> None:
-    """Copy between ``obj``'s regions and the buffer at ``buf``, in pieces of at most 1 MiB.
-
-    Each piece is one call of the compiled copy loop with streaming stores, as a run of smaller
-    objects is copied either way (:mod:`kvflow.backends.copies`). Checks the clock after every
-    piece but the last (the caller does after it).
-    """
-    offset = 0
-    since_tick = 0
-    addrs: list[int] = []  # the regions' parts of the piece that starts in the buffer at ``piece``
-    lengths: list[int] = []
-    piece = buf
-    for addr, size in zip(obj.addrs, obj.sizes):
-        done = 0
-        while done < size:
-            if since_tick >= PIECE:
-                _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
-                piece, addrs, lengths = buf + offset, [], []
-                await pacer.tick()
-                since_tick = 0
-            n = min(size - done, PIECE - since_tick)
-            addrs.append(addr + done)
-            lengths.append(n)
-            done += n
-            offset += n
-            since_tick += n
-    if addrs:
-        _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
-
-
-def _copy_piece(at: int, addrs: list[int], lengths: list[int], *, into_buffer: bool) -> None:
-    """Copy between the regions ``(addrs[i], lengths[i])`` and the buffer at ``at``, back to back
-    there, streamed: into the buffer when ``into_buffer``, else out of it."""
-    regions.copy_ragged(
-        np.asarray([at], dtype=np.int64),
-        np.asarray([len(addrs)], dtype=np.int64),
-        np.asarray(addrs, dtype=np.int64),
-        np.asarray(lengths, dtype=np.int64),
-        into_regions=not into_buffer,
-        stream=True,
-    )

@@ -12,7 +12,8 @@ No lock is held across an await (:mod:`kvflow.backends.arena.lock`). A get relea
 lets the loop run once it has held them for half a millisecond; a put, which copies without the
 lock, once it has held the loop that long while other work waits to run on it (2 ms when none
 does: :mod:`kvflow.backends.pacing`). So a call holds the loop for at most that plus one run's
-copy. See docs/arena-backend.md.
+copy: a put copies an object larger than a run in pieces, a get copies each object whole (under
+the lock). See docs/arena-backend.md.
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ from kvflow.backends.base import (
     some_of,
     takes_config,
 )
-from kvflow.backends.copies import at, copy_in_runs, copy_run, gather_objects, scatter_objects
+from kvflow.backends.copies import (
+    at,
+    copy_in_pieces,
+    copy_in_runs,
+    copy_run,
+    gather_objects,
+    scatter_objects,
+)
 from kvflow.backends.inflight import Lifetime
 from kvflow.errors import BackendError, ConfigError
 
@@ -217,11 +225,16 @@ class ArenaBackend:
 
     async def _write(self, objects: Sequence[ObjectRef], claimed: dict[int, int]) -> None:
         """Copy the claimed objects into their slots (without the lock: the slots are this put's),
-        a run of them (:func:`kvflow.backends.pacing.run_end`) per copy call."""
+        a run of them (:func:`kvflow.backends.pacing.run_end`) per copy call; an object larger than
+        a run's bytes (and than a piece) alone, in pieces of that size
+        (:func:`~kvflow.backends.copies.copy_in_pieces`), so that no copy call holds the loop longer
+        than a run's does (a 16 MiB object copied whole held it 4.5 ms on a slow host)."""
         order, rows = list(claimed), list(claimed.values())
         arena = self._arena
         slots_of = arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes
-        if isinstance(objects, ObjectBatch) and len(order) == len(objects):  # the usual put
+        piece = max(pacing.RUN_BYTES, pacing.PIECE)
+        if isinstance(objects, ObjectBatch) and len(order) == len(objects) and objects.nbytes <= piece:
+            # the usual put
             await copy_in_runs(objects, at(slots_of), into_regions=False, after_run=_hook(rows))
             return
         sizes = nbytes_of(objects)
@@ -230,8 +243,13 @@ class ArenaBackend:
         uniform = isinstance(objects, ObjectBatch)
         pacer, start, slots = pacing.Pacer(), 0, slots_of.tolist()
         while start < len(order):
-            end = pacing.run_end(sizes, start, uniform=uniform)
-            gather_objects(slots[start:end], some_of(objects, order[start:end]))
+            if sizes[start] > piece:
+                end = start + 1
+                obj = objects[order[start]]
+                await copy_in_pieces(slots[start], obj, pacer, into_buffer=True, piece_bytes=piece)
+            else:
+                end = pacing.run_end(sizes, start, uniform=uniform)
+                gather_objects(slots[start:end], some_of(objects, order[start:end]))
             if _mid_write_hook is not None:
                 _mid_write_hook(rows[start])
             await pacer.tick()
