@@ -431,7 +431,7 @@ class MemoryBackend:
             return entry
         published = False
         try:
-            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=True)
+            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=True, piece_bytes=PIECE)
             if self._life.closed:
                 return PutStatus.FAILED
             present = objects.get(obj.key)
@@ -584,7 +584,7 @@ class MemoryBackend:
             return entry
         entry.readers += 1
         try:
-            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=False)
+            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=False, piece_bytes=PIECE)
         finally:
             entry.readers -= 1
         return GetStatus.HIT

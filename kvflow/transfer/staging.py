@@ -101,8 +101,11 @@ class StagingPool:
     @classmethod
     def create(cls, device: Device, total_bytes: int, unit_nbytes: int) -> StagingPool:
         """``total_bytes`` split in chunks of whole objects of ``unit_nbytes`` (the largest object),
-        each of at most :data:`MAX_CHUNK_BYTES` (or one object): as few chunks as hold as many
-        objects as the bytes do, but for less than one chunk's worth."""
+        each of at most :data:`MAX_CHUNK_BYTES` (or one object), all alike: as full as that
+        allows, or the fewest chunks that hold all the objects the bytes do, evened out, where
+        those hold more (fewer chunks on a tie). Either leaves out less than one chunk's worth of
+        objects (not always the fewest possible: 1122 objects of at most 59 a chunk fit whole in
+        22 chunks of 51, which this does not search for)."""
         if total_bytes < unit_nbytes:
             raise ConfigError(
                 f"staging_bytes={total_bytes} cannot hold one object of {unit_nbytes} bytes; raise it to at "

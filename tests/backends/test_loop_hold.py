@@ -16,7 +16,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from types import SimpleNamespace
 from typing import TypeVar
@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 
 import kvflow.backends.arena.backend as arena
 import kvflow.backends.local.backend as local
-import kvflow.backends.memory as memory
-from kvflow.backends import copies, pacing
+from kvflow import regions
+from kvflow.backends import pacing
 from kvflow.backends.arena import ArenaBackend, ArenaConfig
-from kvflow.backends.base import Backend, GetStatus, ObjectBatch, ObjectRef, PutStatus, nbytes_of
+from kvflow.backends.base import Backend, GetStatus, ObjectBatch, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend, LocalConfig
 from kvflow.backends.local.format import pieces
 from kvflow.backends.memory import MemoryBackend, MemoryConfig
@@ -99,18 +99,23 @@ def refs(tag: str, bufs: list[bytearray]) -> list[ObjectRef]:
 
 
 async def put_and_get(
-    backend: Backend, count: int, size: int, beside: Callable[[], Awaitable[None]] | None
+    backend: Backend,
+    count: int,
+    size: int,
+    beside: Callable[[], Awaitable[None]] | None,
+    shaped: Callable[[list[ObjectRef]], Sequence[ObjectRef]] = list,
 ) -> None:
     """Put ``count`` random objects of ``size`` bytes and get them back whole, with ``beside``
-    running in another task (started first) until the get returned."""
+    running in another task (started first) until the get returned; ``shaped``: the objects as
+    the calls take them (a list, or :func:`by_column`)."""
     sources = [bytearray(os.urandom(size)) for _ in range(count)]
     targets = [bytearray(size) for _ in range(count)]
     async with anyio.create_task_group() as tg:
         if beside is not None:
             tg.start_soon(beside)
             await anyio.lowlevel.checkpoint()
-        assert await backend.put(refs("p", sources)) == [PutStatus.STORED] * count
-        assert await backend.get(refs("p", targets)) == [GetStatus.HIT] * count
+        assert await backend.put(shaped(refs("p", sources))) == [PutStatus.STORED] * count
+        assert await backend.get(shaped(refs("p", targets))) == [GetStatus.HIT] * count
         tg.cancel_scope.cancel()
     assert targets == sources
 
@@ -186,9 +191,10 @@ async def test_calls_in_a_row_from_one_task_do_not_hold_the_loop(
     assert min(get_holds) < LIMIT_S, f"gets held the loop {[f'{h * 1e3:.1f} ms' for h in get_holds]}"
 
 
+@pytest.mark.parametrize("as_batch", [False, True], ids=["list", "batch"])
 @pytest.mark.parametrize(("count", "size"), [(64, MiB), (3, 5 * MiB + 123)], ids=["64x1MiB", "3x5MiB"])
 async def test_at_most_one_piece_is_copied_between_turns(
-    backend: Backend, count: int, size: int, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, count: int, size: int, as_batch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the threshold at zero, every run of objects (at most RUN_BYTES, or one larger object)
     and, within an object larger than a piece, every 1 MiB piece is followed by a turn of the other
@@ -205,31 +211,26 @@ async def test_at_most_one_piece_is_copied_between_turns(
 
         return run
 
-    def put(*_: object, **__: object) -> str:
-        return "put"
+    def direction(*_: object, into_regions: bool, **__: object) -> str:
+        return "get" if into_regions else "put"
 
-    def get(*_: object, **__: object) -> str:
-        return "get"
+    def rows_bytes(starts: np.ndarray, _addrs: object, sizes: np.ndarray, **_: object) -> int:
+        return len(starts) * int(sum(sizes))
+
+    def ragged_bytes(_starts: object, _counts: object, _addrs: object, sizes: np.ndarray, **_: object) -> int:
+        return int(sum(sizes))
+
+    def file_bytes(_fd: int, bufs: list[memoryview], _at: int) -> int:
+        return sum(len(b) for b in bufs)
 
     monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
-    if isinstance(backend, (MemoryBackend, ArenaBackend)):
-        piece = metered(
-            copies._copy_piece,
-            lambda _at, _addrs, lengths, **_: sum(lengths),
-            lambda *_, into_buffer: "put" if into_buffer else "get",
-        )
-        monkeypatch.setattr(copies, "_copy_piece", piece)  # a piece of a larger object, either way
-        module = memory if isinstance(backend, MemoryBackend) else arena
-        for name, call in (("gather_objects", put), ("scatter_objects", get)):  # runs, one call each
-            real = getattr(module, name)
-            size_of = metered(real, lambda _b, objects: sum(nbytes_of(objects)), call)
-            monkeypatch.setattr(module, name, size_of)
+    if isinstance(backend, (MemoryBackend, ArenaBackend)):  # every copy: one of the compiled loops
+        monkeypatch.setattr(regions, "copy_rows", metered(regions.copy_rows, rows_bytes, direction))
+        monkeypatch.setattr(regions, "copy_ragged", metered(regions.copy_ragged, ragged_bytes, direction))
     else:
-        for name, call in (("write_from", put), ("read_into", get)):
-            real = getattr(local, name)
-            monkeypatch.setattr(
-                local, name, metered(real, lambda _fd, bufs, _at: sum(len(b) for b in bufs), call)
-            )
+        put = metered(local.write_from, file_bytes, lambda *_: "put")
+        monkeypatch.setattr(local, "write_from", put)
+        monkeypatch.setattr(local, "read_into", metered(local.read_into, file_bytes, lambda *_: "get"))
     most = {"put": 0, "get": 0}
 
     async def ticker() -> None:
@@ -240,7 +241,7 @@ async def test_at_most_one_piece_is_copied_between_turns(
                 most[call] = max(most[call], copied[call] - last[call])
             last = dict(copied)
 
-    await put_and_get(backend, count, size, beside=ticker)
+    await put_and_get(backend, count, size, beside=ticker, shaped=by_column if as_batch else list)
     assert min(copied.values()) >= count * size  # every byte went through the meter (and headers)
     if isinstance(backend, ArenaBackend):
         assert 0 < most["put"] <= pacing.RUN_BYTES  # runs, or pieces of a larger object

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import kvflow.backends.memory as memory
-from kvflow import GetStatus, MemoryBackend, PutStatus, open_backend
+from kvflow import GetStatus, MemoryBackend, PutStatus, open_backend, regions
 from kvflow.backends import ObjectRef, pacing
 from kvflow.backends.base import ObjectBatch
 from kvflow.backends.memory import MemoryConfig
@@ -327,6 +328,29 @@ async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None
     assert (stats.used_bytes, stats.puts, stats.put_failures) == (0, 0, 0)
     assert await backend.exists(["k"]) == [False]
     assert await backend.put([obj("k", source)]) == [PutStatus.STORED]  # the room is there
+
+
+async def test_an_object_larger_than_a_piece_is_copied_a_piece_a_call_both_ways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The memory backend's piece (``memory.PIECE``, patched by the test below to interleave its
+    calls every 4 KiB) is what its copies of a larger object are cut by, on the way in and out."""
+    monkeypatch.setattr(memory, "PIECE", 4096)
+    calls: list[int] = []
+    copy = regions.copy_ragged
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(int(sum(args[3])))
+        copy(*args, **kwargs)
+
+    monkeypatch.setattr(regions, "copy_ragged", counted)
+    backend = MemoryBackend()
+    source, target = data("k", 40_000), torch.zeros(40_000, dtype=torch.uint8)
+    assert await backend.put([obj("k", source)]) == [PutStatus.STORED]
+    assert await backend.get([obj("k", target)]) == [GetStatus.HIT]
+    assert torch.equal(target, source)
+    assert calls == 2 * ([4096] * 9 + [40_000 - 9 * 4096])
+    await backend.aclose()
 
 
 async def test_concurrent_calls_keep_objects_whole_and_stats_exact(

@@ -72,8 +72,8 @@ __all__ = ["ArenaBackend", "ArenaConfig"]
 logger = logging.getLogger(__name__)
 
 # Tests only: called with the first slot's row once a put has copied a run of objects (its first
-# run: the first object, or up to 1 MiB of them), before it publishes them (a test process exits
-# there, as a writer killed mid-put would).
+# run: up to 4 MiB of them, or one larger object, whole), before it publishes them (a test process
+# exits there, as a writer killed mid-put would).
 _mid_write_hook: Callable[[int], None] | None = None
 
 
