@@ -87,8 +87,7 @@ async def copy_in_pieces(
     ``into_buffer``, else out of it. For an object that one copy call would copy whole, holding the
     loop all that time: in pieces of at most ``piece_bytes`` (one call each), the loop let run
     between two once it has been held long enough (``pacer``). Checks the clock after every piece
-    but the last (the caller does after it)."""
-    check_object(obj)
+    but the last (the caller does after it). The caller has checked ``obj`` (:func:`check_object`)."""
     offset = 0
     since_tick = 0
     addrs: list[int] = []  # the regions' parts of the piece that starts in the buffer at ``piece``

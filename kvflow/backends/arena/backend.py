@@ -58,6 +58,7 @@ from kvflow.backends.base import (
 )
 from kvflow.backends.copies import (
     at,
+    check_object,
     copy_in_pieces,
     copy_in_runs,
     copy_run,
@@ -246,6 +247,7 @@ class ArenaBackend:
             if sizes[start] > piece:
                 end = start + 1
                 obj = objects[order[start]]
+                check_object(obj)  # (as a run's copy checks each of its objects)
                 await copy_in_pieces(slots[start], obj, pacer, into_buffer=True, piece_bytes=piece)
             else:
                 end = pacing.run_end(sizes, start, uniform=uniform)
