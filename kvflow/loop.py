@@ -307,15 +307,19 @@ class LoopThread:
             self._idle.append(waiter)
             try:
                 call = await waiter
-            except anyio.get_cancelled_exc_class():
-                if waiter.done() and not waiter.cancelled():  # handed a call in the same turn
-                    await self._call(*waiter.result())
-                if self._stop_requested:
-                    raise
-                return  # a stray cancellation: this task ends, the loop's group goes on
+                continue
+            except anyio.get_cancelled_exc_class() as exc:
+                cancelled = exc
             finally:
                 if waiter in self._idle:
                     self._idle.remove(waiter)
+            # Cancelled while idle. A call handed in the same turn runs all the same, outside the
+            # except block, so that its own errors are not chained to this cancellation.
+            if waiter.done() and not waiter.cancelled():
+                await self._call(*waiter.result())
+            if self._stop_requested:
+                raise cancelled
+            return  # a stray cancellation: this task ends, the loop's group goes on
 
     def _request_stop(self) -> None:
         self._stop_requested = True
