@@ -99,7 +99,7 @@ def _question(seed: int, kind: str) -> list[int]:
 PHASES = {
     "lookup": ("get_num_new_matched_tokens",),
     "scheduler": ("update_state_after_alloc", "build_connector_meta", "update_connector_output"),
-    "load": ("start_load_kv", "wait_for_layer_load", "get_block_ids_with_load_errors"),
+    "load": ("handle_preemptions", "start_load_kv", "wait_for_layer_load", "get_block_ids_with_load_errors"),
     "store": ("save_kv_layer", "wait_for_save", "request_finished"),
     "finish": ("get_finished",),
 }

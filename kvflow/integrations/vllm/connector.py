@@ -135,10 +135,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self._worker
 
     def _metadata(self) -> KVFlowConnectorMetadata:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KVFlowConnectorMetadata):
-            raise TypeError(f"expected KVFlowConnectorMetadata, got {type(meta).__name__}")
-        return meta
+        return _ours(self._get_connector_metadata())
 
     def counters(self) -> TransferCounters | None:
         """This worker's running totals (None on the scheduler side). Model-runner thread."""
@@ -151,6 +148,9 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker_side().handshake()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker_side().handle_preemptions(_ours(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker_side().start_load_kv(self._metadata())
@@ -258,3 +258,9 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self._scheduler_side().reset_cache()
+
+
+def _ours(meta: KVConnectorMetadata) -> KVFlowConnectorMetadata:
+    if not isinstance(meta, KVFlowConnectorMetadata):
+        raise TypeError(f"expected KVFlowConnectorMetadata, got {type(meta).__name__}")
+    return meta

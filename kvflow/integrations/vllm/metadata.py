@@ -45,6 +45,10 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     workers store it only if their loads of those steps all arrived, on every rank (one worker
     knows its own; the ranks of a tensor-parallel engine agree first, :mod:`.agreement`), and drop
     it otherwise, as the saves of a step whose own load failed.
+    ``load_early``: nothing but ``loads`` writes their blocks between the start of the step on a
+    worker and its forward (vLLM zeroes no block and copies none before it in this step): a
+    worker may start them when vLLM hands it the step (``handle_preemptions``), so that they run
+    while vLLM prepares the step's inputs, and wait for them before the forward as before.
     """
 
     step: int = 0
@@ -55,6 +59,7 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
     idle: bool = False
     bad_reads: tuple[int, ...] = ()
     save_after: tuple[tuple[int, ...], ...] = attrs.field(default=())
+    load_early: bool = False
 
     @save_tokens.validator
     @save_after.validator

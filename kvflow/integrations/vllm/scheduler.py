@@ -339,6 +339,7 @@ class SchedulerSide:
             idle=not any(scheduled.values()),
             bad_reads=bad_reads,
             save_after=tuple(waits) if any(waits) else (),
+            load_early=bool(loads) and _no_other_writes_before_forward(scheduler_output),
         )
 
     def _bad_reads(self, work: list[tuple[_Tracked, int, int]], found: dict[int, BadRead]) -> tuple[int, ...]:
@@ -550,3 +551,14 @@ def _read_profiles(pool: SyncPool, timeout_s: float) -> None:
         return
     if others:
         log.info("kvflow: the store holds this model's KV of %d other split(s) as well", len(others))
+
+
+def _no_other_writes_before_forward(scheduler_output: SchedulerOutput) -> bool:
+    """Whether vLLM writes no KV block on the workers before this step's forward: it zeroes new
+    blocks (models with Mamba layers, caches of mixed precision) and copies blocks (copy on write)
+    there, after the step reaches a worker and before its inputs are prepared. A vLLM that does not
+    report these writes is taken to make them."""
+    missing = object()
+    zeroed = getattr(scheduler_output, "new_block_ids_to_zero", missing)
+    copies = getattr(scheduler_output, "kv_cache_block_copies", missing)
+    return not (zeroed is missing or copies is missing or zeroed or copies)

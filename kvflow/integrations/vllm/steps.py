@@ -179,13 +179,40 @@ class BlockSteps:
     pool: SyncPool
     wait_stored: bool = False
     _load_failed: bool = attrs.field(default=False, init=False)
+    _early: _EarlyLoad | None = attrs.field(default=None, init=False)
 
-    def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
-        """Load every block now, the step's loads in one call; the results (the caller records
-        them at once)."""
+    def start_early(self, spans: Sequence[KVRequest]) -> None:
+        """Submit the step's loads ahead of :meth:`load` of the same ``spans``, which waits for
+        them: vLLM prepares the step's inputs meanwhile. Only for a step in which nothing else
+        writes the loads' blocks before the forward (the scheduler side says so:
+        ``KVFlowConnectorMetadata.load_early``)."""
+        self._end_early()  # (one whose step never reached its load: it ends before another starts)
         watch = Stopwatch()
         future = self.pool.submit_retrieve_many(spans, after=engine_event(self.pool))
-        watch.watch(future)
+        self._early = _EarlyLoad(spans, future, watch.watch(future))
+
+    def end_other_early(self, spans: Sequence[KVRequest]) -> None:
+        """Wait for a load started early that is not of ``spans``: its step never reached its
+        load (vLLM failed in between), and it must end before another step uses its blocks."""
+        if self._early is not None and self._early.spans is not spans:
+            self._end_early()
+
+    def _end_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            wait_ended(early.future, "load")
+
+    def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
+        """Load every block now, the step's loads in one call (or wait for them, started by
+        :meth:`start_early`); the results (the caller records them at once)."""
+        self.end_other_early(spans)
+        early, self._early = self._early, None
+        if early is not None:
+            future, watch = early.future, early.watch
+        else:
+            watch = Stopwatch()
+            future = self.pool.submit_retrieve_many(spans, after=engine_event(self.pool))
+            watch.watch(future)
         results: Sequence[RetrieveResult | None] | None = wait_ended(future, "load")
         if results is None:  # the call failed as a whole: every load of the step failed
             results = [None] * len(spans)
@@ -221,7 +248,17 @@ class BlockSteps:
         return StepOutcome(stores=tuple(zip(saves, each_result(future, len(saves)), [watch] * len(saves))))
 
     def close(self) -> None:
+        self._early = None  # (a load started early, never waited for: the pool's close waits, bounded)
         _closed(self.pool.close())
+
+
+@attrs.define(eq=False)
+class _EarlyLoad:
+    """A step's loads submitted before vLLM prepared the step's inputs (:meth:`BlockSteps.start_early`)."""
+
+    spans: Sequence[KVRequest]  # the metadata's own tuple: the load of the same step passes it again
+    future: CallFuture[list[RetrieveResult]]
+    watch: Stopwatch
 
 
 @attrs.define(eq=False)

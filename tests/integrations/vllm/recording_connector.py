@@ -5,7 +5,8 @@ backend whose gets fail.
   kv_connector_module_path="tests.integrations.vllm.recording_connector"``) is the product's
   connector plus one thing: when ``KVFLOW_TEST_COUNTERS_DIR`` is set, every worker writes its running
   :class:`~kvflow.integrations.vllm.stats.TransferCounters` to
-  ``<dir>/worker-tp<rank>-pp<rank>.json`` after each step that changed them and at shutdown.
+  ``<dir>/worker-tp<rank>-pp<rank>.json`` after each step that changed them and at shutdown, with
+  ``early_load_steps``: the steps whose loads it started when vLLM handed it the step.
   A test reads them with ``connector_helpers.read_counters`` (which does not import vLLM).
 - ``failing-local:///path`` is the local backend at ``path`` whose every get first writes junk into
   the engine blocks it was given, then reports ``FAILED``. Lookups and puts work. A connector that
@@ -36,12 +37,14 @@ from typing import Any
 
 import anyio
 import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvflow.backends import SCHEMES
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.local import LocalBackend
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.stats import TransferCounters
+from kvflow.integrations.vllm.steps import BlockSteps
 from kvflow.profiles import is_book_key
 from tests.integrations.vllm.connector_helpers import FAIL_MATCHING_ENV, FAIL_ONCE_FLAG_ENV
 
@@ -170,17 +173,25 @@ class RecordingKVFlowConnector(KVFlowConnector):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._written: TransferCounters | None = None
+        self._written: tuple[TransferCounters, int] | None = None
+        self._early_load_steps = 0
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Counts the steps whose loads the worker started here (``early_load_steps``)."""
+        super().handle_preemptions(kv_connector_metadata)
+        steps = self._worker._steps if self._worker is not None else None
+        self._early_load_steps += isinstance(steps, BlockSteps) and steps._early is not None
 
     def _write_counters(self) -> None:
         folder = os.environ.get(COUNTERS_ENV)
         worker = self._worker
-        if not folder or worker is None or worker.counters == self._written:
+        if not folder or worker is None or (worker.counters, self._early_load_steps) == self._written:
             return
-        self._written = worker.counters
+        self._written = worker.counters, self._early_load_steps
         path = Path(folder) / f"worker-tp{worker.tp_rank}-pp{worker.pp_rank}.json"
         temp = path.with_suffix(f".{os.getpid()}.tmp")
-        temp.write_text(json.dumps(worker.counters.as_dict()), encoding="utf-8")
+        written = {**worker.counters.as_dict(), "early_load_steps": self._early_load_steps}
+        temp.write_text(json.dumps(written), encoding="utf-8")
         temp.replace(path)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -144,6 +144,8 @@ def _second_engine(
     (moved,) = read_counters(counters).values()
     assert moved["loaded_blocks"] == SECOND_ENGINE_LOADED_BLOCKS
     assert moved["load_failed_blocks"] == 0
+    # Whole-block loads start when vLLM hands the worker the step, before it prepares the inputs.
+    assert (moved["early_load_steps"] > 0) == (not extra.get("layerwise")), moved["early_load_steps"]
     return moved, store
 
 
@@ -176,6 +178,7 @@ def test_loaded_kv_is_what_the_model_computes_with(
     run = run_engine(_spec(tiny_model_dir, ((A, D),), transfer, counters))
     (moved,) = read_counters(counters).values()
     assert moved["loaded_blocks"] == 11 + 8 and moved["load_failed_blocks"] == 0
+    assert moved["early_load_steps"] > 0  # the KV the forward used was loaded early
     assert run.cached_tokens == (11 * BLOCK, 8 * BLOCK - 1)
     expected = reference.expected(((A, D),))
     assert run.outputs[0] != expected[0]
@@ -241,6 +244,7 @@ def test_multiprocess_mode(reference: Reference, tiny_model_dir: Path, tmp_path:
     _assert_one_engine(run, counters, reference)
     assert run.timings["between"] == [{"reset": True, "slept": True}]
     assert counters[0]["stored_blocks"] == ONE_ENGINE_STORED_BLOCKS
+    assert counters[0]["early_load_steps"] > 0  # (handed the step in the worker's own process)
     assert len(local_objects(store)) == ONE_ENGINE_STORED_BLOCKS
 
 

@@ -102,6 +102,8 @@ class FakeSchedulerOutput:
     scheduled_cached_reqs: FakeCachedRequests = attrs.Factory(FakeCachedRequests)
     num_scheduled_tokens: dict[str, int] = attrs.Factory(dict)
     preempted_req_ids: set[str] | None = None
+    new_block_ids_to_zero: list[int] | None = None  # (vLLM's writes before the forward: none)
+    kv_cache_block_copies: list[Any] | None = None
 
 
 #: A step that computes a token of a request the connector does not know: not idle.
@@ -140,6 +142,8 @@ class Sides:
         meta = self.scheduler.build_connector_meta(output)  # type: ignore[arg-type]
         reports, invalid, steps = [], set(), []
         events: KVFlowKVEvents | None = None
+        for worker in self.workers:  # vLLM hands each worker the step, then prepares its inputs
+            worker.handle_preemptions(meta)
         for worker in self.workers:  # the ranks' forwards run side by side: each one's loads first
             worker.start_load_kv(meta)
             for name in LAYERS:
@@ -551,6 +555,142 @@ def test_a_failed_load_is_reported_before_wait_for_save(open_sides: Any, tmp_pat
     assert worker_meta is not None and meta.step in worker_meta.steps  # the step's loads have ended
     worker.wait_for_save(meta)
     assert worker.take_load_errors() == set() and worker.counters.load_failed_blocks == 3
+
+
+def _count_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of requests of each pool call of loads submitted from now on."""
+    calls: list[int] = []
+    retrieve_many = SyncPool.submit_retrieve_many
+
+    def loads(pool: SyncPool, requests: Any, **kwargs: Any) -> Any:
+        calls.append(len(requests))
+        return retrieve_many(pool, requests, **kwargs)
+
+    monkeypatch.setattr(SyncPool, "submit_retrieve_many", loads)
+    return calls
+
+
+def _loaded(
+    cache: dict[str, torch.Tensor], stored: Sequence[list[torch.Tensor]], blocks: Sequence[int]
+) -> bool:
+    """Whether ``blocks`` of ``cache`` hold ``stored`` (each block's layers, in order)."""
+    return all(
+        torch.equal(got, want)
+        for block, layers in zip(blocks, stored)
+        for got, want in zip(_block(cache, block), layers)
+    )
+
+
+def test_a_steps_loads_start_when_vllm_hands_the_step_to_the_worker(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM hands a worker the step (``handle_preemptions``) before it prepares the step's inputs;
+    in a step where nothing else writes the loads' blocks before the forward, the loads start
+    there and run meanwhile: the blocks arrive without ``start_load_kv``, which then waits for
+    that same call and records it (no second load)."""
+    sides: Sides = open_sides()
+    _stored_r1(sides)
+    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    calls = _count_loads(monkeypatch)
+    again = FakeRequest("r2", TOKENS)
+    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
+    meta = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput([FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2})
+    )  # type: ignore[arg-type]
+    assert meta.load_early
+    (worker,) = sides.workers
+    worker.handle_preemptions(meta)
+    deadline = time.monotonic() + 10
+    while not _loaded(sides.caches[0], stored, (9, 10, 11)):
+        assert time.monotonic() < deadline, "the load did not start before start_load_kv"
+        time.sleep(0.01)
+    assert worker.counters.loaded_blocks == 0  # not recorded yet: start_load_kv does that
+    worker.start_load_kv(meta)
+    assert calls == [1] and worker.counters.loaded_blocks == 3
+    worker.wait_for_save(meta)
+    assert worker.take_load_errors() == set()
+
+
+@pytest.mark.parametrize(
+    "writes",
+    [
+        {"new_block_ids_to_zero": [10]},  # vLLM zeroes a new block (Mamba layers, mixed precision)
+        {"kv_cache_block_copies": [(3, 4)]},  # or copies one (copy on write)
+        {"unreported": True},  # a vLLM that does not say what it writes
+    ],
+)
+def test_no_load_starts_early_in_a_step_where_vllm_writes_blocks_before_the_forward(
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch, writes: dict[str, Any]
+) -> None:
+    """vLLM zeroes and copies blocks after handing the step to the worker and before the forward:
+    in such a step, or with a vLLM that does not report them, the loads start in ``start_load_kv``,
+    after those writes, and not before."""
+    sides: Sides = open_sides()
+    _stored_r1(sides)
+    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    calls = _count_loads(monkeypatch)
+    again = FakeRequest("r2", TOKENS)
+    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
+    output: Any = FakeSchedulerOutput(
+        [FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2}
+    )
+    if writes.pop("unreported", False):
+
+        @attrs.define
+        class OlderSchedulerOutput:  # the same step, without the two fields
+            scheduled_new_reqs: list[FakeNewRequest]
+            scheduled_cached_reqs: FakeCachedRequests
+            num_scheduled_tokens: dict[str, int]
+            preempted_req_ids: set[str] | None
+
+        output = OlderSchedulerOutput(
+            output.scheduled_new_reqs,
+            output.scheduled_cached_reqs,
+            output.num_scheduled_tokens,
+            output.preempted_req_ids,
+        )
+    else:
+        output = attrs.evolve(output, **writes)
+    meta = sides.scheduler.build_connector_meta(output)
+    assert not meta.load_early
+    (worker,) = sides.workers
+    worker.handle_preemptions(meta)
+    assert calls == []
+    worker.start_load_kv(meta)
+    assert calls == [1] and _loaded(sides.caches[0], stored, (9, 10, 11))
+    worker.wait_for_save(meta)
+
+
+def test_an_early_load_ends_before_the_worker_closes_or_starts_another(
+    open_sides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose forward never came (vLLM failed between handing the step over and loading)
+    leaves its early load running: it still ends, whole, before the worker's next load starts,
+    and before the worker closes."""
+    import tests.integrations.vllm.recording_connector as recording  # registers slow-local://
+
+    monkeypatch.setenv(recording.PUT_DELAY_ENV, "0")
+    sides: Sides = open_sides(backend=f"slow-local://{tmp_path}/store")
+    _stored_r1(sides)
+    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    monkeypatch.setenv(recording.GET_DELAY_ENV, "0.3")
+    (worker,) = sides.workers
+    assert sides.admit(FakeRequest("r2", TOKENS), [9, 10, 11, 12]) == (12, False)
+    first = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput([FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2})
+    )  # type: ignore[arg-type]
+    worker.handle_preemptions(first)  # ...and this step goes no further
+    second = sides.scheduler.build_connector_meta(BUSY)  # type: ignore[arg-type]
+    worker.start_load_kv(second)  # a step with no load of its own
+    assert _loaded(sides.caches[0], stored, (9, 10, 11))
+    worker.wait_for_save(second)
+    assert sides.admit(FakeRequest("r3", TOKENS), [12, 13, 14, 15]) == (12, False)
+    third = sides.scheduler.build_connector_meta(
+        FakeSchedulerOutput([FakeNewRequest("r3", ([12, 13, 14, 15],), 12)], num_scheduled_tokens={"r3": 2})
+    )  # type: ignore[arg-type]
+    worker.handle_preemptions(third)
+    worker.shutdown()
+    assert _loaded(sides.caches[0], stored, (12, 13, 14))
 
 
 def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) -> None:
