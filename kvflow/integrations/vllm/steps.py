@@ -272,14 +272,35 @@ class LayerwiseSteps:
     _load_failed: bool = attrs.field(default=False, init=False)
     _load_watch: Stopwatch | None = attrs.field(default=None, init=False)  # start -> last layer in
     _store_started: float = attrs.field(default=0.0, init=False)
+    _early: Sequence[KVRequest] | None = attrs.field(default=None, init=False)  # loads started early
 
     @property
     def pool(self) -> SyncPool:
         """The pool itself, for whole-request calls (asynchronous loads of every layer)."""
         return self.engine
 
+    def start_early(self, spans: Sequence[KVRequest]) -> None:
+        """Start the layerwise load ahead of :meth:`load` of the same ``spans``, which then adds
+        nothing: its first layers arrive while vLLM prepares the step's inputs. Only for a step in
+        which nothing else writes the loads' blocks before the forward (as :class:`BlockSteps`)."""
+        self.end_other_early(spans)
+        self.load(spans)
+        self._early = spans
+
+    def end_other_early(self, spans: Sequence[KVRequest]) -> None:
+        """End the step of a load started early that is not of ``spans``: that step never reached
+        its load (vLLM failed in between); its transfers end before another step starts."""
+        if self._early is not None and self._early is not spans:
+            self._early = None
+            self.finish(())
+
     def load(self, spans: Sequence[KVRequest]) -> tuple[Loaded, ...]:
-        """Start the layerwise load; its results come with :meth:`end_loads`."""
+        """Start the layerwise load (unless :meth:`start_early` did); its results come with
+        :meth:`end_loads`."""
+        if self._early is not None and self._early is spans:
+            self._early = None
+            return ()
+        self.end_other_early(spans)
         self._loads = tuple(spans)
         self._load_watch = Stopwatch()
         self.engine.start_load(spans)
@@ -344,6 +365,7 @@ class LayerwiseSteps:
         return StepOutcome(loaded, stores, dropped=tuple(s for s in saves if s.request_id not in stored))
 
     def close(self) -> None:
+        self._early = None  # (the engine's close ends a step started early, bounded)
         _closed(self.engine.close())
 
 

@@ -160,15 +160,16 @@ class WorkerSide:
     def handle_preemptions(self, meta: KVFlowConnectorMetadata) -> None:
         """vLLM hands the worker the step here, before it prepares the step's inputs: start the
         step's loads now when nothing else writes their blocks before the forward
-        (``meta.load_early``); :meth:`start_load_kv` waits for them. kvflow holds no block of a
-        preempted request (every transfer ends within its step), so there is nothing else to do."""
-        if meta.load_early and meta.loads and isinstance(self._steps, BlockSteps):
+        (``meta.load_early``); :meth:`start_load_kv` waits for them (layerwise: each layer's wait
+        does). kvflow holds no block of a preempted request (every transfer ends within its
+        step), so there is nothing else to do."""
+        if meta.load_early and meta.loads and self._steps is not None:
             self._steps.start_early(meta.loads)
 
     def start_load_kv(self, meta: KVFlowConnectorMetadata) -> None:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""
         steps = self._steps
-        if isinstance(steps, BlockSteps):
+        if steps is not None:
             steps.end_other_early(meta.loads)
         self._idle = meta.idle
         self._load_errors.update(meta.bad_reads)  # (reported with the step's output)

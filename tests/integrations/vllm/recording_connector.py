@@ -44,7 +44,6 @@ from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, O
 from kvflow.backends.local import LocalBackend
 from kvflow.integrations.vllm import KVFlowConnector
 from kvflow.integrations.vllm.stats import TransferCounters
-from kvflow.integrations.vllm.steps import BlockSteps
 from kvflow.profiles import is_book_key
 from tests.integrations.vllm.connector_helpers import FAIL_MATCHING_ENV, FAIL_ONCE_FLAG_ENV
 
@@ -180,7 +179,7 @@ class RecordingKVFlowConnector(KVFlowConnector):
         """Counts the steps whose loads the worker started here (``early_load_steps``)."""
         super().handle_preemptions(kv_connector_metadata)
         steps = self._worker._steps if self._worker is not None else None
-        self._early_load_steps += isinstance(steps, BlockSteps) and steps._early is not None
+        self._early_load_steps += steps is not None and steps._early is not None
 
     def _write_counters(self) -> None:
         folder = os.environ.get(COUNTERS_ENV)

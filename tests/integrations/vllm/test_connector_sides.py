@@ -40,6 +40,7 @@ from kvflow.keys import hash_blocks
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
 from kvflow.sync import SyncPool
+from kvflow.sync_layerwise import SyncLayerwisePool
 from tests.integrations.vllm.rank_agreement import RankAgreement
 from tests.integrations.vllm.recording_connector import FailingGetsBackend
 
@@ -557,16 +558,18 @@ def test_a_failed_load_is_reported_before_wait_for_save(open_sides: Any, tmp_pat
     assert worker.take_load_errors() == set() and worker.counters.load_failed_blocks == 3
 
 
-def _count_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of requests of each pool call of loads submitted from now on."""
+def _count_loads(monkeypatch: pytest.MonkeyPatch, layerwise: bool = False) -> list[int]:
+    """The number of requests of each load started from now on (a pool call of whole-block
+    loads, or a layerwise step's)."""
     calls: list[int] = []
-    retrieve_many = SyncPool.submit_retrieve_many
+    owner, name = (SyncLayerwisePool, "start_load") if layerwise else (SyncPool, "submit_retrieve_many")
+    start = getattr(owner, name)
 
-    def loads(pool: SyncPool, requests: Any, **kwargs: Any) -> Any:
+    def loads(pool: Any, requests: Any, **kwargs: Any) -> Any:
         calls.append(len(requests))
-        return retrieve_many(pool, requests, **kwargs)
+        return start(pool, requests, **kwargs)
 
-    monkeypatch.setattr(SyncPool, "submit_retrieve_many", loads)
+    monkeypatch.setattr(owner, name, loads)
     return calls
 
 
@@ -581,17 +584,18 @@ def _loaded(
     )
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_a_steps_loads_start_when_vllm_hands_the_step_to_the_worker(
-    open_sides: Any, monkeypatch: pytest.MonkeyPatch
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch, layerwise: bool
 ) -> None:
     """vLLM hands a worker the step (``handle_preemptions``) before it prepares the step's inputs;
     in a step where nothing else writes the loads' blocks before the forward, the loads start
     there and run meanwhile: the blocks arrive without ``start_load_kv``, which then waits for
-    that same call and records it (no second load)."""
-    sides: Sides = open_sides()
+    that same call and records it (no second load). Layerwise, the layers arrive as well."""
+    sides: Sides = open_sides(layerwise=layerwise)
     _stored_r1(sides)
     stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
-    calls = _count_loads(monkeypatch)
+    calls = _count_loads(monkeypatch, layerwise)
     again = FakeRequest("r2", TOKENS)
     assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
     meta = sides.scheduler.build_connector_meta(
@@ -604,10 +608,12 @@ def test_a_steps_loads_start_when_vllm_hands_the_step_to_the_worker(
     while not _loaded(sides.caches[0], stored, (9, 10, 11)):
         assert time.monotonic() < deadline, "the load did not start before start_load_kv"
         time.sleep(0.01)
-    assert worker.counters.loaded_blocks == 0  # not recorded yet: start_load_kv does that
+    assert worker.counters.loaded_blocks == 0  # not recorded yet
     worker.start_load_kv(meta)
-    assert calls == [1] and worker.counters.loaded_blocks == 3
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
     worker.wait_for_save(meta)
+    assert calls == [1] and worker.counters.loaded_blocks == 3
     assert worker.take_load_errors() == set()
 
 
@@ -619,22 +625,23 @@ def test_a_steps_loads_start_when_vllm_hands_the_step_to_the_worker(
         {"unreported": True},  # a vLLM that does not say what it writes
     ],
 )
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_no_load_starts_early_in_a_step_where_vllm_writes_blocks_before_the_forward(
-    open_sides: Any, monkeypatch: pytest.MonkeyPatch, writes: dict[str, Any]
+    open_sides: Any, monkeypatch: pytest.MonkeyPatch, writes: dict[str, Any], layerwise: bool
 ) -> None:
     """vLLM zeroes and copies blocks after handing the step to the worker and before the forward:
     in such a step, or with a vLLM that does not report them, the loads start in ``start_load_kv``,
     after those writes, and not before."""
-    sides: Sides = open_sides()
+    sides: Sides = open_sides(layerwise=layerwise)
     _stored_r1(sides)
     stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
-    calls = _count_loads(monkeypatch)
+    calls = _count_loads(monkeypatch, layerwise)
     again = FakeRequest("r2", TOKENS)
     assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
     output: Any = FakeSchedulerOutput(
         [FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2}
     )
-    if writes.pop("unreported", False):
+    if writes.get("unreported"):
 
         @attrs.define
         class OlderSchedulerOutput:  # the same step, without the two fields
@@ -657,20 +664,25 @@ def test_no_load_starts_early_in_a_step_where_vllm_writes_blocks_before_the_forw
     worker.handle_preemptions(meta)
     assert calls == []
     worker.start_load_kv(meta)
-    assert calls == [1] and _loaded(sides.caches[0], stored, (9, 10, 11))
+    assert calls == [1]
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    assert _loaded(sides.caches[0], stored, (9, 10, 11))
     worker.wait_for_save(meta)
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_an_early_load_ends_before_the_worker_closes_or_starts_another(
-    open_sides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    open_sides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layerwise: bool
 ) -> None:
     """A step whose forward never came (vLLM failed between handing the step over and loading)
-    leaves its early load running: it still ends, whole, before the worker's next load starts,
-    and before the worker closes."""
+    leaves its early load running: it still ends, whole, before the worker's next step, and no
+    later than the worker's close (which lets a whole-block load end, and cancels a layerwise
+    step)."""
     import tests.integrations.vllm.recording_connector as recording  # registers slow-local://
 
     monkeypatch.setenv(recording.PUT_DELAY_ENV, "0")
-    sides: Sides = open_sides(backend=f"slow-local://{tmp_path}/store")
+    sides: Sides = open_sides(backend=f"slow-local://{tmp_path}/store", layerwise=layerwise)
     _stored_r1(sides)
     stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
     monkeypatch.setenv(recording.GET_DELAY_ENV, "0.3")
@@ -690,7 +702,10 @@ def test_an_early_load_ends_before_the_worker_closes_or_starts_another(
     )  # type: ignore[arg-type]
     worker.handle_preemptions(third)
     worker.shutdown()
-    assert _loaded(sides.caches[0], stored, (12, 13, 14))
+    closed = [_block(sides.caches[0], b) for b in (12, 13, 14)]
+    time.sleep(0.5)  # (longer than a get takes)
+    assert _loaded(sides.caches[0], closed, (12, 13, 14))  # nothing written after the close
+    assert layerwise or _loaded(sides.caches[0], stored, (12, 13, 14))
 
 
 def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) -> None:
