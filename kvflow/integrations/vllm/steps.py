@@ -186,7 +186,7 @@ class BlockSteps:
         them: vLLM prepares the step's inputs meanwhile. Only for a step in which nothing else
         writes the loads' blocks before the forward (the scheduler side says so:
         ``KVFlowConnectorMetadata.load_early``)."""
-        self._end_early()  # (one whose step never reached its load: it ends before another starts)
+        self._end_early()  # (one whose step never reached its load ends before another starts)
         watch = Stopwatch()
         future = self.pool.submit_retrieve_many(spans, after=engine_event(self.pool))
         self._early = _EarlyLoad(spans, future, watch.watch(future))

@@ -163,8 +163,16 @@ class WorkerSide:
         (``meta.load_early``); :meth:`start_load_kv` waits for them (layerwise: each layer's wait
         does). kvflow holds no block of a preempted request (every transfer ends within its
         step), so there is nothing else to do."""
-        if meta.load_early and meta.loads and self._steps is not None:
-            self._steps.start_early(meta.loads)
+        steps = self._steps
+        if steps is None:
+            return
+        # A load started early in a step that failed before its load (vLLM went on) ends before
+        # this step writes any block (start_early ends it first too): vLLM calls this first in
+        # every step, and start_load_kv comes after the forward in a step without loads.
+        if meta.load_early and meta.loads:
+            steps.start_early(meta.loads)
+        else:
+            steps.end_other_early(meta.loads)
 
     def start_load_kv(self, meta: KVFlowConnectorMetadata) -> None:
         """Start this step's asynchronous loads; do its synchronous loads (before the forward)."""

@@ -31,6 +31,7 @@ from kvflow.errors import BackendError, ConfigError, RequestError
 from kvflow.integrations.vllm.config import DEFAULT_BACKEND, ConnectorConfig, KVRole
 from kvflow.integrations.vllm.events import KVFlowKVEvents
 from kvflow.integrations.vllm.lookups import Lookups
+from kvflow.integrations.vllm.metadata import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.planning import external_tokens, load_range, save_range
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, TransferCounters
@@ -676,36 +677,55 @@ def test_an_early_load_ends_before_the_worker_closes_or_starts_another(
     open_sides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layerwise: bool
 ) -> None:
     """A step whose forward never came (vLLM failed between handing the step over and loading)
-    leaves its early load running: it still ends, whole, before the worker's next step, and no
-    later than the worker's close (which lets a whole-block load end, and cancels a layerwise
-    step)."""
+    leaves its early load running: it still ends, whole, as vLLM hands the worker its next step,
+    before that step writes a block (with a load of its own or none: vLLM calls ``start_load_kv``
+    after the forward in a step without loads), and no later than the worker's close (which lets
+    a whole-block load end, and cancels a layerwise step)."""
     import tests.integrations.vllm.recording_connector as recording  # registers slow-local://
 
     monkeypatch.setenv(recording.PUT_DELAY_ENV, "0")
     sides: Sides = open_sides(backend=f"slow-local://{tmp_path}/store", layerwise=layerwise)
     _stored_r1(sides)
-    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    cache = sides.caches[0]
+    stored = [_block(cache, b) for b in (5, 6, 7)]
     monkeypatch.setenv(recording.GET_DELAY_ENV, "0.3")
     (worker,) = sides.workers
-    assert sides.admit(FakeRequest("r2", TOKENS), [9, 10, 11, 12]) == (12, False)
-    first = sides.scheduler.build_connector_meta(
-        FakeSchedulerOutput([FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2})
-    )  # type: ignore[arg-type]
-    worker.handle_preemptions(first)  # ...and this step goes no further
-    second = sides.scheduler.build_connector_meta(BUSY)  # type: ignore[arg-type]
-    worker.start_load_kv(second)  # a step with no load of its own
-    assert _loaded(sides.caches[0], stored, (9, 10, 11))
+
+    def handed_over(name: str, blocks: list[int]) -> KVFlowConnectorMetadata:
+        """A step loading ``name`` into ``blocks`` (zeroed first), handed to the worker."""
+        for layer in LAYERS:
+            cache[layer][blocks] = 0.0
+        assert sides.admit(FakeRequest(name, TOKENS), blocks) == (12, False)
+        meta = sides.scheduler.build_connector_meta(
+            FakeSchedulerOutput([FakeNewRequest(name, (blocks,), 12)], num_scheduled_tokens={name: 2})
+        )  # type: ignore[arg-type]
+        assert meta.load_early
+        worker.handle_preemptions(meta)
+        return meta
+
+    handed_over("r2", [9, 10, 11, 12])  # ...and this step goes no further
+    assert not _loaded(cache, stored, (9, 10, 11))  # (not yet: a get takes 0.3 s)
+    second = handed_over("r3", [12, 13, 14, 15])  # the next step loads too
+    assert _loaded(cache, stored, (9, 10, 11))
+    worker.start_load_kv(second)
+    for layer in LAYERS:
+        worker.wait_for_layer_load(layer)
     worker.wait_for_save(second)
-    assert sides.admit(FakeRequest("r3", TOKENS), [12, 13, 14, 15]) == (12, False)
-    third = sides.scheduler.build_connector_meta(
-        FakeSchedulerOutput([FakeNewRequest("r3", ([12, 13, 14, 15],), 12)], num_scheduled_tokens={"r3": 2})
-    )  # type: ignore[arg-type]
-    worker.handle_preemptions(third)
+    assert _loaded(cache, stored, (12, 13, 14))
+
+    handed_over("r4", [9, 10, 11, 12])  # ...and this step goes no further
+    third = sides.scheduler.build_connector_meta(BUSY)  # type: ignore[arg-type]
+    worker.handle_preemptions(third)  # the next loads nothing
+    assert _loaded(cache, stored, (9, 10, 11))
+    worker.start_load_kv(third)
+    worker.wait_for_save(third)
+
+    handed_over("r5", [12, 13, 14, 15])  # ...and the worker closes
     worker.shutdown()
-    closed = [_block(sides.caches[0], b) for b in (12, 13, 14)]
+    closed = [_block(cache, b) for b in (12, 13, 14)]
     time.sleep(0.5)  # (longer than a get takes)
-    assert _loaded(sides.caches[0], closed, (12, 13, 14))  # nothing written after the close
-    assert layerwise or _loaded(sides.caches[0], stored, (12, 13, 14))
+    assert _loaded(cache, closed, (12, 13, 14))  # nothing written after the close
+    assert layerwise or _loaded(cache, stored, (12, 13, 14))
 
 
 def test_layerwise_steps_finish_their_stores_inside_the_step(open_sides: Any) -> None:
