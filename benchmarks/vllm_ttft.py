@@ -33,7 +33,9 @@ own cache (``llm.reset_prefix_cache()`` does nothing while a connector holds blo
 runs one-token requests until it succeeds, and stops with an error if it never does). For kvflow the
 report breaks each question's time down by the connector's calls (lookup; the scheduler's other
 calls; load; store; finish; the rest: the forward and vLLM itself), the time Python's garbage
-collector ran, and counts the engine steps it took (more than one: the request waited for its load).
+collector ran, counts the engine steps it took (more than one: the request waited for its load),
+and times the loading step from its hand-over to the worker (``handle_preemptions``) to the start
+of its forward: vLLM's preparation of the step's inputs, and what of the load did not run beside it.
 Right after each measured question every engine asks a new question of the same kind that its own
 prefix cache answers (no reset): each case is also given as a ratio to that floor in its own
 process, because two engine processes differ by more than the 10% the target allows, as the ratio of
@@ -116,6 +118,8 @@ class _Phases:
         self.steps = 0
         self.gc_s = 0.0
         self._gc_started = 0.0
+        self.to_forward_s = 0.0  # from each step's hand-over to a worker to its forward's start
+        self._handed = 0.0
 
     def watch_gc(self) -> None:
         import gc
@@ -138,16 +142,22 @@ class _Phases:
     def _timed(self, phase: str, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
+            if name == "handle_preemptions" and getattr(args[1], "loads", ()):  # loads before the forward
+                self._handed = started
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds[phase] += time.perf_counter() - started
+                ended = time.perf_counter()
+                self.seconds[phase] += ended - started
                 self.steps += name == "build_connector_meta"
+                if name == "start_load_kv" and self._handed:
+                    self.to_forward_s += ended - self._handed
+                    self._handed = 0.0
 
         return timed
 
-    def snapshot(self) -> tuple[dict[str, float], int, float]:
-        return dict(self.seconds), self.steps, self.gc_s
+    def snapshot(self) -> tuple[dict[str, float], int, float, float]:
+        return dict(self.seconds), self.steps, self.gc_s, self.to_forward_s
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -184,11 +194,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         prompt = TokensPrompt(prompt_token_ids=doc + _question(seed, kind))
         if flush is not None:
             flush()
-        before, steps, gc_before = phases.snapshot()
+        before, steps, gc_before, to_forward = phases.snapshot()
         started = time.perf_counter()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         ttft = time.perf_counter() - started
-        after, steps_after, gc_after = phases.snapshot()
+        after, steps_after, gc_after, to_forward_after = phases.snapshot()
         spent = {phase: after[phase] - before[phase] for phase in PHASES}
         return {
             "seed": seed,
@@ -198,6 +208,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             "phases_s": {**spent, "rest": ttft - sum(spent.values())},
             "gc_s": gc_after - gc_before,
             "steps": steps_after - steps,
+            "to_forward_s": to_forward_after - to_forward,
         }
 
     def reset() -> None:
@@ -474,7 +485,11 @@ def main(argv: list[str] | None = None) -> int:
             steps = statistics.median(a["steps"] for a in asks)
             gc_ms = 1000 * statistics.median(a["gc_s"] for a in asks)
             collector = f"collector {gc_ms:.1f} (any thread)"
-            print(f"{case} {kind}: median ms in {parts}, {collector}; {steps:g} engine steps")
+            to_forward = 1000 * statistics.median(a.get("to_forward_s", 0.0) for a in asks)
+            print(
+                f"{case} {kind}: median ms in {parts}, {collector}; {steps:g} engine steps; "
+                f"from the loading step's hand-over to its forward {to_forward:.1f}"
+            )
     for kind in QUESTIONS:  # the floor's collector time, beside the connector cases'
         local = rows["recompute"].get(f"{kind}-local", [])
         if local:
