@@ -459,9 +459,12 @@ def test_vllm_ttft_bench_runs_its_quickest_case(tmp_path: Path) -> None:
     assert all(float(row[0]) > 0 and float(row[4]) > 0 for row in (recompute, kvflow))
     # where kvflow's time went, per question kind: the load took some, and one engine step each
     breakdown = [line for line in out.splitlines() if line.startswith("kvflow short:")]
-    assert len(breakdown) == 1 and "lookup" in breakdown[0] and breakdown[0].endswith("; 1 engine steps")
+    assert len(breakdown) == 1 and "lookup" in breakdown[0] and "; 1 engine steps; " in breakdown[0]
     load_ms = float(re.search(r"load ([0-9.]+),", breakdown[0]).group(1))  # type: ignore[union-attr]
     assert load_ms > 0
+    # the loading step from its hand-over to its forward: at least the load's wait in it
+    to_forward = re.search(r"hand-over to its forward ([0-9.]+)$", breakdown[0])
+    assert to_forward is not None and float(to_forward.group(1)) > 0, breakdown[0]
     # each case over its own engine's hit, by medians and question by question
     own = re.search(
         r"^kvflow: .*own engine's hit: short ([0-9.]+)x, long ([0-9.]+)x; question by question, "
