@@ -585,6 +585,16 @@ def _loaded(
     )
 
 
+def _a_reload(sides: Sides) -> tuple[list[list[torch.Tensor]], FakeSchedulerOutput]:
+    """r1 stored from blocks 5-7, then r2 of the same tokens admitted into blocks 9-12: r1's
+    blocks' KV, and the step that loads it into 9-11."""
+    _stored_r1(sides)
+    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    assert sides.admit(FakeRequest("r2", TOKENS), [9, 10, 11, 12]) == (12, False)
+    step = FakeSchedulerOutput([FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2})
+    return stored, step
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_a_steps_loads_start_when_vllm_hands_the_step_to_the_worker(
     open_sides: Any, monkeypatch: pytest.MonkeyPatch, layerwise: bool
@@ -594,14 +604,9 @@ def test_a_steps_loads_start_when_vllm_hands_the_step_to_the_worker(
     there and run meanwhile: the blocks arrive without ``start_load_kv``, which then waits for
     that same call and records it (no second load). Layerwise, the layers arrive as well."""
     sides: Sides = open_sides(layerwise=layerwise)
-    _stored_r1(sides)
-    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    stored, step = _a_reload(sides)
     calls = _count_loads(monkeypatch, layerwise)
-    again = FakeRequest("r2", TOKENS)
-    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
-    meta = sides.scheduler.build_connector_meta(
-        FakeSchedulerOutput([FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2})
-    )  # type: ignore[arg-type]
+    meta = sides.scheduler.build_connector_meta(step)  # type: ignore[arg-type]
     assert meta.load_early
     (worker,) = sides.workers
     worker.handle_preemptions(meta)
@@ -634,14 +639,8 @@ def test_no_load_starts_early_in_a_step_where_vllm_writes_blocks_before_the_forw
     in such a step, or with a vLLM that does not report them, the loads start in ``start_load_kv``,
     after those writes, and not before."""
     sides: Sides = open_sides(layerwise=layerwise)
-    _stored_r1(sides)
-    stored = [_block(sides.caches[0], b) for b in (5, 6, 7)]
+    stored, output = _a_reload(sides)
     calls = _count_loads(monkeypatch, layerwise)
-    again = FakeRequest("r2", TOKENS)
-    assert sides.admit(again, [9, 10, 11, 12]) == (12, False)
-    output: Any = FakeSchedulerOutput(
-        [FakeNewRequest("r2", ([9, 10, 11, 12],), 12)], num_scheduled_tokens={"r2": 2}
-    )
     if writes.get("unreported"):
 
         @attrs.define
@@ -651,15 +650,15 @@ def test_no_load_starts_early_in_a_step_where_vllm_writes_blocks_before_the_forw
             num_scheduled_tokens: dict[str, int]
             preempted_req_ids: set[str] | None
 
-        output = OlderSchedulerOutput(
+        older = OlderSchedulerOutput(
             output.scheduled_new_reqs,
             output.scheduled_cached_reqs,
             output.num_scheduled_tokens,
             output.preempted_req_ids,
         )
+        meta = sides.scheduler.build_connector_meta(older)  # type: ignore[arg-type]
     else:
-        output = attrs.evolve(output, **writes)
-    meta = sides.scheduler.build_connector_meta(output)
+        meta = sides.scheduler.build_connector_meta(attrs.evolve(output, **writes))  # type: ignore[arg-type]
     assert not meta.load_early
     (worker,) = sides.workers
     worker.handle_preemptions(meta)
