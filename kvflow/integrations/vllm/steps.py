@@ -179,7 +179,7 @@ class BlockSteps:
     pool: SyncPool
     wait_stored: bool = False
     _load_failed: bool = attrs.field(default=False, init=False)
-    _early: _EarlyLoad | None = attrs.field(default=None, init=False)
+    _early: _StepLoad | None = attrs.field(default=None, init=False)
 
     def start_early(self, spans: Sequence[KVRequest]) -> None:
         """Submit the step's loads ahead of :meth:`load` of the same ``spans``, which waits for
@@ -187,9 +187,13 @@ class BlockSteps:
         writes the loads' blocks before the forward (the scheduler side says so:
         ``KVFlowConnectorMetadata.load_early``)."""
         self._end_early()  # (one whose step never reached its load ends before another starts)
+        self._early = self._submit(spans)
+
+    def _submit(self, spans: Sequence[KVRequest]) -> _StepLoad:
+        """The step's loads in one pool call, timed from now."""
         watch = Stopwatch()
         future = self.pool.submit_retrieve_many(spans, after=engine_event(self.pool))
-        self._early = _EarlyLoad(spans, future, watch.watch(future))
+        return _StepLoad(spans, future, watch.watch(future))
 
     def end_other_early(self, spans: Sequence[KVRequest]) -> None:
         """Wait for a load started early that is not of ``spans``: its step never reached its
@@ -207,12 +211,8 @@ class BlockSteps:
         :meth:`start_early`); the results (the caller records them at once)."""
         self.end_other_early(spans)
         early, self._early = self._early, None
-        if early is not None:
-            future, watch = early.future, early.watch
-        else:
-            watch = Stopwatch()
-            future = self.pool.submit_retrieve_many(spans, after=engine_event(self.pool))
-            watch.watch(future)
+        load = early if early is not None else self._submit(spans)
+        future, watch = load.future, load.watch
         results: Sequence[RetrieveResult | None] | None = wait_ended(future, "load")
         if results is None:  # the call failed as a whole: every load of the step failed
             results = [None] * len(spans)
@@ -253,8 +253,9 @@ class BlockSteps:
 
 
 @attrs.define(eq=False)
-class _EarlyLoad:
-    """A step's loads submitted before vLLM prepared the step's inputs (:meth:`BlockSteps.start_early`)."""
+class _StepLoad:
+    """A step's loads in flight: submitted by :meth:`BlockSteps.load`, or before vLLM prepared the
+    step's inputs (:meth:`BlockSteps.start_early`)."""
 
     spans: Sequence[KVRequest]  # the metadata's own tuple: the load of the same step passes it again
     future: CallFuture[list[RetrieveResult]]
