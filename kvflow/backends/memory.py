@@ -1,18 +1,20 @@
 """In-process memory backend: a byte budget and LRU eviction.
 
 Objects live in uninitialised ``torch.uint8`` buffers owned by the backend (a ``bytearray`` would
-zero its memory first, which costs as much as the copy itself). Copies run on the event loop in
-pieces of at most 1 MiB, and a call lets the loop run (a checkpoint) once it has held it for half
-a millisecond while other work waits to run, or 2 ms when none does (:mod:`kvflow.backends.pacing`),
-so no call keeps waiting work from the loop much longer than a millisecond.
-Objects of one piece are copied a run at a time (up to 4 MiB in all,
+zero its memory first, which costs as much as the copy itself). Copies run on the event loop, and a
+call lets the loop run (a checkpoint) once it has held it for half a millisecond while other work
+waits to run, or 2 ms when none does (:mod:`kvflow.backends.pacing`), so no call keeps waiting work
+from the loop much longer than a millisecond. Objects of up to a run's bytes (4 MiB,
+:func:`~kvflow.backends.pacing.whole_bytes`) are copied a run at a time (up to 4 MiB in all,
 :data:`~kvflow.backends.pacing.RUN_BYTES`), each run by one native copy call, the loop let run
 between runs (most KV objects are this size, and a coroutine, or a ``memmove`` call per region,
-cost more than their copy). A batch by column (:class:`~kvflow.backends.base.ObjectBatch`, what the
-transfer layer sends) of such objects and distinct new keys is handled in one pass: a put copies
-its runs (:func:`kvflow.backends.copies.copy_in_runs`), making room for each as it comes, and
-publishes them together at its end; a get whose keys are all held pins their buffers and copies
-its runs. Every other call (a list of objects, a key twice or held, a get with a miss) goes run by run:
+cost more than their copy); a larger object is copied alone, in pieces of that size, the loop let
+run between pieces, as the arena backend's puts do. A batch by column
+(:class:`~kvflow.backends.base.ObjectBatch`, what the transfer layer sends) of such objects and
+distinct new keys is handled in one pass: a put copies its runs
+(:func:`kvflow.backends.copies.copy_in_runs`), making room for each as it comes, and publishes them
+together at its end; a get whose keys are all held pins their buffers and copies its runs. Every
+other call (a list of objects, a key twice or held, a get with a miss) goes run by run:
 each run looked up, reserved, copied and published between two checkpoints, so that it needs
 neither a reservation held across a pause nor a pin. (The one pass saves each run's Python, which
 from cold caches cost 0.6-0.9 us an object of 64 KiB: docs/benchmarks.md, sixteenth stop.)
@@ -66,7 +68,7 @@ from kvflow.backends.copies import (
     scatter_objects,
 )
 from kvflow.backends.inflight import Lifetime
-from kvflow.backends.pacing import PIECE, Pacer, run_end
+from kvflow.backends.pacing import Pacer, run_end, whole_bytes
 from kvflow.config import parse_size, parse_url_query, split_url
 from kvflow.errors import ConfigError
 
@@ -191,8 +193,8 @@ class MemoryBackend:
         return len(set(keys)) == len(keys) and self._objects.keys().isdisjoint(keys)
 
     async def _put_batch(self, batch: ObjectBatch, call: int) -> list[PutStatus]:
-        """A put (of put ``call``) of a batch of distinct new keys whose objects each fit in one
-        piece: their objects are copied in runs, the loop let run between them, room made for
+        """A put (of put ``call``) of a batch of distinct new keys whose objects are each copied
+        whole: their objects are copied in runs, the loop let run between them, room made for
         each run as it comes (so that no run's evictions and allocations hold the loop longer than
         the general path's; the first object that does not fit ends the copy, it and the rest
         ``NO_SPACE``), then published together (:meth:`_publish`). A call that fails or is
@@ -247,7 +249,7 @@ class MemoryBackend:
         return results
 
     async def _get_batch(self, batch: ObjectBatch) -> list[GetStatus] | None:
-        """A get of a batch whose objects each fit in one piece, when every key is held at its
+        """A get of a batch of objects each copied whole, when every key is held at its
         size (else None, and nothing done: :meth:`_each` sorts the misses out). Each is a use now,
         the first key the most recently used, and again at the end if another task used a key
         while this one paused; their buffers are pinned while they are copied in runs, the loop let
@@ -294,8 +296,9 @@ class MemoryBackend:
         paced: Callable[[ObjectRef, Pacer], Awaitable[R]],
         count: Callable[[Sequence[ObjectRef], Sequence[R]], None],
     ) -> list[R]:
-        """The objects in turn: a run from an object of one piece (at most :data:`PIECE` bytes), of
-        at most :data:`~kvflow.backends.pacing.RUN_BYTES` in all, by ``section`` (one copy call, no
+        """The objects in turn: a run from an object copied whole (at most
+        :func:`~kvflow.backends.pacing.whole_bytes`), of at most
+        :data:`~kvflow.backends.pacing.RUN_BYTES` in all, by ``section`` (one copy call, no
         checkpoint inside, so nothing can change under it), an object starting larger by ``paced``;
         the loop runs between them once it has been held long enough. ``count`` the results of
         those that ran (even when the call is cancelled part-way)."""
@@ -303,13 +306,13 @@ class MemoryBackend:
             keys, sizes = keys_of(objects), nbytes_of(objects)
             uniform = isinstance(objects, ObjectBatch)
             results: list[R] = []
-            pacer = Pacer()
+            pacer, whole = Pacer(), whole_bytes()
             try:
                 start = 0
                 while start < len(sizes):
                     if pacer.due():
                         await pacer.pause()
-                    if sizes[start] > PIECE:
+                    if sizes[start] > whole:
                         results.append(await paced(objects[start], pacer))
                         start += 1
                     else:
@@ -422,7 +425,7 @@ class MemoryBackend:
         return results
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer, *, call: int) -> PutStatus:
-        """A put (of put ``call``) of an object larger than one piece: reserved, copied with
+        """A put (of put ``call``) of an object too large to copy whole: reserved, copied with
         checkpoints, published."""
         check_object(obj)  # (as a run's copy checks each of its objects)
         objects = self._objects
@@ -431,7 +434,7 @@ class MemoryBackend:
             return entry
         published = False
         try:
-            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=True, piece_bytes=PIECE)
+            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=True, piece_bytes=whole_bytes())
             if self._life.closed:
                 return PutStatus.FAILED
             present = objects.get(obj.key)
@@ -577,14 +580,14 @@ class MemoryBackend:
         return results
 
     async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
-        """A get of an object larger than one piece: its buffer pinned while copied with checkpoints."""
+        """A get of an object too large to copy whole: its buffer pinned while copied with checkpoints."""
         check_object(obj)
         entry = self._found(obj.key, obj.nbytes)
         if isinstance(entry, GetStatus):
             return entry
         entry.readers += 1
         try:
-            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=False, piece_bytes=PIECE)
+            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=False, piece_bytes=whole_bytes())
         finally:
             entry.readers -= 1
         return GetStatus.HIT
@@ -596,6 +599,6 @@ _USED = frozenset({PutStatus.STORED, PutStatus.PRESENT, GetStatus.HIT})
 
 
 def _whole_runs(objects: Sequence[ObjectRef]) -> TypeGuard[ObjectBatch]:
-    """Whether ``objects`` is a batch of objects that each fit in one piece (copied whole, a run of
-    them a call: :meth:`MemoryBackend._put_batch`, :meth:`MemoryBackend._get_batch`)."""
-    return isinstance(objects, ObjectBatch) and len(objects) > 0 and 0 < objects.nbytes <= PIECE
+    """Whether ``objects`` is a batch of objects that are each copied whole (a run of them a call:
+    :meth:`MemoryBackend._put_batch`, :meth:`MemoryBackend._get_batch`)."""
+    return isinstance(objects, ObjectBatch) and len(objects) > 0 and 0 < objects.nbytes <= whole_bytes()

@@ -44,6 +44,7 @@ __all__ = [
     "others_ready",
     "run_end",
     "run_length",
+    "whole_bytes",
 ]
 
 #: The longest a call holds the event loop between checkpoints (plus one piece) while other work
@@ -162,6 +163,17 @@ def run_end(sizes: Sequence[int], start: int, *, uniform: bool = False) -> int:
         total += sizes[end]
         end += 1
     return end
+
+
+def whole_bytes() -> int:
+    """The largest object an in-process backend copies whole, a run of such objects a copy call
+    (:func:`run_end`): a run's bytes (:data:`RUN_BYTES`), or a piece's where that is larger. A
+    larger object is copied alone, in pieces of this size with a look at the clock between them
+    (:func:`kvflow.backends.copies.copy_in_pieces`), so no copy call holds the loop longer than a
+    run's does. (The memory backend cut objects over 1 MiB in 1 MiB pieces: from flushed caches
+    each piece's call cost 10-15 us, a fifth of a get of a 2 MiB object; docs/benchmarks.md,
+    twenty-first stop.)"""
+    return max(RUN_BYTES, PIECE)
 
 
 def run_length(nbytes: int) -> int:

@@ -308,11 +308,11 @@ async def shared_call_s(
     :data:`~kvflow.backends.pacing.RUN_BYTES` (and :data:`~kvflow.backends.pacing.RUN_OBJECTS`
     blocks), a :class:`~kvflow.backends.pacing.Pacer` checked before each run but the first, a
     checkpoint at the end, as the memory backend runs a put or a get of objects of up to
-    :data:`~kvflow.backends.pacing.PIECE` bytes. Its ratio to memcpy is the most a call keyed per
+    :func:`~kvflow.backends.pacing.whole_bytes`. Its ratio to memcpy is the most a call keyed per
     object reaches here while it keeps the loop's other work waiting no longer than kvflow's calls
     may. (The backends copy a larger object a piece at a time with a look at the clock between
-    pieces; this call copies it whole, in runs of up to ``RUN_BYTES`` or alone, so above ``PIECE``
-    it is a little quicker than a call at kvflow's cadence can be.)"""
+    pieces; this call copies it whole, alone, so above that size it is a little quicker than a
+    call at kvflow's cadence can be.)"""
     calls = _BareCalls(source, target, block_ids, tokens)
     nbytes = max(1, source.block_nbytes)
     run = max(1, min(RUN_OBJECTS, RUN_BYTES // nbytes))

@@ -1,12 +1,12 @@
 """No backend call holds the event loop for more than about 2 ms, whatever the batch or object size.
 
 Two ways of checking it. The mechanism, exactly: with the pacing threshold set to zero, a call
-copies at most one 1 MiB piece between two turns of another task (the arena backend: a put one
-4 MiB piece, a get one object, which it copies whole under the store's lock). The bound, in time:
-a ticker task records the longest stretch between two of its turns while a put or a get runs,
-in CPU time of the loop's thread (``time.thread_time``): the work done while holding the loop,
-without the time another process on a busy machine took the CPU away. Each measurement is
-repeated and the shortest of the longest stretches is compared, so that a moment of noise does
+copies at most one run or piece of 4 MiB between two turns of another task (the local backend: a
+1 MiB piece; the arena backend's get: one object, which it copies whole under the store's lock).
+The bound, in time: a ticker task records the longest stretch between two of its turns while a put
+or a get runs, in CPU time of the loop's thread (``time.thread_time``): the work done while holding
+the loop, without the time another process on a busy machine took the CPU away. Each measurement
+is repeated and the shortest of the longest stretches is compared, so that a moment of noise does
 not fail the test; a call that holds the loop does so every time.
 """
 
@@ -196,10 +196,12 @@ async def test_calls_in_a_row_from_one_task_do_not_hold_the_loop(
 async def test_at_most_one_piece_is_copied_between_turns(
     backend: Backend, count: int, size: int, as_batch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the threshold at zero, every run of objects (at most RUN_BYTES, or one larger object)
-    and, within an object larger than a piece, every 1 MiB piece is followed by a turn of the other
-    tasks. The arena's put cuts an object larger than a run in pieces of RUN_BYTES (before, it copied
-    16 MiB in one call); its get copies each object whole, under the store's shared lock."""
+    """With the threshold at zero, every run of objects (at most RUN_BYTES) and, within an object
+    larger than that, every piece is followed by a turn of the other tasks. The memory backend and
+    the arena's put cut an object larger than a run in pieces of RUN_BYTES (pacing.whole_bytes;
+    before, the arena copied 16 MiB in one call and the memory backend cut objects over 1 MiB in
+    1 MiB pieces); the arena's get copies each object whole, under the store's shared lock; the
+    local backend writes and reads each object apart, in 1 MiB pieces."""
     copied = {"put": 0, "get": 0}  # bytes copied, by the call that copied them
 
     def metered(
@@ -243,14 +245,14 @@ async def test_at_most_one_piece_is_copied_between_turns(
 
     await put_and_get(backend, count, size, beside=ticker, shaped=by_column if as_batch else list)
     assert min(copied.values()) >= count * size  # every byte went through the meter (and headers)
-    if isinstance(backend, ArenaBackend):
-        assert 0 < most["put"] <= pacing.RUN_BYTES  # runs, or pieces of a larger object
-        assert 0 < most["get"] <= max(size, pacing.RUN_BYTES)  # runs, or one larger object whole
-    elif size > pacing.PIECE:  # one object per copy call, in pieces
-        assert 0 < most["put"] <= pacing.PIECE and 0 < most["get"] <= pacing.PIECE
-    else:  # runs of objects, one copy call each (the local backend copies each object apart)
-        bound = size if isinstance(backend, LocalBackend) else pacing.RUN_BYTES
+    if isinstance(backend, LocalBackend):  # each object apart, in pieces
+        bound = min(size, pacing.PIECE)
         assert 0 < most["put"] <= bound and 0 < most["get"] <= bound
+    else:  # runs, or pieces of a larger object (the arena's get: one larger object whole)
+        assert pacing.whole_bytes() == pacing.RUN_BYTES
+        assert 0 < most["put"] <= pacing.RUN_BYTES
+        get_bound = max(size, pacing.RUN_BYTES) if isinstance(backend, ArenaBackend) else pacing.RUN_BYTES
+        assert 0 < most["get"] <= get_bound
 
 
 async def test_others_ready_sees_a_woken_task_and_a_call_handed_over_from_another_thread() -> None:

@@ -67,6 +67,35 @@ def batch(cache: torch.Tensor, keys: list[str], blocks: list[int]) -> ObjectBatc
     )
 
 
+async def test_a_batch_of_objects_over_a_piece_goes_whole_a_run_a_copy_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Objects larger than a piece (1 MiB) but within a run (pacing.whole_bytes) are copied whole,
+    a run of them a call of the compiled copy loop each way, not cut in 1 MiB pieces (from flushed
+    caches each piece's call cost a fifth of a 2 MiB object's get)."""
+    layers, blocks, size = 2, 8, pacing.PIECE  # objects of 2 MiB: 2 a run of 4 MiB
+    assert pacing.PIECE < layers * size <= pacing.whole_bytes() == pacing.RUN_BYTES
+    calls: list[tuple[int, bool]] = []  # (objects, into the regions) per call of the copy loop
+    rows = regions.copy_rows
+
+    def counted(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
+        calls.append((len(starts), into_regions))
+        rows(starts, *args, into_regions=into_regions, **kwargs)
+
+    monkeypatch.setattr(regions, "copy_rows", counted)
+    monkeypatch.setattr(regions, "copy_ragged", None)  # (no object goes region piece by piece)
+    source = torch.randint(0, 256, (layers, blocks, size), dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    backend = MemoryBackend()
+    keys = [f"b{i}" for i in range(blocks)]
+    assert await backend.put(batch(source, keys, list(range(blocks)))) == [PutStatus.STORED] * blocks
+    assert await backend.get(batch(target, keys, list(range(blocks)))) == [GetStatus.HIT] * blocks
+    assert torch.equal(source, target)
+    run = pacing.RUN_BYTES // (layers * size)
+    assert calls == [(run, False)] * (blocks // run) + [(run, True)] * (blocks // run)
+    await backend.aclose()
+
+
 async def test_a_batch_by_column_round_trips_in_runs_with_misses_between() -> None:
     """A batch larger than one run (1 MiB) whose keys are partly missing: every present object's
     regions are filled, the missing ones' left alone, and the batch's sizes are counted."""
@@ -183,13 +212,21 @@ def data(key: str, size: int) -> torch.Tensor:
 
 @pytest.fixture
 def checkpoint_often(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every call lets other tasks run after each 1 MiB piece (instead of after ~0.5 ms)."""
+    """Every call lets other tasks run after each run or piece (instead of after ~0.5 ms)."""
     monkeypatch.setattr(pacing, "YIELD_EVERY_S", 0.0)
+
+
+def whole_up_to(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """Objects larger than ``nbytes`` are copied in pieces of ``nbytes`` (and runs hold at most
+    that much): :func:`kvflow.backends.pacing.whole_bytes` patched through what it reads."""
+    monkeypatch.setattr(pacing, "RUN_BYTES", nbytes)
+    monkeypatch.setattr(pacing, "PIECE", nbytes)
+    assert pacing.whole_bytes() == nbytes
 
 
 async def test_a_get_never_sees_an_object_whose_put_is_still_copying(checkpoint_often: None) -> None:
     backend = MemoryBackend()
-    size = 8 * MiB
+    size = 4 * pacing.whole_bytes()  # copied in four pieces, the loop let run between them
     source = data("k", size)
     put_done = False
     seen: list[GetStatus] = []
@@ -235,7 +272,7 @@ async def reading(
 
 
 async def test_eviction_never_takes_a_buffer_that_a_get_is_reading(checkpoint_often: None) -> None:
-    size = 4 * MiB
+    size = 4 * pacing.whole_bytes()  # four pieces: the get pauses between them
     backend = MemoryBackend(MemoryConfig(capacity_bytes=size))  # room for one object
     a, b = data("a", size), data("b", size)
     assert await backend.put([obj("a", a)]) == [PutStatus.STORED]
@@ -330,12 +367,13 @@ async def test_a_cancelled_put_gives_back_its_reservation(checkpoint_often: None
     assert await backend.put([obj("k", source)]) == [PutStatus.STORED]  # the room is there
 
 
-async def test_an_object_larger_than_a_piece_is_copied_a_piece_a_call_both_ways(
+async def test_an_object_too_large_to_copy_whole_is_copied_a_piece_a_call_both_ways(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The memory backend's piece (``memory.PIECE``, patched by the test below to interleave its
-    calls every 4 KiB) is what its copies of a larger object are cut by, on the way in and out."""
-    monkeypatch.setattr(memory, "PIECE", 4096)
+    """The largest object the memory backend copies whole (:func:`pacing.whole_bytes`, cut to
+    4 KiB here, as the test below cuts it to interleave its calls) is what its copies of a larger
+    object are cut by, on the way in and out."""
+    whole_up_to(monkeypatch, 4096)
     calls: list[int] = []
     copy = regions.copy_ragged
 
@@ -356,7 +394,7 @@ async def test_an_object_larger_than_a_piece_is_copied_a_piece_a_call_both_ways(
 async def test_concurrent_calls_keep_objects_whole_and_stats_exact(
     checkpoint_often: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(memory, "PIECE", 4096)  # a checkpoint every 4 KiB: many interleavings
+    whole_up_to(monkeypatch, 4096)  # a checkpoint every 4 KiB: many interleavings
     keys = [f"k{i}" for i in range(10)]
     sizes = {k: 20_000 + 3_000 * i for i, k in enumerate(keys)}
     sources = {k: data(k, sizes[k]) for k in keys}
@@ -486,11 +524,11 @@ async def test_a_put_evicts_nothing_for_an_object_that_would_not_fit_anyway() ->
 
 
 async def test_a_put_makes_room_from_keys_a_get_used_after_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full store of x and o; a put of x (present) and z, objects larger than a piece, between
-    which the loop runs: a get that reads o there makes o newer than x (done here as the get does
-    it, :meth:`MemoryBackend._found`, at the moment the put turns to z). The put still makes room
-    from o, not from x, which it found present, and does not refuse z while o can go."""
-    size = 2 << 20
+    """A full store of x and o; a put of x (present) and z, objects too large to copy whole,
+    between which the loop runs: a get that reads o there makes o newer than x (done here as the
+    get does it, :meth:`MemoryBackend._found`, at the moment the put turns to z). The put still
+    makes room from o, not from x, which it found present, and does not refuse z while o can go."""
+    size = pacing.whole_bytes() + 4096
     backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * size))
     tensors = {key: data(key, size) for key in "xoz"}
     for key in "xo":
@@ -545,9 +583,11 @@ async def test_the_same_key_twice_in_one_put_is_stored_once_and_counted_once() -
 
 
 async def test_objects_of_mixed_sizes_round_trip_whatever_runs_they_fall_in() -> None:
-    """Small objects go in runs of up to RUN_BYTES, an object starting larger than a piece goes
-    alone with checkpoints: every object of a mixed batch is put and got, none skipped."""
-    sizes = [4096, pacing.PIECE + 3, 4096, 3 * pacing.PIECE, pacing.PIECE, 8, pacing.RUN_BYTES + 1, 4096]
+    """Objects go in runs of up to RUN_BYTES, an object starting too large to copy whole
+    (:func:`pacing.whole_bytes`) alone with checkpoints: every object of a mixed batch is put and
+    got, none skipped."""
+    whole = pacing.whole_bytes()
+    sizes = [4096, whole + 3, 4096, whole // 2 + 1, whole, 8, whole // 2, 2 * whole + 1, 4096]
     sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     targets = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     backend = MemoryBackend()
@@ -558,10 +598,10 @@ async def test_objects_of_mixed_sizes_round_trip_whatever_runs_they_fall_in() ->
     assert backend.stats().put_bytes == backend.stats().hit_bytes == sum(sizes)
 
 
-async def test_an_object_larger_than_a_piece_is_put_and_got_streamed_a_piece_at_a_time(
+async def test_an_object_too_large_to_copy_whole_is_put_and_got_streamed_a_piece_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An object larger than a piece is copied a piece at a time (the loop runs between pieces),
+    """An object too large to copy whole is copied a piece at a time (the loop runs between pieces),
     each piece, in and out, by one call of the compiled copy loop with streaming stores, as a run
     of smaller objects is (before: a `memmove` per region piece, at about 0.6x the streamed copy's
     speed out of the caches for a put, 0.7-0.8x for a get). Regions of odd sizes cross the pieces'
@@ -574,8 +614,9 @@ async def test_an_object_larger_than_a_piece_is_put_and_got_streamed_a_piece_at_
         real(starts, counts, addrs, sizes, into_regions=into_regions, stream=stream)
 
     monkeypatch.setattr(memory.regions, "copy_ragged", recorded)
-    sizes = [pacing.PIECE // 3 + 5, pacing.PIECE + 17, 7, pacing.PIECE - 1]  # 2 pieces and a bit
-    pieces = [pacing.PIECE, pacing.PIECE, sum(sizes) - 2 * pacing.PIECE]
+    piece = pacing.whole_bytes()
+    sizes = [piece // 3 + 5, piece + 17, 7, piece - 1]  # 2 pieces and a bit
+    pieces = [piece, piece, sum(sizes) - 2 * piece]
     sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     targets = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     backend = MemoryBackend()
@@ -587,13 +628,13 @@ async def test_an_object_larger_than_a_piece_is_put_and_got_streamed_a_piece_at_
     assert all(torch.equal(s, t) for s, t in zip(sources, targets))
 
 
-@pytest.mark.parametrize("nbytes", [3 * pacing.PIECE - 1, 3 * pacing.PIECE + 1])
-async def test_an_object_larger_than_a_piece_whose_sizes_disagree_with_its_bytes_is_refused(
+@pytest.mark.parametrize("nbytes", [3 * pacing.whole_bytes() - 1, 3 * pacing.whole_bytes() + 1])
+async def test_an_object_too_large_to_copy_whole_whose_sizes_disagree_with_its_bytes_is_refused(
     nbytes: int,
 ) -> None:
     """As a run of smaller objects is: a put would publish part of a buffer unwritten (an evicted
     object's bytes) or write past it, a get read into memory the caller did not give."""
-    source = torch.randint(0, 255, (3 * pacing.PIECE,), dtype=torch.uint8)
+    source = torch.randint(0, 255, (3 * pacing.whole_bytes(),), dtype=torch.uint8)
     bad = ObjectRef("big", [source.data_ptr()], [source.numel()], nbytes)
     backend = MemoryBackend()
     with pytest.raises(ValueError, match="do not agree"):

@@ -227,13 +227,13 @@ class ArenaBackend:
     async def _write(self, objects: Sequence[ObjectRef], claimed: dict[int, int]) -> None:
         """Copy the claimed objects into their slots (without the lock: the slots are this put's),
         a run of them (:func:`kvflow.backends.pacing.run_end`) per copy call; an object larger than
-        a run's bytes (and than a piece) alone, in pieces of that size
+        :func:`~kvflow.backends.pacing.whole_bytes` alone, in pieces of that size
         (:func:`~kvflow.backends.copies.copy_in_pieces`), so that no copy call holds the loop longer
         than a run's does (a 16 MiB object copied whole held it 4.5 ms on a slow host)."""
         order, rows = list(claimed), list(claimed.values())
         arena = self._arena
         slots_of = arena.base + np.asarray(rows, dtype=np.int64) * arena.geometry.slot_bytes
-        piece = max(pacing.RUN_BYTES, pacing.PIECE)
+        piece = pacing.whole_bytes()
         if isinstance(objects, ObjectBatch) and len(order) == len(objects) and objects.nbytes <= piece:
             # the usual put
             await copy_in_runs(objects, at(slots_of), into_regions=False, after_run=_hook(rows))
