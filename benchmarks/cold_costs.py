@@ -12,6 +12,10 @@ loop, are the ``copy`` row.
 
 - ``retrieve``: that pool retrieve; ``copy``: its copies alone (streamed, as the backend's get makes
   them);
+- ``retrieve_one``, ``store_one``: a pool retrieve and a store of one block of 64 KiB (the store's
+  new each time): a pool call's fixed work, which a call of any size pays once, beside one small
+  copy. A call of ``n`` bytes copied at memcpy's speed reaches at most ``copy / (copy + fixed)``
+  of memcpy;
 - ``coroutine``: calling and awaiting a coroutine that returns at once;
 - ``loop_iteration``: ``asyncio.sleep(0)``, one turn of the event loop; ``anyio_checkpoint``:
   ``anyio.lowlevel.checkpoint()``, the same turn behind anyio's look-up of the running library
@@ -34,6 +38,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import json
 import statistics
 import threading
@@ -152,6 +157,9 @@ async def _in_loop(repeat: int, flush: Callable[[], object]) -> dict[str, float]
         np.asarray([64], dtype=np.int64),
     )
     numbers = [1000 + i for i in range(BATCH)]  # (beyond the small ints Python keeps once)
+    one = KVRequest(block_ids=[0], block_hashes=request.block_hashes[:1])
+    salts = itertools.count(1)
+    fresh: list[KVRequest] = []  # each timed store's block, under a prompt never stored before
 
     def zero() -> None:  # each retrieve must bring every byte again
         for t in dst.values():
@@ -160,6 +168,19 @@ async def _in_loop(repeat: int, flush: Callable[[], object]) -> dict[str, float]
     def retrieved(got: object) -> None:
         if getattr(got, "hit_blocks", None) != BATCH or not all(torch.equal(src[k], dst[k]) for k in src):
             raise RuntimeError("the pool retrieve did not bring back every byte stored")
+
+    def retrieved_one(got: object) -> None:
+        if getattr(got, "hit_blocks", None) != 1 or not all(torch.equal(src[k][0], dst[k][0]) for k in src):
+            raise RuntimeError("the pool retrieve of one block did not bring back its bytes")
+
+    def new_block() -> None:
+        fresh.append(
+            KVRequest(block_ids=[0], block_hashes=hash_blocks([next(salts), *range(1, BLOCK)], BLOCK))
+        )
+
+    def stored_one(got: object) -> None:
+        if getattr(got, "stored", None) != 1:
+            raise RuntimeError("the pool store of one new block did not store it")
 
     async def nothing() -> None:
         return None
@@ -182,6 +203,14 @@ async def _in_loop(repeat: int, flush: Callable[[], object]) -> dict[str, float]
             raise RuntimeError("the memory backend could not hold one batch")
         retrieve = functools.partial(reader.retrieve, request)
         out = {"retrieve": await _timed(retrieve, repeat, flush, prepare=zero, check=retrieved)}
+        one_retrieve = functools.partial(reader.retrieve, one)
+        out["retrieve_one"] = await _timed(one_retrieve, repeat, flush, prepare=zero, check=retrieved_one)
+        out["store_one"] = await _timed(
+            lambda: writer.store(fresh[-1]), repeat, flush, prepare=new_block, check=stored_one
+        )
+        for block in fresh:  # (untimed) every store held the block's bytes
+            zero()
+            retrieved_one(await reader.retrieve(block))
         steps: dict[str, Callable[[], Awaitable[object]]] = {
             "copy": copy,
             "coroutine": nothing,

@@ -729,8 +729,9 @@ def test_cold_costs_bench_reports_every_step_beside_the_retrieve() -> None:
     """Each step's median from flushed caches, and its share of the pool retrieve timed beside it."""
     out = json.loads(ok(run("benchmarks/cold_costs.py", "--repeat", "2", "--json")))
     steps = {
-        "retrieve", "copy", "coroutine", "loop_iteration", "anyio_checkpoint", "deadline_scope",
-        "int_array", "compiled_copy", "handover_callback", "handover_coroutine", "handover_kvflow",
+        "retrieve", "retrieve_one", "store_one", "copy", "coroutine", "loop_iteration",
+        "anyio_checkpoint", "deadline_scope", "int_array", "compiled_copy", "handover_callback",
+        "handover_coroutine", "handover_kvflow",
     }  # fmt: skip
     assert set(out["us"]) == set(out["share_of_retrieve"]) == steps
     assert all(positive(value) for value in out["us"].values())
@@ -742,4 +743,35 @@ def test_cold_costs_bench_fails_on_a_hollow_retrieve(monkeypatch: pytest.MonkeyP
     module = load_benchmark("cold_costs")
     lying(monkeypatch, module, hollow_get=lambda _: True)
     with pytest.raises(RuntimeError, match="did not bring back every byte"):
+        module.measure(2, flush=lambda: None)
+
+
+class OneBlockLiar(Liar):
+    """Lies about calls of one object instead: a get answers HIT (``hollow``) or a put STORED
+    (``drop``) and copies nothing."""
+
+    def __init__(self, inner: Any, *, hollow: bool = False, drop: bool = False) -> None:
+        super().__init__(inner)
+        self.hollow, self.drop = hollow, drop
+
+    async def put(self, objects: Sequence[ObjectRef]) -> list[PutStatus]:
+        if len(objects) == 1 and self.drop and not is_book_key(objects[0].key):
+            return [PutStatus.STORED]
+        return await super().put(objects)
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if len(objects) == 1 and self.hollow:
+            return [GetStatus.HIT]
+        return await super().get(objects)
+
+
+@pytest.mark.parametrize("lie", ["hollow", "drop"])
+def test_cold_costs_bench_fails_on_a_one_block_call_that_moved_nothing(
+    monkeypatch: pytest.MonkeyPatch, lie: str
+) -> None:
+    """The one-block retrieve is checked as the whole one is, and every one-block store is read
+    back after its timing: a call that answers without moving the bytes fails the benchmark."""
+    module = load_benchmark("cold_costs")
+    monkeypatch.setattr(module, "open_backend", lambda url: OneBlockLiar(open_backend(url), **{lie: True}))
+    with pytest.raises(RuntimeError, match="did not bring back its bytes"):
         module.measure(2, flush=lambda: None)
