@@ -389,14 +389,17 @@ class MemoryBackend:
         yet stored reserved together (a key twice: its first copy only), all copied, each
         published (the second copy of a key is PRESENT, or the first's NO_SPACE). Each step runs
         over the whole run at once, not as a call per object, and the usual run (every key new
-        and distinct, every object fitting) is published with one update of the index. Once
-        closed: nothing."""
+        and distinct, every object fitting) is published with one update of the index. A run in
+        which a held key comes after a new one goes object by object (:meth:`_put_in_turn`).
+        Once closed: nothing."""
         if self._life.closed:  # a put that was running when aclose began: nothing more is stored
             return [PutStatus.FAILED] * len(keys)
         stored = self._objects
         repeats = repeats_of(keys)  # a key twice in the run: copied once (cheap when none is)
         new = [i for i, key in enumerate(keys) if key not in stored and i not in repeats]
         every = len(new) == len(keys)
+        if new and not every and any(key in stored for key in keys[new[0] + 1 :]):
+            return self._put_in_turn(objects, keys, sizes, call=call)
         if not every:
             for key in keys:
                 present = stored.get(key)
@@ -422,6 +425,31 @@ class MemoryBackend:
             stored[keys[i]] = entry
         for i, first in repeats.items():  # after its first copy: PRESENT, or the first's failure
             results[i] = results[first].repeated()
+        return results
+
+    def _put_in_turn(
+        self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int], *, call: int
+    ) -> list[PutStatus]:
+        """:meth:`_put_section` of a run in which a held key comes after a new one: each object in
+        turn, as a put of it alone would go. A held key is a use only once reached, so the room
+        the new objects before it need may evict it (it then answers ``NO_SPACE`` if none is left):
+        a put keeps its first objects, and a held key further on never keeps them out (marked used
+        before them, it did: a prompt's head refused for a block that is no use without it)."""
+        for obj in objects:  # (first: a refused object stops the run before anything changed)
+            check_object(obj)
+        stored, results = self._objects, []
+        try:
+            for obj, key, nbytes in zip(objects, keys, sizes):
+                entry = self._room(key, nbytes, call)
+                if isinstance(entry, PutStatus):
+                    results.append(entry)
+                    continue
+                gather_objects([entry.addr], [obj])
+                stored[key] = entry
+                results.append(PutStatus.STORED)
+        except BaseException:  # (an allocation failed) those done are stored: counted here, as
+            self._stats.count_puts(objects[: len(results)], results)  # the caller counts none of them
+            raise
         return results
 
     async def _put_one(self, obj: ObjectRef, pacer: Pacer, *, call: int) -> PutStatus:

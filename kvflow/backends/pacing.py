@@ -1,15 +1,16 @@
 """Sharing the event loop while a backend copies in-process: a checkpoint every half millisecond
 while other work waits to run, every :data:`HOLD_ALONE_S` when none does.
 
-The in-process backends (memory, local, arena) copy bytes on the pool's loop. They copy in pieces
-of at most :data:`PIECE` bytes and call :meth:`Pacer.tick` between pieces, which yields to other
-tasks once the loop has been held :data:`YIELD_EVERY_S` and other work waits to run on it (a task
-woken, a call handed over from another thread, as vLLM's scheduler hands over a lookup, a timer
-due), so one large batch never stalls the engine's other transfers for more than about a
-millisecond. A call alone on the loop goes on: a checkpoint costs 45-55 us from the caches a copy
-leaves, seven of them in a load of 32 MiB (measured, docs/benchmarks.md, eleventh stop). Sockets
-are seen only when the loop polls, so a call yields at least every :data:`HOLD_ALONE_S` all the
-same.
+The in-process backends (memory, local, arena) copy bytes on the pool's loop. They copy objects in
+runs of at most :data:`RUN_BYTES` and a larger object in pieces (:func:`whole_bytes`; the local
+backend's kernel copies in pieces of at most :data:`PIECE`), and call :meth:`Pacer.tick` between
+runs and pieces, which yields to other tasks once the loop has been held :data:`YIELD_EVERY_S` and
+other work waits to run on it (a task woken, a call handed over from another thread, as vLLM's
+scheduler hands over a lookup, a timer due), so one large batch never stalls the engine's other
+transfers for more than about a millisecond. A call alone on the loop goes on: a checkpoint costs
+45-55 us from the caches a copy leaves, seven of them in a load of 32 MiB (measured,
+docs/benchmarks.md, eleventh stop). Sockets are seen only when the loop polls, so a call yields at
+least every :data:`HOLD_ALONE_S` all the same.
 
 The arena backend's gets hold the store's lock across their runs and let it go at each checkpoint
 (a section under the lock never awaits). They count a put waiting for the lock in another process

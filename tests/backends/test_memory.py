@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -16,6 +16,8 @@ from kvflow import GetStatus, MemoryBackend, PutStatus, open_backend, regions
 from kvflow.backends import ObjectRef, pacing
 from kvflow.backends.base import ObjectBatch
 from kvflow.backends.memory import MemoryConfig
+
+MiB = 1 << 20
 
 
 def obj(key: str, *tensors: torch.Tensor) -> ObjectRef:
@@ -67,39 +69,94 @@ def batch(cache: torch.Tensor, keys: list[str], blocks: list[int]) -> ObjectBatc
     )
 
 
-async def test_a_batch_of_objects_over_a_piece_goes_whole_a_run_a_copy_call(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("shape", ["batch", "list"])
+async def test_objects_over_a_piece_go_whole_a_run_a_copy_call(
+    monkeypatch: pytest.MonkeyPatch, shape: str
 ) -> None:
     """Objects larger than a piece (1 MiB) but within a run (pacing.whole_bytes) are copied whole,
-    a run of them a call of the compiled copy loop each way, not cut in 1 MiB pieces (from flushed
-    caches each piece's call cost a fifth of a 2 MiB object's get)."""
+    a run of them a call of the compiled copy loop each way, not one by one in 1 MiB pieces (from
+    flushed caches each piece's call cost a fifth of a 2 MiB object's get); a batch by column of
+    them goes the one-pass way (published together at the end of the put, the get's buffers
+    pinned), a list run by run."""
     layers, blocks, size = 2, 8, pacing.PIECE  # objects of 2 MiB: 2 a run of 4 MiB
     assert pacing.PIECE < layers * size <= pacing.whole_bytes() == pacing.RUN_BYTES
     calls: list[tuple[int, bool]] = []  # (objects, into the regions) per call of the copy loop
-    rows = regions.copy_rows
+    rows, ragged = regions.copy_rows, regions.copy_ragged
 
-    def counted(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
+    def counted_rows(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
         calls.append((len(starts), into_regions))
         rows(starts, *args, into_regions=into_regions, **kwargs)
 
-    monkeypatch.setattr(regions, "copy_rows", counted)
-    monkeypatch.setattr(regions, "copy_ragged", None)  # (no object goes region piece by piece)
+    def counted_ragged(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
+        calls.append((len(starts), into_regions))
+        ragged(starts, *args, into_regions=into_regions, **kwargs)
+
+    one_pass: list[str] = []
+    put_batch, get_batch = MemoryBackend._put_batch, MemoryBackend._get_batch
+
+    async def spied_put(self: MemoryBackend, *args: Any) -> Any:
+        one_pass.append("put")
+        return await put_batch(self, *args)
+
+    async def spied_get(self: MemoryBackend, *args: Any) -> Any:
+        one_pass.append("get")
+        return await get_batch(self, *args)
+
+    monkeypatch.setattr(regions, "copy_rows", counted_rows)
+    monkeypatch.setattr(regions, "copy_ragged", counted_ragged)
+    monkeypatch.setattr(MemoryBackend, "_put_batch", spied_put)
+    monkeypatch.setattr(MemoryBackend, "_get_batch", spied_get)
     source = torch.randint(0, 256, (layers, blocks, size), dtype=torch.uint8)
     target = torch.zeros_like(source)
     backend = MemoryBackend()
     keys = [f"b{i}" for i in range(blocks)]
-    assert await backend.put(batch(source, keys, list(range(blocks)))) == [PutStatus.STORED] * blocks
-    assert await backend.get(batch(target, keys, list(range(blocks)))) == [GetStatus.HIT] * blocks
+    ids = list(range(blocks))
+
+    def shaped(cache: torch.Tensor) -> Sequence[ObjectRef]:
+        objects = batch(cache, keys, ids)
+        return objects if shape == "batch" else list(objects)
+
+    assert await backend.put(shaped(source)) == [PutStatus.STORED] * blocks
+    assert await backend.get(shaped(target)) == [GetStatus.HIT] * blocks
     assert torch.equal(source, target)
     run = pacing.RUN_BYTES // (layers * size)
     assert calls == [(run, False)] * (blocks // run) + [(run, True)] * (blocks // run)
+    assert one_pass == (["put", "get"] if shape == "batch" else [])
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("size", [1000, MiB + 1, 2 * MiB], ids=["1000B", "1MiB+1", "2MiB"])
+async def test_a_held_key_after_new_ones_never_keeps_them_out(size: int) -> None:
+    """A full store of o and x; a put of a, b (new) and x (held): x is a use only once the put
+    reaches it, as in a put of each object alone, so the room a and b need evicts o and x, and x
+    then finds none (NO_SPACE). The prompt's head is kept; x, marked used first, kept b out when
+    the objects shared a run (a block that is no use without the ones before it)."""
+    backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * size))
+    tensors = {key: data(key, size) for key in "oxab"}
+    for key in "ox":
+        assert await backend.put([obj(key, tensors[key])]) == [PutStatus.STORED]
+    results = await backend.put([obj(key, tensors[key]) for key in "abx"])
+    assert results == [PutStatus.STORED, PutStatus.STORED, PutStatus.NO_SPACE]
+    assert backend.stored_keys() == ["b", "a"]  # the put's first object the most recently used
+    stats = backend.stats()
+    assert (stats.used_bytes, stats.evictions, stats.no_space, stats.puts) == (2 * size, 2, 1, 4)
+    for key in "ab":
+        out = torch.zeros(size, dtype=torch.uint8)
+        assert await backend.get([obj(key, out)]) == [GetStatus.HIT] and torch.equal(out, tensors[key])
+    # a held head, new objects after it: the head is a use first, and the new ones find no room
+    assert await backend.put([obj(key, tensors[key]) for key in "ax"]) == [
+        PutStatus.PRESENT,
+        PutStatus.STORED,
+    ]
+    assert backend.stored_keys() == ["x", "a"]
     await backend.aclose()
 
 
 async def test_a_batch_by_column_round_trips_in_runs_with_misses_between() -> None:
-    """A batch larger than one run (1 MiB) whose keys are partly missing: every present object's
-    regions are filled, the missing ones' left alone, and the batch's sizes are counted."""
-    layers, blocks, size = 4, 64, 16 << 10  # 64 KiB objects: 16 per run
+    """A batch larger than one run (pacing.RUN_BYTES) whose keys are partly missing: every present
+    object's regions are filled, the missing ones' left alone, and the batch's sizes are counted."""
+    layers, blocks, size = 4, 160, 16 << 10  # 64 KiB objects: 64 per run, three runs
+    assert blocks * layers * size > 2 * pacing.RUN_BYTES
     source = torch.randint(0, 256, (layers, blocks, size), dtype=torch.uint8)
     backend = MemoryBackend()
     keys = [f"b{i}" for i in range(blocks)]
@@ -201,8 +258,6 @@ async def test_a_recycled_buffer_holds_only_the_new_object() -> None:
 
 
 # --- the event loop runs during long copies; the guarantees hold across those awaits -------------
-
-MiB = 1 << 20
 
 
 def data(key: str, size: int) -> torch.Tensor:
@@ -535,14 +590,18 @@ async def test_a_put_makes_room_from_keys_a_get_used_after_its_own(monkeypatch: 
         assert await backend.put([obj(key, tensors[key])]) == [PutStatus.STORED]
     room = MemoryBackend._room
 
+    read: list[str] = []
+
     def o_read_first(self: MemoryBackend, key: str, nbytes: int, call: int) -> object:
         if key == "z":
             assert self.stored_keys() == ["o", "x"]  # x found present: the newest
             assert not isinstance(self._found("o", size), GetStatus)  # a get of o, here
+            read.append("o")
         return room(self, key, nbytes, call)
 
     monkeypatch.setattr(MemoryBackend, "_room", o_read_first)
     assert await backend.put([obj(k, tensors[k]) for k in "xz"]) == [PutStatus.PRESENT, PutStatus.STORED]
+    assert read == ["o"]  # (the put did turn to z through _room, the get between them ran)
     assert await backend.exists(list("xoz")) == [True, False, True]
     out = torch.zeros(size, dtype=torch.uint8)
     assert await backend.get([obj("x", out)]) == [GetStatus.HIT] and torch.equal(out, tensors["x"])
