@@ -398,8 +398,10 @@ class MemoryBackend:
         repeats = repeats_of(keys)  # a key twice in the run: copied once (cheap when none is)
         new = [i for i, key in enumerate(keys) if key not in stored and i not in repeats]
         every = len(new) == len(keys)
-        if new and not every and any(key in stored for key in keys[new[0] + 1 :]):
-            return self._put_in_turn(objects, keys, sizes, call=call)
+        if new and not every:  # a held key after the first new one? (the new ones all at the end: no)
+            tail = len(keys) - new[0]
+            if (repeats or len(new) != tail) and any(key in stored for key in keys[new[0] + 1 :]):
+                return self._put_in_turn(objects, keys, sizes, call=call)
         if not every:
             for key in keys:
                 present = stored.get(key)
