@@ -435,8 +435,9 @@ class MemoryBackend:
         """:meth:`_put_section` of a run in which a held key comes after a new one: each object in
         turn, as a put of it alone would go. A held key is a use only once reached, so the room
         the new objects before it need may evict it (it then answers ``NO_SPACE`` if none is left):
-        a put keeps its first objects, and a held key further on never keeps them out (marked used
-        before them, it did: a prompt's head refused for a block that is no use without it)."""
+        a put keeps its first objects. (Marked used before them, as :meth:`_put_section` marks
+        the held keys of a run, it kept them out in a full store: a prompt's head refused for a
+        block that is no use without it.)"""
         for obj in objects:  # (first: a refused object stops the run before anything changed)
             check_object(obj)
         stored, results = self._objects, []
