@@ -433,7 +433,8 @@ class MemoryBackend:
         self, objects: Sequence[ObjectRef], keys: Sequence[str], sizes: Sequence[int], *, call: int
     ) -> list[PutStatus]:
         """:meth:`_put_section` of a run in which a held key comes after a new one: each object in
-        turn, as a put of it alone would go. A held key is a use only once reached, so the room
+        turn, as a put of it alone would go but that it never evicts what this put stored or found
+        present (:meth:`_newest_first`). A held key is a use only once reached, so the room
         the new objects before it need may evict it (it then answers ``NO_SPACE`` if none is left):
         a put keeps its first objects. (Marked used before them, as :meth:`_put_section` marks
         the held keys of a run, it kept them out in a full store: a prompt's head refused for a
@@ -447,11 +448,15 @@ class MemoryBackend:
                 if isinstance(entry, PutStatus):
                     results.append(entry)
                     continue
-                gather_objects([entry.addr], [obj])
+                try:
+                    gather_objects([entry.addr], [obj])
+                except BaseException:  # nothing of it published: its room given back
+                    self._stats.used_bytes -= nbytes
+                    raise
                 stored[key] = entry
                 results.append(PutStatus.STORED)
-        except BaseException:  # (an allocation failed) those done are stored: counted here, as
-            self._stats.count_puts(objects[: len(results)], results)  # the caller counts none of them
+        except BaseException:  # (a copy or an allocation failed) those done are stored: counted
+            self._stats.count_puts(objects[: len(results)], results)  # here, the caller counts none
             raise
         return results
 
