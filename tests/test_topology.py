@@ -10,6 +10,7 @@ KV of its layers and heads, and the store must hold each piece of KV once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig, RetrieveResult
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
+from kvflow.transfer import reshape
 from tests.helpers import FencedBackend, kv_keys, kv_puts
 
 LAYERS = 4
@@ -212,11 +214,12 @@ def open_rank(
     *,
     filled: bool,
     seed: int,
+    in_order: bool = False,
 ) -> Rank:
     first, end = engine.stage(pp_rank)
     blocks = TOKENS // engine.block_size
     heads = model.rank_heads(engine.tp, tp_rank)
-    ids = random.Random(seed).sample(range(blocks + 3), blocks)
+    ids = list(range(3, blocks + 3)) if in_order else random.Random(seed).sample(range(blocks + 3), blocks)
     caches: dict[str, object] = {}
     for layer in range(first, end):
         caches[f"model.layers.{layer}.attn"] = empty_cache(
@@ -245,9 +248,15 @@ def open_rank(
     )
 
 
-def ranks(model: Model, engine: Engine, backend: MemoryBackend, *, filled: bool, seed: int) -> list[Rank]:
+def ranks(
+    model: Model, engine: Engine, backend: MemoryBackend, *, filled: bool, seed: int, in_order: bool = False
+) -> list[Rank]:
+    """Every rank of ``engine``, its request's blocks at random in its cache (``in_order``: in
+    consecutive cache blocks, as vLLM mostly hands them out)."""
     return [
-        open_rank(model, engine, backend, tp, pp, filled=filled, seed=seed + 31 * tp + 7 * pp)
+        open_rank(
+            model, engine, backend, tp, pp, filled=filled, seed=seed + 31 * tp + 7 * pp, in_order=in_order
+        )
         for tp in range(engine.tp)
         for pp in range(engine.pp)
     ]
@@ -264,7 +273,9 @@ def expected_objects(model: Model, engine: Engine) -> int:
     return (TOKENS // engine.block_size) * head_groups * ranges
 
 
-async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None:
+async def share(model: Model, writer: Engine, reader: Engine, seed: int, *, in_order: bool = False) -> None:
+    """The writer engine stores a prompt, the reader loads it (``in_order``: into consecutive
+    cache blocks) and holds exactly the writer's KV for its heads and layers."""
     backend = FencedBackend()  # every region moved must lie in memory a pool registered
     for rank in ranks(model, writer, backend, filled=True, seed=seed):
         result = await rank.pool.store(request(rank))
@@ -273,7 +284,7 @@ async def share(model: Model, writer: Engine, reader: Engine, seed: int) -> None
     assert len(keys) == expected_objects(model, writer) == kv_puts(backend)  # each piece once
     assert {decode_key(k).scope.order.split(".")[0] for k in keys} == {_kind_name(writer.kind)}
 
-    readers = ranks(model, reader, backend, filled=False, seed=seed + 1)
+    readers = ranks(model, reader, backend, filled=False, seed=seed + 1, in_order=in_order)
     scheduler = KVPool.create(
         PoolConfig(model="m", layerwise=reader.layerwise, hash_tokens=4),
         format=readers[0].pool.format,
@@ -379,6 +390,37 @@ def test_every_layout_kind_reads_every_other(writer_kind: str, reader_kind: str)
     writer = Engine(2, (2, 2), writer_kind, 4, False)
     reader = Engine(4, (4,), reader_kind, 8, False)
     anyio.run(share, model, writer, reader, 7)
+
+
+@pytest.mark.parametrize("path", ["stretches", "index"])
+@pytest.mark.parametrize("in_order", [True, False], ids=["blocks in order", "blocks at random"])
+@pytest.mark.parametrize(
+    ("writer_kind", "reader_kind"), [("vllm_cpu", "vllm_cpu"), ("vllm_cpu", "flash_attn"), ("mla", "mla")]
+)
+def test_a_reshaped_load_lands_the_same_kv_by_stretches_and_by_index(
+    monkeypatch: pytest.MonkeyPatch, path: str, in_order: bool, writer_kind: str, reader_kind: str
+) -> None:
+    """Both ways ``reshape.copy_rows`` copies a chunk's blocks into the cache, each forced for every
+    chunk: a slice per stretch of consecutive blocks (vLLM's usual order, which takes it unforced)
+    and ``index_copy_``, with the blocks in consecutive cache blocks and at random."""
+    seen: list[tuple[int, int]] = []  # (blocks, stretches) of each chunk copied
+    stretches = reshape._stretches
+
+    def recorded(rows: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
+        out = stretches(rows, block_ids)
+        seen.append((len(rows), len(out)))
+        return out
+
+    monkeypatch.setattr(reshape, "_stretches", recorded)
+    monkeypatch.setattr(reshape, "_FEW_STRETCHES", 0 if path == "stretches" else 10**9)
+    mla = writer_kind == "mla"
+    model = Model.draw(0 if mla else 8, 5)
+    writer = Engine(2, (2, 2), writer_kind, 4, False)  # another TP size and pipeline split
+    reader = Engine(1, (LAYERS,), reader_kind, 4, False)  # the same block size: copy_rows's case
+    anyio.run(functools.partial(share, model, writer, reader, 3, in_order=in_order))
+    assert seen, "the load copied no chunk from the writer's objects"
+    if in_order:  # every chunk in few stretches: what the rule copies by stretches unforced
+        assert all(count >= 2 and n * 4 <= count for count, n in seen), seen
 
 
 TINY = 64  # bytes of staging: every chunk is sized to one object, the least that works

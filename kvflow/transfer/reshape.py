@@ -183,11 +183,11 @@ def copy_rows(
     """The batched form of :func:`copy_into` when the writer's objects hold exactly the reader's
     blocks' tokens (same block size): ``regions`` lists, per scope of the profile, ``(offset,
     scope, nbytes)`` of rows of objects laid out one after another in ``buffer``; row ``rows[i]``
-    of every region goes into cache block ``block_ids[i]``. One copy per region, layer and part,
-    whatever the number of blocks: a slice's ``copy_`` per stretch of consecutive rows into
-    consecutive blocks where they come in few stretches (vLLM hands out a request's blocks mostly
-    in order), else one ``index_copy_``, which ran 5x slower on the CPU (warm; 4.6x for blocks
-    that were not consecutive at all: ``kvflow bench --topology``)."""
+    of every region goes into cache block ``block_ids[i]``. Per region, layer and part: a slice's
+    ``copy_`` per stretch of consecutive rows into consecutive blocks where they come in at most a
+    quarter as many stretches as there are blocks (vLLM hands out a request's blocks mostly in
+    order), else one ``index_copy_`` for all of them, which ran 5x slower on the CPU (warm; 1.4x
+    even for blocks not consecutive at all: docs/benchmarks.md, twenty-first stop)."""
     count = max(rows) + 1 if rows else 0
     stretches = _stretches(rows, block_ids)
     if len(stretches) * _FEW_STRETCHES <= len(rows):
