@@ -143,7 +143,7 @@ async def test_a_held_key_after_new_ones_never_keeps_them_out(size: int) -> None
     for key in "ab":
         out = torch.zeros(size, dtype=torch.uint8)
         assert await backend.get([obj(key, out)]) == [GetStatus.HIT] and torch.equal(out, tensors[key])
-    # a held head, new objects after it: the head is a use first, and the new ones find no room
+    # a held head, a new object after it: the head is a use first, so the new one evicts b, not it
     assert await backend.put([obj(key, tensors[key]) for key in "ax"]) == [
         PutStatus.PRESENT,
         PutStatus.STORED,
