@@ -190,10 +190,8 @@ def copy_rows(
     even for blocks not consecutive at all: docs/benchmarks.md, twenty-first stop)."""
     count = max(rows) + 1 if rows else 0
     stretches = _stretches(rows, block_ids)
-    if len(stretches) * _FEW_STRETCHES <= len(rows):
-        index = picked = None
-    else:
-        stretches = []
+    index = picked = None  # (None: by stretches)
+    if len(stretches) * _FEW_STRETCHES > len(rows):  # scattered blocks: one index_copy_ each
         index = device.index(list(block_ids))  # (a tensor made on the device would wait for the stream)
         picked = None if list(rows) == list(range(len(rows))) else device.index(list(rows))
     for offset, scope, nbytes in regions:

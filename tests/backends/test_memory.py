@@ -81,15 +81,13 @@ async def test_objects_over_a_piece_go_whole_a_run_a_copy_call(
     layers, blocks, size = 2, 8, pacing.PIECE  # objects of 2 MiB: 2 a run of 4 MiB
     assert pacing.PIECE < layers * size <= pacing.whole_bytes() == pacing.RUN_BYTES
     calls: list[tuple[int, bool]] = []  # (objects, into the regions) per call of the copy loop
-    rows, ragged = regions.copy_rows, regions.copy_ragged
 
-    def counted_rows(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
-        calls.append((len(starts), into_regions))
-        rows(starts, *args, into_regions=into_regions, **kwargs)
+    def counted(copy: Any) -> Any:
+        def run(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
+            calls.append((len(starts), into_regions))
+            copy(starts, *args, into_regions=into_regions, **kwargs)
 
-    def counted_ragged(starts: np.ndarray, *args: Any, into_regions: bool, **kwargs: Any) -> None:
-        calls.append((len(starts), into_regions))
-        ragged(starts, *args, into_regions=into_regions, **kwargs)
+        return run
 
     one_pass: list[str] = []
     put_batch, get_batch = MemoryBackend._put_batch, MemoryBackend._get_batch
@@ -102,8 +100,8 @@ async def test_objects_over_a_piece_go_whole_a_run_a_copy_call(
         one_pass.append("get")
         return await get_batch(self, *args)
 
-    monkeypatch.setattr(regions, "copy_rows", counted_rows)
-    monkeypatch.setattr(regions, "copy_ragged", counted_ragged)
+    monkeypatch.setattr(regions, "copy_rows", counted(regions.copy_rows))
+    monkeypatch.setattr(regions, "copy_ragged", counted(regions.copy_ragged))
     monkeypatch.setattr(MemoryBackend, "_put_batch", spied_put)
     monkeypatch.setattr(MemoryBackend, "_get_batch", spied_get)
     source = torch.randint(0, 256, (layers, blocks, size), dtype=torch.uint8)
