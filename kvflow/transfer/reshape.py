@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from kvflow.device import Device
+from kvflow.errors import LayoutError
 from kvflow.keys import KeyScope
 from kvflow.layout import KVLayout
 from kvflow.parts import Part, object_planes, part_views
@@ -187,41 +188,87 @@ def copy_rows(
     ``copy_`` per stretch of consecutive rows into consecutive blocks where they come in at most a
     quarter as many stretches as there are blocks (vLLM hands out a request's blocks mostly in
     order), else one ``index_copy_`` for all of them, which ran 5x slower on the CPU (warm; 1.4x
-    even for blocks not consecutive at all: docs/benchmarks.md, twenty-first stop)."""
+    even for blocks not consecutive at all: docs/benchmarks.md, twenty-first stop).
+
+    Which parts of a region go where is the same in every layer: it is worked out once per region
+    (:func:`_pairs`), and each layer's source is the first layer's view moved by a layer's bytes."""
     count = max(rows) + 1 if rows else 0
     stretches = _stretches(rows, block_ids)
     index = picked = None  # (None: by stretches)
     if len(stretches) * _FEW_STRETCHES > len(rows):  # scattered blocks: one index_copy_ each
         index = device.index(list(block_ids))  # (a tensor made on the device would wait for the stream)
         picked = None if list(rows) == list(range(len(rows))) else device.index(list(rows))
+    work = []  # per region: the layers it holds of ``layers``, its pairs, a layer's elements
     for offset, scope, nbytes in regions:
-        moved = _on_device(buffer, offset, count * nbytes, layout.device)
-        for layer, src_parts in _layer_parts(profile, moved, 0, scope, layers, count, nbytes):
-            for dst in part_views(layout.kind, layout.typed_views[layer - first_layer]):
-                for src in src_parts:
-                    if src.name != dst.name:
-                        continue
-                    h = _overlap(scope.heads[0], src.view.size(2), heads[0], dst.view.size(2))
-                    c = _overlap(src.column, src.view.size(3), dst.column, dst.view.size(3))
-                    if h is None or c is None:
-                        continue
-                    value = src.view[
-                        :,
-                        :,
-                        h[0] - scope.heads[0] : h[1] - scope.heads[0],
-                        c[0] - src.column : c[1] - src.column,
-                    ]
-                    target = dst.view[
-                        :, :, h[0] - heads[0] : h[1] - heads[0], c[0] - dst.column : c[1] - dst.column
-                    ]
-                    if index is None:
-                        for row, block, n in stretches:
-                            _bits(target[block : block + n]).copy_(
-                                _bits(value[row : row + n]), non_blocking=True
-                            )
-                        continue
-                    value = value[:count] if picked is None else value.index_select(0, picked)
-                    _bits(target).index_copy_(0, index, _bits(value))
+        span = _overlap(scope.layers[0], scope.layers[1] - scope.layers[0], layers[0], layers[1] - layers[0])
+        if span is not None:
+            moved = _on_device(buffer, offset, count * nbytes, layout.device)
+            pairs, step = _pairs(profile, layout, moved, scope, span[0], first_layer, heads, count, nbytes)
+            work.append((span, pairs, step))
+    for layer in range(*layers):
+        dst_parts: list[Part] | None = None
+        for span, pairs, step in work:
+            if not span[0] <= layer < span[1]:
+                continue
+            if dst_parts is None:
+                dst_parts = part_views(layout.kind, layout.typed_views[layer - first_layer])
+            shift = (layer - span[0]) * step
+            for j, into, first in pairs:
+                target = _bits(dst_parts[j].view[into])
+                value = first.as_strided(first.size(), first.stride(), first.storage_offset() + shift)
+                if index is None:
+                    for row, block, n in stretches:
+                        target[block : block + n].copy_(value[row : row + n], non_blocking=True)
+                    continue
+                value = value[:count] if picked is None else value.index_select(0, picked)
+                target.index_copy_(0, index, value)
+
+
+#: A reader's part's index, its slice, and the source's slice in the first layer (see :func:`_pairs`).
+_Pair = tuple[int, tuple[slice, ...], torch.Tensor]
+
+
+def _pairs(
+    profile: Profile,
+    layout: KVLayout,
+    moved: torch.Tensor,
+    scope: KeyScope,
+    layer: int,
+    first_layer: int,
+    heads: tuple[int, int],
+    rows: int,
+    row_nbytes: int,
+) -> tuple[list[_Pair], int]:
+    """What :func:`copy_rows` copies from one region (``rows`` objects of ``scope`` in ``moved``)
+    into each layer, worked out on ``layer``, the first the region and the reader share: per pair
+    of a source part and a reader's part that overlap, the reader's part's index (in
+    :func:`~kvflow.parts.part_views` order), its slice, and the source's slice in ``layer`` (as
+    :func:`_bits`); and how many of those elements lie between two layers of an object."""
+    ((_, src_parts),) = _layer_parts(profile, moved, 0, scope, (layer, layer + 1), rows, row_nbytes)
+    dst_parts = part_views(layout.kind, layout.typed_views[layer - first_layer])
+    itemsize = src_parts[0].view.element_size()
+    if profile.layer_nbytes % itemsize:
+        raise LayoutError(f"a layer of {profile.layer_nbytes} bytes is not a whole number of {profile.dtype}")
+    pairs: list[_Pair] = []
+    for j, dst in enumerate(dst_parts):
+        for src in src_parts:
+            if src.name != dst.name:
+                continue
+            h = _overlap(scope.heads[0], src.view.size(2), heads[0], dst.view.size(2))
+            c = _overlap(src.column, src.view.size(3), dst.column, dst.view.size(3))
+            if h is None or c is None:
+                continue
+            into = (
+                slice(None),
+                slice(None),
+                slice(h[0] - heads[0], h[1] - heads[0]),
+                slice(c[0] - dst.column, c[1] - dst.column),
+            )
+            value = src.view[
+                :, :, h[0] - scope.heads[0] : h[1] - scope.heads[0], c[0] - src.column : c[1] - src.column
+            ]
+            pairs.append((j, into, _bits(value)))
+    return pairs, profile.layer_nbytes // itemsize
 
 
 #: :func:`copy_rows` copies stretch by stretch where the blocks come in at most a quarter as many
