@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from unittest import mock
 
 import anyio
 import anyio.lowlevel
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig, RetrieveResult
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
-from kvflow.transfer import reshape
+from kvflow.transfer import direct, jobs, reshape
 from tests.helpers import FencedBackend, kv_keys, kv_puts
 
 LAYERS = 4
@@ -364,7 +365,10 @@ def test_a_reader_split_any_way_loads_exactly_the_writers_kv(
     reader = data.draw(engines(model_heads, reader_tp), label="reader")
     if model_heads == 0 and (writer.kind == "mla_tuple") != (reader.kind == "mla_tuple"):
         reader = attrs.evolve(reader, kind=writer.kind)  # MLA as one latent or as (nope, rope): not mixed
-    anyio.run(share, Model.draw(model_heads, seed), writer, reader, seed)
+    # objects that fit the cache as they are go straight in (runs of any length), or all through chunks
+    straight = data.draw(st.booleans(), label="straight into the cache")
+    with mock.patch.object(direct, "MIN_RUN_BYTES", 1 if straight else 1 << 62):
+        anyio.run(share, Model.draw(model_heads, seed), writer, reader, seed)
 
 
 @pytest.mark.parametrize("writer_split", splits(LAYERS))
@@ -421,6 +425,43 @@ def test_a_reshaped_load_lands_the_same_kv_by_stretches_and_by_index(
     assert seen, "the load copied no chunk from the writer's objects"
     if in_order:  # every chunk in few stretches: what the rule copies by stretches unforced
         assert all(count >= 2 and n * 4 <= count for count, n in seen), seen
+
+
+@pytest.mark.parametrize(
+    ("heads", "writer", "reader"),
+    [
+        ("gqa8", Engine(2, (2, 2), "vllm_cpu", 4, False), Engine(1, (LAYERS,), "vllm_cpu", 4, False)),
+        ("gqa8", Engine(4, (1, 3), "flashinfer_hnd", 8, False), Engine(2, (4,), "flashinfer_hnd", 8, False)),
+        ("gqa8", Engine(2, (1, 3), "flash_attn", 4, True), Engine(1, (2, 2), "flash_attn", 4, False)),
+        ("gqa8", Engine(8, (4,), "kv_tuple", 4, True), Engine(2, (1, 3), "kv_tuple", 4, True)),
+        ("gqa2", Engine(2, (2, 2), "flash_attn_hnd", 8, False), Engine(4, (4,), "flash_attn_hnd", 8, False)),
+        ("mla", Engine(2, (1, 3), "mla", 4, False), Engine(4, (4,), "mla", 4, False)),
+        ("mla", Engine(1, (2, 2), "mla_tuple", 8, True), Engine(2, (4,), "mla_tuple", 8, False)),
+    ],
+)
+@pytest.mark.parametrize("in_order", [True, False], ids=["blocks in order", "blocks at random"])
+def test_objects_that_fit_a_host_cache_as_they_are_go_straight_in(
+    monkeypatch: pytest.MonkeyPatch, heads: str, writer: Engine, reader: Engine, in_order: bool
+) -> None:
+    """Objects whose every byte the reader needs, laid out as its cache is, are written straight
+    into the cache blocks (``kvflow.transfer.direct``): forced here for runs of any length (the
+    tests' tiny heads make short runs, which otherwise go through a chunk), and each rank's cache
+    must hold the writer's KV exactly."""
+    straight: list[int] = []
+    in_place = jobs.LoadJob._get_in_place
+
+    async def counted(self: jobs.LoadJob, wanted: dict[int, list[reshape.Source]], *args: object) -> set[int]:
+        filled = await in_place(self, wanted, *args)  # type: ignore[arg-type]
+        straight.append(len(filled))
+        return filled
+
+    monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
+    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
+    chunks: list[int] = []
+    monkeypatch.setattr(jobs, "copy_rows", lambda *a, **k: chunks.append(1))  # (no chunk may be copied)
+    anyio.run(functools.partial(share, Model.draw(HEADS[heads], 9), writer, reader, 5, in_order=in_order))
+    assert straight and sum(straight) > 0, "no block went straight into the cache"
+    assert chunks == []
 
 
 TINY = 64  # bytes of staging: every chunk is sized to one object, the least that works

@@ -13,9 +13,11 @@ the prompt up to it, so every engine writes the same bytes under one key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Sequence
+from unittest import mock
 
 import anyio
 import anyio.lowlevel
@@ -28,6 +30,7 @@ from kvflow.backends import ObjectRef
 from kvflow.backends.base import GetStatus
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
+from kvflow.transfer import direct, jobs
 from tests.helpers import FaultyBackend
 from tests.test_topology import (
     GQA_KINDS,
@@ -101,6 +104,7 @@ class Counts:
     hits: int = 0
     misses: int = 0  # MISS or FAILED
     reshaped: int = 0  # scenarios whose reader is split otherwise than its writer
+    straight: int = 0  # blocks of another split written straight into the cache, whole
 
 
 def open_rank(
@@ -157,7 +161,9 @@ def every_rank(engine: Engine) -> list[tuple[int, int]]:
     return [(tp, pp) for tp in range(engine.tp) for pp in range(engine.pp)]
 
 
-async def scenario(seed: int, counts: Counts) -> None:
+async def scenario(seed: int, counts: Counts, *, straight: bool = False) -> None:
+    """One scenario (``straight``: the reader's cache is laid out as the writer's, with blocks of
+    as many tokens and no staging, so that objects fitting it as they are go straight in)."""
     rng = random.Random(seed)
     heads = rng.choice((0, 2, 8))
     base = [rng.randrange(1000) for _ in range(TOKENS)]
@@ -170,6 +176,8 @@ async def scenario(seed: int, counts: Counts) -> None:
     inner = MemoryBackend()
     backend = FlakyGets(inner=inner, rng=rng)
     writer, reader = draw_engine(rng, heads), draw_engine(rng, heads)
+    if straight:
+        reader = attrs.evolve(reader, kind=writer.kind, block_size=writer.block_size, staging="auto")
     counts.reshaped += (writer.tp, writer.pp_layers, writer.block_size, writer.layerwise) != (
         reader.tp,
         reader.pp_layers,
@@ -235,9 +243,24 @@ async def scenario(seed: int, counts: Counts) -> None:
 
 
 @pytest.mark.parametrize("chunk", range(6))
-def test_a_reader_split_otherwise_reports_hit_only_for_its_prompts_own_kv(chunk: int) -> None:
+def test_a_reader_split_otherwise_reports_hit_only_for_its_prompts_own_kv(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
     counts = Counts()
+    in_place = jobs.LoadJob._get_in_place
+
+    async def counted(self: jobs.LoadJob, *args: object) -> set[int]:
+        filled = await in_place(self, *args)  # type: ignore[arg-type]
+        counts.straight += len(filled)
+        return filled
+
+    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
     for seed in range(chunk * 25, chunk * 25 + 25):
-        anyio.run(scenario, seed, counts)
-    # the sweep reached what it checks: reshaped loads, hits to check, and misses beside them
+        # every other scenario's reader is laid out as its writer, and objects that fit its cache
+        # as they are go straight in (runs of any length: the tests' tiny heads make short ones)
+        straight = seed % 2 == 1
+        with mock.patch.object(direct, "MIN_RUN_BYTES", 1 if straight else 1 << 62):
+            anyio.run(functools.partial(scenario, seed, counts, straight=straight))
+    # the sweep reached what it checks: reshaped loads, both ways, hits to check, and misses beside them
     assert counts.reshaped >= 10 and counts.hits >= 100 and counts.misses >= 10, counts
+    assert counts.straight >= 5, counts

@@ -23,18 +23,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
+import numpy as np
 
-from kvflow.backends.base import GetStatus, ObjectRef, PutStatus, repeats_of
+from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus, keys_of, repeats_of
 from kvflow.device import Device
 from kvflow.events import DeviceEvent, poll_until
+from kvflow.keys import KeyScope
 from kvflow.ownership import owned
 from kvflow.profiles import LOAD_READ_EVERY_S, Profile
 from kvflow.results import RetrieveResult, StoreResult
 from kvflow.transfer.core import Transfer, Unit
+from kvflow.transfer.direct import ObjectRegions, object_regions
 from kvflow.transfer.plan import BlockPlan
 from kvflow.transfer.reshape import Source, copy_into, copy_rows, distinct_bytes, needed_bytes, sources
 from kvflow.transfer.staging import Chunk, StagingPool, copying, gather, scatter
@@ -469,6 +472,9 @@ class LoadJob:
                     wanted[j] = found
             if not wanted:
                 continue
+            if transfer.staging is None and (placed := self._in_place(profile, wanted, layers)) is not None:
+                filled |= await self._get_in_place(wanted, placed, deadline)
+                continue
             largest = max(needed_bytes(found) for found in wanted.values())  # one block per chunk
             pool = await transfer.scratch(largest)
             if pool is None:
@@ -481,6 +487,57 @@ class LoadJob:
                 continue
             filled |= await self._fetch_and_copy(unit, profile, pool, wanted, layers, deadline)
         return filled
+
+    def _in_place(
+        self, profile: Profile, wanted: dict[int, list[Source]], layers: tuple[int, int]
+    ) -> dict[KeyScope, ObjectRegions] | None:
+        """Where in a cache block each scope's objects go, when every object ``wanted`` can be
+        written straight into the cache (:mod:`kvflow.transfer.direct`); else None."""
+        transfer = self.transfer
+        layout = transfer.require_layout()
+        placed: dict[KeyScope, ObjectRegions] = {}
+        for found in wanted.values():
+            for source in found:
+                scope = source.scope
+                if scope in placed:
+                    continue
+                regions = object_regions(
+                    profile,
+                    layout,
+                    scope,
+                    layers=layers,
+                    first_layer=transfer.stage_layers[0],
+                    heads=transfer.heads,
+                )
+                if regions is None:
+                    return None
+                placed[scope] = regions
+        return placed
+
+    async def _get_in_place(
+        self, wanted: dict[int, list[Source]], placed: dict[KeyScope, ObjectRegions], deadline: float
+    ) -> set[int]:
+        """Get the objects ``wanted`` per block straight into the cache blocks, each scope's into
+        the regions ``placed`` names; return the blocks whose objects all arrived."""
+        if not await self._writable(None, deadline):
+            return set()
+        transfer, block_ids = self.transfer, self.plan.block_ids
+        blocks = list(wanted)
+        rows = transfer.require_layout().addr_rows([block_ids[j] for j in blocks])
+        batches = []
+        for scope, regions in placed.items():
+            at = [(i, s.key) for i, j in enumerate(blocks) for s in wanted[j] if s.scope == scope]
+            addrs = regions.addrs(rows[[i for i, _ in at]])
+            batches.append(ObjectBatch([key for _, key in at], addrs, regions.sizes, sum(regions.sizes)))
+        objects: Sequence[ObjectRef]
+        if len({tuple(batch.sizes) for batch in batches}) == 1:  # every scope's regions alike: one batch
+            keys = [key for batch in batches for key in batch.keys]
+            addrs = np.concatenate([batch.addrs for batch in batches])
+            objects = ObjectBatch(keys, addrs, batches[0].sizes, batches[0].nbytes)
+        else:
+            objects = [obj for batch in batches for obj in batch]
+        got = dict(zip(keys_of(objects), await transfer.get(objects, deadline)))
+        return {j for j in blocks if all(got.get(s.key) is GetStatus.HIT for s in wanted[j])}
 
     async def _fetch_and_copy(
         self,
