@@ -5,9 +5,12 @@ One run, one in-process memory store, vLLM CPU layout (``[N, H, B, 2*D]`` per la
 - ``matched``: a TP=1 engine retrieves what a TP=1 engine stored (one object per block, straight
   into the cache: the path every engine takes when writer and reader agree);
 - ``heads``: a TP=1 engine retrieves what a TP=2 engine stored (two objects per block, one per
-  head half, fetched into host chunks and copied into place);
+  head half, each written straight into its half of the cache block: :mod:`kvflow.transfer.direct`);
+- ``stages``: a TP=1 engine retrieves what a PP=2 engine stored (two objects per block, one per
+  half of the layers, each straight into its layers' planes);
 - ``layout``: a TP=1 engine with a flash-attn cache (``[2, N, B, H, D]``) retrieves the TP=1 vLLM
-  CPU objects (every element moves to another position).
+  CPU objects (every element moves to another position: fetched into host chunks and copied into
+  place).
 
 Each is reported as GB/s of KV landed in the reader's cache and as a ratio to ``matched``, next to
 a plain memcpy of the same bytes measured in the same run.
@@ -15,8 +18,10 @@ a plain memcpy of the same bytes measured in the same run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -33,6 +38,12 @@ from kvflow.tools.baselines import memcpy_gbps
 __all__ = ["run_topology_bench", "topology_main"]
 
 _HEADS, _DIM, _BLOCK = 8, 128, 16
+#: Each case but ``matched``, as the report names it.
+_CASES = {
+    "heads": "TP=2 -> TP=1 (heads)",
+    "stages": "PP=2 -> PP=1 (layers)",
+    "layout": "vllm_cpu -> flash_attn",
+}
 
 
 def _vllm_cpu(layers: int, blocks: int, heads: int) -> dict[str, torch.Tensor]:
@@ -52,12 +63,25 @@ def _request(blocks: int) -> KVRequest:
     return KVRequest(block_ids=range(blocks), tokens=range(blocks * _BLOCK))
 
 
-async def _store(caches: dict[str, torch.Tensor], backend: MemoryBackend, tp: int, blocks: int) -> None:
-    for rank in range(tp):
-        parallel = ParallelConfig(tp_rank=rank, tp_size=tp, num_kv_heads=_HEADS)
+async def _store(
+    caches: dict[str, torch.Tensor], backend: MemoryBackend, tp: int, blocks: int, pp: int = 1
+) -> None:
+    """Store every block from each of ``tp`` x ``pp`` ranks (``pp`` stages of equal layers)."""
+    names = list(caches)
+    stage = len(names) // pp
+    for rank, pp_rank in itertools.product(range(tp), range(pp)):
+        parallel = ParallelConfig(
+            tp_rank=rank,
+            tp_size=tp,
+            num_kv_heads=_HEADS,
+            pp_rank=pp_rank,
+            pp_size=pp,
+            pp_layers=(stage,) * pp,
+        )
+        mine = {name: caches[name] for name in names[pp_rank * stage : (pp_rank + 1) * stage]}
         pool = KVPool.create(
             PoolConfig(model="bench"),
-            layout=KVLayout.from_kv_caches(caches),
+            layout=KVLayout.from_kv_caches(mine),
             parallel=parallel,
             backend=backend,
         )
@@ -66,8 +90,14 @@ async def _store(caches: dict[str, torch.Tensor], backend: MemoryBackend, tp: in
 
 
 async def _retrieve_s(
-    caches: dict[str, torch.Tensor], backend: MemoryBackend, blocks: int, repeat: int
+    caches: dict[str, torch.Tensor],
+    backend: MemoryBackend,
+    blocks: int,
+    repeat: int,
+    expected: Callable[[str], torch.Tensor],
 ) -> float:
+    """The best of ``repeat`` timed retrieves of every block into ``caches`` (emptied before each,
+    untimed), each checked against ``expected(layer name)`` (untimed)."""
     pool = KVPool.create(
         PoolConfig(model="bench"),
         layout=KVLayout.from_kv_caches(caches),
@@ -76,29 +106,50 @@ async def _retrieve_s(
     )
     best = float("inf")
     for _ in range(repeat + 1):  # the first one also reads the store's profile book: a warm-up
+        for cache in caches.values():
+            cache.zero_()
         start = time.perf_counter()
         if (await pool.retrieve(_request(blocks))).hit_blocks != blocks:
             raise RuntimeError("bench: a retrieve did not load every block")
         best = min(best, time.perf_counter() - start)
+        for name, cache in caches.items():
+            if not torch.equal(cache.view(torch.int16), expected(name).view(torch.int16)):
+                raise RuntimeError(f"bench: a retrieve loaded other bytes than the writer's into {name}")
     return best
+
+
+def _as_written(writer: dict[str, torch.Tensor], tp: int, kind: str) -> Callable[[str], torch.Tensor]:
+    """What a reader's layer must hold after loading every block from ``writer``'s caches, stored by
+    ``tp`` ranks that each held the same heads (``writer``'s), laid out as ``kind``."""
+
+    def expected(name: str) -> torch.Tensor:
+        whole = torch.cat([writer[name]] * tp, dim=1)  # [N, H, B, 2D]
+        if kind == "vllm_cpu":
+            return whole
+        k, v = whole[..., :_DIM], whole[..., _DIM:]
+        return torch.stack([k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)])  # [2, N, B, H, D]
+
+    return expected
 
 
 async def run_topology_bench(*, quick: bool) -> dict[str, Any]:
     layers, blocks, repeat = (8, 16, 2) if quick else (32, 64, 3)
     nbytes = layers * blocks * _HEADS * _BLOCK * 2 * _DIM * 2
     out: dict[str, Any] = {"layers": layers, "blocks": blocks, "bytes": nbytes}
-    for name, writer_tp, kind in (
-        ("matched", 1, "vllm_cpu"),
-        ("heads", 2, "vllm_cpu"),
-        ("layout", 1, "flash"),
+    for name, writer_tp, writer_pp, kind in (
+        ("matched", 1, 1, "vllm_cpu"),
+        ("heads", 2, 1, "vllm_cpu"),
+        ("stages", 1, 2, "vllm_cpu"),
+        ("layout", 1, 1, "flash"),
     ):
         backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * nbytes))
-        await _store(_vllm_cpu(layers, blocks, _HEADS // writer_tp), backend, writer_tp, blocks)
+        writer = _vllm_cpu(layers, blocks, _HEADS // writer_tp)
+        await _store(writer, backend, writer_tp, blocks, writer_pp)
         reader = _vllm_cpu(layers, blocks, _HEADS) if kind == "vllm_cpu" else _flash_attn(layers, blocks)
-        seconds = await _retrieve_s(reader, backend, blocks, repeat)
+        seconds = await _retrieve_s(reader, backend, blocks, repeat, _as_written(writer, writer_tp, kind))
         out[f"{name}_retrieve_gbps"] = nbytes / seconds / 1e9
     out["memcpy_gbps"] = memcpy_gbps(nbytes, nbytes // blocks)  # one block object per copy
-    for name in ("heads", "layout"):
+    for name in _CASES:
         out[f"{name}_vs_matched"] = out[f"{name}_retrieve_gbps"] / out["matched_retrieve_gbps"]
     return out
 
@@ -111,7 +162,7 @@ def topology_main(*, as_json: bool, quick: bool) -> int:
     print(f"{result['layers']} layers x {result['blocks']} blocks, {result['bytes'] / 1e6:.0f} MB, memory://")
     print(f"  memcpy                     {result['memcpy_gbps']:6.2f} GB/s")
     print(f"  matched (same split)       {result['matched_retrieve_gbps']:6.2f} GB/s")
-    for name, what in (("heads", "TP=2 -> TP=1 (heads)"), ("layout", "vllm_cpu -> flash_attn")):
+    for name, what in _CASES.items():
         gbps, ratio = result[f"{name}_retrieve_gbps"], result[f"{name}_vs_matched"]
         print(f"  {what:26s} {gbps:6.2f} GB/s  {ratio:.2f}x matched")
     return 0
