@@ -17,6 +17,12 @@ Keys (all optional; docs/vllm.md has the same table with examples):
 ``load_async``          load hits between engine steps (vLLM's asynchronous loading) instead of
                         before the step's forward. Default: true when vLLM schedules asynchronously
                         (its default), false otherwise: :func:`sync_load_warning` says why.
+``load_early``          start a step's loads when vLLM hands the step to the worker
+                        (``handle_preemptions``), so they run while vLLM prepares the step's inputs:
+                        ``auto`` (default), ``true`` or ``false``. ``auto`` does unless kvflow runs
+                        inside another connector and is not the last child of a ``MultiConnector``,
+                        whose later children may still read the reused blocks there
+                        (:mod:`.wrapping`).
 ``layerwise``           one object per block and layer: stores put each layer as soon as the forward
                         wrote it, loads fetch layer l+1 while layer l computes (default false). A
                         store written in one mode is not seen by the other.
@@ -66,8 +72,9 @@ _MAX_SECONDS = 86400.0  # a wait or bound longer than a day is a mistake (and ov
 _FLOATS = ("timeout_s", "lookup_timeout_s", "lookup_wait_s", "load_wait_s", "load_idle_wait_s")
 _FLAGS = ("load_async", "layerwise", "save_decode_blocks")
 _TEXTS = ("backend", "lookup_backend", "model_id", "staging")
+_SETTINGS = ("load_early",)  # auto, true or false (true and false also as booleans)
 _SIZES = ("max_inflight_bytes", "staging_bytes")
-_KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, *_SIZES, "layerwise_depth"})
+_KEYS = frozenset({*_FLOATS, *_FLAGS, *_TEXTS, *_SETTINGS, *_SIZES, "layerwise_depth"})
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -145,6 +152,7 @@ class ConnectorConfig:
     )
     model_id: str | None = None
     load_async: bool = False
+    load_early: str = attrs.field(default="auto", validator=_choice("auto", "true", "false"))
     layerwise: bool = False
     layerwise_depth: int = attrs.field(default=2, validator=_positive_int)
     timeout_s: float = attrs.field(default=30.0, validator=_positive)
@@ -182,6 +190,7 @@ class ConnectorConfig:
         kwargs.update({key: _number(extra, key) for key in _FLOATS if key in extra})
         kwargs.setdefault("load_async", async_scheduling)
         kwargs.update({key: _flag(extra, key) for key in _FLAGS if key in extra})
+        kwargs.update({key: _setting(extra, key) for key in _SETTINGS if key in extra})
         if "layerwise_depth" in extra:
             kwargs["layerwise_depth"] = _integer(extra, "layerwise_depth")
         for key in _SIZES:
@@ -248,6 +257,18 @@ def _flag(extra: Mapping[str, object], key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
     return value
+
+
+def _setting(extra: Mapping[str, object], key: str) -> str:
+    """``auto``, ``true`` or ``false``; JSON's true and false too."""
+    value = extra[key]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"kv_connector_extra_config[{key!r}] must be one of auto, true, false, got {value!r}"
+        )
+    return value  # (the field's validator names the allowed values)
 
 
 def sync_load_warning(config: ConnectorConfig, *, async_scheduling: bool, recompute: bool) -> str | None:

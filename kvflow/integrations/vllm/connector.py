@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -37,6 +38,7 @@ from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, TransferCounters
 from kvflow.integrations.vllm.topology import describe_engine, worker_ranks
 from kvflow.integrations.vllm.worker import WorkerSide
+from kvflow.integrations.vllm.wrapping import Wrapping
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -113,7 +115,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         else:
             tp_rank, pp_rank = worker_ranks()
             agree = tensor_parallel_agreement() if ranks_must_agree(shape, config.layerwise) else None
-            self._worker = WorkerSide(config, shape, tp_rank, pp_rank, agree)
+            # vLLM's workers build the connector inside set_current_vllm_config(<the engine's
+            # config>): it names a wrapper (MultiConnector) our own copy of it does not show.
+            current = get_current_vllm_config_or_none()
+            wrapping = Wrapping.of(current.kv_transfer_config if current is not None else None, transfer)
+            self._worker = WorkerSide(config, shape, tp_rank, pp_rank, agree, wrapping=wrapping)
 
     @property
     def requires_kv_delivery(self) -> bool:

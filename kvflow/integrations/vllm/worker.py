@@ -47,6 +47,7 @@ from kvflow.integrations.vllm.steps import (
 )
 from kvflow.integrations.vllm.timing import Stopwatch
 from kvflow.integrations.vllm.topology import EngineShape, check_layer_names
+from kvflow.integrations.vllm.wrapping import Wrapping
 from kvflow.layout import KVCacheEntry, KVLayout
 from kvflow.loop import CallFuture
 from kvflow.metrics import Observations, TransferCounters
@@ -91,6 +92,10 @@ class WorkerSide:
     pp_rank: int
     #: With several ranks: which of a step's ``save_after`` steps failed on any rank (:mod:`.agreement`)
     agree: FailedSteps | None = None
+    #: The connector vLLM runs kvflow inside, if any: with ``load_early=auto`` it decides whether
+    #: loads may start in ``handle_preemptions`` (:mod:`.wrapping`)
+    wrapping: Wrapping = attrs.field(factory=Wrapping, kw_only=True)
+    _early: bool = attrs.field(default=True, init=False)  # loads may start in handle_preemptions
     _steps: BlockSteps | LayerwiseSteps | None = attrs.field(default=None, init=False)
     _layout: KVLayout | None = attrs.field(default=None, init=False)
     _layer_index: dict[str, int] = attrs.field(factory=dict, init=False)
@@ -118,6 +123,17 @@ class WorkerSide:
                 "a worker of a tensor-parallel engine needs its ranks' agreement on failed loads: "
                 "pass agree= (kvflow.integrations.vllm.agreement.tensor_parallel_agreement())"
             )
+        self._early = self.wrapping.early_loads(self.config.load_early)
+        refusal = self.wrapping.refusal()
+        if self.config.load_early == "auto" and refusal is not None and self.config.role.loads:
+            log.info("kvflow worker tp=%d pp=%d: %s", self.tp_rank, self.pp_rank, refusal)
+
+    @property
+    def loads_early(self) -> bool:
+        """Whether this worker starts a step's loads in :meth:`handle_preemptions` (where the
+        step allows: ``KVFlowConnectorMetadata.load_early``), per ``load_early`` and
+        :attr:`wrapping`."""
+        return self._early
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -160,8 +176,9 @@ class WorkerSide:
     def handle_preemptions(self, meta: KVFlowConnectorMetadata) -> None:
         """vLLM hands the worker the step here, before it prepares the step's inputs: start the
         step's loads now when nothing else writes their blocks before the forward
-        (``meta.load_early``); :meth:`start_load_kv` waits for them (layerwise: each layer's wait
-        does). kvflow holds no block of a preempted request (every transfer ends within its
+        (``meta.load_early``) and no other connector's ``handle_preemptions`` may run after this
+        one (:attr:`loads_early`); :meth:`start_load_kv` waits for them (layerwise: each layer's
+        wait does). kvflow holds no block of a preempted request (every transfer ends within its
         step), so there is nothing else to do."""
         steps = self._steps
         if steps is None:
@@ -169,7 +186,7 @@ class WorkerSide:
         # A load started early in a step that failed before its load (vLLM went on) ends before
         # this step writes any block (start_early ends it first too): vLLM calls this first in
         # every step, and start_load_kv comes after the forward in a step without loads.
-        if meta.load_early and meta.loads:
+        if self._early and meta.load_early and meta.loads:
             steps.start_early(meta.loads)
         else:
             steps.end_other_early(meta.loads)

@@ -37,6 +37,7 @@ from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, TransferCounters
 from kvflow.integrations.vllm.topology import EngineShape
 from kvflow.integrations.vllm.worker import WorkerSide
+from kvflow.integrations.vllm.wrapping import Wrapping
 from kvflow.keys import hash_blocks
 from kvflow.loop import CallFuture
 from kvflow.request import KVRequest
@@ -201,6 +202,7 @@ def open_sides(tmp_path: Path) -> Iterator[Any]:
         *,
         role: KVRole = KVRole.BOTH,
         kv_events: bool = False,
+        wrapping: Wrapping | None = None,
         **extra: Any,
     ) -> Sides:
         config = ConnectorConfig.from_extra_config(
@@ -209,7 +211,8 @@ def open_sides(tmp_path: Path) -> Iterator[Any]:
         shape = EngineShape("tiny", BLOCK, tp_size, 1, kv_heads, False)
         workers, caches, agreement = [], [], RankAgreement()
         for rank in range(tp_size):
-            worker = WorkerSide(config, shape, rank, 0, agreement.for_rank(rank) if tp_size > 1 else None)
+            agree = agreement.for_rank(rank) if tp_size > 1 else None
+            worker = WorkerSide(config, shape, rank, 0, agree, wrapping=wrapping or Wrapping())
             agreement.sides[rank] = worker
             cache = _caches(heads=max(1, kv_heads // tp_size), seed=rank)
             worker.register_kv_caches(cache)
