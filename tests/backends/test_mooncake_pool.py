@@ -17,6 +17,7 @@ import torch
 
 from kvflow import KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.tools.mooncake_master import MasterProcess
+from kvflow.transfer import direct, jobs
 from tests.backends.test_mooncake import REPO, MakeBackend, layout_of, prefix
 from tests.helpers import BLOCK, LAYOUTS, zeros_like_caches
 
@@ -87,6 +88,49 @@ async def test_a_reader_at_another_tensor_parallel_size_assembles_its_heads(
                 for tp in range(2):
                     mine = writers[tp][name][part][i]  # type: ignore[index]
                     assert torch.equal(cache[part, n, :, 2 * tp : 2 * tp + 2], mine), (name, i, part, tp)
+
+
+async def test_another_tensor_parallel_sizes_objects_go_straight_into_a_reader_laid_out_alike(
+    mooncake_master: MasterProcess, mooncake_backends: MakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two TP ranks store vLLM CPU blocks of 2 heads each; a TP=1 engine laid out alike, with all 4
+    heads, gets each object straight into its half of the cache block (kvflow.transfer.direct, its
+    runs of any length allowed: these heads are tiny), one Mooncake get of several regions each."""
+    monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
+    straight: list[int] = []
+    in_place = jobs.LoadJob._get_in_place
+
+    async def counted(self: jobs.LoadJob, *args: object) -> set[int]:
+        filled = await in_place(self, *args)  # type: ignore[arg-type]
+        straight.append(len(filled))
+        return filled
+
+    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
+    model = prefix()
+    writers = []
+    for tp in range(2):
+        caches = LAYOUTS["vllm_cpu"]()
+        pool = KVPool.create(
+            PoolConfig(model=model),
+            layout=layout_of(caches),
+            backend=mooncake_backends(mooncake_master.url(segment="32MiB")),
+            parallel=ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=4),
+        )
+        assert (await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))).stored == 8
+        writers.append(caches)
+    reader_caches = {name: torch.zeros(12, 4, BLOCK, 16, dtype=torch.float16) for name in writers[0]}
+    reader = KVPool.create(
+        PoolConfig(model=model),
+        layout=layout_of(reader_caches),
+        backend=mooncake_backends(mooncake_master.url(segment="0")),
+    )
+    blocks = [11, 10, 9, 8, 7, 6, 5, 4]
+    got = await reader.retrieve(KVRequest(block_ids=blocks, tokens=TOKENS))
+    assert got.hit_blocks == 8 and straight == [8]
+    for name, cache in reader_caches.items():
+        for i, n in enumerate(blocks):
+            for tp in range(2):
+                assert torch.equal(cache[n, 2 * tp : 2 * tp + 2], writers[tp][name][i]), (name, i, tp)  # type: ignore[index]
 
 
 async def test_pool_survives_a_lost_master_with_bounded_failures(
