@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections.abc import Sequence
 from unittest import mock
 
 import anyio
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig, RetrieveResult
+from kvflow.backends.base import GetStatus, ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
 from kvflow.transfer import direct, jobs, reshape
@@ -462,6 +464,77 @@ def test_objects_that_fit_a_host_cache_as_they_are_go_straight_in(
     anyio.run(functools.partial(share, Model.draw(HEADS[heads], 9), writer, reader, 5, in_order=in_order))
     assert straight and sum(straight) > 0, "no block went straight into the cache"
     assert chunks == []
+
+
+@attrs.define(eq=False)
+class OneGetFails(FencedBackend):
+    """Gets one object per call, and fails the call for an object of ``part`` (a key's text: the
+    writer's heads, say) that lands at ``at`` (once)."""
+
+    at: int = -1
+    part: str = "@h0-4@"
+    failed: bool = False
+
+    @property
+    def max_batch(self) -> int:
+        return 1
+
+    async def get(self, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if not self.failed and any(obj.addrs[0] == self.at and self.part in obj.key for obj in objects):
+            self.failed = True
+            raise ConnectionError("injected: this object's get fails")
+        return await super().get(objects)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["the first copy fails", "the second copy fails"])
+def test_one_prompt_loaded_twice_straight_in_counts_each_copy_of_an_object_for_its_own_block(
+    monkeypatch: pytest.MonkeyPatch, first: bool
+) -> None:
+    """Two requests of a call may load one prompt into different blocks: another split's objects
+    then come twice under one key, each into its own block. A get failing for one of them fails
+    that block only, never the other, and never reports a block whose get failed."""
+    monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
+    model = Model.draw(HEADS["gqa8"], 9)
+    writer, reader = Engine(2, (LAYERS,), "vllm_cpu", 4, False), Engine(1, (LAYERS,), "vllm_cpu", 4, False)
+    backend = OneGetFails()
+
+    async def run() -> None:
+        for rank in ranks(model, writer, backend, filled=True, seed=1):
+            assert not (await rank.pool.store(request(rank))).failed_indices
+        blocks = TOKENS // reader.block_size
+        caches = {
+            f"model.layers.{layer}.attn": empty_cache(reader.kind, 2 * blocks, reader.block_size, 8)
+            for layer in range(LAYERS)
+        }
+        layout = KVLayout.from_kv_caches(caches)  # type: ignore[arg-type]
+        pool = KVPool.create(
+            reader.config(), layout=layout, parallel=reader.parallel(0, 0, 8), backend=backend
+        )
+        copies = [list(range(blocks)), list(range(blocks, 2 * blocks))]
+        broken = copies[0 if first else 1][2]  # its first writer rank's object (heads 0-3) fails
+        backend.at = int(layout.addr_rows([broken])[0][0])
+        requests = [
+            KVRequest(tokens=list(range(TOKENS)), block_ids=ids, request_id=f"r{i}")
+            for i, ids in enumerate(copies)
+        ]
+        results = await pool.retrieve_many(requests)
+        assert backend.failed
+        failed = {n for result in results for n in result.failed_block_ids}
+        assert broken in failed  # (blocks after it in its request fail too: a prefix is loaded)
+        other = copies[1 if first else 0]
+        assert not failed & set(other), "a block whose own get hit was reported failed"
+        for ids in copies:
+            for i, n in enumerate(ids):
+                if n in failed:
+                    continue
+                for layer, cache in enumerate(caches.values()):
+                    k, v = read(model, reader.kind, cache, n)
+                    tokens = slice(i * reader.block_size, (i + 1) * reader.block_size)
+                    assert torch.equal(k, model.k[layer, tokens]) and torch.equal(
+                        v, model.v[layer, tokens]
+                    ), n
+
+    anyio.run(run)
 
 
 TINY = 64  # bytes of staging: every chunk is sized to one object, the least that works

@@ -29,7 +29,7 @@ import anyio
 import attrs
 import numpy as np
 
-from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus, keys_of, repeats_of
+from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus, repeats_of
 from kvflow.device import Device
 from kvflow.events import DeviceEvent, poll_until
 from kvflow.keys import KeyScope
@@ -518,17 +518,21 @@ class LoadJob:
         self, wanted: dict[int, list[Source]], placed: dict[KeyScope, ObjectRegions], deadline: float
     ) -> set[int]:
         """Get the objects ``wanted`` per block straight into the cache blocks, each scope's into
-        the regions ``placed`` names; return the blocks whose objects all arrived."""
+        the regions ``placed`` names; return the blocks whose objects all arrived. (Two requests of
+        a call may load one prompt into other blocks: an object's key then comes twice, each time
+        with its own block, and each answer counts for its own.)"""
         if not await self._writable(None, deadline):
             return set()
         transfer, block_ids = self.transfer, self.plan.block_ids
         blocks = list(wanted)
         rows = transfer.require_layout().addr_rows([block_ids[j] for j in blocks])
-        batches = []
+        batches: list[ObjectBatch] = []  # per scope, its objects
+        owners: list[int] = []  # per object, in the order of the batches: its block
         for scope, regions in placed.items():
             at = [(i, s.key) for i, j in enumerate(blocks) for s in wanted[j] if s.scope == scope]
             addrs = regions.addrs(rows[[i for i, _ in at]])
             batches.append(ObjectBatch([key for _, key in at], addrs, regions.sizes, sum(regions.sizes)))
+            owners.extend(blocks[i] for i, _ in at)
         objects: Sequence[ObjectRef]
         if len({tuple(batch.sizes) for batch in batches}) == 1:  # every scope's regions alike: one batch
             keys = [key for batch in batches for key in batch.keys]
@@ -536,8 +540,8 @@ class LoadJob:
             objects = ObjectBatch(keys, addrs, batches[0].sizes, batches[0].nbytes)
         else:
             objects = [obj for batch in batches for obj in batch]
-        got = dict(zip(keys_of(objects), await transfer.get(objects, deadline)))
-        return {j for j in blocks if all(got.get(s.key) is GetStatus.HIT for s in wanted[j])}
+        results = await transfer.get(objects, deadline)
+        return set(blocks) - {j for j, result in zip(owners, results) if result is not GetStatus.HIT}
 
     async def _fetch_and_copy(
         self,
