@@ -163,7 +163,8 @@ def every_rank(engine: Engine) -> list[tuple[int, int]]:
 
 async def scenario(seed: int, counts: Counts, *, straight: bool = False) -> None:
     """One scenario (``straight``: the reader's cache is laid out as the writer's, with blocks of
-    as many tokens and no staging, so that objects fitting it as they are go straight in)."""
+    as many tokens, no staging, and ranks that need every byte of the objects they read, so that
+    those objects fit it as they are and go straight in)."""
     rng = random.Random(seed)
     heads = rng.choice((0, 2, 8))
     base = [rng.randrange(1000) for _ in range(TOKENS)]
@@ -176,8 +177,15 @@ async def scenario(seed: int, counts: Counts, *, straight: bool = False) -> None
     inner = MemoryBackend()
     backend = FlakyGets(inner=inner, rng=rng)
     writer, reader = draw_engine(rng, heads), draw_engine(rng, heads)
-    if straight:
-        reader = attrs.evolve(reader, kind=writer.kind, block_size=writer.block_size, staging="auto")
+    if straight:  # each rank's stage holds each object's layers (or one), its heads each object's
+        reader = attrs.evolve(
+            reader,
+            tp=min(reader.tp, writer.tp),
+            pp_layers=reader.pp_layers if writer.layerwise else (LAYERS,),
+            kind=writer.kind,
+            block_size=writer.block_size,
+            staging="auto",
+        )
     counts.reshaped += (writer.tp, writer.pp_layers, writer.block_size, writer.layerwise) != (
         reader.tp,
         reader.pp_layers,
