@@ -1,19 +1,19 @@
-"""Objects of another split that a host cache can take as they are: where each of their bytes lands.
+"""Objects of another split that a cache can take as they are: where each of their bytes lands.
 
 A reader that misses a block under its own keys may find it in another engine's objects
 (:mod:`kvflow.transfer.reshape`). Usually those are fetched into a host chunk and copied into the
-cache part by part. But when both engines lay a layer out the same way (the same layout kind,
-plane order, dtype and block size) and the reader needs every byte of an object (its layers
-and KV heads are all the reader's), the object is the reader's block minus the other heads, and
-its bytes fall into the cache in a few long runs: a TP=2 writer's object in a TP=1 reader's
-``vllm_cpu`` block (heads outermost) is one run per layer; in an HND ``flashinfer`` block, two
-(K and V); an object of another pipeline split is its layers' planes whole. The backend can then
-write it straight into the cache as an object of several regions, with no second copy, as it
-writes a matched block.
+cache part by part. But when both engines lay a layer out alike (the same layout kind, dtype and
+block size) and the reader needs every byte of an object (its layers and KV heads are all the
+reader's), the object is the reader's block less the other heads, and its bytes fall into the
+cache in a few long runs: a TP=2 writer's object in a TP=1 reader's ``vllm_cpu`` block (heads
+outermost) is one run per layer; in an HND ``flashinfer`` block, two (K and V); an object of
+another pipeline split is its layers' planes whole. Where the backend writes the cache itself (a
+host cache, or device memory its transport reaches: no staging) it then writes the object straight
+into the cache as an object of several regions, with no second copy, as it writes a matched block.
 
 :func:`object_regions` names those regions for one scope of a profile, or None when the object
-does not fall into runs of at least :data:`MIN_RUN_BYTES` (NHD layouts split by heads: a run per
-token).
+does not fall into runs of at least :data:`MIN_RUN_BYTES` (an NHD block split by heads: a run per
+token; planes whose dimensions lie in another order: shorter runs still).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from kvflow.profiles import Profile
 
 __all__ = ["MIN_RUN_BYTES", "ObjectRegions", "object_regions"]
 
-#: The shortest run of an object's bytes that the direct path writes into the cache as a region
-#: of its own: each costs the copy loop a few nanoseconds, and a run per token (64 heads' bytes of
-#: a token in an NHD block) would be slower than the chunk's one copy per part and layer.
+#: The shortest run of an object's bytes written into the cache as a region of its own: a backend
+#: pays for each region (a step of its copy loop, an entry of a transport's request), and a run per
+#: token (1 KiB for 4 heads of 128 in bfloat16 in an NHD block) would cost more than the chunk's
+#: copies.
 MIN_RUN_BYTES = 4096
 
 #: Where each layout kind keeps the KV heads in a plane's per-block shape (:func:`plane_shapes`);
@@ -73,9 +74,9 @@ def object_regions(
 ) -> ObjectRegions | None:
     """Where the bytes of an object of ``profile``'s ``scope`` go in a block of ``layout``, the
     cache of a reader that needs the model ``layers`` and KV ``heads`` and whose stage starts at
-    ``first_layer``; None when they cannot go straight in: another layout kind, plane order, dtype
-    or block size, an object holding layers or heads the reader does not need, or runs shorter
-    than :data:`MIN_RUN_BYTES`."""
+    ``first_layer``; None when they cannot go straight in: another layout kind, dtype or block
+    size, an object holding layers or heads the reader does not need, or runs shorter than
+    :data:`MIN_RUN_BYTES`."""
     if (
         profile.kind is not layout.kind
         or profile.dtype != layout.dtype
