@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import attrs
@@ -17,6 +18,7 @@ import torch
 from kvflow.backends.base import BackendCapabilities, BackendStats, GetStatus, ObjectRef, PutStatus
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
+from kvflow.transfer import jobs
 
 NUM_BLOCKS = 12
 BLOCK = 16
@@ -208,3 +210,18 @@ class FaultyBackend:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+def record_straight_loads(monkeypatch: Any) -> list[int]:
+    """From now on (``monkeypatch``: pytest's), how many blocks each load of another split's objects
+    straight into the cache filled (:mod:`kvflow.transfer.direct`), one entry per load."""
+    filled_counts: list[int] = []
+    in_place = jobs.LoadJob._get_in_place
+
+    async def counted(self: jobs.LoadJob, *args: Any) -> set[int]:
+        filled = await in_place(self, *args)
+        filled_counts.append(len(filled))
+        return filled
+
+    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
+    return filled_counts

@@ -29,7 +29,7 @@ from kvflow.backends.base import GetStatus, ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
 from kvflow.transfer import direct, jobs, reshape
-from tests.helpers import FencedBackend, kv_keys, kv_puts
+from tests.helpers import FencedBackend, kv_keys, kv_puts, record_straight_loads
 
 LAYERS = 4
 HEAD_SIZE = 4
@@ -449,16 +449,8 @@ def test_objects_that_fit_a_host_cache_as_they_are_go_straight_in(
     into the cache blocks (``kvflow.transfer.direct``): forced here for runs of any length (the
     tests' tiny heads make short runs, which otherwise go through a chunk), and each rank's cache
     must hold the writer's KV exactly."""
-    straight: list[int] = []
-    in_place = jobs.LoadJob._get_in_place
-
-    async def counted(self: jobs.LoadJob, wanted: dict[int, list[reshape.Source]], *args: object) -> set[int]:
-        filled = await in_place(self, wanted, *args)  # type: ignore[arg-type]
-        straight.append(len(filled))
-        return filled
-
+    straight = record_straight_loads(monkeypatch)
     monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
-    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
     chunks: list[int] = []
     monkeypatch.setattr(jobs, "copy_rows", lambda *a, **k: chunks.append(1))  # (no chunk may be copied)
     anyio.run(functools.partial(share, Model.draw(HEADS[heads], 9), writer, reader, 5, in_order=in_order))

@@ -30,8 +30,8 @@ from kvflow.backends import ObjectRef
 from kvflow.backends.base import GetStatus
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
-from kvflow.transfer import direct, jobs
-from tests.helpers import FaultyBackend
+from kvflow.transfer import direct
+from tests.helpers import FaultyBackend, record_straight_loads
 from tests.test_topology import (
     GQA_KINDS,
     HEAD_SIZE,
@@ -255,20 +255,14 @@ def test_a_reader_split_otherwise_reports_hit_only_for_its_prompts_own_kv(
     monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
     counts = Counts()
-    in_place = jobs.LoadJob._get_in_place
-
-    async def counted(self: jobs.LoadJob, *args: object) -> set[int]:
-        filled = await in_place(self, *args)  # type: ignore[arg-type]
-        counts.straight += len(filled)
-        return filled
-
-    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
+    filled = record_straight_loads(monkeypatch)
     for seed in range(chunk * 25, chunk * 25 + 25):
         # every other scenario's reader is laid out as its writer, and objects that fit its cache
         # as they are go straight in (runs of any length: the tests' tiny heads make short ones)
         straight = seed % 2 == 1
         with mock.patch.object(direct, "MIN_RUN_BYTES", 1 if straight else 1 << 62):
             anyio.run(functools.partial(scenario, seed, counts, straight=straight))
+    counts.straight = sum(filled)
     # the sweep reached what it checks: reshaped loads, both ways, hits to check, and misses beside them
     assert counts.reshaped >= 10 and counts.hits >= 100 and counts.misses >= 10, counts
     assert counts.straight >= 5, counts

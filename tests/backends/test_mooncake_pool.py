@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -17,9 +18,9 @@ import torch
 
 from kvflow import KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.tools.mooncake_master import MasterProcess
-from kvflow.transfer import direct, jobs
+from kvflow.transfer import direct
 from tests.backends.test_mooncake import REPO, MakeBackend, layout_of, prefix
-from tests.helpers import BLOCK, LAYOUTS, zeros_like_caches
+from tests.helpers import BLOCK, LAYOUTS, record_straight_loads, zeros_like_caches
 
 TOKENS = list(range(300, 300 + BLOCK * 8))
 
@@ -56,23 +57,32 @@ async def test_lookup_is_the_minimum_over_kv_head_and_pp_namespaces(
     assert await scheduler.lookup(KVRequest(tokens=TOKENS)) == 6 * BLOCK
 
 
+async def two_tp_writers(
+    master: MasterProcess, backends: MakeBackend, kind: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """A new model's name, and the caches of its two TP ranks (2 of its 4 KV heads each, laid out
+    as ``kind``) once each stored 8 blocks of ``TOKENS``."""
+    model = prefix()
+    writers = []
+    for tp in range(2):
+        caches = LAYOUTS[kind]()
+        pool = KVPool.create(
+            PoolConfig(model=model),
+            layout=layout_of(caches),
+            backend=backends(master.url(segment="32MiB")),
+            parallel=ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=4),
+        )
+        assert (await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))).stored == 8
+        writers.append(caches)
+    return model, writers
+
+
 async def test_a_reader_at_another_tensor_parallel_size_assembles_its_heads(
     mooncake_master: MasterProcess, mooncake_backends: MakeBackend
 ) -> None:
     """Two TP ranks store (k, v) tuples of 2 heads each; one TP=1 engine with a flash-attn cache of
     all 4 heads loads them: through the profile book and host chunks registered with Mooncake."""
-    model = prefix()
-    writers = []
-    for tp in range(2):
-        caches = LAYOUTS["kv_tuple"]()
-        pool = KVPool.create(
-            PoolConfig(model=model),
-            layout=layout_of(caches),
-            backend=mooncake_backends(mooncake_master.url(segment="32MiB")),
-            parallel=ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=4),
-        )
-        assert (await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))).stored == 8
-        writers.append(caches)
+    model, writers = await two_tp_writers(mooncake_master, mooncake_backends, "kv_tuple")
     reader_caches = {name: torch.zeros(2, 12, BLOCK, 4, 8, dtype=torch.float16) for name in writers[0]}
     reader = KVPool.create(
         PoolConfig(model=model),
@@ -97,27 +107,8 @@ async def test_another_tensor_parallel_sizes_objects_go_straight_into_a_reader_l
     heads, gets each object straight into its half of the cache block (kvflow.transfer.direct, its
     runs of any length allowed: these heads are tiny), one Mooncake get of several regions each."""
     monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
-    straight: list[int] = []
-    in_place = jobs.LoadJob._get_in_place
-
-    async def counted(self: jobs.LoadJob, *args: object) -> set[int]:
-        filled = await in_place(self, *args)  # type: ignore[arg-type]
-        straight.append(len(filled))
-        return filled
-
-    monkeypatch.setattr(jobs.LoadJob, "_get_in_place", counted)
-    model = prefix()
-    writers = []
-    for tp in range(2):
-        caches = LAYOUTS["vllm_cpu"]()
-        pool = KVPool.create(
-            PoolConfig(model=model),
-            layout=layout_of(caches),
-            backend=mooncake_backends(mooncake_master.url(segment="32MiB")),
-            parallel=ParallelConfig(tp_rank=tp, tp_size=2, num_kv_heads=4),
-        )
-        assert (await pool.store(KVRequest(block_ids=range(8), tokens=TOKENS))).stored == 8
-        writers.append(caches)
+    straight = record_straight_loads(monkeypatch)
+    model, writers = await two_tp_writers(mooncake_master, mooncake_backends, "vllm_cpu")
     reader_caches = {name: torch.zeros(12, 4, BLOCK, 16, dtype=torch.float16) for name in writers[0]}
     reader = KVPool.create(
         PoolConfig(model=model),
