@@ -11,13 +11,14 @@ embedded backends, with the release of what their calls use once the last has en
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import anyio
 import attrs
 
-from kvflow.errors import PoolClosedError
+from kvflow.errors import BackendError, PoolClosedError
 
 __all__ = ["InFlight", "Lifetime"]
 
@@ -76,6 +77,10 @@ class Lifetime:
 
     closed_error: str  # what a call after the close raises, as :class:`PoolClosedError`
     release: Callable[[], None] = lambda: None  # run once, after the close, when no call runs
+    #: the process that opened the backend (None: any may call it). A call from another, a child
+    #: forked with a copy of the backend, is refused: a shared store's backend writes under its
+    #: opener's identity (its slots, its temporary files), which the child is not
+    owner: int | None = None
     closed: bool = False
     copies: InFlight = attrs.field(factory=InFlight)  # puts and gets: close waits for them
     _users: int = 0  # every call running, copies or not
@@ -91,8 +96,20 @@ class Lifetime:
         waits for); refused once closed."""
         return _Call(self, copies)
 
+    @property
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy of an :attr:`owner`'s backend."""
+        return self.owner is not None and os.getpid() != self.owner
+
     def _enter(self, copies: bool) -> None:
         self.check_open()
+        if self.forked:
+            raise BackendError(
+                f"this backend was opened by process {self.owner} and is used by process {os.getpid()}, "
+                "a child forked from it: a backend "
+                "writes its store under the identity of the process that opened it; open a new backend "
+                "in the child (kvflow.backends.open_backend)"
+            )
         self._users += 1
         if copies:
             self.copies.enter()

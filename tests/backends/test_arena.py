@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 import kvflow.backends.arena.backend as arena
 import kvflow.backends.arena.lock as lock
+import kvflow.backends.arena.store as store
 import kvflow.backends.local.format as local_format
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends import lockfiles, open_backend, pacing
@@ -213,6 +214,39 @@ async def test_eviction_takes_the_least_recently_used_slot(store_dir: Path) -> N
     for key in ("a", "b", "e", "f"):
         assert await get_one(backend, key) == (GetStatus.HIT, bytes(filled(key)))
     await backend.aclose()
+
+
+@pytest.mark.parametrize("call", ["get", "put"])
+async def test_a_call_that_waited_for_the_lock_stamps_its_use_once_it_holds_it(
+    store_dir: Path, call: str
+) -> None:
+    """A get or a put marks its objects used when it holds the store's lock, not when it began to
+    wait for it: another process's section meanwhile (here, held by another open of the lock file)
+    uses objects later, and the waiting call's must not look older than those for LRU."""
+    backend = open_arena(store_dir)
+    assert await put_all(backend, ["a"]) == [PutStatus.STORED]
+    fd = os.open(store_dir / "kvflow.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    released: list[int] = []
+
+    def release_later() -> None:
+        time.sleep(0.3)
+        released.append(time.monotonic_ns())
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, release_later)
+            if call == "get":
+                assert (await get_one(backend, "a"))[0] is GetStatus.HIT
+            else:
+                assert await put_all(backend, ["b"]) == [PutStatus.STORED]
+        table = backend._arena
+        (row,) = table.find(backend._hashes(["a" if call == "get" else "b"]))
+        assert int(table._columns[store._USED][row]) >= released[0]
+    finally:
+        os.close(fd)
+        await backend.aclose()
 
 
 async def test_wide_sets_keep_the_newest_objects_like_one_lru_list(store_dir: Path) -> None:
@@ -416,6 +450,10 @@ def test_a_truncated_arena_is_refused(store_dir: Path) -> None:
 
 def test_a_store_larger_than_its_filesystem_is_a_config_error(store_dir: Path) -> None:
     total = shutil.disk_usage(store_dir.parent).total  # beyond the size of the tmpfs: refused at once
+    with pytest.raises(ConfigError, match="no room"):
+        open_arena(store_dir, slots=total // SLOT + 1024)
+    assert not store_dir.exists()  # refused before anything was made: nothing left behind
+    store_dir.mkdir(mode=0o700)  # and where the directory is there already, before the arena is made
     with pytest.raises(ConfigError, match="no room"):
         open_arena(store_dir, slots=total // SLOT + 1024)
     assert list(store_dir.iterdir()) == [store_dir / "kvflow.lock"]

@@ -1769,6 +1769,55 @@ async def test_a_process_dead_inside_a_section_frees_the_store_though_a_child_it
         await dying.aclose()
 
 
+@pytest.mark.parametrize("scheme", ["local", "arena"])
+def test_a_forked_childs_copy_of_a_backend_refuses_every_call_and_closes(tmp_path: Path, scheme: str) -> None:
+    """A child forked with a copy of a shared store's backend would write the store under its
+    parent's identity: an arena's slots, a local store's temporary files, both taken back as a dead
+    writer's once the parent ends, while the child still copies into them (a HIT with another
+    key's bytes). Its calls are refused, it closes, and the parent's store is untouched."""
+    url = f"{scheme}://{tmp_path}/store?capacity=16MiB" + ("&slot=64KiB" if scheme == "arena" else "")
+    backend = open_backend(url)
+    key, buf = "k", payload("k", 4096)
+    assert anyio.run(backend.put, [ref(key, buf)]) == [PutStatus.STORED]
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: reports each call's outcome, never returns into pytest
+        outcomes = []
+        try:
+            os.close(read_end)
+            calls = [
+                lambda: backend.put([ref("new", payload("new", 4096))]),
+                lambda: backend.get([ref(key, bytearray(4096))]),
+                lambda: backend.remove([key]),
+                lambda: backend.clear(),
+            ]
+            for call in calls:
+                try:
+                    anyio.run(call)
+                    outcomes.append("answered")
+                except BackendError as exc:
+                    outcomes.append("refused" if "forked" in str(exc) else f"other: {exc}")
+                except BaseException as exc:
+                    outcomes.append(f"raised {type(exc).__name__}: {exc}")
+            anyio.run(backend.aclose)
+            outcomes.append("closed")
+        finally:
+            with os.fdopen(write_end, "w") as out:
+                out.write(",".join(outcomes))
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as inp:
+        outcomes = inp.read().split(",")
+    os.waitpid(child, 0)
+    try:
+        assert outcomes == ["refused"] * 4 + ["closed"], outcomes
+        out = bytearray(4096)
+        assert anyio.run(backend.get, [ref(key, out)]) == [GetStatus.HIT] and out == buf
+        assert anyio.run(backend.exists, ["new"]) == [False]
+    finally:
+        anyio.run(backend.aclose)
+
+
 async def test_a_key_holding_a_lone_surrogate_round_trips(tmp_path: Path) -> None:
     """A key is any str; one holding a lone surrogate (text decoded with surrogateescape, say)
     raised UnicodeEncodeError from every call of the local store (the arena took it)."""

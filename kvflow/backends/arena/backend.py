@@ -19,6 +19,7 @@ the lock). See docs/arena-backend.md.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -93,7 +94,8 @@ def _hook(rows: Sequence[int]) -> Callable[[int, int], None]:
 class ArenaBackend:
     """A store in one shared region of fixed-size slots, for the processes of one host.
 
-    Use an instance from one event loop; do not share it across ``fork``. Construction is
+    Use an instance from one event loop. A child forked with a copy of it has its calls refused
+    (it would write the store as its parent): open one there. Construction is
     synchronous: it creates the directory (private to this user unless the URL names a group) and,
     the first time, the arena, allocating all of its memory at once.
     """
@@ -119,7 +121,7 @@ class ArenaBackend:
         regions.warm()
         passes()
         self._arena = ArenaFile.open(self.config)
-        self._life = Lifetime("the arena backend is closed", release=self._arena.close)
+        self._life = Lifetime("the arena backend is closed", release=self._arena.close, owner=os.getpid())
         geometry = self._arena.geometry
         self._stats = BackendStats(capacity_bytes=geometry.rows * geometry.slot_bytes)
 
@@ -274,10 +276,10 @@ class ArenaBackend:
             self._log_too_large(next(obj for obj in objects if obj.nbytes > slot_bytes))
             keys = [keys[i] for i in fits]
         hashes = hashes_of(keys)  # new keys, mostly: not remembered
-        now = time.monotonic_ns()
         async with self._arena.lock.held(EXCLUSIVE, self.config.lock_timeout_s):
             self._free_stranded()  # first: a key of this put may be one of theirs
-            rows = self._arena.claim(hashes, now)
+            # (the time read once the lock is held: a put that waited for it uses its keys now)
+            rows = self._arena.claim(hashes, time.monotonic_ns())
             if len(rows) == len(objects) and (rows >= 0).all():  # the usual put: a slot for each
                 claimed.update(enumerate(rows.tolist()))
                 return
@@ -345,7 +347,7 @@ class ArenaBackend:
         """Fill each object's regions from its slot; a size other than the stored one is FAILED."""
         with self._life.call(copies=True):
             results = [GetStatus.FAILED] * len(objects)
-            arena, now = self._arena, time.monotonic_ns()
+            arena, now = self._arena, 0
             sizes = nbytes_of(objects)
             done = 0
             try:
@@ -354,6 +356,9 @@ class ArenaBackend:
                     # let go at each checkpoint; a put waiting in another process counts as work
                     # waiting, as a task does: it takes the lock only between two holds
                     async with arena.lock.held(SHARED, self.config.lock_timeout_s):
+                        # its objects' use: once the lock is first held (a get that waited for it
+                        # uses them now), the same for every hold (the first object the most recent)
+                        now = now or time.monotonic_ns()
                         pacer = pacing.Pacer()
                         while True:
                             done = self._read(objects, sizes, query, done, results, now)
@@ -449,8 +454,8 @@ class ArenaBackend:
         memory until they return) and the slots failed puts could not give back are freed (or the
         lock timed out again: they stay taken until this process ends). The arena is unmapped once
         the last call has returned (a lookup still waiting for the lock answers from it first)."""
-        if self._life.closed:  # another close runs: wait as it does
-            await self._life.close()
+        if self._life.closed or self._life.forked:  # another close runs: wait as it does; or a
+            await self._life.close()  # forked child's copy: the stranded slots are its parent's
             return
         with self._life.call():  # the arena stays mapped while the stranded slots are given back
             await self._life.close()

@@ -142,10 +142,11 @@ def exists(root_fd: int, name: str) -> bool:
     return True
 
 
-def check_room(root_fd: int, root: str, geometry: Geometry) -> None:
+def check_room(root_fd: int | str, root: str, geometry: Geometry) -> None:
     """ConfigError when an arena of ``geometry`` is larger than the whole filesystem holding the
-    store ``root_fd`` (free space is not checked: another process may be allocating the arena)."""
-    fs = os.fstatvfs(root_fd)
+    store ``root_fd`` (or the path given: the store's nearest existing parent, before anything is
+    made) (free space is not checked: another process may be allocating the arena)."""
+    fs = os.fstatvfs(root_fd) if isinstance(root_fd, int) else os.statvfs(root_fd)
     total = fs.f_blocks * fs.f_frsize  # 0 where a filesystem does not say: not checked
     if 0 < total < geometry.file_bytes:
         raise ConfigError(

@@ -206,6 +206,8 @@ class ArenaFile:
         root = os.path.normpath(config.path)
         access = Access.of(config.group)
         geometry = Geometry.of(config)
+        if not os.path.lexists(root):  # a capacity no filesystem there holds: refused before any is made
+            check_room(_nearest_existing(root), root, geometry)
         with opening(root, backend="arena") as fds:
             fds.append(open_root(root, access))
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
@@ -463,3 +465,13 @@ class Query:
     sizes: npt.NDArray[np.int64]  # the bytes each object must have
     rows: npt.NDArray[np.int64]  # each key's slot; -1: none; UNKNOWN: not looked for yet
     found: npt.NDArray[np.bool_]  # the slot holds an object of that size
+
+
+def _nearest_existing(path: str) -> str:
+    """``path``'s nearest ancestor that exists (``/`` at worst)."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path

@@ -90,7 +90,8 @@ _before_remove_corrupt_hook: Callable[[list[str]], Awaitable[None]] | None = Non
 class LocalBackend:
     """A store in a directory shared by the processes of one host (of one user, or of one group).
 
-    Use an instance from one event loop; do not share it across ``fork``. Construction is
+    Use an instance from one event loop. A child forked with a copy of it has its calls refused
+    (it would write the store as its parent): open one there. Construction is
     synchronous: it creates the directory if needed (no access for others), refuses one that is
     not safe to use, checks it is writable and supports hard links, and removes temp files that
     dead processes left behind. No call keeps waiting work from the event loop for more than about
@@ -119,7 +120,9 @@ class LocalBackend:
         )
         self._stats = BackendStats(capacity_bytes=self.config.capacity_bytes, used_bytes=self._ledger.used)
         self._presence = PresenceMemory(self._ledger.dirs.lock_fd)
-        self._life = Lifetime("the local backend was closed; open a new one", release=self._ledger.close)
+        self._life = Lifetime(
+            "the local backend was closed; open a new one", release=self._ledger.close, owner=os.getpid()
+        )
 
     @classmethod
     def from_url(cls, url: str) -> LocalBackend:
