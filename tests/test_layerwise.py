@@ -474,6 +474,27 @@ def test_a_step_stores_no_layer_after_a_failed_load() -> None:
     assert new_layers == {0}  # computed before the failure; nothing after it is stored
 
 
+def test_a_layers_event_is_timed_from_its_load_not_from_the_store_start() -> None:
+    """In a step that loads and stores, the engine computes a layer once its load arrived: the
+    store gives the layer's event ``timeout_s`` from then. It gave it ``timeout_s`` from the start
+    of the store (before the load), and a step whose layers each load and compute on time but not
+    both within ``timeout_s`` stored nothing, with every layer saved."""
+    src = LAYOUTS["vllm_cpu"]()
+    backend = ScriptedBackend()
+    anyio.run(
+        lambda: make_pool(src, backend).store(KVRequest(block_ids=[0, 1, 2, 3], tokens=TOKENS[: 4 * BLOCK]))
+    )
+    backend.get_delay_s = 0.4  # each layer's load, within the timeout
+    with make_engine(zeros_like_caches(src), backend, timeout_s=0.6) as kv:
+        kv.start_load(request([0, 1, 2, 3]))
+        kv.start_store(
+            [KVRequest(request_id="s", block_ids=[4, 5], tokens=TOKENS[: 6 * BLOCK], block_offset=4)]
+        )
+        assert forward(kv, compute_s=0.35) == [True] * kv.num_layers  # each layer's compute, within it too
+        result = kv.wait_for_save(timeout_s=10)
+    assert not result.failed_block_ids and result.stored["s"].stored == 2
+
+
 @attrs.define
 class MisconfiguredPut(FaultyBackend):
     """Layer 1's put raises BackendError: a misconfigured backend, which must reach the caller."""
