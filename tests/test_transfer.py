@@ -561,6 +561,17 @@ async def test_together_raises_a_failing_calls_own_error_and_cancels_the_rest() 
     assert sorted(type(e).__name__ for e in group.value.exceptions) == ["BackendError", "RequestError"]
 
 
+def test_an_error_raised_out_of_a_group_keeps_its_own_cause() -> None:
+    """An error raised ``from`` another in a task (or in an engine's body inside a layerwise
+    ``async with``) is raised as it is by ``unwrapped``, and keeps the cause its raiser gave it."""
+    cause = OSError("the socket closed")
+    error = BackendError("the store refused")
+    error.__cause__ = cause  # as `raise error from cause` leaves it
+    with pytest.raises(BackendError) as caught, unwrapped():
+        raise ExceptionGroup("tasks", [error])
+    assert caught.value is error and caught.value.__cause__ is cause
+
+
 def test_groups_in_a_group_are_all_kept() -> None:
     """``unwrapped`` raises errors all of one class as the first; groups in a group are not one
     fault met twice: every one is kept, so no error vanishes."""

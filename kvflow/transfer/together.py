@@ -44,5 +44,5 @@ def unwrapped() -> Iterator[None]:
         first = group.exceptions[0]
         alike = all(type(exc) is type(first) for exc in group.exceptions)
         if alike and not isinstance(first, BaseExceptionGroup):  # (groups in a group: all kept)
-            raise first from None
+            raise first from first.__cause__  # (its own cause kept; the group not shown as context)
         raise
