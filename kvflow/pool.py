@@ -358,7 +358,8 @@ class KVPool:
         ``loaded_by``: the same forward's retriever: layer ``l`` is put only once its layers
         ``0..l`` arrived whole (a copy into the cache the device reports failed after the forward
         computed on it stops the store there). ``timeout_s`` (default: the pool's) bounds each
-        layer's event wait and each layer's puts.
+        layer's event wait (with ``loaded_by``: from the layer's load arriving, when the engine can
+        start on it), each wait for those loads, and each layer's puts.
         """
         self._require_layerwise()
         check_timeout(timeout_s)
