@@ -204,18 +204,22 @@ class LayerwiseStorer(_LayerTasks):
         for layer in range(self.num_layers):
             # With a loader, the engine computes layer ``layer`` once its load arrived: the layer's
             # event is given ``timeout_s`` from then, not from the start (a slow load of a layer
-            # must not use up the time its compute is given).
-            fired = await self._rests_on_whole_loads(layer)
-            if not fired:
-                log.warning(
-                    "layerwise store gives up at layer %d: KV it was computed from did not load", layer
-                )
-            else:
+            # must not use up the time its compute is given). A loader may also be given once the
+            # store runs (SyncLayerwisePool.start_load after start_store): asked again after the
+            # event, when the layer was computed.
+            whole = await self._rests_on_whole_loads(layer)
+            fired = False
+            if whole:
                 try:
                     fired = await self.events.wait(layer, self.timeout_s)
                 except TimeoutError as exc:
                     log.warning("layerwise store gives up at layer %d of %d: %s", layer, self.num_layers, exc)
-                    fired = False
+                whole = not fired or await self._rests_on_whole_loads(layer)
+            if not whole:
+                log.warning(
+                    "layerwise store gives up at layer %d: KV it was computed from did not load", layer
+                )
+                fired = False
             if not fired:  # this layer, and so every later one, will not be written: skip them
                 for rest in range(layer, self.num_layers):
                     self._finish(rest, job.abandon(rest))

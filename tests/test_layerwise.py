@@ -495,6 +495,29 @@ def test_a_layers_event_is_timed_from_its_load_not_from_the_store_start() -> Non
     assert not result.failed_block_ids and result.stored["s"].stored == 2
 
 
+async def test_a_loader_given_once_the_store_runs_still_keeps_unloaded_kv_out_of_the_store() -> None:
+    """SyncLayerwisePool.start_load may come after start_store: the storer then runs before it
+    knows its loader. A layer computed on KV that did not load (here, a prompt nobody stored) must
+    still not be stored once its event fires."""
+    src = LAYOUTS["kv_tuple"]()
+    backend = MemoryBackend()
+    pool = make_pool(src, backend)
+    events = LayerEvents.create(pool.format.num_layers, CpuEvent)
+    new_tokens = [t + 10_000 for t in TOKENS]
+    stored = [KVRequest(request_id="s", block_ids=[0, 1], tokens=new_tokens[: 2 * BLOCK])]
+    async with pool.layerwise_store(stored, events) as storer:
+        await anyio.sleep(0.05)  # the storer waits at layer 0 before it has a loader
+        loader = pool.layerwise_retrieve(request([2, 3], tokens=TOKENS[: 2 * BLOCK]), depth=1)
+        storer.loaded_by = loader  # as SyncLayerwisePool.start_load does
+        async with loader:
+            async for outcome in loader:
+                assert not outcome.ok  # nothing to load: the forward computes on what is not there
+                events.record(outcome.layer)
+        assert [outcome.ok async for outcome in storer] == [False] * pool.format.num_layers
+    new_hashes = {h.hex() for h in hash_blocks(new_tokens, BLOCK)}
+    assert not [k for k in kv_keys(backend) if k[-64:] in new_hashes]
+
+
 @attrs.define
 class MisconfiguredPut(FaultyBackend):
     """Layer 1's put raises BackendError: a misconfigured backend, which must reach the caller."""
