@@ -87,9 +87,16 @@ class Lifetime:
     _released: bool = False
 
     def check_open(self) -> None:
-        """Raise :class:`PoolClosedError` once closed."""
+        """Raise :class:`PoolClosedError` once closed, and :class:`BackendError` in a child forked
+        from the :attr:`owner` (:attr:`forked`)."""
         if self.closed:
             raise PoolClosedError(self.closed_error)
+        if self.forked:
+            raise BackendError(
+                f"this backend was opened by process {self.owner} and is used by process {os.getpid()}, "
+                "a child forked from it: a backend writes its store under the identity of the process "
+                "that opened it; open a new backend in the child (kvflow.backends.open_backend)"
+            )
 
     def call(self, *, copies: bool = False) -> _Call:
         """``with lifetime.call():`` counts the body as a call (``copies``: one that :meth:`close`
@@ -103,13 +110,6 @@ class Lifetime:
 
     def _enter(self, copies: bool) -> None:
         self.check_open()
-        if self.forked:
-            raise BackendError(
-                f"this backend was opened by process {self.owner} and is used by process {os.getpid()}, "
-                "a child forked from it: a backend "
-                "writes its store under the identity of the process that opened it; open a new backend "
-                "in the child (kvflow.backends.open_backend)"
-            )
         self._users += 1
         if copies:
             self.copies.enter()
@@ -122,8 +122,13 @@ class Lifetime:
 
     async def close(self) -> None:
         """No call starts any more; return once no copy runs (shielded: a cancelled close still
-        waits). What the calls use is released now, or as the last other call returns."""
+        waits). What the calls use is released now, or as the last other call returns. In a forked
+        child (:attr:`forked`) it returns at once and releases nothing: the calls counted may be
+        the parent's, whose tasks the child has not (forked from another thread), or may still
+        run in it (forked from the loop); its copy of what they use goes when the child ends."""
         self.closed = True
+        if self.forked:
+            return
         await self.copies.drained()
         self._release_if_idle()
 

@@ -453,6 +453,10 @@ def test_a_store_larger_than_its_filesystem_is_a_config_error(store_dir: Path) -
     with pytest.raises(ConfigError, match="no room"):
         open_arena(store_dir, slots=total // SLOT + 1024)
     assert not store_dir.exists()  # refused before anything was made: nothing left behind
+    dangling = store_dir.with_name("dangling")
+    dangling.symlink_to(store_dir.with_name("nowhere"))
+    with pytest.raises(ConfigError, match="cannot use"):  # (a path it cannot make, said as one)
+        open_arena(dangling / "store", slots=total // SLOT + 1024)
     store_dir.mkdir(mode=0o700)  # and where the directory is there already, before the arena is made
     with pytest.raises(ConfigError, match="no room"):
         open_arena(store_dir, slots=total // SLOT + 1024)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import anyio
 import pytest
 
 from kvflow.backends.inflight import InFlight, Lifetime
-from kvflow.errors import PoolClosedError
+from kvflow.errors import BackendError, PoolClosedError
 
 
 async def test_close_waits_for_copies_and_releases_after_the_last_call() -> None:
@@ -148,3 +149,37 @@ def test_a_lifetime_dropped_unclosed_is_freed_at_once() -> None:
     finally:
         if collecting:
             gc.enable()
+
+
+async def test_a_forked_childs_copy_refuses_calls_and_closes_at_once_releasing_nothing() -> None:
+    """In a child forked from the process that opened a shared store's backend, every call is
+    refused (it would write the store as its parent), and a close returns at once: the calls it
+    counts may be its parent's, whose tasks the child has not, and what they use is not released
+    under them (tasks forked along from the loop may still run)."""
+    released: list[bool] = []
+    life = Lifetime(
+        "closed", release=lambda: released.append(True), owner=os.getpid() + 1
+    )  # (as a child sees it)
+    assert life.forked
+    with pytest.raises(BackendError, match="forked"), life.call():
+        pass
+    life.copies.enter()  # a parent's put in flight at the fork
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await life.close()
+        closed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close)
+        with anyio.move_on_after(1):
+            await closed.wait()
+        returned = closed.is_set()
+        if not returned:  # (a close waiting for the parent's call, shielded: let it end)
+            life.copies.leave()
+    assert returned, "a forked child's close waited for a call its parent was making"
+    assert life.closed and released == []
+    mine = Lifetime("closed", owner=os.getpid())
+    assert not mine.forked
+    with mine.call():  # (the opener's own calls run)
+        pass

@@ -1788,6 +1788,7 @@ def test_a_forked_childs_copy_of_a_backend_refuses_every_call_and_closes(tmp_pat
             calls = [
                 lambda: backend.put([ref("new", payload("new", 4096))]),
                 lambda: backend.get([ref(key, bytearray(4096))]),
+                lambda: backend.exists([key]),
                 lambda: backend.remove([key]),
                 lambda: backend.clear(),
             ]
@@ -1810,7 +1811,7 @@ def test_a_forked_childs_copy_of_a_backend_refuses_every_call_and_closes(tmp_pat
         outcomes = inp.read().split(",")
     os.waitpid(child, 0)
     try:
-        assert outcomes == ["refused"] * 4 + ["closed"], outcomes
+        assert outcomes == ["refused"] * 5 + ["closed"], outcomes
         out = bytearray(4096)
         assert anyio.run(backend.get, [ref(key, out)]) == [GetStatus.HIT] and out == buf
         assert anyio.run(backend.exists, ["new"]) == [False]

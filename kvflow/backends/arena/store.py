@@ -206,9 +206,9 @@ class ArenaFile:
         root = os.path.normpath(config.path)
         access = Access.of(config.group)
         geometry = Geometry.of(config)
-        if not os.path.lexists(root):  # a capacity no filesystem there holds: refused before any is made
-            check_room(_nearest_existing(root), root, geometry)
         with opening(root, backend="arena") as fds:
+            if not os.path.lexists(root):  # a capacity no filesystem there holds: refused before it is made
+                check_room(_nearest_existing(root), root, geometry)
             fds.append(open_root(root, access))
             fds.append(open_store_file(fds[0], LOCK_NAME, f"{root}/{LOCK_NAME}", access))
             # a forked child gets its own (kvflow.backends.lockfiles), even while the store is made
