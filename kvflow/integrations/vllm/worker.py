@@ -124,9 +124,8 @@ class WorkerSide:
                 "pass agree= (kvflow.integrations.vllm.agreement.tensor_parallel_agreement())"
             )
         self._early = self.wrapping.early_loads(self.config.load_early)
-        refusal = self.wrapping.refusal()
-        if self.config.load_early == "auto" and refusal is not None and self.config.role.loads:
-            log.info("kvflow worker tp=%d pp=%d: %s", self.tp_rank, self.pp_rank, refusal)
+        if self.config.load_early == "auto" and not self._early and self.config.role.loads:
+            log.info("kvflow worker tp=%d pp=%d: %s", self.tp_rank, self.pp_rank, self.wrapping.refusal())
 
     @property
     def loads_early(self) -> bool:

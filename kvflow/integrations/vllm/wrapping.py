@@ -56,7 +56,7 @@ class Wrapping:
         """From the ``kv_transfer_config`` of the ``VllmConfig`` current while the connector is
         built (None: none is set, as in tests that build the connector directly) and the
         connector's own one. Worker thread, at construction."""
-        if current is None or current is own or _same(current, own):
+        if current is None or current is own or _identity(current) == _identity(own):
             return cls()
         wrapper = current.kv_connector or "an unnamed connector"
         listed = current.kv_connector_extra_config.get("connectors") if wrapper == MULTI_CONNECTOR else None
@@ -104,12 +104,11 @@ class Wrapping:
         )
 
 
-def _same(a: TransferConfigLike, b: TransferConfigLike) -> bool:
-    return a.kv_connector == b.kv_connector and a.kv_connector_module_path == b.kv_connector_module_path
+def _identity(config: TransferConfigLike) -> tuple[str | None, str | None]:
+    """Which connector a transfer configuration names: its class name and module path."""
+    return config.kv_connector, config.kv_connector_module_path
 
 
 def _same_child(child: Mapping[object, object], own: TransferConfigLike) -> bool:
-    return (
-        child.get("kv_connector") == own.kv_connector
-        and child.get("kv_connector_module_path") == own.kv_connector_module_path
-    )
+    """Whether a ``MultiConnector`` child's entry names the connector ``own`` names."""
+    return (child.get("kv_connector"), child.get("kv_connector_module_path")) == _identity(own)
