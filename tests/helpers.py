@@ -212,6 +212,14 @@ class FaultyBackend:
         await self.inner.aclose()
 
 
+def straight_runs(straight: bool) -> Callable[[int | None], int]:
+    """A stand-in for :func:`kvflow.transfer.direct.min_run_bytes`, whatever the backend says: runs
+    of any length go straight into the cache (``straight``; the tests' tiny heads make short runs),
+    or none does (every load of another split or layout goes through a chunk)."""
+    shortest = 1 if straight else 1 << 62
+    return lambda _said: shortest
+
+
 def record_straight_loads(monkeypatch: Any) -> list[int]:
     """From now on (``monkeypatch``: pytest's), how many blocks each load of another split's objects
     straight into the cache filled (:mod:`kvflow.transfer.direct`), one entry per load."""

@@ -116,10 +116,10 @@ async def book_keys(url: str) -> list[bool]:
 def test_topology_bench_reports_each_load_against_the_matched_one() -> None:
     result = json.loads(ok(run("-m", "kvflow.cli", "bench", "--topology", "--quick", "--json")))
     assert result["layers"] > 0 and result["blocks"] > 0 and result["bytes"] > 0
-    for name in ("matched", "heads", "stages", "layout"):
+    for name in ("matched", "heads", "stages", "layout", "half"):
         assert positive(result[f"{name}_retrieve_gbps"]), name
     assert positive(result["memcpy_gbps"])
-    for name in ("heads", "stages", "layout"):
+    for name in ("heads", "stages", "layout", "half"):
         ratio = result[f"{name}_retrieve_gbps"] / result["matched_retrieve_gbps"]
         assert result[f"{name}_vs_matched"] == pytest.approx(ratio)
 

@@ -59,11 +59,14 @@ def regions(
     first_layer: int = 0,
     heads: tuple[int, int] = (0, HEADS),
     group: int = -1,
+    shortest: int = MIN_RUN_BYTES,
 ) -> list[tuple[int, int, int]] | None:
     """``(plane, offset, bytes)`` of each region an object of the profile's ``group``-th scope
     (default: the last) fills, or None."""
     scope = list(profile.scopes())[group]
-    found = object_regions(profile, layout, scope, layers=layers, first_layer=first_layer, heads=heads)
+    found = object_regions(
+        profile, layout, scope, layers=layers, first_layer=first_layer, heads=heads, shortest=shortest
+    )
     if found is None:
         return None
     return list(zip(found.planes.tolist(), found.offsets.tolist(), found.sizes))
@@ -122,10 +125,46 @@ def test_an_object_with_bytes_the_reader_does_not_need_goes_through_a_chunk(
     assert regions(whole, layout, **kwargs) is None  # type: ignore[arg-type]
 
 
-def test_another_layout_kind_or_block_size_goes_through_a_chunk() -> None:
+def test_another_kinds_object_goes_in_a_run_per_head_and_token_where_the_backend_takes_short_runs() -> None:
+    """A ``vllm_cpu`` object (``[H, B, 2D]``: each head's tokens, K's columns then V's) in a
+    ``flash_attn`` block (K and V planes ``[B, H, D]``): a run of ``D`` elements per head and token,
+    K's into the layer's first plane and V's into its second; with the heads of a TP=2 writer's
+    second group four heads in."""
+    reader = cache("flash_attn")
+    run = D * ITEM  # 256 bytes
+    for groups, group, first_head in ((1, 0, 0), (2, 1, 4), (2, 0, 0)):
+        heads = range(first_head, first_head + HEADS // groups)
+        expected = [
+            (2 * layer + kv, (token * HEADS + head) * run, run)
+            for layer in range(LAYERS)
+            for head in heads
+            for token in range(B)
+            for kv in (0, 1)
+        ]
+        profile = writer(cache("vllm_cpu"), groups=groups)
+        assert regions(profile, reader, group=group, shortest=run) == expected
+        assert regions(profile, reader, group=group, shortest=run + 1) is None  # runs too short
+        assert regions(profile, reader, group=group) is None  # kvflow's default: 4 KiB
+
+
+def test_a_flash_attn_object_in_a_vllm_cpu_block_interleaves_k_and_v_columns() -> None:
+    """The other way: a ``flash_attn`` object (K's plane, then V's) in a ``vllm_cpu`` block, where a
+    head's token holds K's columns then V's: all of K's runs come first, each landing in the first
+    half of its head's token row, then V's in the second halves."""
+    reader = cache("vllm_cpu")
+    run, row = D * ITEM, 2 * D * ITEM
+    expected = [
+        (layer, (head * B + token) * row + kv * run, run)
+        for layer in range(LAYERS)
+        for kv in (0, 1)
+        for token in range(B)
+        for head in range(HEADS)
+    ]
+    assert regions(writer(cache("flash_attn")), reader, shortest=run) == expected
+
+
+def test_another_block_size_or_more_heads_than_the_reader_goes_through_a_chunk() -> None:
     layout = cache("vllm_cpu")
-    other_kind = writer(cache("flashinfer_hnd"), groups=2)
-    assert regions(other_kind, layout) is None
     other_size = Profile(
         model="m",
         meaning=f"bfloat16.kv{HEADS}x{D}",
@@ -135,4 +174,6 @@ def test_another_layout_kind_or_block_size_goes_through_a_chunk() -> None:
         layer_ranges=((0, LAYERS),),
         head_groups=2,
     )
-    assert regions(other_size, layout) is None
+    assert regions(other_size, layout, shortest=1) is None
+    half = cache("flash_attn", heads=4)  # a TP=2 reader's rank: an object of all 8 heads is more
+    assert regions(writer(cache("vllm_cpu")), half, heads=(0, 4), shortest=1) is None

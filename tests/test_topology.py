@@ -29,7 +29,7 @@ from kvflow.backends.base import GetStatus, ObjectRef
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
 from kvflow.transfer import direct, jobs, reshape
-from tests.helpers import FencedBackend, kv_keys, kv_puts, record_straight_loads
+from tests.helpers import FencedBackend, kv_keys, kv_puts, record_straight_loads, straight_runs
 
 LAYERS = 4
 HEAD_SIZE = 4
@@ -369,7 +369,7 @@ def test_a_reader_split_any_way_loads_exactly_the_writers_kv(
         reader = attrs.evolve(reader, kind=writer.kind)  # MLA as one latent or as (nope, rope): not mixed
     # objects that fit the cache as they are go straight in (runs of any length), or all through chunks
     straight = data.draw(st.booleans(), label="straight into the cache")
-    with mock.patch.object(direct, "MIN_RUN_BYTES", 1 if straight else 1 << 62):
+    with mock.patch.object(direct, "min_run_bytes", straight_runs(straight)):
         anyio.run(share, Model.draw(model_heads, seed), writer, reader, seed)
 
 
@@ -419,6 +419,7 @@ def test_a_reshaped_load_lands_the_same_kv_by_stretches_and_by_index(
 
     monkeypatch.setattr(reshape, "_stretches", recorded)
     monkeypatch.setattr(reshape, "_FEW_STRETCHES", 0 if path == "stretches" else 10**9)
+    monkeypatch.setattr(direct, "min_run_bytes", straight_runs(False))  # every block through a chunk
     mla = writer_kind == "mla"
     model = Model.draw(0 if mla else 8, 5)
     writer = Engine(2, (2, 2), writer_kind, 4, False)  # another TP size and pipeline split
@@ -439,18 +440,26 @@ def test_a_reshaped_load_lands_the_same_kv_by_stretches_and_by_index(
         ("gqa2", Engine(2, (2, 2), "flash_attn_hnd", 8, False), Engine(4, (4,), "flash_attn_hnd", 8, False)),
         ("mla", Engine(2, (1, 3), "mla", 4, False), Engine(4, (4,), "mla", 4, False)),
         ("mla", Engine(1, (2, 2), "mla_tuple", 8, True), Engine(2, (4,), "mla_tuple", 8, False)),
+        # another layout kind: a run per head and token, or per token
+        ("gqa8", Engine(2, (2, 2), "vllm_cpu", 4, False), Engine(1, (LAYERS,), "flash_attn", 4, False)),
+        (
+            "gqa8",
+            Engine(1, (LAYERS,), "flash_attn", 8, False),
+            Engine(1, (LAYERS,), "flashinfer_hnd", 8, False),
+        ),
+        ("gqa2", Engine(2, (1, 3), "kv_tuple", 4, True), Engine(1, (LAYERS,), "vllm_cpu", 4, False)),
     ],
 )
 @pytest.mark.parametrize("in_order", [True, False], ids=["blocks in order", "blocks at random"])
 def test_objects_that_fit_a_host_cache_as_they_are_go_straight_in(
     monkeypatch: pytest.MonkeyPatch, heads: str, writer: Engine, reader: Engine, in_order: bool
 ) -> None:
-    """Objects whose every byte the reader needs, laid out as its cache is, are written straight
+    """Objects whose every byte the reader needs, whichever layout holds them, are written straight
     into the cache blocks (``kvflow.transfer.direct``): forced here for runs of any length (the
     tests' tiny heads make short runs, which otherwise go through a chunk), and each rank's cache
     must hold the writer's KV exactly."""
     straight = record_straight_loads(monkeypatch)
-    monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
+    monkeypatch.setattr(direct, "min_run_bytes", straight_runs(True))
     chunks: list[int] = []
     monkeypatch.setattr(jobs, "copy_rows", lambda *a, **k: chunks.append(1))  # (no chunk may be copied)
     anyio.run(functools.partial(share, Model.draw(HEADS[heads], 9), writer, reader, 5, in_order=in_order))
@@ -485,7 +494,7 @@ def test_one_prompt_loaded_twice_straight_in_counts_each_copy_of_an_object_for_i
     """Two requests of a call may load one prompt into different blocks: another split's objects
     then come twice under one key, each into its own block. A get failing for one of them fails
     that block only, never the other, and never reports a block whose get failed."""
-    monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
+    monkeypatch.setattr(direct, "min_run_bytes", straight_runs(True))
     model = Model.draw(HEADS["gqa8"], 9)
     writer, reader = Engine(2, (LAYERS,), "vllm_cpu", 4, False), Engine(1, (LAYERS,), "vllm_cpu", 4, False)
     backend = OneGetFails()

@@ -31,7 +31,7 @@ from kvflow.backends.base import GetStatus
 from kvflow.backends.memory import MemoryBackend
 from kvflow.profiles import is_book_key
 from kvflow.transfer import direct
-from tests.helpers import FaultyBackend, record_straight_loads
+from tests.helpers import FaultyBackend, record_straight_loads, straight_runs
 from tests.test_topology import (
     GQA_KINDS,
     HEAD_SIZE,
@@ -260,7 +260,7 @@ def test_a_reader_split_otherwise_reports_hit_only_for_its_prompts_own_kv(
         # every other scenario's reader is laid out as its writer, and objects that fit its cache
         # as they are go straight in (runs of any length: the tests' tiny heads make short ones)
         straight = seed % 2 == 1
-        with mock.patch.object(direct, "MIN_RUN_BYTES", 1 if straight else 1 << 62):
+        with mock.patch.object(direct, "min_run_bytes", straight_runs(straight)):
             anyio.run(functools.partial(scenario, seed, counts, straight=straight))
     counts.straight = sum(filled)
     # the sweep reached what it checks: reshaped loads, both ways, hits to check, and misses beside them

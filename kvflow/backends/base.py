@@ -243,6 +243,12 @@ class BackendCapabilities:
     a put of more than the store has room for keeps the request's head (each call keeps only what
     it stored itself). A store whose calls run in parallel elsewhere (a network store) leaves it
     False: the pool runs them at once, first objects first.
+    ``min_region_bytes``: the shortest run of an object's bytes worth a region of its own, where
+    the pool writes another split's or layout's objects straight into the cache
+    (:mod:`kvflow.transfer.direct`; shorter runs go through a staging chunk and a second copy).
+    None: kvflow's default, :data:`kvflow.transfer.direct.MIN_RUN_BYTES` (4 KiB), for a backend that
+    pays for each region (an entry of a transport's request, a buffer of a system call). The
+    in-process stores' compiled copy loop streams regions of 256 bytes at memcpy's speed.
     """
 
     device_memory: bool = False
@@ -251,6 +257,7 @@ class BackendCapabilities:
     max_object_bytes: int | None = None
     put_checks_present: bool = False
     calls_in_turn: bool = False
+    min_region_bytes: int | None = None
 
 
 @attrs.define

@@ -60,6 +60,7 @@ from kvflow.backends.base import (
     takes_config,
 )
 from kvflow.backends.copies import (
+    SHORT_REGION_BYTES,
     at,
     check_object,
     copy_in_pieces,
@@ -154,7 +155,9 @@ class MemoryBackend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(put_checks_present=True, calls_in_turn=True)
+        return BackendCapabilities(
+            put_checks_present=True, calls_in_turn=True, min_region_bytes=SHORT_REGION_BYTES
+        )
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Nothing to register: copies go straight between the caller's memory and the buffers."""

@@ -9,8 +9,11 @@ One run, one in-process memory store, vLLM CPU layout (``[N, H, B, 2*D]`` per la
 - ``stages``: a TP=1 engine retrieves what a PP=2 engine stored (two objects per block, one per
   half of the layers, each straight into its layers' planes);
 - ``layout``: a TP=1 engine with a flash-attn cache (``[2, N, B, H, D]``) retrieves the TP=1 vLLM
-  CPU objects (every element moves to another position: fetched into host chunks and copied into
-  place).
+  CPU objects (every element moves to another position: each object straight into the cache in
+  regions of one head's token, 256 bytes, which the memory backend's copy loop streams);
+- ``half``: rank 0 of a TP=2 engine retrieves the TP=1 objects, of which it needs the first half
+  of the heads (fetched whole into host chunks, its heads copied into place: the bytes move
+  twice; its GB/s count the half it lands).
 
 Each is reported as GB/s of KV landed in the reader's cache and as a ratio to ``matched``, next to
 a plain memcpy of the same bytes measured in the same run.
@@ -18,6 +21,7 @@ a plain memcpy of the same bytes measured in the same run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -43,6 +47,7 @@ _CASES = {
     "heads": "TP=2 -> TP=1 (heads)",
     "stages": "PP=2 -> PP=1 (layers)",
     "layout": "vllm_cpu -> flash_attn",
+    "half": "TP=1 -> TP=2 (a chunk)",
 }
 
 
@@ -95,13 +100,14 @@ async def _retrieve_s(
     blocks: int,
     repeat: int,
     expected: Callable[[str], torch.Tensor],
+    parallel: ParallelConfig,
 ) -> float:
     """The best of ``repeat`` timed retrieves of every block into ``caches`` (emptied before each,
     untimed), each checked against ``expected(layer name)`` (untimed)."""
     pool = KVPool.create(
         PoolConfig(model="bench"),
         layout=KVLayout.from_kv_caches(caches),
-        parallel=ParallelConfig(num_kv_heads=_HEADS),
+        parallel=parallel,
         backend=backend,
     )
     best = float("inf")
@@ -132,6 +138,11 @@ def _as_written(writer: dict[str, torch.Tensor], tp: int, kind: str) -> Callable
     return expected
 
 
+def _first_heads(expected: Callable[[str], torch.Tensor], heads: int, name: str) -> torch.Tensor:
+    """What a vLLM CPU reader holding the first ``heads`` heads must hold of ``expected(name)``."""
+    return expected(name)[:, :heads]
+
+
 async def run_topology_bench(*, quick: bool) -> dict[str, Any]:
     layers, blocks, repeat = (8, 16, 2) if quick else (32, 64, 3)
     nbytes = layers * blocks * _HEADS * _BLOCK * 2 * _DIM * 2
@@ -141,13 +152,20 @@ async def run_topology_bench(*, quick: bool) -> dict[str, Any]:
         ("heads", 2, 1, "vllm_cpu"),
         ("stages", 1, 2, "vllm_cpu"),
         ("layout", 1, 1, "flash"),
+        ("half", 1, 1, "vllm_cpu"),
     ):
         backend = MemoryBackend(MemoryConfig(capacity_bytes=2 * nbytes))
         writer = _vllm_cpu(layers, blocks, _HEADS // writer_tp)
         await _store(writer, backend, writer_tp, blocks, writer_pp)
-        reader = _vllm_cpu(layers, blocks, _HEADS) if kind == "vllm_cpu" else _flash_attn(layers, blocks)
-        seconds = await _retrieve_s(reader, backend, blocks, repeat, _as_written(writer, writer_tp, kind))
-        out[f"{name}_retrieve_gbps"] = nbytes / seconds / 1e9
+        expected = _as_written(writer, writer_tp, kind)
+        parallel, landed = ParallelConfig(num_kv_heads=_HEADS), nbytes
+        if name == "half":  # rank 0 of TP=2: the first half of the heads
+            parallel, landed = ParallelConfig(tp_rank=0, tp_size=2, num_kv_heads=_HEADS), nbytes // 2
+            expected = functools.partial(_first_heads, expected, _HEADS // 2)
+        heads = _HEADS * landed // nbytes
+        reader = _vllm_cpu(layers, blocks, heads) if kind == "vllm_cpu" else _flash_attn(layers, blocks)
+        seconds = await _retrieve_s(reader, backend, blocks, repeat, expected, parallel)
+        out[f"{name}_retrieve_gbps"] = landed / seconds / 1e9
     out["memcpy_gbps"] = memcpy_gbps(nbytes, nbytes // blocks)  # one block object per copy
     for name in _CASES:
         out[f"{name}_vs_matched"] = out[f"{name}_retrieve_gbps"] / out["matched_retrieve_gbps"]

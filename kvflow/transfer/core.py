@@ -53,6 +53,7 @@ from kvflow.profiles import Profile, ProfileBook
 from kvflow.request import KVRequest
 from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
+from kvflow.transfer.direct import ObjectRegions, object_regions
 from kvflow.transfer.objects import BlockObjects
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
 from kvflow.transfer.reshape import Source, needed_bytes, sources
@@ -89,6 +90,9 @@ class Transfer:
     #: the scopes a lookup asks for: every namespace the engine's ranks load from (made once)
     _lookup_scopes: list[KeyScope] = attrs.field(init=False)
     _shapes: dict[Unit, UnitShape] = attrs.field(factory=dict, init=False)
+    _regions: dict[tuple[Profile, KeyScope, tuple[int, int], int], ObjectRegions | None] = attrs.field(
+        factory=dict, init=False
+    )
     _budget: ByteBudget = attrs.field(init=False)
     #: a store may put without asking ``exists`` first: the backend's put answers PRESENT for held
     #: keys without copying them, and nothing is gained by knowing earlier (whole blocks read
@@ -98,6 +102,9 @@ class Transfer:
     #: ``calls_in_turn``): its head is then the most recent use, and a put that outgrows the
     #: store keeps it. Staged chunks go in that order too.
     calls_in_turn: bool = attrs.field(init=False)
+    #: the shortest run the backend takes as a region of its own (its ``min_region_bytes``; None:
+    #: kvflow's default, :func:`kvflow.transfer.direct.min_run_bytes`)
+    min_region_bytes: int | None = attrs.field(init=False)
     _touch: Callable[[Sequence[str]], Awaitable[None]] | None = attrs.field(init=False)  # Touching's
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -112,6 +119,7 @@ class Transfer:
         capable = capabilities.put_checks_present
         self.put_checks_present = capable and self.staging is None and not self.config.layerwise
         self.calls_in_turn = capabilities.calls_in_turn
+        self.min_region_bytes = capabilities.min_region_bytes
         self._touch = self.backend.touch if isinstance(self.backend, Touching) else None
 
     @classmethod
@@ -292,6 +300,25 @@ class Transfer:
             assert self.staging is not None
             shape = self._shapes[unit] = UnitShape.of(self.require_layout(), unit, self.staging.chunk_bytes)
         return shape
+
+    def object_regions(
+        self, profile: Profile, scope: KeyScope, layers: tuple[int, int], shortest: int
+    ) -> ObjectRegions | None:
+        """Where an object of ``profile``'s ``scope`` lands in a block of this rank's cache, for a
+        load of the model ``layers``, when it can go straight in with runs of at least
+        ``shortest`` bytes (:func:`kvflow.transfer.direct.object_regions`; made once each)."""
+        key = (profile, scope, layers, shortest)
+        if key not in self._regions:
+            self._regions[key] = object_regions(
+                profile,
+                self.require_layout(),
+                scope,
+                layers=layers,
+                first_layer=self.stage_layers[0],
+                heads=self.heads,
+                shortest=shortest,
+            )
+        return self._regions[key]
 
     def in_call_order(self, items: Sequence[T]) -> Iterable[T]:
         """A request's chunks (staging chunks, batches; head first) in the order their backend

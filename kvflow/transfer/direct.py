@@ -1,19 +1,26 @@
-"""Objects of another split that a cache can take as they are: where each of their bytes lands.
+"""Objects of another split or layout that a cache can take as they are: where each byte lands.
 
 A reader that misses a block under its own keys may find it in another engine's objects
-(:mod:`kvflow.transfer.reshape`). Usually those are fetched into a host chunk and copied into the
-cache part by part. But when both engines lay a layer out alike (the same layout kind, dtype and
-block size) and the reader needs every byte of an object (its layers and KV heads are all the
-reader's), the object is the reader's block less the other heads, and its bytes fall into the
-cache in a few long runs: a TP=2 writer's object in a TP=1 reader's ``vllm_cpu`` block (heads
-outermost) is one run per layer; in an HND ``flashinfer`` block, two (K and V); an object of
-another pipeline split is its layers' planes whole. Where the backend writes the cache itself (a
+(:mod:`kvflow.transfer.reshape`). Those can be fetched into a host chunk and copied into the cache
+part by part: every byte moves twice. But when the reader needs every byte of an object (its
+layers, KV heads and columns are all the reader's, in blocks of as many tokens, of one dtype), each
+of its bytes has one place in the reader's cache block, and its bytes fall there in runs: a TP=2
+writer's object in a TP=1 reader's ``vllm_cpu`` block (heads outermost) is one run per layer; in
+an HND ``flashinfer`` block, two (K and V); an object of another pipeline split is its layers'
+planes whole; a ``vllm_cpu`` object in a ``flash_attn`` block (another kind: heads and tokens
+swapped) is a run per head and token, K's and V's. Where the backend writes the cache itself (a
 host cache, or device memory its transport reaches: no staging) it then writes the object straight
 into the cache as an object of several regions, with no second copy, as it writes a matched block.
 
 :func:`object_regions` names those regions for one scope of a profile, or None when the object
-does not fall into runs of at least :data:`MIN_RUN_BYTES` (an NHD block split by heads: a run per
-token; planes whose dimensions lie in another order: shorter runs still).
+does not fall into runs of at least the backend's
+:attr:`~kvflow.backends.base.BackendCapabilities.min_region_bytes` (:data:`MIN_RUN_BYTES` unless
+it says otherwise): a backend pays for each region, and a store whose compiled copy loop streams a
+region of a few hundred bytes at memcpy's speed (the in-process ones) says so.
+
+Which byte goes where is worked out as a copy would do it: each side's planes of one layer seen
+as logical parts (:func:`kvflow.parts.part_views`), the reader's filled with the positions of their
+elements and copied into the writer's, whose memory order is then the object's byte order.
 """
 
 from __future__ import annotations
@@ -23,28 +30,26 @@ import functools
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvflow.keys import KeyScope
 from kvflow.layout import KVLayout, LayoutKind
-from kvflow.parts import plane_shapes, plane_strides
+from kvflow.parts import part_views, plane_shapes, plane_strides
 from kvflow.profiles import Profile
 
-__all__ = ["MIN_RUN_BYTES", "ObjectRegions", "object_regions"]
+__all__ = ["MIN_RUN_BYTES", "ObjectRegions", "min_run_bytes", "object_regions"]
 
-#: The shortest run of an object's bytes written into the cache as a region of its own: a backend
-#: pays for each region (a step of its copy loop, an entry of a transport's request), and a run per
-#: token (1 KiB for 4 heads of 128 in bfloat16 in an NHD block) would cost more than the chunk's
-#: copies.
+#: The shortest run of an object's bytes written into the cache as a region of its own, unless the
+#: backend says otherwise: a backend pays for each region (a step of its copy loop, an entry of a
+#: transport's request, a buffer of a system call), and a run per token (1 KiB for 4 heads of 128
+#: in bfloat16 in an NHD block) would cost a network store more than the chunk's copies.
 MIN_RUN_BYTES = 4096
 
-#: Where each layout kind keeps the KV heads in a plane's per-block shape (:func:`plane_shapes`);
-#: MLA has one latent per token, no heads to split.
-_HEAD_DIM = {
-    LayoutKind.VLLM_CPU: 0,
-    LayoutKind.FLASHINFER: 2,
-    LayoutKind.FLASH_ATTN: 1,
-    LayoutKind.KV_TUPLE: 1,
-}
+
+def min_run_bytes(said: int | None) -> int:
+    """The shortest run written as a region of its own over a backend whose
+    ``min_region_bytes`` is ``said`` (None: :data:`MIN_RUN_BYTES`)."""
+    return MIN_RUN_BYTES if said is None else said
 
 
 @attrs.frozen(eq=False)
@@ -56,6 +61,7 @@ class ObjectRegions:
     planes: npt.NDArray[np.intp]
     offsets: npt.NDArray[np.int64]
     sizes: list[int]
+    nbytes: int
 
     def addrs(self, block_rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The regions' addresses in each block whose plane addresses are a row of ``block_rows``
@@ -71,79 +77,120 @@ def object_regions(
     layers: tuple[int, int],
     first_layer: int,
     heads: tuple[int, int],
+    shortest: int = MIN_RUN_BYTES,
 ) -> ObjectRegions | None:
     """Where the bytes of an object of ``profile``'s ``scope`` go in a block of ``layout``, the
     cache of a reader that needs the model ``layers`` and KV ``heads`` and whose stage starts at
-    ``first_layer``; None when they cannot go straight in: another layout kind, dtype or block
-    size, an object holding layers or heads the reader does not need, or runs shorter than
-    :data:`MIN_RUN_BYTES`."""
+    ``first_layer``; None when they cannot go straight in: another dtype or block size, an object
+    holding layers, heads or columns the reader does not need, or runs shorter than ``shortest``
+    bytes (:func:`min_run_bytes` of the backend's say)."""
     if (
-        profile.kind is not layout.kind
-        or profile.dtype != layout.dtype
+        profile.dtype != layout.dtype
         or profile.block_size != layout.block_size
+        or profile.mla != layout.mla
         or not layers[0] <= scope.layers[0] < scope.layers[1] <= layers[1]
         or not heads[0] <= scope.heads[0] < scope.heads[1] <= heads[1]
     ):
         return None
-    head_dim = _HEAD_DIM.get(layout.kind)
-    if head_dim is None and scope.heads != heads:  # (MLA: one latent, (0, 1) on both sides)
-        return None
     reader_shapes = plane_shapes(layout.kind, layout.block_size, heads[1] - heads[0], layout.widths)
-    reader_orders = [p.order or "0" for p in layout.layers[0].planes]
-    if len(reader_shapes) != len(profile.shapes) or len(reader_orders) != len(profile.shapes):
+    reader_orders = tuple(p.order or "0" for p in layout.layers[0].planes)
+    if len(reader_orders) != len(reader_shapes):
         return None
-    per_plane = []
-    for shape, order, reader, reader_order in zip(
-        profile.shapes, profile.plane_orders, reader_shapes, reader_orders
-    ):
-        runs = _runs(shape, order, reader, reader_order, head_dim, scope.heads[0] - heads[0])
-        if runs is None:
-            return None
-        per_plane.append(runs)
+    runs = _runs(
+        profile.kind,
+        tuple(profile.shapes),
+        profile.plane_orders,
+        layout.kind,
+        tuple(reader_shapes),
+        reader_orders,
+        scope.heads[0] - heads[0],
+    )
     itemsize = layout.dtype.itemsize
-    if any(n * itemsize < MIN_RUN_BYTES for runs in per_plane for _, n in runs):
+    if runs is None or int(runs.lengths.min()) * itemsize < shortest:
         return None
-    planes: list[int] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    for layer in range(*scope.layers):
-        for plane, runs in zip(layout.unit_planes(layer - first_layer), per_plane):
-            for at, n in runs:
-                planes.append(plane)
-                offsets.append(at * itemsize)
-                sizes.append(n * itemsize)
-    if sum(sizes) != profile.object_nbytes(scope.layers):  # (a plane shape read wrong: never guess)
+    count = scope.layers[1] - scope.layers[0]
+    mine = np.asarray(
+        [layout.unit_planes(layer - first_layer) for layer in range(*scope.layers)], dtype=np.intp
+    )
+    sizes = np.tile(runs.lengths * itemsize, count)
+    nbytes = int(sizes.sum())
+    if nbytes != profile.object_nbytes(scope.layers):  # (a plane shape read wrong: never guess)
         return None
-    return ObjectRegions(np.asarray(planes, dtype=np.intp), np.asarray(offsets, dtype=np.int64), sizes)
+    return ObjectRegions(
+        mine[:, runs.planes].reshape(-1), np.tile(runs.offsets * itemsize, count), sizes.tolist(), nbytes
+    )
+
+
+@attrs.frozen(eq=False)
+class _Runs:
+    """The runs of one layer of an object, in its byte order: run ``i`` is ``lengths[i]`` elements
+    at element ``offsets[i]`` of the reader's plane ``planes[i]`` of the layer (read-only arrays)."""
+
+    planes: npt.NDArray[np.intp]
+    offsets: npt.NDArray[np.int64]
+    lengths: npt.NDArray[np.int64]
+
+
+#: How a reader's plane's position is told in :func:`_runs`: the plane's index above these bits.
+_PLANE_SHIFT = 40
 
 
 @functools.lru_cache(maxsize=256)
 def _runs(
-    shape: tuple[int, ...],
-    order: str,
-    reader: tuple[int, ...],
-    reader_order: str,
-    head_dim: int | None,
+    kind: LayoutKind,
+    shapes: tuple[tuple[int, ...], ...],
+    orders: tuple[str, ...],
+    reader_kind: LayoutKind,
+    reader_shapes: tuple[tuple[int, ...], ...],
+    reader_orders: tuple[str, ...],
     head_offset: int,
-) -> tuple[tuple[int, int], ...] | None:
-    """A writer's plane of per-block ``shape`` laid out in ``order``, in a reader's plane of
-    ``reader`` laid out in ``reader_order`` (the same shape but for more heads at ``head_dim``),
-    its heads starting at ``head_offset`` there: ``(reader's element offset, elements)`` of each
-    run of consecutive elements, in the writer's element order (the orders may differ: a run then
-    ends at each element that does not follow the last). None when the shapes differ elsewhere
-    or the heads do not fit."""
-    if len(shape) != len(reader) or any(
-        a != b for d, (a, b) in enumerate(zip(shape, reader)) if d != head_dim
-    ):
+) -> _Runs | None:
+    """A writer's layer of planes of per-block ``shapes`` laid out in ``orders`` (layout ``kind``),
+    in a reader's layer of ``reader_kind`` (``reader_shapes``, ``reader_orders``) whose heads the
+    writer's start ``head_offset`` into: each run of elements that follow one another in the
+    reader's plane, in the writer's byte order (its planes one after another). None when an
+    element of the writer's has no place in the reader's layer (heads or columns it lacks)."""
+    reader: list[torch.Tensor] = []
+    for plane, (shape, order) in enumerate(zip(reader_shapes, reader_orders)):
+        size = _numel(shape)
+        positions = torch.arange(size, dtype=torch.int64) + (plane << _PLANE_SHIFT)
+        reader.append(positions.as_strided((1, *shape), (size, *plane_strides(shape, order))))
+    flat: list[torch.Tensor] = []
+    writer: list[torch.Tensor] = []
+    for shape, order in zip(shapes, orders):
+        size = _numel(shape)
+        flat.append(torch.full((size,), -1, dtype=torch.int64))
+        writer.append(flat[-1].as_strided((1, *shape), (size, *plane_strides(shape, order))))
+    for src in part_views(kind, writer):
+        for dst in part_views(reader_kind, reader):
+            if src.name != dst.name:
+                continue
+            first = max(src.column, dst.column)
+            end = min(src.column + src.view.size(3), dst.column + dst.view.size(3))
+            if first >= end:
+                continue
+            h = src.view.size(2)
+            if head_offset + h > dst.view.size(2):
+                return None
+            src.view[..., first - src.column : end - src.column].copy_(
+                dst.view[:, :, head_offset : head_offset + h, first - dst.column : end - dst.column]
+            )
+    where: npt.NDArray[np.int64] = torch.cat(flat).numpy()
+    if (where < 0).any():
         return None
-    if head_dim is not None and head_offset + shape[head_dim] > reader[head_dim]:
-        return None
-    index = np.indices(shape).reshape(len(shape), -1)
-    src = np.asarray(plane_strides(shape, order), dtype=np.int64) @ index
-    if head_dim is not None:
-        index[head_dim] += head_offset
-    dst = (np.asarray(plane_strides(reader, reader_order), dtype=np.int64) @ index)[np.argsort(src)]
-    breaks = np.flatnonzero(np.diff(dst) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [dst.size]))
-    return tuple((int(dst[s]), int(e - s)) for s, e in zip(starts, ends))
+    starts = np.flatnonzero(np.diff(where, prepend=where[0] - 2) != 1)
+    lengths = np.diff(starts, append=where.size)
+    heads = where[starts]
+    runs = _Runs(
+        (heads >> _PLANE_SHIFT).astype(np.intp), heads & ((1 << _PLANE_SHIFT) - 1), lengths.astype(np.int64)
+    )
+    for array in (runs.planes, runs.offsets, runs.lengths):
+        array.setflags(write=False)  # (kept by the cache: shared by every call)
+    return runs
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    size = 1
+    for n in shape:
+        size *= n
+    return size

@@ -36,8 +36,9 @@ from kvflow.keys import KeyScope
 from kvflow.ownership import owned
 from kvflow.profiles import LOAD_READ_EVERY_S, Profile
 from kvflow.results import RetrieveResult, StoreResult
+from kvflow.transfer import direct
 from kvflow.transfer.core import Transfer, Unit
-from kvflow.transfer.direct import ObjectRegions, object_regions
+from kvflow.transfer.direct import ObjectRegions
 from kvflow.transfer.plan import BlockPlan
 from kvflow.transfer.reshape import Source, copy_into, copy_rows, distinct_bytes, needed_bytes, sources
 from kvflow.transfer.staging import Chunk, StagingPool, copying, gather, scatter
@@ -494,21 +495,14 @@ class LoadJob:
         """Where in a cache block each scope's objects go, when every object ``wanted`` can be
         written straight into the cache (:mod:`kvflow.transfer.direct`); else None."""
         transfer = self.transfer
-        layout = transfer.require_layout()
+        shortest = direct.min_run_bytes(transfer.min_region_bytes)
         placed: dict[KeyScope, ObjectRegions] = {}
         for found in wanted.values():
             for source in found:
                 scope = source.scope
                 if scope in placed:
                     continue
-                regions = object_regions(
-                    profile,
-                    layout,
-                    scope,
-                    layers=layers,
-                    first_layer=transfer.stage_layers[0],
-                    heads=transfer.heads,
-                )
+                regions = transfer.object_regions(profile, scope, layers, shortest)
                 if regions is None:
                     return None
                 placed[scope] = regions
@@ -531,10 +525,12 @@ class LoadJob:
         for scope, regions in placed.items():
             at = [(i, s.key) for i, j in enumerate(blocks) for s in wanted[j] if s.scope == scope]
             addrs = regions.addrs(rows[[i for i, _ in at]])
-            batches.append(ObjectBatch([key for _, key in at], addrs, regions.sizes, sum(regions.sizes)))
+            batches.append(ObjectBatch([key for _, key in at], addrs, regions.sizes, regions.nbytes))
             owners.extend(blocks[i] for i, _ in at)
         objects: Sequence[ObjectRef]
-        if len({tuple(batch.sizes) for batch in batches}) == 1:  # every scope's regions alike: one batch
+        if all(
+            batch.sizes == batches[0].sizes for batch in batches
+        ):  # every scope's regions alike: one batch
             keys = [key for batch in batches for key in batch.keys]
             addrs = np.concatenate([batch.addrs for batch in batches])
             objects = ObjectBatch(keys, addrs, batches[0].sizes, batches[0].nbytes)

@@ -20,7 +20,7 @@ from kvflow import KVPool, KVRequest, ParallelConfig, PoolConfig
 from kvflow.tools.mooncake_master import MasterProcess
 from kvflow.transfer import direct
 from tests.backends.test_mooncake import REPO, MakeBackend, layout_of, prefix
-from tests.helpers import BLOCK, LAYOUTS, record_straight_loads, zeros_like_caches
+from tests.helpers import BLOCK, LAYOUTS, record_straight_loads, straight_runs, zeros_like_caches
 
 TOKENS = list(range(300, 300 + BLOCK * 8))
 
@@ -106,7 +106,7 @@ async def test_another_tensor_parallel_sizes_objects_go_straight_into_a_reader_l
     """Two TP ranks store vLLM CPU blocks of 2 heads each; a TP=1 engine laid out alike, with all 4
     heads, gets each object straight into its half of the cache block (kvflow.transfer.direct, its
     runs of any length allowed: these heads are tiny), one Mooncake get of several regions each."""
-    monkeypatch.setattr(direct, "MIN_RUN_BYTES", 1)
+    monkeypatch.setattr(direct, "min_run_bytes", straight_runs(True))
     straight = record_straight_loads(monkeypatch)
     model, writers = await two_tp_writers(mooncake_master, mooncake_backends, "vllm_cpu")
     reader_caches = {name: torch.zeros(12, 4, BLOCK, 16, dtype=torch.float16) for name in writers[0]}

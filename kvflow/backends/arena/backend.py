@@ -58,6 +58,7 @@ from kvflow.backends.base import (
     takes_config,
 )
 from kvflow.backends.copies import (
+    SHORT_REGION_BYTES,
     at,
     check_object,
     copy_in_pieces,
@@ -154,7 +155,10 @@ class ArenaBackend:
     @property
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(
-            max_object_bytes=self._arena.geometry.slot_bytes, put_checks_present=True, calls_in_turn=True
+            max_object_bytes=self._arena.geometry.slot_bytes,
+            put_checks_present=True,
+            calls_in_turn=True,
+            min_region_bytes=SHORT_REGION_BYTES,
         )
 
     @property
