@@ -35,9 +35,15 @@ from kvflow.backends.mooncake import backend as backend_module
 from kvflow.backends.mooncake.calls import distinct_rounds, put_chunk, put_results
 from kvflow.backends.mooncake.config import MooncakeConfig, parse_mooncake_size
 from kvflow.backends.mooncake.health import HealthGate
-from kvflow.backends.mooncake.native import SETUP_RETRIES_ENV, NativeStore, setup_retries_env
+from kvflow.backends.mooncake.native import RPC_FAIL, SETUP_RETRIES_ENV, NativeStore, setup_retries_env
 from kvflow.backends.mooncake.staging import RegisteredMemory, StagingBuffer, plan_chunks
-from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, MissingDependencyError
+from kvflow.errors import (
+    BackendError,
+    BackendUnavailableError,
+    ConfigError,
+    MissingDependencyError,
+    PoolClosedError,
+)
 from kvflow.layout import KVCacheEntry, KVFormat, KVLayout
 from kvflow.regions import buffer_address
 from kvflow.request import KVRequest
@@ -906,6 +912,10 @@ class FakeStore:
     get_rc: ClassVar[int] = 0  # what every get answers for each key
     size_rc: ClassVar[int] = 0  # what get_size answers
     size_calls: ClassVar[int] = 0
+    exist_rc: ClassVar[int] = 0  # what batch_is_exist answers for each key
+    health_s: ClassVar[float] = 0.0  # how long a health check takes
+    get_s: ClassVar[float] = 0.0  # how long a get takes
+    after_close: ClassVar[list[str]] = []  # calls made on a closed client (a real one crashes)
 
     def __init__(self) -> None:
         self.set_up = False
@@ -927,13 +937,22 @@ class FakeStore:
         return FakeStore.register_rc.pop(0) if len(FakeStore.register_rc) > 1 else FakeStore.register_rc[0]
 
     def health_check(self) -> int:
+        self._called("health_check")
+        time.sleep(FakeStore.health_s)
         return 0
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return [0] * len(keys)
+        self._called("batch_is_exist")
+        return [FakeStore.exist_rc] * len(keys)
 
     def batch_get_into_multi_buffers(self, keys: list[str], *_: object) -> list[int]:
+        self._called("batch_get_into_multi_buffers")
+        time.sleep(FakeStore.get_s)
         return [FakeStore.get_rc] * len(keys)
+
+    def _called(self, name: str) -> None:
+        if self.closed:
+            FakeStore.after_close.append(name)
 
     def get_size(self, key: str) -> int:
         FakeStore.size_calls += 1
@@ -958,6 +977,7 @@ def fake_client(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeStore]]:
     FakeStore.setup_s, FakeStore.setup_rc, FakeStore.close_gate = 0.4, 0, None
     FakeStore.register_rc = [0]
     FakeStore.get_rc, FakeStore.size_rc, FakeStore.size_calls = 0, 0, 0
+    FakeStore.exist_rc, FakeStore.health_s, FakeStore.get_s, FakeStore.after_close = 0, 0.0, 0.0, []
     monkeypatch.setattr(backend_module, "load_store_module", lambda: FakeModule)
     with socket.create_server(("127.0.0.1", 0)) as listener:  # setup checks the master's port first
         FakeStore.master = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -980,6 +1000,89 @@ async def test_a_setup_whose_caller_gave_up_does_not_leave_a_client_open(
     assert not leaked, (
         f"{len(leaked)} of {len(fake_client.instances)} Mooncake clients set up and never closed"
     )
+
+
+async def test_a_lookup_that_probes_the_master_as_aclose_begins_never_calls_the_closed_client(
+    fake_client: type[FakeStore],
+) -> None:
+    """An ``exists`` that finds the master marked down probes it first; an ``aclose`` that begins
+    meanwhile closes the client once the probe's call returned. The lookup must not go on to call
+    the closed client (a real one crashes the process): it raises PoolClosedError."""
+    fake_client.setup_s = 0.0
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, health_interval_s=0.01))
+    await backend.connect()
+    fake_client.exist_rc = RPC_FAIL  # the master does not answer: marked down
+    with pytest.raises(BackendUnavailableError):
+        await backend.exists(["k"])
+    fake_client.exist_rc, fake_client.health_s = 0, 0.3
+    await anyio.sleep(0.05)  # past the health interval: the next call probes
+    outcome: list[BaseException] = []
+
+    async def lookup() -> None:
+        try:
+            await backend.exists(["k"])
+        except Exception as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lookup)
+        await anyio.sleep(0.1)  # the probe's health check runs
+        await backend.aclose()
+    assert fake_client.after_close == []
+    assert len(outcome) == 1 and isinstance(outcome[0], PoolClosedError), outcome
+
+
+async def test_a_lookup_queued_behind_long_gets_is_busy_and_leaves_the_master_up(
+    fake_client: type[FakeStore],
+) -> None:
+    """One worker thread, held by a get that takes longer than ``timeout_s`` but returns: an
+    ``exists`` that waits for it past ``timeout_s`` fails as busy, and the master is not marked down
+    (the next calls go to Mooncake)."""
+    fake_client.setup_s = 0.0
+    config = MooncakeConfig(master=fake_client.master, max_concurrency=1, timeout_s=0.3, health_interval_s=30)
+    backend = MooncakeBackend(config)
+    buf = bytearray(4096)
+    backend.register_memory(buffer_address(buf), len(buf))
+    obj = ObjectRef.of("k", [buffer_address(buf)], [len(buf)])
+    await backend.connect()
+    fake_client.get_s = 1.0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(backend.get, [obj])
+        await anyio.sleep(0.1)
+        with pytest.raises(BackendUnavailableError, match="worker threads ran a put or get"):
+            await backend.exists(["k"])
+    fake_client.get_s = 0.0
+    assert backend.health().reachable
+    assert await backend.exists(["k"]) == [False]
+    await backend.aclose()
+
+
+async def test_a_staged_get_waiting_for_the_staging_buffer_does_not_start_once_aclose_began(
+    fake_client: type[FakeStore],
+) -> None:
+    """Two gets into memory not registered go through the staging buffer, one after the other; an
+    ``aclose`` that begins while the first runs lets it end and starts no more Mooncake calls."""
+    fake_client.setup_s, fake_client.get_s = 0.0, 0.5
+    backend = MooncakeBackend(MooncakeConfig(master=fake_client.master, timeout_s=5))
+    await backend.connect()
+    bufs = [bytearray(4096) for _ in range(2)]
+    gets: list[float] = []
+    real_get = FakeStore.batch_get_into_multi_buffers
+
+    def timed_get(self: FakeStore, keys: list[str], *args: object) -> list[int]:
+        gets.append(time.monotonic())
+        return real_get(self, keys, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FakeStore, "batch_get_into_multi_buffers", timed_get)
+        async with anyio.create_task_group() as tg:
+            for i, buf in enumerate(bufs):
+                tg.start_soon(backend.get, [ObjectRef.of(f"k{i}", [buffer_address(buf)], [len(buf)])])
+            await anyio.sleep(0.1)  # the first get runs; the second waits for the staging buffer
+            began = time.monotonic()
+            await backend.aclose()
+    assert len(gets) == 1 and gets[0] < began, gets
+    assert fake_client.after_close == []
 
 
 async def test_a_setup_that_fails_after_connecting_closes_its_client(fake_client: type[FakeStore]) -> None:

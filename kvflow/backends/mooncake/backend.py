@@ -71,7 +71,7 @@ from kvflow.backends.mooncake.native import (
     setup_store,
 )
 from kvflow.backends.mooncake.staging import Chunk, RegisteredMemory, StagingBuffer, plan_chunks
-from kvflow.backends.mooncake.threads import Alone, NativeCalls, SlotsBusy
+from kvflow.backends.mooncake.threads import Alone, ClientBusy, NativeCalls, SlotsBusy
 from kvflow.errors import BackendError, BackendUnavailableError, ConfigError, PoolClosedError
 
 __all__ = ["MooncakeBackend", "MooncakeConfig"]
@@ -314,7 +314,15 @@ class MooncakeBackend:
             raise BackendUnavailableError(self._health.describe())
         batch, timeout_s = list(keys), self.config.timeout_s
         try:
-            codes = await self._calls.run(lambda: call(store, batch), timeout_s=timeout_s)
+            codes = await self._calls.run(
+                self._unless_closed(lambda: call(store, batch)), timeout_s=timeout_s
+            )
+        except ClientBusy:  # the master may be fine: this client's threads all move objects
+            raise BackendUnavailableError(
+                f"Mooncake {op} of {len(batch)} keys not started within {timeout_s:.1f} s: every one of the "
+                f"client's {self.config.max_concurrency} worker threads ran a put or get all that time "
+                "(raise max_concurrency, the URL's concurrency, or timeout_s)"
+            ) from None
         except (TimeoutError, SlotsBusy) as exc:
             self._mark_down(f"{op} of {len(batch)} keys: {_explain(exc, timeout_s)}")
             raise BackendUnavailableError(self._health.describe()) from None
@@ -449,7 +457,9 @@ class MooncakeBackend:
             return (True, "") if code >= 0 else (False, f"probe got {code_name(code)}")
 
         try:
-            return await self._calls.run(check, timeout_s=self.config.probe_timeout_s)
+            return await self._calls.run(self._unless_closed(check), timeout_s=self.config.probe_timeout_s)
+        except ClientBusy:
+            return False, "probe: not started, every worker thread ran a put or get"
         except (TimeoutError, SlotsBusy) as exc:
             return False, f"probe: {_explain(exc, self.config.probe_timeout_s)}"
 
@@ -528,15 +538,18 @@ class MooncakeBackend:
         if self._closed:
             return None
         started = time.monotonic()
+        native = self._unless_closed(lambda: call(chunk))
         try:
             with self._copies.running():
                 if chunk.staged:
                     async with self._staging_lock:
-                        outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
+                        outcome = await self._calls.run(native, timeout_s=None)
                 else:
-                    outcome = await self._calls.run(lambda: call(chunk), timeout_s=None)
+                    outcome = await self._calls.run(native, timeout_s=None)
         except SlotsBusy as exc:
             self._mark_down(_explain(exc, self.config.timeout_s))
+            return None
+        except PoolClosedError:  # aclose began while it waited (for the staging buffer, a thread)
             return None
         elapsed = time.monotonic() - started
         if elapsed > self.config.timeout_s:
@@ -567,6 +580,17 @@ class MooncakeBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError("the Mooncake backend was closed; open a new one")
+
+    def _unless_closed(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` for a worker thread, refused there (PoolClosedError) once :meth:`aclose` has
+        begun: checked while the call holds its slot, which the close of the client waits for, so
+        no call reaches a client that was closed (Mooncake crashes the process on one)."""
+
+        def guarded() -> T:
+            self._check_open()
+            return fn()
+
+        return guarded
 
 
 def _replica_size(replicas: object) -> int:

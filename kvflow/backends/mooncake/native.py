@@ -24,7 +24,7 @@ import anyio
 import attrs
 
 from kvflow.backends.mooncake.config import MooncakeConfig
-from kvflow.backends.mooncake.threads import NativeCalls, SlotsBusy
+from kvflow.backends.mooncake.threads import ClientBusy, NativeCalls, SlotsBusy
 from kvflow.errors import BackendUnavailableError, MissingDependencyError
 
 __all__ = [
@@ -271,9 +271,9 @@ async def setup_store(module: StoreModule, config: MooncakeConfig, calls: Native
     try:
         with setup_retries_env(config.setup_retries):
             rc = await calls.run(setup, timeout_s=left_s)
-    except (TimeoutError, SlotsBusy) as exc:
+    except (TimeoutError, SlotsBusy, ClientBusy) as exc:
         _abandon(store, lock, state)
-        why = "a worker slot is free" if isinstance(exc, SlotsBusy) else "it finished"
+        why = "it finished" if isinstance(exc, TimeoutError) else "a worker thread was free"
         raise BackendUnavailableError(
             f"Mooncake setup against the master at {config.master} was given up before {why} "
             f"(setup_timeout={config.setup_timeout_s:g} s): check that mooncake_master runs there"

@@ -1,11 +1,13 @@
 """Blocking Mooncake calls in worker threads, never more than ``n`` at once, abandoned ones included.
 
-A call runs through ``anyio.to_thread.run_sync`` with a ``CapacityLimiter`` of ``n`` tokens owned
-by the backend, and inside the thread holds one of ``n`` *slots* (a ``threading.Semaphore``) until
-the native call returns. A call with a timeout is abandoned when the timeout fires: anyio gives its
-token back at once, but its slot stays taken until Mooncake returns. So abandoned calls can never
-pile up: once every slot is held, new calls raise :class:`SlotsBusy` at once instead of queueing
-behind calls that may never return.
+A call runs in a worker thread once it holds one of ``n`` tokens (a ``CapacityLimiter`` owned by
+the backend), and inside the thread holds one of ``n`` *slots* (a ``threading.Semaphore``) until
+the native call returns. A call with a timeout is abandoned when the timeout fires: its token goes
+back at once, but its slot stays taken until Mooncake returns. So abandoned calls can never pile
+up: once every slot is held, new calls raise :class:`SlotsBusy` at once instead of queueing behind
+calls that may never return. A call with a timeout that finds every token taken by calls still
+running (puts and gets, which are never abandoned) waits for one up to its timeout and then raises
+:class:`ClientBusy`: the client is busy, not stuck.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import anyio
 import anyio.to_thread
 import attrs
 
-__all__ = ["Alone", "NativeCalls", "SlotsBusy"]
+__all__ = ["Alone", "ClientBusy", "NativeCalls", "SlotsBusy"]
 
 T = TypeVar("T")
 
 
 class SlotsBusy(Exception):
     """Every slot is held by a Mooncake call that has not returned (some overran their timeout)."""
+
+
+class ClientBusy(Exception):
+    """Every token was held, up to the call's timeout, by calls still running (not abandoned)."""
 
 
 class Alone(enum.Enum):
@@ -43,19 +49,23 @@ class NativeCalls:
 
     n: int
     _limiter: anyio.CapacityLimiter = attrs.field(init=False)
+    _threads: anyio.CapacityLimiter = attrs.field(init=False)  # (never waited for: tokens come first)
     _slots: threading.Semaphore = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._limiter = anyio.CapacityLimiter(self.n)
+        self._threads = anyio.CapacityLimiter(self.n)
         self._slots = threading.Semaphore(self.n)
 
     async def run(self, fn: Callable[[], T], *, timeout_s: float | None) -> T:
         """Run ``fn`` in a worker thread holding a slot.
 
         ``timeout_s=None``: wait until it returns, even when cancelled (for calls that read or
-        write caller memory). Otherwise raise TimeoutError after ``timeout_s`` and abandon the
-        thread, which keeps its slot until ``fn`` returns. Raises SlotsBusy when no slot is free,
-        also when ``timeout_s`` passed before one was (``fn`` never ran: other calls hold them).
+        write caller memory). Otherwise: ClientBusy when no token came free within ``timeout_s``
+        (calls still running hold them all; ``fn`` never ran), else TimeoutError after
+        ``timeout_s`` more, abandoning the thread, which keeps its slot until ``fn`` returns.
+        Raises SlotsBusy when no slot is free (abandoned calls hold them), also when ``timeout_s``
+        passed before the thread started (``fn`` never ran).
         """
         slots, started = self._slots, threading.Event()
 
@@ -70,13 +80,19 @@ class NativeCalls:
 
         if timeout_s is None:
             return await anyio.to_thread.run_sync(work, limiter=self._limiter)
+        with anyio.move_on_after(timeout_s) as waiting:
+            await self._limiter.acquire()
+        if waiting.cancelled_caught:
+            raise ClientBusy
         try:
             with anyio.fail_after(timeout_s):
-                return await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._limiter)
+                return await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._threads)
         except TimeoutError:
             if not started.is_set():
                 raise SlotsBusy from None
             raise
+        finally:
+            self._limiter.release()
 
     async def run_alone(self, fn: Callable[[], T], *, timeout_s: float) -> tuple[Alone, T | None]:
         """Wait (in a thread) until no other call runs, then run ``fn`` holding every slot.
