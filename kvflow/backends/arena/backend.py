@@ -28,6 +28,7 @@ import anyio
 import anyio.lowlevel
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from kvflow import regions
 from kvflow.backends import pacing
@@ -353,6 +354,9 @@ class ArenaBackend:
             results = [GetStatus.FAILED] * len(objects)
             arena, now = self._arena, 0
             sizes = nbytes_of(objects)
+            # a batch's region sizes, made an array once (an object of another layout may have
+            # thousands of regions: kvflow.transfer.direct)
+            regions = np.asarray(objects.sizes, dtype=np.int64) if isinstance(objects, ObjectBatch) else None
             done = 0
             try:
                 query = arena.query(self._hashes(keys_of(objects)), sizes)
@@ -365,7 +369,7 @@ class ArenaBackend:
                         now = now or time.monotonic_ns()
                         pacer = pacing.Pacer()
                         while True:
-                            done = self._read(objects, sizes, query, done, results, now)
+                            done = self._read(objects, sizes, regions, query, done, results, now)
                             if done == len(objects) or pacer.due(arena.lock.writer_waiting):
                                 break
                     if done < len(objects):
@@ -381,13 +385,15 @@ class ArenaBackend:
         self,
         objects: Sequence[ObjectRef],
         sizes: Sequence[int],
+        regions: npt.NDArray[np.int64] | None,
         query: Query,
         done: int,
         results: list[GetStatus],
         now: int,
     ) -> int:
         """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
-        one call, under the shared lock; return where the run ended. Slots found under an earlier
+        one call, under the shared lock; return where the run ended (``regions``: an
+        :class:`ObjectBatch`'s region sizes as an array). Slots found under an earlier
         hold of the lock are checked again (:meth:`ArenaFile.locate`, for the run alone: the
         whole rest of a large batch takes milliseconds); a key found absent is a MISS: it was
         absent when the get looked."""
@@ -397,7 +403,7 @@ class ArenaBackend:
         if found.all():  # the usual case: one copy call, no Python per object
             slots = arena.base + rows * arena.geometry.slot_bytes
             if isinstance(objects, ObjectBatch):  # (on its columns: no slice of it made)
-                copy_run(objects, done, slots, into_regions=True)
+                copy_run(objects, done, slots, into_regions=True, sizes=regions)
             else:
                 scatter_objects(slots.tolist(), objects[done:end])
             results[done:end] = [GetStatus.HIT] * (end - done)
