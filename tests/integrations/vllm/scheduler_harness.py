@@ -291,6 +291,9 @@ class Harness:
     #: output (finished, load errors, worker meta) is taken before ``wait_for_save``, and between
     #: them the drafter runs this many passes, each over an attention layer (here the last one)
     draft_passes: int = 0
+    #: vLLM's order: ``handle_preemptions`` first in every step, where kvflow's workers start the
+    #: step's loads early (False: a runner that never calls it; they start in ``start_load_kv``)
+    early_loads: bool = True
     scheduler: Scheduler = attrs.field(init=False)
     workers: list[KVFlowConnector] = attrs.field(init=False, factory=list)
     caches: list[dict[str, torch.Tensor]] = attrs.field(init=False, factory=list)
@@ -473,6 +476,9 @@ class Harness:
                 )
         for span in meta.saves:
             self.saves.append((meta.step, span.request_id, span.block_offset, len(span.block_ids)))
+        if self.early_loads:
+            for worker in self.workers:
+                worker.handle_preemptions(meta)
         for worker in self.workers:
             worker.bind_connector_metadata(meta)
             if output.has_sync_kv_loads:
