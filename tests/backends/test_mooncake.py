@@ -1032,6 +1032,37 @@ async def test_a_lookup_that_probes_the_master_as_aclose_begins_never_calls_the_
     assert len(outcome) == 1 and isinstance(outcome[0], PoolClosedError), outcome
 
 
+async def test_a_get_that_probes_the_master_as_aclose_begins_reports_failed(
+    fake_client: type[FakeStore],
+) -> None:
+    """A get that finds the master marked down probes it, its probe waiting for the one worker
+    thread another get holds; an ``aclose`` that begins meanwhile refuses the probe. The get reports
+    FAILED, as a put or get caught by a close does (never raises), and calls no closed client."""
+    fake_client.setup_s, fake_client.get_s = 0.0, 0.4
+    config = MooncakeConfig(master=fake_client.master, timeout_s=2, max_concurrency=1, health_interval_s=0.01)
+    backend = MooncakeBackend(config)
+    bufs = [bytearray(4096) for _ in range(2)]
+    for buf in bufs:
+        backend.register_memory(buffer_address(buf), len(buf))
+    objs = [ObjectRef.of(f"k{i}", [buffer_address(buf)], [len(buf)]) for i, buf in enumerate(bufs)]
+    await backend.connect()
+    got: list[list[GetStatus]] = []
+
+    async def second() -> None:
+        got.append(await backend.get([objs[1]]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(backend.get, [objs[0]])  # holds the only worker thread for 0.4 s
+        await anyio.sleep(0.05)
+        backend._mark_down("marked down, as a failed call would")
+        await anyio.sleep(0.02)  # past the health interval: the next call probes
+        tg.start_soon(second)
+        await anyio.sleep(0.05)
+        await backend.aclose()
+    assert got == [[GetStatus.FAILED]]
+    assert fake_client.after_close == []
+
+
 async def test_a_lookup_queued_behind_long_gets_is_busy_and_leaves_the_master_up(
     fake_client: type[FakeStore],
 ) -> None:

@@ -311,6 +311,7 @@ class MooncakeBackend:
             return []
         store = await self._usable_store()
         if store is None:
+            self._check_open()  # (closed meanwhile: say so, not that the master is down)
             raise BackendUnavailableError(self._health.describe())
         batch, timeout_s = list(keys), self.config.timeout_s
         try:
@@ -394,6 +395,8 @@ class MooncakeBackend:
         ok, reason = False, "the probe was cancelled"
         try:
             ok, reason = await self._probe(store)
+        except PoolClosedError:  # aclose began: a put or get fails, a key call says it was closed
+            return None
         finally:  # also when the caller gave up meanwhile: the next call may probe again
             self._health.end_probe(ok, reason)
         if ok:
