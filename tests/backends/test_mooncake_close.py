@@ -29,6 +29,9 @@ from tests.backends.test_mooncake import Slab, contiguous
 SIZE = 1 << 20
 CLOSE_TIMEOUT_S = 0.5
 RESUME_AFTER_S = 3.0  # the peer resumes this long after aclose began: six close timeouts
+#: how long after the call is counted the closes begin: its worker thread has started the Mooncake
+#: call by then (a call whose thread had not, when aclose began, would be refused: not this test)
+IN_MOONCAKE_S = 0.5
 
 
 async def close_while_running(
@@ -49,7 +52,7 @@ async def close_while_running(
         # a busy machine: the close began first, so the call was refused and never started.)
         while not backend._copies.count:
             await anyio.sleep(0.01)
-        await anyio.sleep(after_s)
+        await anyio.sleep(IN_MOONCAKE_S + after_s)
         await backend.aclose()
         closed.append(time.monotonic())
 
