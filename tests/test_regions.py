@@ -3,6 +3,9 @@ for objects by column (ObjectBatch) and for lists of objects of any shapes."""
 
 from __future__ import annotations
 
+import functools
+
+import anyio
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -10,8 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.backends import copies
 from kvflow.backends.base import ObjectBatch, ObjectRef, keys_of, nbytes_of, some_of
-from kvflow.backends.copies import gather_objects, scatter_objects
+from kvflow.backends.copies import copy_in_pieces, gather_objects, regions_of, scatter_objects
+from kvflow.backends.pacing import Pacer
 from kvflow.regions import copy_ragged, copy_rows, gather, scatter
 
 POOL = 4096  # bytes of the memory the regions lie in
@@ -303,3 +308,62 @@ def test_a_backend_call_copies_streamed_both_ways(monkeypatch: pytest.MonkeyPatc
     scatter_objects(starts, objects)
     assert torch.equal(buffers, expected) and torch.equal(cache, expected)
     assert seen == [(False, True), (True, True)]
+
+
+@settings(deadline=None)
+@given(
+    st.lists(st.integers(0, 96), min_size=1, max_size=40),
+    st.integers(1, 200),
+    st.booleans(),
+    st.booleans(),
+)
+def test_an_object_copied_in_pieces_round_trips_as_one_copy_would(
+    sizes: list[int], piece_bytes: int, into_buffer: bool, as_batch: bool
+) -> None:
+    """``copy_in_pieces`` cuts an object's regions at the pieces' edges (any region may span
+    several pieces, or be empty): the buffer or the regions end as one copy of the whole object
+    leaves them, nothing around them is written, and each copy call moves one piece, once."""
+    nbytes = sum(sizes)
+    source = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8)
+    regions_mem = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8)  # the regions, apart
+    offsets = (np.cumsum([0, *sizes[:-1]]) + 32 + 8 * np.arange(len(sizes))) % (nbytes + 1)
+    offsets = np.minimum(offsets, nbytes + 32 - np.asarray(sizes)).clip(0)
+    addrs = regions_mem.data_ptr() + offsets.astype(np.int64)
+    if as_batch:
+        objects: list[ObjectRef] | ObjectBatch = ObjectBatch(["k"], addrs.reshape(1, -1), sizes, nbytes)
+    else:
+        objects = [ObjectRef.of("k", addrs.tolist(), sizes)]
+    at, lengths = regions_of(objects, 0)
+    if into_buffer:
+        expected = source.clone()
+        expected[32 : 32 + nbytes] = torch.tensor(
+            list(reference(regions_mem, offsets.tolist(), sizes)), dtype=torch.uint8
+        )
+    else:
+        expected = regions_mem.clone()
+        done = 0
+        for o, s in zip(offsets.tolist(), sizes):
+            expected[o : o + s] = source[32 + done : 32 + done + s]
+            done += s
+    pieces: list[int] = []  # the bytes each copy call moved
+    ragged = copies.regions.copy_ragged
+
+    def recorded(*args: object, **kwargs: object) -> None:
+        pieces.append(int(np.sum(args[3])))  # type: ignore[call-overload]
+        ragged(*args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(copies.regions, "copy_ragged", recorded)
+        anyio.run(
+            functools.partial(
+                copy_in_pieces,
+                source.data_ptr() + 32,
+                at,
+                lengths,
+                Pacer(),
+                into_buffer=into_buffer,
+                piece_bytes=piece_bytes,
+            )
+        )
+    assert torch.equal(source if into_buffer else regions_mem, expected)
+    assert sum(pieces) == nbytes and all(0 < n <= piece_bytes for n in pieces), pieces  # each piece once

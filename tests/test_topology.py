@@ -25,9 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvflow import KVLayout, KVPool, KVRequest, ParallelConfig, PoolConfig, RetrieveResult
-from kvflow.backends.base import GetStatus, ObjectRef
+from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, keys_of
 from kvflow.backends.memory import MemoryBackend
 from kvflow.keys import decode_key
+from kvflow.profiles import is_book_key
 from kvflow.transfer import direct, jobs, reshape
 from tests.helpers import FencedBackend, kv_keys, kv_puts, record_straight_loads, straight_runs
 
@@ -465,6 +466,29 @@ def test_objects_that_fit_a_host_cache_as_they_are_go_straight_in(
     anyio.run(functools.partial(share, Model.draw(HEADS[heads], 9), writer, reader, 5, in_order=in_order))
     assert straight and sum(straight) > 0, "no block went straight into the cache"
     assert chunks == []
+
+
+def test_objects_of_uneven_pipeline_stages_go_straight_in_as_a_batch_per_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An uneven pipeline split's stages hold objects of different shapes (1 and 3 layers): each
+    shape's objects reach the backend as one batch by column (``ObjectBatch``), never as a list of
+    objects, whose regions (one per head and token, in another layout kind) cost Python each."""
+    straight = record_straight_loads(monkeypatch)
+    monkeypatch.setattr(direct, "min_run_bytes", straight_runs(True))
+    sent: list[type] = []
+    get = FencedBackend.get
+
+    async def recorded(self: FencedBackend, objects: Sequence[ObjectRef]) -> list[GetStatus]:
+        if not any(is_book_key(key) for key in keys_of(objects)):  # (the profile book's reads aside)
+            sent.append(type(objects))
+        return await get(self, objects)
+
+    monkeypatch.setattr(FencedBackend, "get", recorded)
+    writer, reader = Engine(1, (1, 3), "vllm_cpu", 4, False), Engine(1, (LAYERS,), "flash_attn", 4, False)
+    anyio.run(share, Model.draw(HEADS["gqa8"], 9), writer, reader, 5)
+    assert sum(straight) > 0, "no block went straight into the cache"
+    assert sent and set(sent) == {ObjectBatch}, sent
 
 
 @attrs.define(eq=False)

@@ -114,15 +114,19 @@ class ObjectBatch(Sequence[ObjectRef]):
     addrs: npt.NDArray[np.int64]
     sizes: Sequence[int]
     nbytes: int
+    #: :attr:`sizes` as an array (:meth:`sizes_array`), made at the first ask and kept by slices
+    _sizes_array: npt.NDArray[np.int64] | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        if min(self.sizes, default=0) < 0:
-            raise ValueError(f"region sizes must be >= 0, got {list(self.sizes)}")
         if self.addrs.shape != (len(self.keys), len(self.sizes)):
             raise ValueError(
                 f"addresses of shape {self.addrs.shape} for {len(self.keys)} keys of "
                 f"{len(self.sizes)} regions"
             )
+        if self._sizes_array is not None:  # (a batch of a checked one's shape: :meth:`with_rows`)
+            return
+        if min(self.sizes, default=0) < 0:
+            raise ValueError(f"region sizes must be >= 0, got {list(self.sizes)}")
         if self.nbytes != sum(self.sizes):
             raise ValueError(f"nbytes {self.nbytes} is not the sum of the region sizes {list(self.sizes)}")
 
@@ -137,8 +141,20 @@ class ObjectBatch(Sequence[ObjectRef]):
 
     def __getitem__(self, index: int | slice) -> ObjectRef | ObjectBatch:
         if isinstance(index, slice):
-            return ObjectBatch(self.keys[index], self.addrs[index], self.sizes, self.nbytes)
+            return self.with_rows(self.keys[index], self.addrs[index])
         return ObjectRef(self.keys[index], self.addrs[index].tolist(), self.sizes, self.nbytes)
+
+    def with_rows(self, keys: Sequence[str], addrs: npt.NDArray[np.int64]) -> ObjectBatch:
+        """A batch of these objects' shape (its region sizes) for ``keys`` at ``addrs``."""
+        return ObjectBatch(keys, addrs, self.sizes, self.nbytes, sizes_array=self._sizes_array)
+
+    def sizes_array(self) -> npt.NDArray[np.int64]:
+        """The region sizes as an ``int64`` array, made once (an object of another layout may have
+        thousands of regions: :mod:`kvflow.transfer.direct`). Do not modify it."""
+        if self._sizes_array is None:
+            object.__setattr__(self, "_sizes_array", np.asarray(self.sizes, dtype=np.int64))
+        assert self._sizes_array is not None
+        return self._sizes_array
 
     def __iter__(self) -> Iterator[ObjectRef]:
         sizes, nbytes = self.sizes, self.nbytes
@@ -216,7 +232,7 @@ def some_of(objects: Sequence[ObjectRef], indices: Sequence[int]) -> Sequence[Ob
         return objects[indices[0] : indices[-1] + 1]
     if isinstance(objects, ObjectBatch):
         keys = objects.keys
-        return ObjectBatch([keys[i] for i in indices], objects.addrs[indices], objects.sizes, objects.nbytes)
+        return objects.with_rows([keys[i] for i in indices], objects.addrs[indices])
     return [objects[i] for i in indices]
 
 

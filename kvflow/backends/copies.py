@@ -32,6 +32,7 @@ __all__ = [
     "copy_in_runs",
     "copy_run",
     "gather_objects",
+    "regions_of",
     "scatter_objects",
 ]
 
@@ -73,7 +74,6 @@ async def copy_in_runs(
     each run. Returns whether the loop ran (other tasks may have changed what the caller looked at
     before)."""
     step = pacing.run_length(batch.nbytes)
-    sizes = np.asarray(batch.sizes, dtype=np.int64)  # (once: an object may have thousands of regions)
     pacer, paused = pacing.Pacer(), False
     for start in range(0, len(batch), step):
         if pacer.due():
@@ -82,7 +82,7 @@ async def copy_in_runs(
         end = min(start + step, len(batch))
         starts = buffers(start, end)
         got = start + len(starts)
-        copy_run(batch, start, starts, into_regions=into_regions, sizes=sizes)
+        copy_run(batch, start, starts, into_regions=into_regions)
         if after_run is not None:
             after_run(start, got)
         if got < end:
@@ -91,65 +91,61 @@ async def copy_in_runs(
 
 
 async def copy_in_pieces(
-    buf: int, obj: ObjectRef, pacer: pacing.Pacer, *, into_buffer: bool, piece_bytes: int = pacing.PIECE
-) -> None:
-    """Copy between ``obj``'s regions and the buffer at ``buf``, streamed: into the buffer when
-    ``into_buffer``, else out of it. For an object that one copy call would copy whole, holding the
-    loop all that time: in pieces of at most ``piece_bytes`` (one call each), the loop let run
-    between two once it has been held long enough (``pacer``). Checks the clock after every piece
-    but the last (the caller does after it). The caller has checked ``obj`` (:func:`check_object`)."""
-    offset = 0
-    since_tick = 0
-    addrs: list[int] = []  # the regions' parts of the piece that starts in the buffer at ``piece``
-    lengths: list[int] = []
-    piece = buf
-    for addr, size in zip(obj.addrs, obj.sizes):
-        done = 0
-        while done < size:
-            if since_tick >= piece_bytes:
-                _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
-                piece, addrs, lengths = buf + offset, [], []
-                await pacer.tick()
-                since_tick = 0
-            n = min(size - done, piece_bytes - since_tick)
-            addrs.append(addr + done)
-            lengths.append(n)
-            done += n
-            offset += n
-            since_tick += n
-    if addrs:
-        _copy_piece(piece, addrs, lengths, into_buffer=into_buffer)
-
-
-def _copy_piece(at: int, addrs: list[int], lengths: list[int], *, into_buffer: bool) -> None:
-    """Copy between the regions ``(addrs[i], lengths[i])`` and the buffer at ``at``, back to back
-    there, streamed: into the buffer when ``into_buffer``, else out of it."""
-    regions.copy_ragged(
-        np.asarray([at], dtype=np.int64),
-        np.asarray([len(addrs)], dtype=np.int64),
-        np.asarray(addrs, dtype=np.int64),
-        np.asarray(lengths, dtype=np.int64),
-        into_regions=not into_buffer,
-        stream=True,
-    )
-
-
-def copy_run(
-    batch: ObjectBatch,
-    start: int,
-    buffers: npt.NDArray[np.int64],
+    buf: int,
+    addrs: npt.NDArray[np.int64],
+    sizes: npt.NDArray[np.int64],
+    pacer: pacing.Pacer,
     *,
-    into_regions: bool,
-    sizes: npt.NDArray[np.int64] | None = None,
+    into_buffer: bool,
+    piece_bytes: int = pacing.PIECE,
 ) -> None:
+    """Copy between an object's regions (``addrs``, ``sizes``: :func:`regions_of`) and the buffer
+    at ``buf``, streamed: into the buffer when ``into_buffer``, else out of it. For an object that
+    one copy call would copy whole, holding the loop all that time: in pieces of at most
+    ``piece_bytes`` of the buffer (one call each, the regions cut at the pieces' edges), the loop
+    let run between two once it has been held long enough (``pacer``). Checks the clock after every
+    piece but the last (the caller does after it). The caller has checked the object
+    (:func:`check_object`)."""
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    for start in range(0, total, piece_bytes):
+        if start:
+            await pacer.tick()
+        end = min(start + piece_bytes, total)
+        first = int(np.searchsorted(ends, start, side="right"))  # the region holding byte ``start``
+        last = int(np.searchsorted(ends - sizes, end, side="left"))  # past the last starting before ``end``
+        at, lengths = addrs[first:last].copy(), sizes[first:last].copy()
+        cut = start - int(ends[first] - sizes[first])  # of the first region, copied by the piece before
+        at[0] += cut
+        lengths[0] -= cut
+        lengths[-1] -= int(ends[last - 1]) - end  # of the last region, left to the next piece
+        regions.copy_ragged(
+            np.asarray([buf + start], dtype=np.int64),
+            np.asarray([len(at)], dtype=np.int64),
+            at,
+            lengths,
+            into_regions=not into_buffer,
+            stream=True,
+        )
+
+
+def regions_of(
+    objects: Sequence[ObjectRef], index: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The addresses and sizes of object ``index``'s regions, as arrays (of an
+    :class:`~kvflow.backends.base.ObjectBatch`, its columns: no list made)."""
+    if isinstance(objects, ObjectBatch):
+        return objects.addrs[index], objects.sizes_array()
+    obj = objects[index]
+    return np.asarray(obj.addrs, dtype=np.int64), np.asarray(obj.sizes, dtype=np.int64)
+
+
+def copy_run(batch: ObjectBatch, start: int, buffers: npt.NDArray[np.int64], *, into_regions: bool) -> None:
     """Copy between objects ``start`` to ``start + len(buffers)`` of ``batch`` and the buffers at
     ``buffers``, one each, streamed (as :func:`copy_in_runs`, for one run): one compiled call on
-    the batch's columns, no slice of it made. ``sizes``: the batch's region sizes as an array,
-    where the caller made it already."""
+    the batch's columns, no slice of it made."""
     rows = batch.addrs[start : start + len(buffers)]
-    if sizes is None:
-        sizes = np.asarray(batch.sizes, dtype=np.int64)
-    regions.copy_rows(buffers, rows, sizes, into_regions=into_regions, stream=True)
+    regions.copy_rows(buffers, rows, batch.sizes_array(), into_regions=into_regions, stream=True)
 
 
 def at(addresses: npt.NDArray[np.int64]) -> Callable[[int, int], npt.NDArray[np.int64]]:

@@ -66,6 +66,7 @@ from kvflow.backends.copies import (
     copy_in_pieces,
     copy_in_runs,
     gather_objects,
+    regions_of,
     scatter_objects,
 )
 from kvflow.backends.inflight import Lifetime
@@ -296,7 +297,7 @@ class MemoryBackend:
         self,
         objects: Sequence[ObjectRef],
         section: Callable[[Sequence[ObjectRef], Sequence[str], Sequence[int]], list[R]],
-        paced: Callable[[ObjectRef, Pacer], Awaitable[R]],
+        paced: Callable[[Sequence[ObjectRef], int, Pacer], Awaitable[R]],
         count: Callable[[Sequence[ObjectRef], Sequence[R]], None],
     ) -> list[R]:
         """The objects in turn: a run from an object copied whole (at most
@@ -316,7 +317,7 @@ class MemoryBackend:
                     if pacer.due():
                         await pacer.pause()
                     if sizes[start] > whole:
-                        results.append(await paced(objects[start], pacer))
+                        results.append(await paced(objects, start, pacer))
                         start += 1
                     else:
                         end = run_end(sizes, start, uniform=uniform)
@@ -463,30 +464,31 @@ class MemoryBackend:
             raise
         return results
 
-    async def _put_one(self, obj: ObjectRef, pacer: Pacer, *, call: int) -> PutStatus:
-        """A put (of put ``call``) of an object too large to copy whole: reserved, copied with
-        checkpoints, published."""
-        check_object(obj)  # (as a run's copy checks each of its objects)
+    async def _put_one(self, batch: Sequence[ObjectRef], index: int, pacer: Pacer, *, call: int) -> PutStatus:
+        """A put (of put ``call``) of object ``index`` of ``batch``, too large to copy whole:
+        reserved, copied with checkpoints, published."""
+        key, nbytes = _checked(batch, index)
         objects = self._objects
-        entry = self._room(obj.key, obj.nbytes, call)
+        entry = self._room(key, nbytes, call)
         if isinstance(entry, PutStatus):
             return entry
         published = False
         try:
-            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=True, piece_bytes=whole_bytes())
+            addrs, sizes = regions_of(batch, index)
+            await copy_in_pieces(entry.addr, addrs, sizes, pacer, into_buffer=True, piece_bytes=whole_bytes())
             if self._life.closed:
                 return PutStatus.FAILED
-            present = objects.get(obj.key)
+            present = objects.get(key)
             if present is not None:  # another put published it while this one copied: a use
-                objects.move_to_end(obj.key)
+                objects.move_to_end(key)
                 present.put = call
                 return PutStatus.PRESENT
-            objects[obj.key] = entry
+            objects[key] = entry
             published = True
             return PutStatus.STORED
         finally:
             if not published and not self._life.closed:
-                self._stats.used_bytes -= obj.nbytes
+                self._stats.used_bytes -= nbytes
 
     def _reserve(self, sizes: Sequence[int], call: int) -> list[_Entry | None]:
         """Make room for objects of ``sizes`` that put ``call`` stores and count those that fit
@@ -618,15 +620,19 @@ class MemoryBackend:
         scatter_objects(addrs, some_of(objects, hits))
         return results
 
-    async def _get_one(self, obj: ObjectRef, pacer: Pacer) -> GetStatus:
-        """A get of an object too large to copy whole: its buffer pinned while copied with checkpoints."""
-        check_object(obj)
-        entry = self._found(obj.key, obj.nbytes)
+    async def _get_one(self, batch: Sequence[ObjectRef], index: int, pacer: Pacer) -> GetStatus:
+        """A get of object ``index`` of ``batch``, too large to copy whole: its buffer pinned while
+        copied with checkpoints."""
+        key, nbytes = _checked(batch, index)
+        entry = self._found(key, nbytes)
         if isinstance(entry, GetStatus):
             return entry
         entry.readers += 1
         try:
-            await copy_in_pieces(entry.addr, obj, pacer, into_buffer=False, piece_bytes=whole_bytes())
+            addrs, sizes = regions_of(batch, index)
+            await copy_in_pieces(
+                entry.addr, addrs, sizes, pacer, into_buffer=False, piece_bytes=whole_bytes()
+            )
         finally:
             entry.readers -= 1
         return GetStatus.HIT
@@ -635,6 +641,17 @@ class MemoryBackend:
 #: The results :meth:`MemoryBackend._newest_first` counts as a use (not a miss, nor a get of
 #: another size, nor a put that found no room).
 _USED = frozenset({PutStatus.STORED, PutStatus.PRESENT, GetStatus.HIT})
+
+
+def _checked(objects: Sequence[ObjectRef], index: int) -> tuple[str, int]:
+    """The key and byte count of object ``index``, checked (:func:`check_object`) unless it is of
+    an :class:`ObjectBatch`, checked when made (no :class:`ObjectRef` made of it: an object of
+    another layout may have thousands of regions)."""
+    if isinstance(objects, ObjectBatch):
+        return objects.keys[index], objects.nbytes
+    obj = objects[index]
+    check_object(obj)  # (as a run's copy checks each of its objects)
+    return obj.key, obj.nbytes
 
 
 def _whole_runs(objects: Sequence[ObjectRef]) -> TypeGuard[ObjectBatch]:

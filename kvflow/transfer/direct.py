@@ -61,6 +61,7 @@ class ObjectRegions:
     planes: npt.NDArray[np.intp]
     offsets: npt.NDArray[np.int64]
     sizes: list[int]
+    size_array: npt.NDArray[np.int64]  # :attr:`sizes` as an array (shared by every batch: not to modify)
     nbytes: int
 
     def addrs(self, block_rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -116,9 +117,8 @@ def object_regions(
     nbytes = int(sizes.sum())
     if nbytes != profile.object_nbytes(scope.layers):  # (a plane shape read wrong: never guess)
         return None
-    return ObjectRegions(
-        mine[:, runs.planes].reshape(-1), np.tile(runs.offsets * itemsize, count), sizes.tolist(), nbytes
-    )
+    offsets = np.tile(runs.offsets * itemsize, count)
+    return ObjectRegions(mine[:, runs.planes].reshape(-1), offsets, sizes.tolist(), sizes, nbytes)
 
 
 @attrs.frozen(eq=False)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus, repeats_of
 from kvflow.device import Device
@@ -512,32 +513,34 @@ class LoadJob:
         self, wanted: dict[int, list[Source]], placed: dict[KeyScope, ObjectRegions], deadline: float
     ) -> set[int]:
         """Get the objects ``wanted`` per block straight into the cache blocks, each scope's into
-        the regions ``placed`` names; return the blocks whose objects all arrived. (Two requests of
-        a call may load one prompt into other blocks: an object's key then comes twice, each time
-        with its own block, and each answer counts for its own.)"""
+        the regions ``placed`` names; return the blocks whose objects all arrived. Scopes whose
+        objects lie alike (the same regions' sizes: every head group of a TP split, the stages of
+        an even pipeline split) go in one batch, each other shape in one of its own, one after
+        another. (Two requests of a call may load one prompt into other blocks: an object's key
+        then comes twice, each time with its own block, and each answer counts for its own.)"""
         if not await self._writable(None, deadline):
             return set()
         transfer, block_ids = self.transfer, self.plan.block_ids
         blocks = list(wanted)
         rows = transfer.require_layout().addr_rows([block_ids[j] for j in blocks])
-        batches: list[ObjectBatch] = []  # per scope, its objects
-        owners: list[int] = []  # per object, in the order of the batches: its block
-        for scope, regions in placed.items():
+        shapes: list[tuple[ObjectRegions, list[str], list[npt.NDArray[np.int64]], list[int]]] = []
+        for scope, regions in placed.items():  # per shape of objects: their keys, addresses, blocks
             at = [(i, s.key) for i, j in enumerate(blocks) for s in wanted[j] if s.scope == scope]
-            addrs = regions.addrs(rows[[i for i, _ in at]])
-            batches.append(ObjectBatch([key for _, key in at], addrs, regions.sizes, regions.nbytes))
-            owners.extend(blocks[i] for i, _ in at)
-        objects: Sequence[ObjectRef]
-        if all(
-            batch.sizes == batches[0].sizes for batch in batches
-        ):  # every scope's regions alike: one batch
-            keys = [key for batch in batches for key in batch.keys]
-            addrs = np.concatenate([batch.addrs for batch in batches])
-            objects = ObjectBatch(keys, addrs, batches[0].sizes, batches[0].nbytes)
-        else:
-            objects = [obj for batch in batches for obj in batch]
-        results = await transfer.get(objects, deadline)
-        return set(blocks) - {j for j, result in zip(owners, results) if result is not GetStatus.HIT}
+            shape = next((s for s in shapes if s[0].sizes == regions.sizes), None)
+            if shape is None:
+                shape = (regions, [], [], [])
+                shapes.append(shape)
+            shape[1].extend(key for _, key in at)
+            shape[2].append(regions.addrs(rows[[i for i, _ in at]]))
+            shape[3].extend(blocks[i] for i, _ in at)
+        missed: set[int] = set()
+        for regions, keys, addrs, owners in shapes:
+            batch = ObjectBatch(
+                keys, np.concatenate(addrs), regions.sizes, regions.nbytes, sizes_array=regions.size_array
+            )
+            results = await transfer.get(batch, deadline)
+            missed.update(j for j, result in zip(owners, results) if result is not GetStatus.HIT)
+        return set(blocks) - missed
 
     async def _fetch_and_copy(
         self,

@@ -28,7 +28,6 @@ import anyio
 import anyio.lowlevel
 import attrs
 import numpy as np
-import numpy.typing as npt
 
 from kvflow import regions
 from kvflow.backends import pacing
@@ -66,6 +65,7 @@ from kvflow.backends.copies import (
     copy_in_runs,
     copy_run,
     gather_objects,
+    regions_of,
     scatter_objects,
 )
 from kvflow.backends.inflight import Lifetime
@@ -253,9 +253,10 @@ class ArenaBackend:
         while start < len(order):
             if sizes[start] > piece:
                 end = start + 1
-                obj = objects[order[start]]
-                check_object(obj)  # (as a run's copy checks each of its objects)
-                await copy_in_pieces(slots[start], obj, pacer, into_buffer=True, piece_bytes=piece)
+                if not isinstance(objects, ObjectBatch):  # (a batch was checked when made)
+                    check_object(objects[order[start]])  # (as a run's copy checks each of its objects)
+                addrs, lengths = regions_of(objects, order[start])
+                await copy_in_pieces(slots[start], addrs, lengths, pacer, into_buffer=True, piece_bytes=piece)
             else:
                 end = pacing.run_end(sizes, start, uniform=uniform)
                 gather_objects(slots[start:end], some_of(objects, order[start:end]))
@@ -354,9 +355,6 @@ class ArenaBackend:
             results = [GetStatus.FAILED] * len(objects)
             arena, now = self._arena, 0
             sizes = nbytes_of(objects)
-            # a batch's region sizes, made an array once (an object of another layout may have
-            # thousands of regions: kvflow.transfer.direct)
-            regions = np.asarray(objects.sizes, dtype=np.int64) if isinstance(objects, ObjectBatch) else None
             done = 0
             try:
                 query = arena.query(self._hashes(keys_of(objects)), sizes)
@@ -369,7 +367,7 @@ class ArenaBackend:
                         now = now or time.monotonic_ns()
                         pacer = pacing.Pacer()
                         while True:
-                            done = self._read(objects, sizes, regions, query, done, results, now)
+                            done = self._read(objects, sizes, query, done, results, now)
                             if done == len(objects) or pacer.due(arena.lock.writer_waiting):
                                 break
                     if done < len(objects):
@@ -385,15 +383,13 @@ class ArenaBackend:
         self,
         objects: Sequence[ObjectRef],
         sizes: Sequence[int],
-        regions: npt.NDArray[np.int64] | None,
         query: Query,
         done: int,
         results: list[GetStatus],
         now: int,
     ) -> int:
         """Copy out the run of objects from ``done`` on (:func:`kvflow.backends.pacing.run_end`) in
-        one call, under the shared lock; return where the run ended (``regions``: an
-        :class:`ObjectBatch`'s region sizes as an array). Slots found under an earlier
+        one call, under the shared lock; return where the run ended. Slots found under an earlier
         hold of the lock are checked again (:meth:`ArenaFile.locate`, for the run alone: the
         whole rest of a large batch takes milliseconds); a key found absent is a MISS: it was
         absent when the get looked."""
@@ -403,7 +399,7 @@ class ArenaBackend:
         if found.all():  # the usual case: one copy call, no Python per object
             slots = arena.base + rows * arena.geometry.slot_bytes
             if isinstance(objects, ObjectBatch):  # (on its columns: no slice of it made)
-                copy_run(objects, done, slots, into_regions=True, sizes=regions)
+                copy_run(objects, done, slots, into_regions=True)
             else:
                 scatter_objects(slots.tolist(), objects[done:end])
             results[done:end] = [GetStatus.HIT] * (end - done)
