@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 import torch
 
 from kvflow.backends import GetStatus, ObjectRef
+from kvflow.backends.arena import ArenaBackend
+from kvflow.profiles import is_book_key
 from kvflow.regions import scatter
 from kvflow.tools.demo import run_demo
 from kvflow.tools.workload import Geometry
@@ -32,6 +35,28 @@ class CorruptingBackend(FaultyBackend):
 async def test_demo_verifies_on_a_healthy_backend() -> None:
     summary = await run_demo(geometry=SMALL, progress=False)
     assert summary.verified and summary.blocks_verified == summary.blocks_retrieved > 0
+
+
+async def test_demo_leaves_a_store_as_it_found_it_unless_kept(tmp_path: Path) -> None:
+    """Without ``keep`` the demo removes what it stored, its profile announcement included; with
+    ``keep`` the blocks and the announcement stay, and a later run finds them and leaves them."""
+    url = f"arena://{tmp_path}/store?capacity=16MiB&slot=64KiB"
+
+    async def held() -> list[str | None]:
+        store = ArenaBackend.attach(url)
+        try:
+            return sorted(key or "" for key, _ in await store.list_objects())
+        finally:
+            await store.aclose()
+
+    await run_demo(url, geometry=SMALL, progress=False)
+    assert await held() == []
+    await run_demo(url, geometry=SMALL, progress=False, keep=True)
+    kept = await held()
+    assert any(is_book_key(key or "") for key in kept) and len(kept) > 1
+    again = await run_demo(url, geometry=SMALL, progress=False)
+    assert again.blocks_found > 0
+    assert await held() == kept  # (what it found stays; it stored nothing)
 
 
 async def test_demo_fails_verification_on_corrupted_data() -> None:

@@ -202,6 +202,11 @@ def test_decode_rejects_foreign_text_saying_what_is_wrong(text: str, says: str) 
         assert text in str(raised.value) or "layers" in says  # the whole key, to find it
 
 
+def test_decode_refuses_a_field_that_is_not_valid_text() -> None:
+    with pytest.raises(RequestError, match="not valid text"):
+        decode_key("kvf2@m\ud800@x@y@b1@l0-1@h0-1@d0.1@p0.1@00")
+
+
 def test_hash_blocks_refuses_bytes_rather_than_reading_them_as_packed_ids() -> None:
     with pytest.raises(RequestError, match="sequence of integer ids"):
         hash_blocks(bytes([1]) * 128, 16)

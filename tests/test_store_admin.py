@@ -164,6 +164,26 @@ def test_clear_refuses_on_a_terminal_without_yes(
     assert _objects_in(url) == 0
 
 
+def test_a_store_this_user_may_not_read_is_not_called_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stores are private (0700) by default: an operator who is not the engines' user must be told
+    that the store is there and cannot be read, not that there is none."""
+    url = f"local://{tmp_path}/store?capacity=1MiB"
+    anyio.run(LocalBackend.from_url(url).aclose)  # (a store, as an engine makes it)
+    real_lstat = os.lstat
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if "kvflow.lock" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", refused)
+    assert main(["store", "stats", url]) == 1
+    err = capsys.readouterr().err
+    assert "may not be read by this user" in err and "no store at" not in err
+
+
 def test_bad_targets_are_refused_with_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["store", "stats", f"local://{tmp_path}/nothing-here"]) == 1
     assert "no store at" in capsys.readouterr().err
@@ -311,6 +331,29 @@ async def test_the_arena_lists_keys_sizes_and_keys_too_long_to_keep(tmp_path: Pa
     attached = ArenaBackend.attach(f"arena://{tmp_path}/s?slot=1MiB")  # read as it was made
     assert (attached.config.slot_bytes, attached.config.capacity_bytes) == (4096, 64 * 1024)
     await attached.aclose()
+
+
+def test_a_kvflow_shaped_key_with_a_lone_surrogate_lists_as_another_object(tmp_path: Path) -> None:
+    """A key shaped as kvflow's whose model holds a lone surrogate is no kvflow key: ``ls``,
+    ``stats`` and ``clear --model`` list it as another object (they raised UnicodeEncodeError)."""
+    url = f"local://{tmp_path}/store?capacity=1MiB"
+    buf = bytearray(b"x" * 64)
+
+    async def put() -> None:
+        backend = LocalBackend.from_url(url)
+        try:
+            for model in ("m\ud800", "good"):
+                key = f"kvf2@{model}@x@y@b1@l0-1@h0-1@d0.1@p0.1@00"
+                assert await backend.put([ObjectRef.of(key, [buffer_address(buf)], [64])]) == [
+                    PutStatus.STORED
+                ]
+        finally:
+            await backend.aclose()
+
+    anyio.run(put)
+    assert main(["store", "ls", url]) == 0
+    assert main(["store", "clear", url, "--model", "good", "--yes"]) == 0
+    assert _objects_in(url) == 1  # the odd one, another object
 
 
 def test_ls_prints_a_key_holding_a_lone_surrogate_as_an_escape(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from kvflow.events import make_event
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
+from kvflow.profiles import book_keys
 from kvflow.request import KVRequest
 from kvflow.tools.baselines import plain_and_streamed_gbps
 from kvflow.tools.workload import (
@@ -120,7 +121,10 @@ async def run_demo(
 
     # Engine A: computes each request's missing blocks and stores them.
     cache_a = make_kv_caches(g, max_blocks, device)
-    pool_a = KVPool.create(config, layout=KVLayout.from_kv_caches(cache_a), backend=backend)
+    layout_a = KVLayout.from_kv_caches(cache_a)
+    pool_a = KVPool.create(config, layout=layout_a, backend=backend)
+    book = book_keys(config.model, layout_a.meaning(layout_a.heads))  # where pool A says how it splits the KV
+    book_before = await backend.exists(book)
     summary.blocks_found = await _blocks_present(pool_a, requests, g.block_size)
     created: list[KVRequest] = []  # runs of blocks this run stored, to remove at the end
     for tokens in tqdm(requests, desc="store   ", unit="req", disable=not progress):
@@ -168,6 +172,11 @@ async def run_demo(
         if not keep:
             for run in created:
                 summary.blocks_removed += await pool_b.remove(run)
+            # and the announcement of the store's first engine of the model, if this run made it
+            made = [
+                key for key, was, now in zip(book, book_before, await backend.exists(book)) if now and not was
+            ]
+            await backend.remove(made)
     summary.evictions = backend.stats().evictions - evicted_before
     # the faster of memmove and the streamed copy: a get streams, as kvflow bench compares it
     nbytes = max(summary.retrieve_bytes, g.block_nbytes)

@@ -175,9 +175,20 @@ def _open_local(url: str) -> Any:
     from kvflow.backends.local.safety import LOCK_NAME
 
     config = LocalConfig.from_url(url)
-    made = all(os.path.exists(os.path.join(config.path, part)) for part in (LOCK_NAME, "objects"))
-    if not made:  # (opening a store makes one: this tool only looks at stores engines made)
-        raise ConfigError(f"there is no store at {config.path} (nothing to show or clear); check the URL")
+    for part in (LOCK_NAME, "objects"):
+        try:
+            os.lstat(os.path.join(config.path, part))
+        except FileNotFoundError:  # (opening a store makes one: this tool only looks at stores engines made)
+            raise ConfigError(
+                f"there is no store at {config.path} (nothing to show or clear); check the URL"
+            ) from None
+        except PermissionError:
+            st = os.stat(config.path) if os.access(config.path, os.F_OK) else None
+            owner = f" (owned by uid {st.st_uid}, mode {st.st_mode & 0o777:o})" if st is not None else ""
+            raise ConfigError(
+                f"the store at {config.path}{owner} may not be read by this user: run the command as "
+                "the engines' user, or open the store with ?group= so that its group may"
+            ) from None
     return LocalBackend(config)
 
 
@@ -394,7 +405,8 @@ def _clear_main(args: argparse.Namespace) -> int:
     else:
         print(f"removed {outcome['removed']} objects ({what}) from {args.url}")
         if outcome["failed"]:
-            print(f"{outcome['failed']} could not be removed now (held by a reader?): run it again")
+            why = "held by a reader?" if _scheme(args.url) == "mooncake" else "the log says why"
+            print(f"{outcome['failed']} could not be removed now ({why}): run it again")
     if outcome["unnamed"]:
         print(
             f"kvflow store: {outcome['unnamed']} objects were left whose keys the store did not keep "

@@ -504,3 +504,47 @@ def test_a_write_that_publishes_during_the_section_that_found_no_room_makes_no_r
             assert plan == [PutStatus.NO_SPACE]
             assert ledger.refusal([1000], plan, None) is None
         os.close(writing.fd)
+
+
+def _unlink_refused(refused: str) -> Callable[..., None]:
+    """``os.unlink`` that refuses to remove ``refused`` (as a directory the user may not write
+    refuses, whatever the process's privileges)."""
+    real_unlink = os.unlink
+
+    def unlink(name: str, **kwargs: Any) -> None:
+        if name == refused:
+            raise PermissionError(errno.EACCES, "Permission denied", name)
+        real_unlink(name, **kwargs)
+
+    return unlink
+
+
+def test_an_object_that_cannot_be_removed_is_neither_reported_removed_nor_uncounted(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remove (``kvflow store clear``, a corrupt object's removal) whose unlink fails leaves the
+    object there: it is not reported removed, and its bytes still count in the shared usage."""
+    with ledger_at(root) as ledger:
+        a_then_b(root, ledger)
+        monkeypatch.setattr(os, "unlink", _unlink_refused(object_file_name("a")))
+        with section(ledger):
+            assert not ledger.remove_if(object_file_name("a"), lambda fd, name: True)
+            assert ledger.remove_if(object_file_name("b"), lambda fd, name: True)
+        assert sorted(os.listdir(root / "objects")) == [object_file_name("a")]
+        assert ledger.used == 1000
+
+
+def test_a_victim_that_cannot_be_removed_still_counts_and_is_no_eviction(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object needs two victims and the second cannot be removed: its bytes still count, so the
+    object finds no room (its first victim given back as free room), and it is no eviction."""
+    with ledger_at(root, capacity=2000) as ledger:
+        a_then_b(root, ledger)
+        monkeypatch.setattr(os, "unlink", _unlink_refused(object_file_name("b")))
+        with section(ledger):
+            assert ledger.reserve([2000]) == [PutStatus.NO_SPACE]
+        monkeypatch.undo()
+        assert os.listdir(root / "objects") == [object_file_name("b")]
+        assert ledger.evictions == 1  # a, recycled for the put
+        assert ledger.used == 1000

@@ -5,6 +5,9 @@ the client, usage from the master's metrics; a model's objects removed, other ke
 from __future__ import annotations
 
 import ctypes
+import socket
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -13,13 +16,42 @@ import torch
 from kvflow import KVLayout, KVPool, KVRequest, PoolConfig
 from kvflow.backends.base import ObjectRef, PutStatus
 from kvflow.backends.mooncake import MooncakeBackend
-from kvflow.backends.mooncake.admin import parse_keys, parse_usage
+from kvflow.backends.mooncake.admin import fetch, parse_keys, parse_usage
 from kvflow.errors import BackendUnavailableError
 from kvflow.tools.mooncake_master import MasterProcess
 from kvflow.tools.store_admin import clear_store, read_inventory
 
 MakeBackend = Callable[[str], MooncakeBackend]
 BLOCK = 4
+
+
+def test_a_master_that_answers_too_slowly_is_a_clear_error_within_the_bound() -> None:
+    """A master whose key listing trickles in (a line every 0.2 s for 6 s) is given up once
+    ``timeout_s`` passed, with an error that says how to give it longer, not a bare timeout after
+    the whole answer came."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def trickle() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+                for i in range(30):
+                    if stop.wait(0.2):
+                        return
+                    conn.sendall(f"key-{i}\n".encode())
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(BackendUnavailableError, match="timeout=N"):
+                fetch("127.0.0.1", server.getsockname()[1], "/get_all_keys", 1.0)
+            assert time.monotonic() - started < 3.0
+        finally:
+            stop.set()
+            thread.join(5)
 
 
 def test_master_answers_are_parsed() -> None:

@@ -389,7 +389,10 @@ class SpaceLedger:
                         recycled = attrs.evolve(victim, name=name)
                         evicted = True
                 else:
-                    evicted = self._unlink(self.objects_fd, victim.name)
+                    removed = self._unlink(self.objects_fd, victim.name)
+                    if removed is None:  # it could not be removed: still there, its bytes still used
+                        continue
+                    evicted = removed
                 self._gone.append(victim.name)
                 self.evictions += evicted
                 self.used -= victim.size
@@ -425,7 +428,8 @@ class SpaceLedger:
             return False
         if not is_bad(self.objects_fd, name):
             return False
-        self._unlink(self.objects_fd, name)
+        if self._unlink(self.objects_fd, name) is None:  # still there (logged): nothing removed
+            return False
         self._gone.append(name)
         self.used -= st.st_size
         return True
@@ -596,15 +600,16 @@ class SpaceLedger:
         self._seq += 1
         return TempName(self.writer, nbytes, f"{self._token}{self._seq:x}").format()
 
-    def _unlink(self, dir_fd: int, name: str) -> bool:
-        """Remove ``name``; False when it was not there (a failure to remove it is logged, and
-        counts as removed, as it always did)."""
+    def _unlink(self, dir_fd: int, name: str) -> bool | None:
+        """Remove ``name``: True; False when it was not there; None when it could not be removed
+        (logged: it is still there, and its bytes still count)."""
         try:
             os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
             return False
         except OSError as exc:
             logger.warning("could not remove %s from %s: %s", name, self.root, exc)
+            return None
         return True
 
 

@@ -10,6 +10,7 @@ line) and ``/metrics`` (Prometheus text: ``master_total_capacity_bytes``,
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -30,17 +31,30 @@ class ClusterUsage:
 
 
 def fetch(host: str, port: int, path: str, timeout_s: float) -> str:
-    """GET ``http://host:port/path`` and return the body. Blocks at most about ``timeout_s``."""
+    """GET ``http://host:port/path`` and return the body. Blocks at most about twice
+    ``timeout_s``: the whole body must have come by ``timeout_s`` (each read waits at most that
+    long), else BackendUnavailableError."""
     url = f"http://{host}:{port}{path}"
+    deadline = time.monotonic() + timeout_s
+    parts: list[bytes] = []
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            body: bytes = response.read()
+            while part := response.read1(_READ_BYTES):
+                parts.append(part)
+                if time.monotonic() > deadline:
+                    raise BackendUnavailableError(
+                        f"{url} of the Mooncake master did not answer whole within {timeout_s:g} s; "
+                        "give it longer with timeout=N in the mooncake:// URL"
+                    )
     except (urllib.error.URLError, OSError) as exc:
         raise BackendUnavailableError(
             f"cannot read {url} from the Mooncake master ({exc}); is mooncake_master running with "
             f"--metrics_port={port}? Give its port as metrics_port=N in the mooncake:// URL"
         ) from exc
-    return body.decode("utf-8", errors="replace")
+    return b"".join(parts).decode("utf-8", errors="replace")
+
+
+_READ_BYTES = 1 << 20  # the most one read of an answer takes
 
 
 def parse_keys(text: str) -> list[str]:

@@ -296,10 +296,14 @@ class MooncakeBackend:
 
     async def _fetch(self, path: str) -> str:
         host, port, timeout_s = self.config.master_host, self.config.metrics_port, self.config.timeout_s
-        with anyio.fail_after(timeout_s + 1.0):  # urllib's own timeout ends the thread
+        with anyio.move_on_after(2 * timeout_s + 1.0):  # (the thread ends by then: admin.fetch)
             return await anyio.to_thread.run_sync(
                 lambda: fetch(host, port, path, timeout_s), abandon_on_cancel=True
             )
+        raise BackendUnavailableError(
+            f"the Mooncake master at {host}:{port} did not answer {path} within {2 * timeout_s + 1.0:g} s; "
+            "give it longer with timeout=N in the mooncake:// URL"
+        )
 
     async def _key_call(
         self, op: str, keys: Sequence[str], call: Callable[[NativeStore, list[str]], list[int]]
