@@ -269,11 +269,6 @@ def _slot_key(model: str, meaning: str, slot: int) -> str:
     return f"{VERSION}@{quote(model, safe='')}@{meaning}@profiles@{slot}"
 
 
-def book_keys(model: str, meaning: str) -> list[str]:
-    """The keys of every slot of the profile book of ``model``'s KV of ``meaning``."""
-    return [_slot_key(model, meaning, slot) for slot in range(SLOTS)]
-
-
 def is_book_key(key: str) -> bool:
     """Whether ``key`` is an announcement of the profile book (not KV)."""
     fields = key.split("@")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import anyio
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -126,6 +127,20 @@ def test_a_batch_checks_its_columns() -> None:
         ObjectBatch(["a"], np.zeros((1, 2), dtype=np.int64), [1, -2], -1)
     with pytest.raises(ValueError, match=r"nbytes 4 is not the sum of the region sizes \[1, 2\]"):
         ObjectBatch(["a"], np.zeros((1, 2), dtype=np.int64), [1, 2], 4)
+
+
+def test_a_batch_refuses_a_sizes_array_that_disagrees_with_its_sizes() -> None:
+    """A batch of a checked one's shape may bring its region sizes as an array (kept, not checked
+    region by region again); one that disagrees with the sizes and the byte count is refused, so a
+    copy never goes by sizes the batch does not name (as one evolved from another would bring)."""
+    base = SOURCE.data_ptr()
+    batch = ObjectBatch(["k"], np.asarray([[base]], dtype=np.int64), [16], 16)
+    batch.sizes_array()  # made, and kept by what is made of it
+    with pytest.raises(ValueError, match="do not agree"):
+        attrs.evolve(batch, sizes=[8], nbytes=8)
+    with pytest.raises(ValueError, match="do not agree"):
+        ObjectBatch(["k"], batch.addrs, [16], 16, sizes_array=np.asarray([-8, 24], dtype=np.int64))
+    assert batch.with_rows(["j"], batch.addrs).sizes_array() is batch.sizes_array()
 
 
 def test_a_batch_is_compared_by_identity() -> None:

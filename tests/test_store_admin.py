@@ -187,6 +187,9 @@ def test_a_store_this_user_may_not_read_is_not_called_missing(
 def test_bad_targets_are_refused_with_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["store", "stats", f"local://{tmp_path}/nothing-here"]) == 1
     assert "no store at" in capsys.readouterr().err
+    (tmp_path / "a-file").write_bytes(b"")
+    assert main(["store", "stats", f"local://{tmp_path}/a-file"]) == 1  # (a traceback, for a while)
+    assert "no store at" in capsys.readouterr().err
     assert not (tmp_path / "nothing-here").exists()  # not created by looking
     assert main(["store", "stats", f"arena://{tmp_path}/nothing-here"]) == 1
     assert "no arena store at" in capsys.readouterr().err

@@ -123,7 +123,17 @@ class ObjectBatch(Sequence[ObjectRef]):
                 f"addresses of shape {self.addrs.shape} for {len(self.keys)} keys of "
                 f"{len(self.sizes)} regions"
             )
-        if self._sizes_array is not None:  # (a batch of a checked one's shape: :meth:`with_rows`)
+        given = self._sizes_array
+        if given is not None:  # (checked as the array, in microseconds: thousands of regions)
+            if (
+                given.shape != (len(self.sizes),)
+                or given.min(initial=0) < 0
+                or int(given.sum()) != self.nbytes
+            ):
+                raise ValueError(
+                    f"region sizes {given.tolist()[:8]}... do not agree with {len(self.sizes)} regions "
+                    f"of {self.nbytes} bytes"
+                )
             return
         if min(self.sizes, default=0) < 0:
             raise ValueError(f"region sizes must be >= 0, got {list(self.sizes)}")

@@ -2,7 +2,10 @@
 fresh, zeroed cache and verifies every retrieved block bit-exact.
 
 On a store that outlives the run (``local://``, ``mooncake://``) the demo first reports blocks it
-finds from an earlier run, and at the end removes the objects it stored itself unless ``keep``."""
+finds from an earlier run, and at the end removes the blocks it stored itself unless ``keep``. The
+announcement of how its engines split the KV (one object of the model's profile book,
+docs/topology.md) stays: other engines of the model may have found it or announced the same, and
+``kvflow store clear --model demo-llama`` removes it."""
 
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ from kvflow.events import make_event
 from kvflow.keys import hash_blocks
 from kvflow.layout import KVLayout
 from kvflow.pool import KVPool
-from kvflow.profiles import book_keys
 from kvflow.request import KVRequest
 from kvflow.tools.baselines import plain_and_streamed_gbps
 from kvflow.tools.workload import (
@@ -107,9 +109,9 @@ async def run_demo(
     """Store the workload from engine A, then retrieve and verify it in engine B.
 
     ``backend`` (optional) replaces the one ``backend_url`` names, e.g. to inject faults. Unless
-    ``keep``, the objects engine A stored are removed at the end. ``device``: where the KV caches
-    live (``cuda``, ``npu``); ``staged``: move blocks through host staging even for host caches
-    (how the device path runs on a CPU)."""
+    ``keep``, the blocks engine A stored are removed at the end (not its profile announcement).
+    ``device``: where the KV caches live (``cuda``, ``npu``); ``staged``: move blocks through host
+    staging even for host caches (how the device path runs on a CPU)."""
     check_device(device)  # before anything opens or runs
     g = geometry or Geometry()
     requests = chat_workload(g.block_size)
@@ -121,10 +123,7 @@ async def run_demo(
 
     # Engine A: computes each request's missing blocks and stores them.
     cache_a = make_kv_caches(g, max_blocks, device)
-    layout_a = KVLayout.from_kv_caches(cache_a)
-    pool_a = KVPool.create(config, layout=layout_a, backend=backend)
-    book = book_keys(config.model, layout_a.meaning(layout_a.heads))  # where pool A says how it splits the KV
-    book_before = await backend.exists(book)
+    pool_a = KVPool.create(config, layout=KVLayout.from_kv_caches(cache_a), backend=backend)
     summary.blocks_found = await _blocks_present(pool_a, requests, g.block_size)
     created: list[KVRequest] = []  # runs of blocks this run stored, to remove at the end
     for tokens in tqdm(requests, desc="store   ", unit="req", disable=not progress):
@@ -172,11 +171,6 @@ async def run_demo(
         if not keep:
             for run in created:
                 summary.blocks_removed += await pool_b.remove(run)
-            # and the announcement of the store's first engine of the model, if this run made it
-            made = [
-                key for key, was, now in zip(book, book_before, await backend.exists(book)) if now and not was
-            ]
-            await backend.remove(made)
     summary.evictions = backend.stats().evictions - evicted_before
     # the faster of memmove and the streamed copy: a get streams, as kvflow bench compares it
     nbytes = max(summary.retrieve_bytes, g.block_nbytes)

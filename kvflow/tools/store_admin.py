@@ -178,7 +178,7 @@ def _open_local(url: str) -> Any:
     for part in (LOCK_NAME, "objects"):
         try:
             os.lstat(os.path.join(config.path, part))
-        except FileNotFoundError:  # (opening a store makes one: this tool only looks at stores engines made)
+        except (FileNotFoundError, NotADirectoryError):  # (opening one makes it: this tool only looks)
             raise ConfigError(
                 f"there is no store at {config.path} (nothing to show or clear); check the URL"
             ) from None
@@ -189,6 +189,8 @@ def _open_local(url: str) -> Any:
                 f"the store at {config.path}{owner} may not be read by this user: run the command as "
                 "the engines' user, or open the store with ?group= so that its group may"
             ) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot look at a store at {config.path}: {exc}; check the URL") from None
     return LocalBackend(config)
 
 
