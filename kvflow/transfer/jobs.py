@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+import kvflow.transfer.direct as direct
 from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus, repeats_of
 from kvflow.device import Device
 from kvflow.events import DeviceEvent, poll_until
@@ -37,7 +38,6 @@ from kvflow.keys import KeyScope
 from kvflow.ownership import owned
 from kvflow.profiles import LOAD_READ_EVERY_S, Profile
 from kvflow.results import RetrieveResult, StoreResult
-from kvflow.transfer import direct
 from kvflow.transfer.core import Transfer, Unit
 from kvflow.transfer.direct import ObjectRegions
 from kvflow.transfer.plan import BlockPlan
