@@ -28,6 +28,7 @@ __all__ = [
     "SHORT_REGION_BYTES",
     "at",
     "check_object",
+    "checked_object",
     "copy_in_pieces",
     "copy_in_runs",
     "copy_run",
@@ -127,6 +128,17 @@ async def copy_in_pieces(
             into_regions=not into_buffer,
             stream=True,
         )
+
+
+def checked_object(objects: Sequence[ObjectRef], index: int) -> tuple[str, int]:
+    """The key and byte count of object ``index``, checked (:func:`check_object`) unless it is of
+    an :class:`~kvflow.backends.base.ObjectBatch`, checked when made (no :class:`ObjectRef` made of
+    it: an object of another layout may have thousands of regions)."""
+    if isinstance(objects, ObjectBatch):
+        return objects.keys[index], objects.nbytes
+    obj = objects[index]
+    check_object(obj)  # (as a run's copy checks each of its objects)
+    return obj.key, obj.nbytes
 
 
 def regions_of(

@@ -63,6 +63,7 @@ from kvflow.backends.copies import (
     SHORT_REGION_BYTES,
     at,
     check_object,
+    checked_object,
     copy_in_pieces,
     copy_in_runs,
     gather_objects,
@@ -467,7 +468,7 @@ class MemoryBackend:
     async def _put_one(self, batch: Sequence[ObjectRef], index: int, pacer: Pacer, *, call: int) -> PutStatus:
         """A put (of put ``call``) of object ``index`` of ``batch``, too large to copy whole:
         reserved, copied with checkpoints, published."""
-        key, nbytes = _checked(batch, index)
+        key, nbytes = checked_object(batch, index)
         objects = self._objects
         entry = self._room(key, nbytes, call)
         if isinstance(entry, PutStatus):
@@ -623,7 +624,7 @@ class MemoryBackend:
     async def _get_one(self, batch: Sequence[ObjectRef], index: int, pacer: Pacer) -> GetStatus:
         """A get of object ``index`` of ``batch``, too large to copy whole: its buffer pinned while
         copied with checkpoints."""
-        key, nbytes = _checked(batch, index)
+        key, nbytes = checked_object(batch, index)
         entry = self._found(key, nbytes)
         if isinstance(entry, GetStatus):
             return entry
@@ -641,17 +642,6 @@ class MemoryBackend:
 #: The results :meth:`MemoryBackend._newest_first` counts as a use (not a miss, nor a get of
 #: another size, nor a put that found no room).
 _USED = frozenset({PutStatus.STORED, PutStatus.PRESENT, GetStatus.HIT})
-
-
-def _checked(objects: Sequence[ObjectRef], index: int) -> tuple[str, int]:
-    """The key and byte count of object ``index``, checked (:func:`check_object`) unless it is of
-    an :class:`ObjectBatch`, checked when made (no :class:`ObjectRef` made of it: an object of
-    another layout may have thousands of regions)."""
-    if isinstance(objects, ObjectBatch):
-        return objects.keys[index], objects.nbytes
-    obj = objects[index]
-    check_object(obj)  # (as a run's copy checks each of its objects)
-    return obj.key, obj.nbytes
 
 
 def _whole_runs(objects: Sequence[ObjectRef]) -> TypeGuard[ObjectBatch]:

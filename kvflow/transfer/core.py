@@ -34,6 +34,7 @@ import anyio
 import attrs
 import torch
 
+import kvflow.transfer.direct as direct
 from kvflow.backends.base import Backend, GetStatus, ObjectRef, PutStatus, Touching, cancelled_as_fault
 from kvflow.config import PoolConfig
 from kvflow.device import Device
@@ -53,7 +54,7 @@ from kvflow.profiles import Profile, ProfileBook
 from kvflow.request import KVRequest
 from kvflow.transfer.batches import is_programming_error, run_batches
 from kvflow.transfer.budget import ByteBudget
-from kvflow.transfer.direct import ObjectRegions, object_regions
+from kvflow.transfer.direct import ObjectRegions
 from kvflow.transfer.objects import BlockObjects
 from kvflow.transfer.plan import BlockPlan, Hashing, request_hashes
 from kvflow.transfer.reshape import Source, needed_bytes, sources
@@ -104,7 +105,7 @@ class Transfer:
     calls_in_turn: bool = attrs.field(init=False)
     #: the shortest run the backend takes as a region of its own (its ``min_region_bytes``; None:
     #: kvflow's default, :func:`kvflow.transfer.direct.min_run_bytes`)
-    min_region_bytes: int | None = attrs.field(init=False)
+    _min_region_bytes: int | None = attrs.field(init=False)
     _touch: Callable[[Sequence[str]], Awaitable[None]] | None = attrs.field(init=False)  # Touching's
     _inflight: int = attrs.field(default=0, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -119,7 +120,7 @@ class Transfer:
         capable = capabilities.put_checks_present
         self.put_checks_present = capable and self.staging is None and not self.config.layerwise
         self.calls_in_turn = capabilities.calls_in_turn
-        self.min_region_bytes = capabilities.min_region_bytes
+        self._min_region_bytes = capabilities.min_region_bytes
         self._touch = self.backend.touch if isinstance(self.backend, Touching) else None
 
     @classmethod
@@ -302,14 +303,15 @@ class Transfer:
         return shape
 
     def object_regions(
-        self, profile: Profile, scope: KeyScope, layers: tuple[int, int], shortest: int
+        self, profile: Profile, scope: KeyScope, layers: tuple[int, int]
     ) -> ObjectRegions | None:
         """Where an object of ``profile``'s ``scope`` lands in a block of this rank's cache, for a
-        load of the model ``layers``, when it can go straight in with runs of at least
-        ``shortest`` bytes (:func:`kvflow.transfer.direct.object_regions`; made once each)."""
+        load of the model ``layers``, when it can go straight in with runs the backend takes
+        (:func:`kvflow.transfer.direct.object_regions`; made once each)."""
+        shortest = direct.min_run_bytes(self._min_region_bytes)
         key = (profile, scope, layers, shortest)
         if key not in self._regions:
-            self._regions[key] = object_regions(
+            self._regions[key] = direct.object_regions(
                 profile,
                 self.require_layout(),
                 scope,

@@ -26,6 +26,7 @@ elements and copied into the writer's, whose memory order is then the object's b
 from __future__ import annotations
 
 import functools
+import math
 
 import attrs
 import numpy as np
@@ -152,13 +153,13 @@ def _runs(
     element of the writer's has no place in the reader's layer (heads or columns it lacks)."""
     reader: list[torch.Tensor] = []
     for plane, (shape, order) in enumerate(zip(reader_shapes, reader_orders)):
-        size = _numel(shape)
+        size = math.prod(shape)
         positions = torch.arange(size, dtype=torch.int64) + (plane << _PLANE_SHIFT)
         reader.append(positions.as_strided((1, *shape), (size, *plane_strides(shape, order))))
     flat: list[torch.Tensor] = []
     writer: list[torch.Tensor] = []
     for shape, order in zip(shapes, orders):
-        size = _numel(shape)
+        size = math.prod(shape)
         flat.append(torch.full((size,), -1, dtype=torch.int64))
         writer.append(flat[-1].as_strided((1, *shape), (size, *plane_strides(shape, order))))
     for src in part_views(kind, writer):
@@ -187,10 +188,3 @@ def _runs(
     for array in (runs.planes, runs.offsets, runs.lengths):
         array.setflags(write=False)  # (kept by the cache: shared by every call)
     return runs
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    size = 1
-    for n in shape:
-        size *= n
-    return size

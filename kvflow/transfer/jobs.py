@@ -30,7 +30,6 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-import kvflow.transfer.direct as direct
 from kvflow.backends.base import GetStatus, ObjectBatch, ObjectRef, PutStatus, repeats_of
 from kvflow.device import Device
 from kvflow.events import DeviceEvent, poll_until
@@ -496,14 +495,13 @@ class LoadJob:
         """Where in a cache block each scope's objects go, when every object ``wanted`` can be
         written straight into the cache (:mod:`kvflow.transfer.direct`); else None."""
         transfer = self.transfer
-        shortest = direct.min_run_bytes(transfer.min_region_bytes)
         placed: dict[KeyScope, ObjectRegions] = {}
         for found in wanted.values():
             for source in found:
                 scope = source.scope
                 if scope in placed:
                     continue
-                regions = transfer.object_regions(profile, scope, layers, shortest)
+                regions = transfer.object_regions(profile, scope, layers)
                 if regions is None:
                     return None
                 placed[scope] = regions

@@ -60,7 +60,7 @@ from kvflow.backends.base import (
 from kvflow.backends.copies import (
     SHORT_REGION_BYTES,
     at,
-    check_object,
+    checked_object,
     copy_in_pieces,
     copy_in_runs,
     copy_run,
@@ -253,8 +253,7 @@ class ArenaBackend:
         while start < len(order):
             if sizes[start] > piece:
                 end = start + 1
-                if not isinstance(objects, ObjectBatch):  # (a batch was checked when made)
-                    check_object(objects[order[start]])  # (as a run's copy checks each of its objects)
+                checked_object(objects, order[start])
                 addrs, lengths = regions_of(objects, order[start])
                 await copy_in_pieces(slots[start], addrs, lengths, pacer, into_buffer=True, piece_bytes=piece)
             else:
